@@ -1,0 +1,18 @@
+"""Model helpers: reference models, generation unwrapping, DeepSpeed/FSDP preparation, activation offloading."""
+
+import sys
+from typing import TYPE_CHECKING
+
+from .._lazy_module import _LazyModule
+
+
+_import_structure = {
+    "activation_offloading": ["get_act_offloading_ctx_manager"],
+    "utils": ["create_reference_model", "prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation"],
+}
+
+if TYPE_CHECKING:
+    from .activation_offloading import get_act_offloading_ctx_manager
+    from .utils import create_reference_model, prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
+else:
+    sys.modules[__name__] = _LazyModule(__name__, globals()["__file__"], _import_structure, module_spec=__spec__)
