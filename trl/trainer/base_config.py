@@ -1,0 +1,117 @@
+"""The configuration base shared by every TRL trainer config."""
+
+import logging
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+
+logger = logging.getLogger(__name__)
+
+
+def _has_bf16_accelerator() -> bool:
+    """Whether an accelerator that can train in bfloat16 is present (CPU-only machines return False)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return True
+    try:
+        from transformers.utils import is_torch_npu_available
+
+        if is_torch_npu_available():
+            return True
+    except ImportError:
+        pass
+    return False
+
+
+def _has_any_accelerator() -> bool:
+    import torch
+
+    if torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        return True
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+@dataclass
+class _BaseConfig(TrainingArguments):
+    """Defaults shared by all TRL trainer configs, on top of [`~transformers.TrainingArguments`].
+
+    Compared with `TrainingArguments`, TRL logs more often (`logging_steps=10`), turns gradient checkpointing on
+    (`gradient_checkpointing=True`) and trains in bfloat16 unless fp16 is requested (`bf16=None`).
+
+    On a machine with no accelerator, `bf16=None` resolves to `False` (plain float32 on CPU) so that a run starts
+    without extra flags; the choice is logged. Pass `bf16=True` explicitly (with `use_cpu=True`) to force CPU autocast.
+
+    Args:
+        logging_steps (`float`, defaults to `10`):
+            Log every X update steps. An integer, or a float in `[0, 1)` taken as a ratio of the total steps.
+        gradient_checkpointing (`bool`, defaults to `True`):
+            Trade compute for memory by recomputing activations in the backward pass.
+        bf16 (`bool` or `None`, defaults to `None`):
+            Train in bfloat16 mixed precision. `None` means `not fp16` when a bf16-capable accelerator is present,
+            `False` otherwise.
+        lr_scheduler_kwargs (`dict`, `str` or `None`, defaults to `None`):
+            Extra arguments for the learning-rate scheduler (a dict, or a JSON string on the command line).
+        use_liger_kernel (`bool`, defaults to `False`):
+            Patch the model with Liger kernels (requires `liger-kernel`).
+        torch_empty_cache_steps (`int` or `None`, defaults to `None`):
+            Call `torch.*.empty_cache()` every this many steps to lower peak memory (slower).
+    """
+
+    logging_steps: float = field(
+        default=10,
+        metadata={
+            "help": "Log every X update steps: an integer, or a float in [0, 1) taken as a ratio of total steps."
+        },
+    )
+    gradient_checkpointing: bool = field(
+        default=True,
+        metadata={"help": "Recompute activations in the backward pass to save memory at the cost of compute."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Train in bfloat16 mixed precision. None means `not fp16` when a bf16-capable accelerator is "
+            "present, and False on a CPU-only machine."
+        },
+    )
+    lr_scheduler_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Extra arguments for the learning-rate scheduler (dict or JSON string)."},
+    )
+    use_liger_kernel: bool = field(
+        default=False,
+        metadata={
+            "help": "Patch the model with Liger kernels to lower memory and raise throughput (needs liger-kernel)."
+        },
+    )
+    torch_empty_cache_steps: int | None = field(
+        default=None,
+        metadata={"help": "Empty the accelerator cache every this many steps (lower peak memory, slower)."},
+    )
+
+    def __post_init__(self):
+        if self.dataloader_pin_memory and not _has_any_accelerator():
+            self.dataloader_pin_memory = False  # pinning only helps host-to-device copies; avoids a torch warning
+        if self.bf16 is None:
+            if self.fp16:
+                self.bf16 = False
+            elif getattr(self, "use_cpu", False) or not _has_bf16_accelerator():
+                self.bf16 = False
+                logger.info("bf16=None resolved to False: no bf16-capable accelerator found, training in float32.")
+            else:
+                self.bf16 = True
+        # transformers 5 renamed gradient_checkpointing to activation_checkpointing; TRL's documented name stays
+        # `gradient_checkpointing`, so map it here instead of letting every config emit a FutureWarning.
+        if getattr(self, "activation_checkpointing", False) is None and self.gradient_checkpointing is not None:
+            self.activation_checkpointing = self.gradient_checkpointing
+        if (
+            getattr(self, "activation_checkpointing_kwargs", False) is None
+            and self.gradient_checkpointing_kwargs is not None
+        ):
+            self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs
+        super().__post_init__()

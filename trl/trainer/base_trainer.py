@@ -1,0 +1,290 @@
+"""The trainer base shared by every TRL trainer.
+
+Mechanisms every trainer needs live here once: loading the model and processing class from a string, PEFT
+wrapping, metric accumulation and logging (averaged per logging interval, train and eval kept apart), the model card,
+and the default config when `args=None`. A trainer subclass adds only its data preparation and its loss.
+"""
+
+import logging
+import os
+import warnings
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers.utils import is_peft_available
+
+
+if is_peft_available():
+    from peft import PeftModel
+
+
+logger = logging.getLogger(__name__)
+
+
+class _BaseTrainer(Trainer):
+    """Private base class of all TRL trainers (a [`~transformers.Trainer`] subclass).
+
+    Class attributes a subclass sets:
+        _tag_names: Tags added to the model card and to the model's hub tags.
+        _name: Human-readable trainer name used in the model card ("SFT", "DPO", ...).
+        _paper: Optional dict with `title`, `id` (arXiv id) and `citation` (BibTeX) of the method's paper.
+        _template_file: Model card template under `trl/templates/`.
+    """
+
+    _tag_names: list[str] = []
+    _name: str = "Base"
+    _paper: dict[str, str] = {}
+    _template_file: str = "lm_model_card.md"
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Construction helpers (called by subclasses before `Trainer.__init__`)
+    # ------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _model_id(model: "str | PreTrainedModel | nn.Module") -> str:
+        """Identifier of a model given as a path/id or an instance (its `name_or_path`)."""
+        if isinstance(model, str):
+            return model
+        config = getattr(model, "config", None)
+        return getattr(config, "_name_or_path", None) or type(model).__name__
+
+    @classmethod
+    def _default_args(cls, config_class: type[TrainingArguments], model: Any, suffix: str) -> TrainingArguments:
+        """Config used when `args=None`: `output_dir` is `<model name>-<suffix>`."""
+        model_name = cls._model_id(model).rstrip("/").split("/")[-1]
+        return config_class(f"{model_name}-{suffix}")
+
+    @staticmethod
+    def _load_model(
+        model: "str | PreTrainedModel",
+        args: TrainingArguments,
+        architecture: Any = None,
+        quantization_config: Any = None,
+        **extra_init_kwargs: Any,
+    ) -> PreTrainedModel:
+        """Load `model` when it is a path or id, using `args.model_init_kwargs`; otherwise return it unchanged.
+
+        A model instance combined with `model_init_kwargs` or `quantization_config` keeps the instance as is and warns
+        that those options were ignored.
+        """
+        from .utils import create_model_from_path
+
+        init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+        if isinstance(model, str):
+            if quantization_config is not None:
+                if "quantization_config" in init_kwargs:
+                    raise ValueError(
+                        "quantization_config was given both to the trainer and in args.model_init_kwargs; pass it "
+                        "in one place only."
+                    )
+                init_kwargs["quantization_config"] = quantization_config
+            if getattr(args, "trust_remote_code", False):
+                init_kwargs.setdefault("trust_remote_code", True)
+            for key, value in extra_init_kwargs.items():
+                init_kwargs.setdefault(key, value)
+            return create_model_from_path(model, architecture=architecture, **init_kwargs)
+        if init_kwargs:
+            warnings.warn(
+                "args.model_init_kwargs is only used when `model` is a string (a path or hub id); the model you "
+                "passed is already instantiated, so these kwargs are ignored.",
+                UserWarning,
+                stacklevel=3,
+            )
+        if quantization_config is not None:
+            warnings.warn(
+                "quantization_config is only used when `model` is a string; the model you passed is already "
+                "instantiated, so it is ignored.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return model
+
+    @staticmethod
+    def _load_processing_class(
+        model_id: str, args: TrainingArguments, padding_side: str | None = None, tokenizer_only: bool = False
+    ):
+        """Load the processing class from the model's path/id and make sure it has a pad token.
+
+        Args:
+            model_id: Path or hub id of the model.
+            args: The trainer config (its `model_init_kwargs["revision"]` and `trust_remote_code` are honoured).
+            padding_side: Force this padding side when given (online trainers generate with left padding).
+            tokenizer_only: Load with `AutoTokenizer` instead of `AutoProcessor`.
+        """
+        from transformers import AutoProcessor, AutoTokenizer
+
+        init_kwargs = getattr(args, "model_init_kwargs", None) or {}
+        kwargs = {"trust_remote_code": getattr(args, "trust_remote_code", False)}
+        if init_kwargs.get("revision") is not None:
+            kwargs["revision"] = init_kwargs["revision"]
+        if padding_side is not None:
+            kwargs["padding_side"] = padding_side
+        loader = AutoTokenizer if tokenizer_only else AutoProcessor
+        try:
+            processing_class = loader.from_pretrained(model_id, **kwargs)
+        except Exception as error:
+            raise ValueError(
+                f"Could not load a processing class for {model_id!r} ({type(error).__name__}: {error}). Pass "
+                "`processing_class=` explicitly (for example AutoTokenizer.from_pretrained(<local dir>))."
+            ) from error
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        if getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if padding_side is not None and hasattr(tokenizer, "padding_side"):
+            tokenizer.padding_side = padding_side
+        return processing_class
+
+    @staticmethod
+    def _wrap_peft(model: PreTrainedModel, peft_config: Any, args: TrainingArguments) -> PreTrainedModel:
+        """Wrap `model` with PEFT adapters from `peft_config` (no-op when None). See `prepare_peft_model`."""
+        if peft_config is None:
+            return model
+        from .utils import prepare_peft_model
+
+        return prepare_peft_model(model, peft_config, args)
+
+    @staticmethod
+    def _is_peft_model(model: Any) -> bool:
+        return is_peft_available() and isinstance(model, PeftModel)
+
+    @staticmethod
+    def _check_train_dataset(train_dataset: Any, trainer_name: str) -> None:
+        if train_dataset is None:
+            raise ValueError(
+                f"{trainer_name} needs a `train_dataset`; got None. Pass a datasets.Dataset or IterableDataset."
+            )
+
+    @staticmethod
+    def _prepare_iterable_args(args: TrainingArguments, train_dataset: Any) -> None:
+        """Streaming datasets: batches cannot be dispatched from the main process, and a step count is required."""
+        from datasets import IterableDataset
+
+        if isinstance(train_dataset, IterableDataset):
+            if args.max_steps is None or args.max_steps <= 0:
+                raise ValueError(
+                    "A streaming (IterableDataset) train_dataset has no length, so the number of steps is unknown; "
+                    "set args.max_steps to a positive value."
+                )
+            if args.accelerator_config is not None:
+                args.accelerator_config.dispatch_batches = False
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Metrics: accumulated per mode, averaged at log time
+    # ------------------------------------------------------------------------------------------------------------
+    def _init_metrics(self) -> None:
+        self._metrics: dict[str, defaultdict[str, list[float]]] = {
+            "train": defaultdict(list),
+            "eval": defaultdict(list),
+        }
+
+    @property
+    def _mode(self) -> str:
+        return "train" if self.model.training else "eval"
+
+    def _record_metric(self, name: str, value: "torch.Tensor | float", mode: str | None = None) -> None:
+        """Store a scalar metric for the current logging interval (averaged across processes first)."""
+        mode = mode or self._mode
+        if torch.is_tensor(value):
+            value = value.detach().float().reshape(1).to(self.accelerator.device)
+            value = self.accelerator.gather(value).mean().item()
+        self._metrics[mode][name].append(float(value))
+
+    def _record_sum_metric(self, name: str, value: "torch.Tensor | float", mode: str | None = None) -> None:
+        """Store a metric summed across processes (counts such as `num_tokens`)."""
+        mode = mode or self._mode
+        if torch.is_tensor(value):
+            value = value.detach().float().reshape(1).to(self.accelerator.device)
+            value = self.accelerator.gather(value).sum().item()
+        self._metrics[mode][name].append(float(value))
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        if not hasattr(self, "_metrics"):
+            self._init_metrics()
+        metrics = {}
+        for key, values in self._metrics[mode].items():
+            finite = [v for v in values if v == v]  # drop NaN entries (e.g. metrics undefined for a batch)
+            metrics[key] = sum(finite) / len(finite) if finite else float("nan")
+        if mode == "eval":
+            metrics = {f"eval_{key}": value for key, value in metrics.items()}
+        logs = {**logs, **metrics}
+        super().log(logs, start_time)
+        self._metrics[mode].clear()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Loss normalisation shared by token-level losses
+    # ------------------------------------------------------------------------------------------------------------
+    def _scale_for_token_average(self, loss: torch.Tensor, num_items_in_batch: Any) -> torch.Tensor:
+        """Undo the across-device averaging of gradients when the loss was divided by a global token count.
+
+        `num_items_in_batch` is summed over all processes when `average_tokens_across_devices` is on, while DDP
+        averages gradients over processes, so the per-process loss must be multiplied by the process count.
+        """
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * self.accelerator.num_processes
+        return loss
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Files
+    # ------------------------------------------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial):
+        if self.args.hub_model_id is None:
+            model_name = os.path.basename(os.path.normpath(self.args.output_dir))
+        else:
+            model_name = self.args.hub_model_id.split("/")[-1]
+        self.create_model_card(model_name=model_name)
+        super()._save_checkpoint(model, trial)
+
+    def create_model_card(
+        self,
+        model_name: str | None = None,
+        dataset_name: str | None = None,
+        tags: str | list[str] | None = None,
+    ) -> None:
+        """Write a `README.md` model card to `args.output_dir` (main process only).
+
+        Args:
+            model_name: Name of the trained model.
+            dataset_name: Name of the dataset used for training.
+            tags: Extra tags for the card, on top of the trainer's own.
+        """
+        if not self.is_world_process_zero():
+            return
+        from .utils import generate_model_card, get_comet_experiment_url, get_trackio_space_url
+
+        config = getattr(self.model, "config", None)
+        base_model = getattr(config, "_name_or_path", None)
+        if base_model is not None and os.path.isdir(base_model):
+            base_model = None  # a local directory is not a hub link
+        tag_list: list[str] = [tags] if isinstance(tags, str) else list(tags or [])
+        tag_list = list(dict.fromkeys([*tag_list, "trl", *self._tag_names]))
+        wandb_url = None
+        try:
+            import wandb
+
+            if wandb.run is not None:
+                wandb_url = wandb.run.url
+        except ImportError:
+            pass
+        card = generate_model_card(
+            base_model=base_model,
+            model_name=model_name,
+            hub_model_id=self.hub_model_id if getattr(self, "hub_model_id", None) else model_name,
+            dataset_name=dataset_name,
+            tags=tag_list,
+            wandb_url=wandb_url,
+            trackio_url=get_trackio_space_url(),
+            comet_url=get_comet_experiment_url(),
+            trainer_name=self._name,
+            trainer_citation=self._paper.get("citation"),
+            template_file=os.path.join(os.path.dirname(os.path.dirname(__file__)), "templates", self._template_file),
+            paper_title=self._paper.get("title"),
+            paper_id=self._paper.get("id"),
+        )
+        card.save(os.path.join(self.args.output_dir, "README.md"))
+
+    def _add_model_tags(self, model: Any) -> None:
+        if hasattr(model, "add_model_tags"):
+            model.add_model_tags(self._tag_names)

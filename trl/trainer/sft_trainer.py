@@ -1,0 +1,901 @@
+"""Supervised fine-tuning (SFT) trainer."""
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+from transformers import (
+    BaseImageProcessor,
+    DataCollator,
+    FeatureExtractionMixin,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    ProcessorMixin,
+    TrainerCallback,
+    TrainingArguments,
+)
+from transformers.trainer_utils import EvalPrediction
+
+from ..data_utils import (
+    common_prefix_length,
+    get_dataset_column_names,
+    is_conversational,
+    is_conversational_from_value,
+    maybe_convert_to_chatml,
+    pack_dataset,
+)
+from .base_trainer import _BaseTrainer
+from .sft_config import SFTConfig
+from .utils import entropy_from_logits, pad
+
+
+logger = logging.getLogger(__name__)
+
+# Columns the collator understands; anything else is dropped after preparation.
+_TOKENIZED_COLUMNS = ("input_ids", "labels", "completion_mask", "assistant_masks", "seq_lengths")
+
+
+@dataclass
+class DataCollatorForLanguageModeling:
+    """Collate tokenized language-modeling examples into a padded or padding-free batch.
+
+    Each example is a dict with `input_ids` and optionally `labels` (with -100 on positions without loss; defaults to
+    a copy of `input_ids`) and `seq_lengths` (lengths of the sequences packed into the example).
+
+    Args:
+        pad_token_id (`int`):
+            Token used to pad `input_ids`.
+        padding_free (`bool`, defaults to `False`):
+            Concatenate the whole batch into a single row with `position_ids` that restart at each sequence, and no
+            attention mask: no compute is spent on padding, and attention never crosses a sequence boundary. The label
+            of the first token of every sequence is set to -100 so no sequence is trained to predict the next one.
+        return_position_ids (`bool`, defaults to `False`):
+            Also return `position_ids` for padded batches (restarting at each packed sequence when `seq_lengths` is
+            present).
+        pad_to_multiple_of (`int` or `None`, defaults to `None`):
+            Pad the sequence length to a multiple of this value.
+        return_tensors (`str`, defaults to `"pt"`):
+            Only `"pt"` is supported.
+    """
+
+    pad_token_id: int
+    padding_free: bool = False
+    return_position_ids: bool = False
+    pad_to_multiple_of: int | None = None
+    return_tensors: str = "pt"
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if self.return_tensors != "pt":
+            raise ValueError(f"Only return_tensors='pt' is supported; got {self.return_tensors!r}.")
+        input_ids = [torch.as_tensor(ex["input_ids"], dtype=torch.long) for ex in examples]
+        labels = [
+            torch.as_tensor(ex["labels"], dtype=torch.long) if ex.get("labels") is not None else ids.clone()
+            for ex, ids in zip(examples, input_ids)
+        ]
+        # Lengths of the individual sequences inside each example (packed examples hold several).
+        pieces = [
+            list(ex["seq_lengths"]) if ex.get("seq_lengths") is not None else [len(ids)]
+            for ex, ids in zip(examples, input_ids)
+        ]
+        position_ids = [_positions_from_lengths(lengths) for lengths in pieces]
+
+        if self.padding_free:
+            flat_ids = torch.cat(input_ids).unsqueeze(0)
+            flat_pos = torch.cat(position_ids).unsqueeze(0)
+            flat_labels = torch.cat(labels).unsqueeze(0).clone()
+            flat_labels[flat_pos == 0] = -100
+            if self.pad_to_multiple_of is not None:
+                length = flat_ids.shape[1]
+                target = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+                extra = target - length
+                if extra:
+                    flat_ids = F.pad(flat_ids, (0, extra), value=self.pad_token_id)
+                    flat_labels = F.pad(flat_labels, (0, extra), value=-100)
+                    # Padding forms its own trailing "sequence" so real tokens never attend to it.
+                    flat_pos = torch.cat([flat_pos, torch.arange(extra).unsqueeze(0)], dim=1)
+            return {"input_ids": flat_ids, "position_ids": flat_pos, "labels": flat_labels}
+
+        batch = {
+            "input_ids": pad(input_ids, self.pad_token_id, "right", self.pad_to_multiple_of),
+            "attention_mask": pad([torch.ones_like(ids) for ids in input_ids], 0, "right", self.pad_to_multiple_of),
+        }
+        padded_labels = pad(labels, -100, "right", self.pad_to_multiple_of)
+        if any(len(p) > 1 for p in pieces):
+            # Packed rows without padding-free: still never train a sequence to predict the next one.
+            padded_pos = pad(position_ids, 0, "right", self.pad_to_multiple_of)
+            starts = padded_pos == 0
+            starts[:, 0] = True
+            padded_labels = padded_labels.masked_fill(starts & batch["attention_mask"].bool(), -100)
+        batch["labels"] = padded_labels
+        if self.return_position_ids:
+            batch["position_ids"] = pad(position_ids, 0, "right", self.pad_to_multiple_of)
+        return batch
+
+
+def _positions_from_lengths(lengths: list[int]) -> torch.Tensor:
+    """Position ids restarting at 0 for each sequence length in `lengths`."""
+    return (
+        torch.cat([torch.arange(n, dtype=torch.long) for n in lengths])
+        if lengths
+        else torch.zeros(0, dtype=torch.long)
+    )
+
+
+def _find_training_template_path(processing_class: Any) -> str | None:
+    """Path of a bundled training template (with generation markers) for the processor's chat family, if any."""
+    try:
+        from ..chat_template_utils import get_training_chat_template
+    except ImportError:
+        return None
+    try:
+        template = get_training_chat_template(processing_class)
+    except ValueError:
+        return None
+    if template is None:
+        return None
+    folder = os.path.join(os.path.dirname(os.path.dirname(__file__)), "chat_templates")
+    for name in sorted(os.listdir(folder)):
+        if name.endswith("_training.jinja"):
+            with open(os.path.join(folder, name)) as f:
+                if f.read() == template:
+                    return os.path.join(folder, name)
+    return None
+
+
+class SFTTrainer(_BaseTrainer):
+    """Trainer for supervised fine-tuning of language models.
+
+    Example:
+
+    ```python
+    from trl import SFTConfig, SFTTrainer
+    from trl.assets import get_model_path, load_test_dataset
+
+    trainer = SFTTrainer(
+        model=get_model_path("tiny-Qwen2ForCausalLM"),
+        args=SFTConfig(output_dir="sft-out", max_steps=5),
+        train_dataset=load_test_dataset("standard_prompt_completion", split="train"),
+    )
+    trainer.train()
+    ```
+
+    Args:
+        model (`str`, `PreTrainedModel` or `PeftModel`):
+            Model to train: a path or hub id (loaded with `args.model_init_kwargs`; dtype float32 unless given) or an
+            instantiated causal language model.
+        args (`SFTConfig`, `TrainingArguments` or `None`, defaults to `None`):
+            Training configuration. `None` builds `SFTConfig(f"{model_name}-SFT")`; a plain `TrainingArguments` is
+            converted to `SFTConfig`.
+        data_collator (`DataCollator` or `None`, defaults to `None`):
+            Batch collator. Defaults to [`DataCollatorForLanguageModeling`]. Cannot be combined with padding-free.
+        train_dataset (`Dataset` or `IterableDataset`):
+            Language modeling (`text` / `messages`), prompt-completion (`prompt` + `completion`, standard or
+            conversational), ShareGPT `conversations`, or pre-tokenized (`input_ids`, optional `labels`) data.
+        eval_dataset (`Dataset`, `IterableDataset`, dict of them or `None`, defaults to `None`):
+            Evaluation data in the same formats.
+        processing_class (`PreTrainedTokenizerBase`, `ProcessorMixin` or `None`, defaults to `None`):
+            Tokenizer; loaded from the model's path when omitted (a missing pad token is set to the eos token).
+        compute_loss_func (`Callable` or `None`, defaults to `None`):
+            Custom loss `f(outputs, labels, num_items_in_batch=...)` replacing the built-in one.
+        compute_metrics (`Callable` or `None`, defaults to `None`):
+            Metric function for evaluation, as in `Trainer`.
+        callbacks (`list[TrainerCallback]` or `None`, defaults to `None`):
+            Extra callbacks.
+        optimizers (`tuple`, defaults to `(None, None)`):
+            Optimizer and scheduler to use instead of the defaults.
+        optimizer_cls_and_kwargs (`tuple` or `None`, defaults to `None`):
+            Optimizer class and its kwargs, created on the model's parameters.
+        preprocess_logits_for_metrics (`Callable` or `None`, defaults to `None`):
+            Transform logits before they are cached for `compute_metrics`.
+        quantization_config (`BitsAndBytesConfig` or `None`, defaults to `None`):
+            Quantization used when `model` is a string.
+        peft_config (`PeftConfig` or `None`, defaults to `None`):
+            Adapter configuration; the model is wrapped with `peft.get_peft_model`.
+        formatting_func (`Callable` or `None`, defaults to `None`):
+            `f(example) -> str` producing the text to train on (not with `completion_only_loss=True`).
+    """
+
+    _tag_names = ["trl", "sft"]
+    _name = "SFT"
+    _template_file = "lm_model_card.md"
+
+    def __init__(
+        self,
+        model: "str | PreTrainedModel | nn.Module",
+        args: SFTConfig | TrainingArguments | None = None,
+        data_collator: DataCollator | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | IterableDataset | dict[str, Dataset | IterableDataset] | None = None,
+        processing_class: PreTrainedTokenizerBase
+        | BaseImageProcessor
+        | FeatureExtractionMixin
+        | ProcessorMixin
+        | None = None,
+        compute_loss_func: Callable | None = None,
+        compute_metrics: Callable[[EvalPrediction], dict] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict[str, Any]] | None = None,
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        formatting_func: Callable[[dict], str] | None = None,
+    ):
+        # ---- Config --------------------------------------------------------------------------------------------
+        if args is None:
+            args = self._default_args(SFTConfig, model, "SFT")
+        elif isinstance(args, TrainingArguments) and not isinstance(args, SFTConfig):
+            args = _to_sft_config(args)
+        self._check_train_dataset(train_dataset, "SFTTrainer")
+        self._prepare_iterable_args(args, train_dataset)
+        if args.use_liger_kernel:
+            from ..import_utils import is_liger_kernel_available
+
+            if not is_liger_kernel_available():
+                raise ImportError(
+                    "use_liger_kernel=True needs liger-kernel (>= 0.8.2), which is not installed. Install it with "
+                    "`pip install trl[liger]`, or set use_liger_kernel=False."
+                )
+        if getattr(train_dataset, "_format_type", None) == "custom":
+            raise ValueError(
+                "SFTTrainer does not accept datasets with an on-the-fly transform (`Dataset.with_transform`); apply "
+                "the transformation with `Dataset.map` instead."
+            )
+
+        # ---- Model ---------------------------------------------------------------------------------------------
+        model_id = self._model_id(model)
+        model = self._load_model(model, args, quantization_config=quantization_config)
+        if self._is_peft_model(model) and peft_config is not None:
+            raise ValueError(
+                "You passed a PeftModel together with a peft_config. Pass either a base model with peft_config, or "
+                "the PeftModel alone."
+            )
+
+        # ---- Processing class ----------------------------------------------------------------------------------
+        if processing_class is None:
+            processing_class = self._load_processing_class(model_id, args)
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        if getattr(tokenizer, "pad_token", None) is None:
+            if getattr(tokenizer, "eos_token", None) is None:
+                raise ValueError(
+                    "The processing class has neither a pad_token nor an eos_token; set tokenizer.pad_token before "
+                    "creating the trainer."
+                )
+            tokenizer.pad_token = tokenizer.eos_token
+        if args.eos_token is not None:
+            eos_id = tokenizer.convert_tokens_to_ids(args.eos_token)
+            if eos_id is None or eos_id == tokenizer.unk_token_id:
+                raise ValueError(
+                    f"args.eos_token={args.eos_token!r} is not in the tokenizer's vocabulary. Use a token that "
+                    "exists (for example the chat template's end-of-turn token) or add it to the tokenizer first."
+                )
+            tokenizer.eos_token = args.eos_token
+            generation_config = getattr(model, "generation_config", None)
+            if generation_config is not None:
+                existing = generation_config.eos_token_id
+                existing = [] if existing is None else ([existing] if isinstance(existing, int) else list(existing))
+                if eos_id not in existing:
+                    generation_config.eos_token_id = [*existing, eos_id]
+
+        # ---- Chat template -------------------------------------------------------------------------------------
+        if args.chat_template_path is not None:
+            model, processing_class, added_tokens = self._apply_chat_template_path(
+                model, processing_class, args.chat_template_path
+            )
+            if added_tokens and peft_config is not None:
+                _make_added_tokens_trainable(peft_config, added_tokens)
+            tokenizer = getattr(processing_class, "tokenizer", processing_class)
+
+        # ---- MoE router loss -----------------------------------------------------------------------------------
+        self._aux_loss_enabled = False
+        self._aux_loss_coef = 0.0
+        model_config = getattr(model, "config", None)
+        if args.router_aux_loss_coef is not None or getattr(model_config, "output_router_logits", False):
+            is_moe = model_config is not None and hasattr(model_config, "router_aux_loss_coef")
+            if args.router_aux_loss_coef is not None and not is_moe:
+                raise ValueError(
+                    f"router_aux_loss_coef={args.router_aux_loss_coef} was set, but {type(model).__name__} has no "
+                    "mixture-of-experts router. Leave router_aux_loss_coef=None for dense models."
+                )
+            coef = (
+                args.router_aux_loss_coef
+                if args.router_aux_loss_coef is not None
+                else model_config.router_aux_loss_coef
+            )
+            if is_moe and coef:
+                self._aux_loss_enabled = True
+                self._aux_loss_coef = float(coef)
+                model_config.output_router_logits = True
+
+        # ---- PEFT ----------------------------------------------------------------------------------------------
+        model = self._wrap_peft(model, peft_config, args)
+
+        # ---- Collator ------------------------------------------------------------------------------------------
+        self.padding_free = args.padding_free or (args.packing and args.packing_strategy in ("bfd", "bfd_split"))
+        if self.padding_free and data_collator is not None:
+            raise ValueError(
+                "padding_free (also implied by packing with a bfd strategy) builds batches in its own layout and "
+                "cannot be combined with a custom data_collator. Remove the collator or set padding_free=False and "
+                "packing_strategy='wrapped'."
+            )
+        if self.padding_free and not args.padding_free:
+            logger.info("packing_strategy=%r implies padding_free=True.", args.packing_strategy)
+        if data_collator is None:
+            pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
+            data_collator = DataCollatorForLanguageModeling(
+                pad_token_id=pad_token_id,
+                padding_free=self.padding_free,
+                pad_to_multiple_of=args.pad_to_multiple_of,
+            )
+
+        # ---- Datasets ------------------------------------------------------------------------------------------
+        if formatting_func is not None and args.completion_only_loss:
+            raise ValueError(
+                "formatting_func turns each example into a single text, so there is no completion to restrict the "
+                "loss to; completion_only_loss=True cannot be combined with it. Drop one of the two."
+            )
+        skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset", False))
+        if not skip_prepare:
+            train_dataset = self._prepare_dataset(
+                train_dataset, processing_class, args, args.packing, formatting_func, "train"
+            )
+            if eval_dataset is not None:
+                eval_packing = args.packing if args.eval_packing is None else args.eval_packing
+                if isinstance(eval_dataset, dict):
+                    eval_dataset = {
+                        key: self._prepare_dataset(ds, processing_class, args, eval_packing, formatting_func, key)
+                        for key, ds in eval_dataset.items()
+                    }
+                else:
+                    eval_dataset = self._prepare_dataset(
+                        eval_dataset, processing_class, args, eval_packing, formatting_func, "eval"
+                    )
+
+        # ---- Trainer -------------------------------------------------------------------------------------------
+        self._init_metrics()
+        self._total_train_tokens = 0
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            compute_loss_func=compute_loss_func,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        # Our loss divides by the number of target tokens in the whole (accumulated, all-process) batch, so the
+        # Trainer must pass `num_items_in_batch` and must not rescale for gradient accumulation again.
+        self.model_accepts_loss_kwargs = True
+        self._loss_shifts_labels = not getattr(getattr(self.model, "config", None), "is_encoder_decoder", False)
+        self._forward_accepts_logits_to_keep = _accepts_argument(self.model, "logits_to_keep")
+
+        if args.activation_offloading:
+            from ..models.activation_offloading import get_act_offloading_ctx_manager
+
+            self.maybe_activation_offload_context = get_act_offloading_ctx_manager(self.model)
+        else:
+            self.maybe_activation_offload_context = contextlib.nullcontext()
+        self._add_model_tags(self.model)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Chat template
+    # ------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _apply_chat_template_path(model, processing_class, path: str):
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        if os.path.isfile(path) and path.endswith((".jinja", ".j2")):
+            with open(path) as f:
+                tokenizer.chat_template = f.read()
+            if tokenizer is not processing_class:
+                processing_class.chat_template = tokenizer.chat_template
+            return model, processing_class, []
+        if os.path.isfile(path):
+            raise ValueError(
+                f"chat_template_path={path!r} is a file but not a .jinja/.j2 template. Give a template file or a "
+                "tokenizer directory whose chat template should be copied."
+            )
+        from ..chat_template_utils import clone_chat_template
+
+        model, tokenizer, added_tokens = clone_chat_template(model, tokenizer, path)
+        return model, tokenizer, added_tokens
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Dataset preparation
+    # ------------------------------------------------------------------------------------------------------------
+    def _prepare_dataset(
+        self,
+        dataset: Dataset | IterableDataset,
+        processing_class: Any,
+        args: SFTConfig,
+        packing: bool,
+        formatting_func: Callable[[dict], str] | None,
+        dataset_name: str,
+    ) -> Dataset | IterableDataset:
+        if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
+            raise ValueError(
+                f"The {dataset_name} dataset is a DatasetDict with splits {list(dataset.keys())}; pass one split, for "
+                f"example dataset['train']."
+            )
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        is_iterable = isinstance(dataset, IterableDataset)
+        map_kwargs: dict[str, Any] = {}
+        if not is_iterable:
+            map_kwargs["num_proc"] = args.dataset_num_proc
+        first = next(iter(dataset), None)
+        if first is None:
+            raise ValueError(f"The {dataset_name} dataset is empty; SFTTrainer needs at least one example.")
+        columns = list(get_dataset_column_names(dataset) or first.keys())
+
+        # Already tokenized: trust the ids, but still build labels and truncate.
+        if "input_ids" in columns:
+            if formatting_func is not None:
+                logger.warning("formatting_func is ignored because the %s dataset is already tokenized.", dataset_name)
+            tokenized = dataset
+        else:
+            if formatting_func is not None:
+                dataset = dataset.map(
+                    lambda ex: {"text": formatting_func(ex)}, remove_columns=columns, **_desc(map_kwargs, "Formatting")
+                )
+                columns = ["text"]
+                first = next(iter(dataset))
+            if is_conversational_from_value(first):
+                dataset = dataset.map(
+                    maybe_convert_to_chatml,
+                    remove_columns=["conversations"],
+                    **_desc(map_kwargs, "Converting to ChatML"),
+                )
+                columns = [c if c != "conversations" else "messages" for c in columns]
+                first = next(iter(dataset))
+            data_format = self._detect_sft_format(columns, args, dataset_name)
+            conversational = is_conversational(first)
+            if conversational and getattr(tokenizer, "chat_template", None) is None:
+                raise ValueError(
+                    f"The {dataset_name} dataset is conversational but the tokenizer "
+                    f"({type(tokenizer).__name__}, {getattr(tokenizer, 'name_or_path', '')!r}) has no chat template. "
+                    "Set one with SFTConfig(chat_template_path=...) (a .jinja file or a tokenizer directory), or "
+                    "assign tokenizer.chat_template before creating the trainer."
+                )
+            if args.assistant_only_loss:
+                if not conversational:
+                    raise ValueError(
+                        "assistant_only_loss=True needs conversational data (a `messages` column or conversational "
+                        f"prompt/completion); the {dataset_name} dataset is in standard (plain text) format."
+                    )
+                self._check_generation_markers(processing_class)
+            if args.completion_only_loss and data_format != "prompt_completion":
+                raise ValueError(
+                    "completion_only_loss=True needs prompt-completion data (`prompt` and `completion` columns); "
+                    f"the {dataset_name} dataset has columns {columns}, which is language-modeling data. Set "
+                    "completion_only_loss=None/False or provide prompt and completion columns."
+                )
+            eos_token = tokenizer.eos_token
+            text_field = args.dataset_text_field
+            tokenize = _Tokenizer(
+                processing_class=processing_class,
+                data_format=data_format,
+                conversational=conversational,
+                text_field=text_field,
+                eos_token=eos_token,
+                assistant_only_loss=args.assistant_only_loss,
+            )
+            keep = [c for c in columns if c in _TOKENIZED_COLUMNS]
+            tokenized = dataset.map(
+                tokenize,
+                remove_columns=[c for c in columns if c not in keep],
+                **_desc(map_kwargs, f"Tokenizing {dataset_name} dataset"),
+            )
+
+        # Labels: -100 where no loss is wanted.
+        completion_only = args.completion_only_loss
+        if completion_only is None:
+            completion_only = True  # only has an effect when a completion_mask exists (prompt-completion data)
+        build_labels = _LabelBuilder(completion_only=completion_only, assistant_only=args.assistant_only_loss)
+        tokenized = tokenized.map(build_labels, **_desc(map_kwargs, "Building labels"))
+
+        # Truncate (packing handles length itself) and drop rows left without any trainable token.
+        max_length = args.max_length
+        if not is_iterable:
+            lengths = tokenized["input_ids"]
+            n_before = len(tokenized)
+            if max_length is not None and not packing:
+                n_long = sum(len(ids) > max_length for ids in lengths)
+                if n_long:
+                    logger.warning(
+                        "Truncating %d of %d %s examples longer than max_length=%d (truncation_mode=%r).",
+                        n_long,
+                        n_before,
+                        dataset_name,
+                        max_length,
+                        args.truncation_mode,
+                    )
+            truncate = _Truncator(max_length if not packing else None, args.truncation_mode)
+            tokenized = tokenized.map(truncate, **_desc(map_kwargs, "Truncating"))
+            keep_mask = [any(label != -100 for label in labels[1:]) for labels in tokenized["labels"]]
+            n_empty = keep_mask.count(False)
+            if n_empty == n_before:
+                shortest_prompt = _shortest_prompt(tokenized)
+                detail = (
+                    f" The shortest prompt is {shortest_prompt} tokens long." if shortest_prompt is not None else ""
+                )
+                raise ValueError(
+                    f"After preparation no {dataset_name} example has a token to train on (all labels are -100)."
+                    f"{detail} With max_length={max_length} every completion was cut away or masked: raise "
+                    "max_length, shorten the prompts, or check completion_only_loss/assistant_only_loss."
+                )
+            if n_empty:
+                logger.warning(
+                    "Dropping %d of %d %s examples that have no token to train on after truncation/masking.",
+                    n_empty,
+                    n_before,
+                    dataset_name,
+                )
+                tokenized = tokenized.select([i for i, keep in enumerate(keep_mask) if keep])
+        else:
+            truncate = _Truncator(max_length if not packing else None, args.truncation_mode)
+            tokenized = tokenized.map(truncate)
+
+        # Only the columns the collator uses survive (packing needs equal-length list columns).
+        column_names = get_dataset_column_names(tokenized)
+        extra = [c for c in column_names if c not in ("input_ids", "labels", "seq_lengths")]
+        if extra:
+            tokenized = tokenized.remove_columns(extra)
+
+        if packing:
+            if max_length is None:
+                raise ValueError("packing=True needs max_length (the length of each packed row); got None.")
+            if "seq_lengths" in get_dataset_column_names(tokenized):
+                tokenized = tokenized.remove_columns("seq_lengths")
+            tokenized = pack_dataset(tokenized, max_length, args.packing_strategy, map_kwargs or None)
+            if args.packing_strategy == "wrapped":
+                logger.info("Packed %s dataset with the 'wrapped' strategy (sequences may cross rows).", dataset_name)
+
+        if not is_iterable and len(tokenized) == 0:
+            raise ValueError(f"The {dataset_name} dataset is empty after preparation.")
+        if args.shuffle_dataset and dataset_name == "train":
+            tokenized = tokenized.shuffle(seed=args.seed)
+        return tokenized
+
+    @staticmethod
+    def _detect_sft_format(columns: list[str], args: SFTConfig, dataset_name: str) -> str:
+        if "messages" in columns:
+            return "messages"
+        if "prompt" in columns and "completion" in columns:
+            return "prompt_completion"
+        if args.dataset_text_field in columns:
+            return "text"
+        raise ValueError(
+            f"Could not find training data in the {dataset_name} dataset: it has columns {columns}. SFTTrainer expects "
+            f"one of: a text column named {args.dataset_text_field!r} (set another with dataset_text_field=...), a "
+            "conversational 'messages' column, 'prompt' + 'completion' columns, ShareGPT 'conversations', or "
+            "pre-tokenized 'input_ids'. Rename your column (dataset.rename_column(old, new)) or pass a "
+            "formatting_func."
+        )
+
+    @staticmethod
+    def _check_generation_markers(processing_class: Any) -> None:
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        template = getattr(processing_class, "chat_template", None) or getattr(tokenizer, "chat_template", None)
+        from ..chat_template_utils import has_generation_markers
+
+        if template is not None and has_generation_markers(template):
+            return
+        suggestion = _find_training_template_path(processing_class)
+        hint = (
+            f" A training variant of this template ships with TRL: set chat_template_path={suggestion!r}."
+            if suggestion
+            else " Provide a template with those markers through chat_template_path (see "
+            "trl.chat_template_utils.get_training_chat_template)."
+        )
+        raise ValueError(
+            "assistant_only_loss=True needs a chat template that marks assistant turns with "
+            "{% generation %} ... {% endgeneration %}, and the current template has no such markers." + hint
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Training
+    # ------------------------------------------------------------------------------------------------------------
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = ["input_ids", "labels", "attention_mask", "position_ids", "seq_lengths"]
+
+    def training_step(self, *args, **kwargs):
+        with self.maybe_activation_offload_context:
+            return super().training_step(*args, **kwargs)
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        mode = "train" if self.model.training else "eval"
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        if self.compute_loss_func is not None:
+            outputs = model(**inputs, use_cache=False)
+            loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
+            self._log_token_metrics(mode, inputs, None, None)
+            return (loss, outputs) if return_outputs else loss
+
+        # Position t predicts token t + 1; only positions with a real target go through the output projection.
+        shift_labels = labels[:, 1:]
+        target_mask = shift_labels != -100
+        forward_kwargs = dict(inputs)
+        forward_kwargs["use_cache"] = False
+        if self._forward_accepts_logits_to_keep and not return_outputs:
+            positions = target_mask.any(dim=0).nonzero().squeeze(-1)
+            forward_kwargs["logits_to_keep"] = positions
+            outputs = model(**forward_kwargs)
+            logits = outputs.logits
+            targets = shift_labels[:, positions]
+        else:
+            outputs = model(**forward_kwargs)
+            logits = outputs.logits[:, :-1]
+            targets = shift_labels
+        valid = targets != -100
+        token_logits = logits[valid]
+        token_targets = targets[valid]
+
+        per_token_nll = F.cross_entropy(token_logits.float(), token_targets, reduction="none")
+        if self.args.loss_type == "dft":
+            # Dynamic Fine-Tuning: weight each token's loss by its (detached) probability.
+            per_token_loss = per_token_nll * torch.exp(-per_token_nll).detach()
+        else:
+            per_token_loss = per_token_nll
+        loss_sum = per_token_loss.sum()
+        if num_items_in_batch is not None:
+            loss = loss_sum / num_items_in_batch
+            loss = self._scale_for_token_average(loss, num_items_in_batch)
+        else:
+            loss = loss_sum / valid.sum().clamp(min=1)
+
+        if self._aux_loss_enabled and getattr(outputs, "aux_loss", None) is not None:
+            loss = loss + self._aux_loss_coef * outputs.aux_loss
+            self._record_metric("aux_loss", outputs.aux_loss, mode)
+
+        with torch.no_grad():
+            self._log_token_metrics(mode, inputs, token_logits, token_targets)
+        return (loss, outputs) if return_outputs else loss
+
+    def _log_token_metrics(
+        self,
+        mode: str,
+        inputs: dict[str, Any],
+        token_logits: torch.Tensor | None,
+        token_targets: torch.Tensor | None,
+    ) -> None:
+        if "attention_mask" in inputs:
+            num_tokens = inputs["attention_mask"].sum()
+        else:
+            num_tokens = torch.tensor(inputs["input_ids"].numel(), device=inputs["input_ids"].device)
+        num_tokens = self.accelerator.gather(num_tokens.reshape(1)).sum().item()
+        if mode == "train":
+            self._total_train_tokens += num_tokens
+            self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]
+        if token_logits is None or token_logits.numel() == 0:
+            return
+        entropy_sum = entropy_from_logits(token_logits.float()).sum()
+        correct = (token_logits.argmax(dim=-1) == token_targets).sum()
+        count = torch.tensor(token_targets.numel(), device=token_logits.device)
+        stats = self.accelerator.gather(
+            torch.stack([entropy_sum.float(), correct.float(), count.float()]).reshape(1, 3)
+        )
+        stats = stats.reshape(-1, 3).sum(dim=0)
+        total = stats[2].clamp(min=1)
+        self._metrics[mode]["entropy"].append((stats[0] / total).item())
+        self._metrics[mode]["mean_token_accuracy"].append((stats[1] / total).item())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Picklable dataset-map functions (so `dataset_num_proc` works)
+# ----------------------------------------------------------------------------------------------------------------
+def _desc(map_kwargs: dict[str, Any], text: str) -> dict[str, Any]:
+    return {**map_kwargs, "desc": text} if "num_proc" in map_kwargs else dict(map_kwargs)
+
+
+def _parse_tools(tools: Any) -> Any:
+    if isinstance(tools, str):
+        try:
+            return json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"The `tools` column must hold a list of JSON schemas or a JSON string; got {tools!r}."
+            ) from error
+    return tools
+
+
+class _Tokenizer:
+    """Turns one raw example into `input_ids` (+ `completion_mask` / `assistant_masks`)."""
+
+    def __init__(self, processing_class, data_format, conversational, text_field, eos_token, assistant_only_loss):
+        self.processing_class = processing_class
+        self.tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        self.data_format = data_format
+        self.conversational = conversational
+        self.text_field = text_field
+        self.eos_token = eos_token
+        self.assistant_only_loss = assistant_only_loss
+
+    def _chat(self, messages, example, **kwargs) -> dict[str, list[int]]:
+        tools = _parse_tools(example.get("tools"))
+        template_kwargs = dict(example.get("chat_template_kwargs") or {})
+        try:
+            out = self.processing_class.apply_chat_template(
+                messages, tools=tools, tokenize=True, return_dict=True, **kwargs, **template_kwargs
+            )
+        except Exception as error:  # surface template errors with the offending example
+            raise ValueError(
+                f"Applying the chat template failed on the example {str(messages)[:300]}: {error}"
+            ) from error
+        return {key: _as_list(value) for key, value in out.items()}
+
+    def _check_roles(self, messages) -> None:
+        allowed = {"system", "user", "assistant", "tool", "developer", "ipython", "function"}
+        for message in messages:
+            role = message.get("role") if isinstance(message, dict) else None
+            if role not in allowed:
+                raise ValueError(
+                    f"Found a message with role {role!r}; expected one of {sorted(allowed)}. Fix the dataset's "
+                    "messages (ShareGPT data with 'from'/'value' keys is converted automatically)."
+                )
+
+    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
+        if self.data_format == "prompt_completion":
+            prompt, completion = example["prompt"], example["completion"]
+            if self.conversational:
+                self._check_roles(prompt)
+                self._check_roles(completion)
+                last_role = prompt[-1]["role"] if prompt else "user"
+                prompt_kwargs = (
+                    {"continue_final_message": True} if last_role == "assistant" else {"add_generation_prompt": True}
+                )
+                prompt_ids = self._chat(prompt, example, **prompt_kwargs)["input_ids"]
+                full = self._chat(prompt + completion, example, return_assistant_tokens_mask=self.assistant_only_loss)
+            else:
+                if not isinstance(prompt, str) or not isinstance(completion, str):
+                    raise ValueError(
+                        "Standard prompt-completion data needs string `prompt` and `completion` values; got "
+                        f"{type(prompt).__name__} and {type(completion).__name__}."
+                    )
+                if self.eos_token and not completion.endswith(self.eos_token):
+                    completion = completion + self.eos_token
+                prompt_ids = _as_list(self.tokenizer(prompt)["input_ids"])
+                full = {"input_ids": _as_list(self.tokenizer(prompt + completion)["input_ids"])}
+            input_ids = full["input_ids"]
+            split = common_prefix_length(prompt_ids, input_ids)
+            if split != len(prompt_ids):
+                logger.debug("Prompt tokens changed when the completion was appended; splitting at the common prefix.")
+            output = {"input_ids": input_ids, "completion_mask": [0] * split + [1] * (len(input_ids) - split)}
+            if "assistant_masks" in full:
+                output["assistant_masks"] = full["assistant_masks"]
+            return output
+
+        if self.data_format == "messages":
+            messages = example["messages"]
+            self._check_roles(messages)
+            out = self._chat(messages, example, return_assistant_tokens_mask=self.assistant_only_loss)
+            output = {"input_ids": out["input_ids"]}
+            if self.assistant_only_loss:
+                output["assistant_masks"] = out["assistant_masks"]
+            return output
+
+        text = example[self.text_field]
+        if not isinstance(text, str):
+            raise ValueError(
+                f"Column {self.text_field!r} must hold strings; found {type(text).__name__}. Point dataset_text_field "
+                "at a text column or pass a formatting_func."
+            )
+        if self.eos_token and not text.endswith(self.eos_token):
+            text = text + self.eos_token
+        return {"input_ids": _as_list(self.tokenizer(text)["input_ids"])}
+
+
+class _LabelBuilder:
+    def __init__(self, completion_only: bool, assistant_only: bool):
+        self.completion_only = completion_only
+        self.assistant_only = assistant_only
+
+    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
+        labels = list(example["labels"]) if example.get("labels") is not None else list(example["input_ids"])
+        if self.completion_only and example.get("completion_mask") is not None:
+            labels = [label if keep else -100 for label, keep in zip(labels, example["completion_mask"])]
+        if self.assistant_only:
+            masks = example.get("assistant_masks")
+            if masks is None:
+                raise ValueError("assistant_only_loss=True but the example has no assistant mask.")
+            if not any(masks):
+                raise ValueError(
+                    "The chat template produced an empty assistant mask for an example; its {% generation %} "
+                    "markers do not surround the assistant turns. Use a training template (see "
+                    "get_training_chat_template)."
+                )
+            labels = [label if keep else -100 for label, keep in zip(labels, masks)]
+        return {"labels": labels}
+
+
+class _Truncator:
+    def __init__(self, max_length: int | None, mode: str):
+        self.max_length = max_length
+        self.mode = mode
+
+    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
+        if self.max_length is None or len(example["input_ids"]) <= self.max_length:
+            return {}
+        out = {}
+        for key in ("input_ids", "labels", "completion_mask", "assistant_masks"):
+            if example.get(key) is not None:
+                values = example[key]
+                out[key] = values[: self.max_length] if self.mode == "keep_start" else values[-self.max_length :]
+        return out
+
+
+def _shortest_prompt(dataset: Dataset) -> int | None:
+    if "completion_mask" not in dataset.column_names:
+        return None
+    return min((mask.count(0) if isinstance(mask, list) else 0) for mask in dataset["completion_mask"])
+
+
+def _as_list(value: Any) -> Any:
+    if torch.is_tensor(value):
+        value = value.tolist()
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
+        return value[0]
+    return value
+
+
+def _accepts_argument(model: nn.Module, name: str) -> bool:
+    import inspect
+
+    target = model
+    for attr in ("base_model", "model"):
+        # PeftModel.forward takes **kwargs and forwards them to the wrapped model.
+        if hasattr(target, "peft_config") and hasattr(target, attr):
+            target = getattr(target, attr)
+    target = getattr(target, "module", target)
+    try:
+        return name in inspect.signature(target.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _to_sft_config(args: TrainingArguments) -> SFTConfig:
+    """Convert plain `TrainingArguments` to `SFTConfig`, keeping every value the user set (tokens included)."""
+    values = {}
+    for f in dataclasses.fields(args):
+        if f.init and not f.name.startswith("_"):
+            values[f.name] = getattr(args, f.name)
+    values.pop("gradient_checkpointing", None) if values.get("activation_checkpointing") is not None else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return SFTConfig(**values)
+
+
+def _make_added_tokens_trainable(peft_config: Any, added_tokens: list[int]) -> None:
+    """With PEFT, new tokens from a cloned chat template need trainable embeddings and output rows."""
+    if hasattr(peft_config, "trainable_token_indices"):
+        indices = peft_config.trainable_token_indices or {}
+        if isinstance(indices, list):
+            indices = {"embed_tokens": indices}
+        existing = list(indices.get("embed_tokens", []))
+        indices["embed_tokens"] = sorted(set(existing) | set(added_tokens))
+        peft_config.trainable_token_indices = indices
+    modules = list(getattr(peft_config, "modules_to_save", None) or [])
+    if "lm_head" not in modules:
+        modules.append("lm_head")
+    peft_config.modules_to_save = modules
