@@ -1,0 +1,909 @@
+"""Trainer callbacks shared by the TRL trainers.
+
+All of them are `transformers.TrainerCallback` subclasses and work with a plain `transformers.Trainer` too:
+
+- `BEMACallback`: keeps a bias-corrected exponential moving average (BEMA) of the weights in a shadow model.
+- `SyncRefModelCallback`: softly pulls a reference model towards the policy every few steps (TR-DPO).
+- `LogCompletionsCallback`: generates completions for evaluation prompts and logs them to W&B / Comet.
+- `RichProgressCallback`: rich progress bars and a live table of the latest metrics instead of tqdm.
+- `WeaveCallback`: logs evaluation-time completions (and optional scores) to W&B Weave.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from torch import nn
+from transformers import (
+    GenerationConfig,
+    PreTrainedModel,
+    Trainer,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
+from transformers.trainer_callback import CallbackHandler, ProgressCallback
+from transformers.utils import logging
+
+from ..import_utils import is_comet_available, is_rich_available, is_wandb_available, is_weave_available
+
+
+logger = logging.get_logger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _unwrap_training_model(model: nn.Module) -> nn.Module:
+    """Peel DeepSpeed (`.module`), FSDP (`._fsdp_wrapped_module`) and DDP (`.module`) wrappers off a model."""
+    while True:
+        if hasattr(model, "_fsdp_wrapped_module"):
+            model = model._fsdp_wrapped_module
+        elif isinstance(model, nn.Module) and isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+        else:
+            return model
+
+
+def _is_deepspeed_zero3_enabled() -> bool:
+    """Whether the current run shards parameters with DeepSpeed ZeRO stage 3."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        return True
+    # Runs launched through `accelerate` carry the stage on the accelerator state instead.
+    from accelerate.state import AcceleratorState
+
+    if not AcceleratorState._shared_state:
+        return False
+    plugin = AcceleratorState().deepspeed_plugin
+    return plugin is not None and plugin.zero_stage == 3
+
+
+def _select_eval_prompts(trainer: Trainer, num_prompts: int | None, callback_name: str):
+    """Validate the trainer's evaluation dataset and keep its first `num_prompts` rows."""
+    eval_dataset = getattr(trainer, "eval_dataset", None)
+    if eval_dataset is None:
+        raise ValueError(
+            f"{callback_name} generates completions for the evaluation prompts, but the trainer has no "
+            "`eval_dataset`. Pass `eval_dataset=...` to the trainer."
+        )
+    if isinstance(eval_dataset, dict):
+        raise ValueError(
+            f"{callback_name} needs a single evaluation dataset, but the trainer's `eval_dataset` is a dict with keys "
+            f"{list(eval_dataset)}. Pass one dataset as `eval_dataset`."
+        )
+    column_names = getattr(eval_dataset, "column_names", None)
+    if column_names is not None and "prompt" not in column_names:
+        raise ValueError(
+            f"{callback_name} reads prompts from the `prompt` column of the evaluation dataset, but its columns are "
+            f"{column_names}. Use a prompt-only or prompt-completion dataset."
+        )
+    if num_prompts is not None:
+        if num_prompts < 1:
+            raise ValueError(f"`num_prompts` must be a positive integer or None, got {num_prompts}.")
+        eval_dataset = eval_dataset.select(range(min(num_prompts, len(eval_dataset))))
+    return eval_dataset
+
+
+def _generate_completions(
+    trainer: Trainer, prompts: list, generation_config: GenerationConfig | None, batch_size: int
+) -> tuple[list[str], list[str]]:
+    """Generate one completion per prompt with the trainer's model.
+
+    Prompts are split across processes, rendered with the chat template when conversational, generated in batches
+    of `batch_size` and gathered back, so every process returns the full `(prompt_texts, completions)` lists.
+    """
+    # Imported here: these modules are shared foundation helpers and pull in optional integrations.
+    from ..data_utils import is_conversational, maybe_apply_chat_template
+    from ..models.utils import unwrap_model_for_generation
+
+    accelerator = trainer.accelerator
+    processing_class = trainer.processing_class
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    model = getattr(trainer, "model_wrapped", None) or trainer.model
+
+    # Decoder-only generation needs the padding on the left so that every completion starts right after its prompt.
+    original_padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    try:
+        with accelerator.split_between_processes(list(prompts)) as local_prompts:
+            texts, add_special_tokens = [], True
+            for prompt in local_prompts:
+                example = {"prompt": prompt}
+                if is_conversational(example):
+                    # The chat template already holds the special tokens (BOS included).
+                    add_special_tokens = False
+                texts.append(maybe_apply_chat_template(example, processing_class)["prompt"])
+
+            with unwrap_model_for_generation(model, accelerator) as unwrapped_model:
+                # Generate without dropout, then give the training loop back the mode it had.
+                was_training = unwrapped_model.training
+                unwrapped_model.eval()
+                try:
+                    completions = _generate_batches(
+                        unwrapped_model,
+                        tokenizer,
+                        texts,
+                        batch_size,
+                        add_special_tokens,
+                        generation_config,
+                        accelerator.device,
+                    )
+                finally:
+                    unwrapped_model.train(was_training)
+    finally:
+        tokenizer.padding_side = original_padding_side
+
+    return gather_object(texts), gather_object(completions)
+
+
+def _generate_batches(
+    model: nn.Module,
+    tokenizer: Any,
+    texts: list[str],
+    batch_size: int,
+    add_special_tokens: bool,
+    generation_config: GenerationConfig | None,
+    device: torch.device,
+) -> list[str]:
+    """Generate from `texts` in batches of `batch_size` and decode only the new tokens."""
+    completions = []
+    for start in range(0, len(texts), batch_size):
+        batch = texts[start : start + batch_size]
+        inputs = tokenizer(batch, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
+        with torch.no_grad():
+            generated = model.generate(**inputs, generation_config=generation_config)
+        prompt_length = inputs["input_ids"].shape[1]
+        completions.extend(tokenizer.batch_decode(generated[:, prompt_length:], skip_special_tokens=True))
+    return completions
+
+
+def _log_table_to_comet_experiment(name: str, table: Any) -> None:
+    """Log a pandas DataFrame as a CSV table to the running Comet experiment, if there is one."""
+    if not is_comet_available():
+        raise ModuleNotFoundError(
+            "`comet_ml` is in `report_to` but not installed. Install it with `pip install comet_ml`."
+        )
+    import comet_ml
+
+    experiment = comet_ml.get_running_experiment()
+    if experiment is not None:
+        experiment.log_table(tabular_data=table, filename=name)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# BEMA
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class BEMACallback(TrainerCallback):
+    r"""Bias-corrected exponential moving average (BEMA) of the model weights, kept in a shadow model.
+
+    BEMA ([Block & Zhang, 2025](https://huggingface.co/papers/2508.00180)) reduces the lag of a plain EMA by adding
+    back a decaying multiple of the distance travelled since a snapshot \\(\theta_0\\):
+
+    $$\theta'_t = \alpha_t (\theta_t - \theta_0) + \text{EMA}_t, \qquad
+      \text{EMA}_t = (1 - \beta_t)\,\text{EMA}_{t-1} + \beta_t\,\theta_t,$$
+
+    with \\(\alpha_t = (\rho + \gamma t)^{-\eta}\\) and \\(\beta_t = \max((\rho + \gamma t)^{-\kappa}, \beta_{\min})\\),
+    where \\(t\\) is the trainer's global step. The snapshot \\(\theta_0\\) and the EMA are taken when training
+    starts and taken again at step `update_after`; the shadow model is refreshed every `update_freq` steps after
+    that. Only trainable parameters are averaged. At the end of training the shadow model is saved to
+    `{output_dir}/bema`, from where `from_pretrained` reloads it.
+
+    Args:
+        update_freq (`int`, *optional*, defaults to `400`):
+            Refresh the BEMA weights every this many steps (\\(\phi\\) in the paper).
+        ema_power (`float`, *optional*, defaults to `0.5`):
+            Exponent \\(\kappa\\) of the EMA factor \\(\beta_t\\). With `0.0`, \\(\beta_t = 1\\) and the EMA simply
+            follows the current weights (no averaging).
+        bias_power (`float`, *optional*, defaults to `0.2`):
+            Exponent \\(\eta\\) of the correction factor \\(\alpha_t\\). With `0.0`, \\(\alpha_t = 1\\) at every step;
+            large values make \\(\alpha_t\\) vanish, which leaves a plain EMA.
+        lag (`int`, *optional*, defaults to `10`):
+            Offset \\(\rho\\) of the schedule, a virtual starting age that smooths the first updates.
+        update_after (`int`, *optional*, defaults to `0`):
+            Burn-in steps \\(\tau\\): nothing is updated before this step, and \\(\theta_0\\) is taken at it.
+        multiplier (`float`, *optional*, defaults to `1.0`):
+            Factor \\(\gamma\\) applied to the step count inside the schedule.
+        min_ema_multiplier (`float`, *optional*, defaults to `0.0`):
+            Floor of the EMA factor \\(\beta_t\\).
+        device (`str`, *optional*, defaults to `"cpu"`):
+            Device holding \\(\theta_0\\), the EMA and the shadow model. Keep it different from the training device
+            to avoid running out of accelerator memory.
+
+    Example:
+
+    ```python
+    from trl import BEMACallback
+
+    trainer = Trainer(..., callbacks=[BEMACallback(update_freq=100)])
+    trainer.train()  # the averaged model is in f"{trainer.args.output_dir}/bema"
+    ```
+    """
+
+    def __init__(
+        self,
+        update_freq: int = 400,
+        ema_power: float = 0.5,
+        bias_power: float = 0.2,
+        lag: int = 10,
+        update_after: int = 0,
+        multiplier: float = 1.0,
+        min_ema_multiplier: float = 0.0,
+        device: str = "cpu",
+    ):
+        if update_freq < 1:
+            raise ValueError(f"`update_freq` must be a positive number of steps, got {update_freq}.")
+        if update_after < 0:
+            raise ValueError(f"`update_after` must be a non-negative number of steps, got {update_after}.")
+        self.update_freq = update_freq
+        self.ema_power = ema_power
+        self.bias_power = bias_power
+        self.lag = lag
+        self.update_after = update_after
+        self.multiplier = multiplier
+        self.min_ema_multiplier = min_ema_multiplier
+        self.device = device
+
+        self.param_names: list[str] = []
+        self.thetat_params: list[torch.Tensor] = []  # live training parameters
+        self.theta0_params: list[torch.Tensor] = []  # snapshot θ0, on `device`
+        self.ema_params: list[torch.Tensor] = []  # EMA buffers, on `device`
+        self.running_model: PreTrainedModel | None = None
+        self._running_params: list[torch.Tensor] = []
+
+    def _ema_beta(self, step: int) -> float:
+        return max((self.lag + self.multiplier * step) ** (-self.ema_power), self.min_ema_multiplier)
+
+    def _bema_alpha(self, step: int) -> float:
+        return (self.lag + self.multiplier * step) ** (-self.bias_power)
+
+    @torch.no_grad()
+    def _take_snapshot(self) -> None:
+        """Reset θ0 and the EMA to the current training weights."""
+        for theta0, ema, thetat in zip(self.theta0_params, self.ema_params, self.thetat_params):
+            theta0.copy_(thetat.detach())
+            ema.copy_(thetat.detach())
+
+    @torch.no_grad()
+    def _update_bema_weights(self, step: int) -> None:
+        beta = self._ema_beta(step)
+        alpha = self._bema_alpha(step)
+        for thetat, theta0, ema, running in zip(
+            self.thetat_params, self.theta0_params, self.ema_params, self._running_params
+        ):
+            current = thetat.detach().to(self.device, dtype=ema.dtype)
+            ema.mul_(1.0 - beta).add_(current, alpha=beta)
+            running.copy_(ema + alpha * (current - theta0))
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: PreTrainedModel | None = None,
+        **kwargs,
+    ):
+        if model is None:
+            raise ValueError("BEMACallback needs the model being trained, but the callback received `model=None`.")
+        model = _unwrap_training_model(model)
+
+        self.running_model = type(model)(model.config).to(self.device)
+        self.running_model.load_state_dict(model.state_dict())
+        running_params = dict(self.running_model.named_parameters())
+
+        self.param_names, self.thetat_params, self.theta0_params, self.ema_params = [], [], [], []
+        self._running_params = []
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            snapshot = param.detach().to(self.device, copy=True)
+            self.param_names.append(name)
+            self.thetat_params.append(param)
+            self.theta0_params.append(snapshot)
+            self.ema_params.append(snapshot.clone())
+            self._running_params.append(running_params[name])
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        step = state.global_step
+        if step < self.update_after:
+            return
+        if step == self.update_after:
+            self._take_snapshot()
+            return
+        if (step - self.update_after) % self.update_freq == 0:
+            self._update_bema_weights(step)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if state.is_world_process_zero and self.running_model is not None:
+            self.running_model.save_pretrained(os.path.join(args.output_dir, "bema"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reference-model synchronisation
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class SyncRefModelCallback(TrainerCallback):
+    r"""Pull a reference model towards the trained model every few steps (TR-DPO style soft update).
+
+    At every step where `global_step % args.ref_model_sync_steps == 0`, each reference parameter becomes
+    \\(\alpha \cdot \theta_{\text{policy}} + (1 - \alpha) \cdot \theta_{\text{ref}}\\) with
+    \\(\alpha\\) = `args.ref_model_mixup_alpha`. Frequency and \\(\alpha\\) are read from the training arguments when
+    the step ends, not fixed at construction. Under DeepSpeed ZeRO-3 the sharded parameters of both models are
+    gathered first and rank 0 applies the update.
+
+    Args:
+        ref_model (`PreTrainedModel` or `torch.nn.Module`):
+            Reference model updated in place.
+        accelerator (`Accelerator` or `None`):
+            Accelerator used to unwrap the trained model before reading its weights; `None` without Accelerate.
+
+    Example:
+
+    ```python
+    from trl import SyncRefModelCallback
+
+    trainer.add_callback(SyncRefModelCallback(ref_model=ref_model, accelerator=trainer.accelerator))
+    ```
+    """
+
+    def __init__(self, ref_model: PreTrainedModel | nn.Module, accelerator: Accelerator | None):
+        self.accelerator = accelerator
+        self.ref_model = ref_model
+
+    @staticmethod
+    @torch.no_grad()
+    def _sync_target_model(model: nn.Module, target_model: nn.Module, alpha: float) -> None:
+        params = list(model.parameters())
+        target_params = list(target_model.parameters())
+        if len(params) != len(target_params):
+            raise ValueError(
+                f"Cannot sync the reference model: it has {len(target_params)} parameter tensors while the trained "
+                f"model has {len(params)}. Both models must share the same architecture."
+            )
+        for target_param, param in zip(target_params, params):
+            target_param.data.mul_(1.0 - alpha).add_(
+                param.data.to(target_param.device, target_param.dtype), alpha=alpha
+            )
+
+    @staticmethod
+    def sync_target_model(model: nn.Module, target_model: nn.Module, alpha: float) -> None:
+        """Update `target_model` in place to `(1 - alpha) * target_model + alpha * model`, parameter by parameter.
+
+        Args:
+            model (`torch.nn.Module`):
+                Model whose weights are blended in.
+            target_model (`torch.nn.Module`):
+                Model updated in place.
+            alpha (`float`):
+                Weight of `model` in the blend.
+        """
+        if _is_deepspeed_zero3_enabled():
+            import deepspeed
+
+            gathered = list(model.parameters()) + list(target_model.parameters())
+            with deepspeed.zero.GatheredParameters(gathered, modifier_rank=0):
+                # Only the modifier rank writes; DeepSpeed scatters its result when the context exits.
+                if deepspeed.comm.get_rank() == 0:
+                    SyncRefModelCallback._sync_target_model(model, target_model, alpha)
+        else:
+            SyncRefModelCallback._sync_target_model(model, target_model, alpha)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        model = kwargs["model"]
+        if self.ref_model is not None and state.global_step % args.ref_model_sync_steps == 0:
+            if self.accelerator is not None:
+                model = self.accelerator.unwrap_model(model)
+            self.sync_target_model(model, self.ref_model, args.ref_model_mixup_alpha)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Completion logging
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class LogCompletionsCallback(TrainerCallback):
+    r"""Generate completions for evaluation prompts every few steps and log them as a table to W&B and/or Comet.
+
+    The table is cumulative, with one row per (step, prompt): columns `step`, `prompt`, `completion`. It is logged
+    under the key `completions` to Weights & Biases when `"wandb"` is in `report_to`, and as `completions.csv` to
+    Comet when `"comet_ml"` is. Prompts come from the `prompt` column of `trainer.eval_dataset`; conversational
+    prompts are rendered with the chat template first.
+
+    Args:
+        trainer (`Trainer`):
+            Trainer whose model, processing class, accelerator and evaluation dataset are used.
+        generation_config (`GenerationConfig`, *optional*):
+            Generation settings; `None` uses the model's own generation config.
+        num_prompts (`int`, *optional*):
+            Use only the first `num_prompts` evaluation prompts; `None` uses them all.
+        freq (`int`, *optional*):
+            Log every this many steps; `None` uses the trainer's evaluation interval (`eval_steps`).
+
+    Example:
+
+    ```python
+    from transformers import GenerationConfig
+    from trl import LogCompletionsCallback
+
+    callback = LogCompletionsCallback(trainer, GenerationConfig(max_new_tokens=32), num_prompts=8, freq=50)
+    trainer.add_callback(callback)
+    ```
+    """
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        generation_config: GenerationConfig | None = None,
+        num_prompts: int | None = None,
+        freq: int | None = None,
+    ):
+        self.trainer = trainer
+        self.generation_config = generation_config
+        self.freq = freq
+        self.table: list[list] = []
+        self._last_logged_step = -1
+        self.eval_dataset = _select_eval_prompts(trainer, num_prompts, type(self).__name__)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        # Several events may end on the same step (e.g. when resuming): log once.
+        if state.global_step == self._last_logged_step:
+            return
+        freq = self.freq or state.eval_steps
+        if not freq or state.global_step % freq != 0:
+            return
+
+        prompts, completions = _generate_completions(
+            self.trainer, self.eval_dataset["prompt"], self.generation_config, args.per_device_eval_batch_size
+        )
+
+        if self.trainer.accelerator.is_main_process:
+            self.table.extend(
+                [state.global_step, prompt, completion] for prompt, completion in zip(prompts, completions)
+            )
+            import pandas as pd
+
+            table = pd.DataFrame(self.table, columns=["step", "prompt", "completion"])
+            report_to = args.report_to or []
+            if "wandb" in report_to:
+                import wandb
+
+                if wandb.run is not None:
+                    wandb.log({"completions": wandb.Table(dataframe=table)})
+            if "comet_ml" in report_to:
+                _log_table_to_comet_experiment("completions.csv", table)
+
+        self._last_logged_step = state.global_step
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Rich progress display
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _format_metric(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, (int, float)):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def _group_metrics(logs: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Split `logs` by the part of each key before its first `/`; keys without `/` go to the `""` group."""
+    groups: dict[str, dict[str, Any]] = {}
+    for key, value in logs.items():
+        group, sep, name = key.partition("/")
+        if not sep:
+            group, name = "", key
+        groups.setdefault(group, {})[name] = value
+    return groups
+
+
+class RichProgressCallback(TrainerCallback):
+    """Show training/evaluation progress with [rich](https://github.com/Textualize/rich) instead of tqdm.
+
+    On the main process, a live panel shows a training bar (up to `max_steps`), an evaluation bar while evaluation
+    runs, and the latest logged metrics, one table per prefix (`train/...`, `eval/...`, `rewards/...`; keys without
+    a prefix form their own table), under the title `Step N`. When the console is not a terminal (logs redirected to
+    a file, CI), nothing is redrawn: each logged set of metrics is printed once as static tables and a summary line
+    closes training.
+
+    Adding this callback to a trainer removes the trainer's default tqdm progress callback, so progress is not
+    shown twice. Output goes to `self.console`, a `rich.console.Console` created when training starts unless one was
+    assigned before.
+
+    Example:
+
+    ```python
+    from trl import RichProgressCallback
+
+    trainer = Trainer(..., callbacks=[RichProgressCallback()])
+    ```
+    """
+
+    def __init__(self):
+        if not is_rich_available():
+            raise ImportError("RichProgressCallback requires the `rich` package. Install it with `pip install rich`.")
+        self.console = None
+        self.training_bar = None
+        self.prediction_bar = None
+        self.training_task_id = None
+        self.prediction_task_id = None
+        self.rich_group = None
+        self.rich_live = None
+        self.training_status = None
+        self.metrics_view = None
+        self.current_step = None
+
+    # -- replacing the default progress bar -----------------------------------------------------------------------
+
+    def _calling_handler(self) -> CallbackHandler | None:
+        """The `CallbackHandler` currently dispatching an event to this callback, found on the call stack."""
+        frame = inspect.currentframe()
+        try:
+            for _ in range(8):
+                frame = frame.f_back if frame is not None else None
+                if frame is None:
+                    return None
+                owner = frame.f_locals.get("self")
+                if isinstance(owner, CallbackHandler) and any(cb is self for cb in owner.callbacks):
+                    return owner
+            return None
+        finally:
+            del frame
+
+    def _remove_default_progress_callbacks(self) -> None:
+        """Drop tqdm/notebook progress callbacks from the handler that calls us; they would duplicate our display."""
+        from transformers.utils.notebook import NotebookProgressCallback
+
+        handler = self._calling_handler()
+        if handler is None:
+            return
+        callbacks = handler.callbacks
+        position = next(i for i, cb in enumerate(callbacks) if cb is self)
+        duplicates = [cb for cb in callbacks if isinstance(cb, (ProgressCallback, NotebookProgressCallback))]
+        if not duplicates:
+            return
+        for cb in duplicates:
+            # A bar that already started (its callback ran before us for this event) must be closed.
+            bar = getattr(cb, "training_bar", None)
+            if bar is not None and hasattr(bar, "close"):
+                bar.close()
+                cb.training_bar = None
+        if all(callbacks.index(cb) > position for cb in duplicates):
+            # The handler is iterating over this very list: removing items after us in place keeps it consistent
+            # and stops them from receiving the current event.
+            for cb in duplicates:
+                callbacks.remove(cb)
+        else:
+            # Removing an item before us would shift the list under the running loop: swap in a new list instead.
+            handler.callbacks = [cb for cb in callbacks if cb not in duplicates]
+
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        self._remove_default_progress_callbacks()
+
+    # -- display ----------------------------------------------------------------------------------------------------
+
+    @property
+    def _is_live(self) -> bool:
+        return self.rich_live is not None
+
+    def _render_metrics(self, step: int, logs: dict[str, Any]):
+        from rich.console import Group
+        from rich.panel import Panel
+        from rich.table import Table
+
+        tables = []
+        for group, metrics in _group_metrics(logs).items():
+            table = Table(title=group or None, show_header=True, header_style="bold", title_style="bold cyan")
+            table.add_column("metric")
+            table.add_column("value", justify="right")
+            for name, value in metrics.items():
+                table.add_row(name, _format_metric(value))
+            tables.append(table)
+        return Panel(Group(*tables), title=f"Step {step}", expand=False)
+
+    def _refresh(self) -> None:
+        from rich.console import Group
+        from rich.panel import Panel
+
+        if self.rich_live is None:
+            return
+        parts = [Panel(Group(self.training_bar, self.prediction_bar, self.training_status), title="Training")]
+        if self.metrics_view is not None:
+            parts.append(self.metrics_view)
+        self.rich_group = Group(*parts)
+        self.rich_live.update(self.rich_group, refresh=True)
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        self._remove_default_progress_callbacks()
+        if not state.is_world_process_zero:
+            return
+        from rich.console import Console
+        from rich.live import Live
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+        from rich.text import Text
+
+        if self.console is None:
+            self.console = Console()
+        self.current_step = 0
+        self.metrics_view = None
+        if not self.console.is_terminal:
+            # No cursor control: print static output only (see on_log / on_train_end).
+            return
+
+        columns = (
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+        )
+        self.training_bar = Progress(*columns, console=self.console)
+        self.prediction_bar = Progress(*columns, console=self.console)
+        self.training_status = Text("")
+        self.training_task_id = self.training_bar.add_task("[blue]Training", total=state.max_steps)
+        self.rich_live = Live(console=self.console, refresh_per_second=4, transient=False)
+        self._refresh()
+        self.rich_live.start()
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if not state.is_world_process_zero or self.current_step is None:
+            return
+        if self._is_live:
+            self.training_bar.update(self.training_task_id, advance=state.global_step - self.current_step)
+        self.current_step = state.global_step
+
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, eval_dataloader=None, **kwargs
+    ):
+        if not state.is_world_process_zero or not self._is_live:
+            return
+        if self.prediction_task_id is None:
+            try:
+                total = len(eval_dataloader)
+            except TypeError:
+                total = None
+            self.prediction_task_id = self.prediction_bar.add_task("[cyan]Evaluating", total=total)
+        self.prediction_bar.advance(self.prediction_task_id, 1)
+
+    def _end_prediction(self, state: TrainerState) -> None:
+        if state.is_world_process_zero and self._is_live and self.prediction_task_id is not None:
+            self.prediction_bar.remove_task(self.prediction_task_id)
+            self.prediction_task_id = None
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        self._end_prediction(state)
+
+    def on_predict(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        self._end_prediction(state)
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        if self.console is None:
+            # Logged outside training (e.g. `trainer.evaluate()` alone): print statically.
+            from rich.console import Console
+
+            self.console = Console()
+        logs = {key: value for key, value in logs.items() if key != "total_flos"}
+        self.metrics_view = self._render_metrics(state.global_step, logs)
+        if self._is_live:
+            self.training_status.plain = f"step {state.global_step}/{state.max_steps}"
+            self._refresh()
+        else:
+            self.console.print(self.metrics_view)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        if self._is_live:
+            self._refresh()
+            self.rich_live.stop()
+        elif self.console is not None and self.current_step is not None:
+            self.console.print(f"Training finished at step {state.global_step}/{state.max_steps}.")
+        self.training_bar = None
+        self.prediction_bar = None
+        self.training_task_id = None
+        self.prediction_task_id = None
+        self.rich_group = None
+        self.rich_live = None
+        self.training_status = None
+        self.current_step = None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Weave
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class WeaveCallback(TrainerCallback):
+    r"""Log evaluation-time completions to [W&B Weave](https://weave-docs.wandb.ai/), optionally scored.
+
+    At each evaluation the callback generates a completion for every evaluation prompt (as `LogCompletionsCallback`
+    does) and records them with a `weave.EvaluationLogger` whose attributes carry the training step, the model name
+    and the generation config.
+
+    - Tracing mode (`scorers=None`): predictions (prompt in, completion out) are logged for inspection.
+    - Evaluation mode (`scorers` given): every scorer is called as `scorer(prompt, completion)` for each prediction
+      and its score logged with it; a summary holds `total_predictions`, `successful_predictions` and
+      `avg_<scorer>` for each scorer.
+
+    Weave is initialised when training starts (or at the first evaluation): an existing Weave client is reused, else
+    `project_name` is used, else the `entity/project` of the active wandb run; with none of these a `ValueError` is
+    raised. When `weave` is not installed, a warning is emitted and nothing is logged.
+
+    Args:
+        trainer (`Trainer`):
+            Trainer whose model, processing class, accelerator and evaluation dataset are used.
+        project_name (`str`, *optional*):
+            Weave project to log to when no Weave client is active yet.
+        scorers (`dict[str, Callable]`, *optional*):
+            Scorer name → function `scorer(prompt: str, completion: str) -> float | int`. Enables evaluation mode.
+        generation_config (`GenerationConfig`, *optional*):
+            Generation settings; `None` uses the model's own generation config.
+        num_prompts (`int`, *optional*):
+            Use only the first `num_prompts` evaluation prompts; `None` uses them all.
+        dataset_name (`str`, *optional*, defaults to `"eval_dataset"`):
+            Dataset label in the Weave evaluation.
+        model_name (`str`, *optional*):
+            Model label in the Weave evaluation; defaults to `model.config._name_or_path`, or `"unknown_model"`.
+
+    Example:
+
+    ```python
+    from trl import WeaveCallback
+
+    def is_short(prompt, completion):
+        return float(len(completion) < 200)
+
+    trainer.add_callback(WeaveCallback(trainer, project_name="my-team/my-project", scorers={"short": is_short}))
+    ```
+    """
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        project_name: str | None = None,
+        scorers: dict[str, Callable] | None = None,
+        generation_config: GenerationConfig | None = None,
+        num_prompts: int | None = None,
+        dataset_name: str = "eval_dataset",
+        model_name: str | None = None,
+    ):
+        self.trainer = trainer
+        self.project_name = project_name
+        self.scorers = scorers or {}
+        self.generation_config = generation_config
+        self.dataset_name = dataset_name
+        self.model_name = model_name
+        self._last_logged_step = -1
+        self._weave_client = None
+        self._initialized = False
+        self.eval_dataset = _select_eval_prompts(trainer, num_prompts, type(self).__name__)
+        for name, scorer in self.scorers.items():
+            if not callable(scorer):
+                raise ValueError(f"Scorer {name!r} must be a callable `scorer(prompt, completion)`, got {scorer!r}.")
+
+    @property
+    def is_evaluation_mode(self) -> bool:
+        """Whether scorers were given, i.e. predictions are scored and summarised."""
+        return bool(self.scorers)
+
+    def _initialize_weave(self) -> None:
+        self._initialized = True
+        if not is_weave_available():
+            logger.warning(
+                "WeaveCallback: the `weave` package is not installed, so nothing will be logged to Weave. "
+                "Install it with `pip install weave`."
+            )
+            return
+        import weave
+
+        client = weave.get_client()
+        if client is None:
+            if self.project_name is not None:
+                client = weave.init(self.project_name)
+            else:
+                run = None
+                if is_wandb_available():
+                    import wandb
+
+                    run = wandb.run
+                if run is None:
+                    raise ValueError(
+                        "WeaveCallback found no Weave project: there is no active Weave client, `project_name` is "
+                        "None and no wandb run is active. Pass `project_name=...`, call `weave.init(...)` before "
+                        "training, or add 'wandb' to `report_to`."
+                    )
+                client = weave.init(f"{run.entity}/{run.project}")
+        self._weave_client = client
+
+    def _resolved_model_name(self) -> str:
+        if self.model_name is not None:
+            return self.model_name
+        config = getattr(self.trainer.model, "config", None)
+        return getattr(config, "_name_or_path", None) or "unknown_model"
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if not self._initialized and self.trainer.accelerator.is_main_process:
+            self._initialize_weave()
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if state.global_step == self._last_logged_step:
+            return
+        accelerator = self.trainer.accelerator
+        if not self._initialized and accelerator.is_main_process:
+            self._initialize_weave()
+        if not is_weave_available():
+            # Nothing could be logged: skip generation (the check agrees on every process, unlike the client).
+            self._last_logged_step = state.global_step
+            return
+
+        prompts, completions = _generate_completions(
+            self.trainer, self.eval_dataset["prompt"], self.generation_config, args.per_device_eval_batch_size
+        )
+        self._last_logged_step = state.global_step
+        if not accelerator.is_main_process or self._weave_client is None:
+            return
+
+        import weave
+
+        model_name = self._resolved_model_name()
+        generation_config = self.generation_config.to_dict() if self.generation_config is not None else None
+        evaluation = weave.EvaluationLogger(
+            model=model_name,
+            dataset=self.dataset_name,
+            eval_attributes={
+                "training_step": state.global_step,
+                "model_name": model_name,
+                "generation_config": generation_config,
+            },
+        )
+
+        totals = dict.fromkeys(self.scorers, 0.0)
+        counts = dict.fromkeys(self.scorers, 0)
+        successful = 0
+        for prompt, completion in zip(prompts, completions):
+            prediction = evaluation.log_prediction(inputs={"prompt": prompt}, output=completion)
+            all_scored = True
+            for name, scorer in self.scorers.items():
+                try:
+                    score = scorer(prompt, completion)
+                except Exception as error:  # a failing user scorer must not stop training
+                    logger.warning(f"WeaveCallback: scorer {name!r} failed on a prediction: {error}")
+                    all_scored = False
+                    continue
+                prediction.log_score(name, score)
+                totals[name] += float(score)
+                counts[name] += 1
+            prediction.finish()
+            successful += int(all_scored)
+
+        if self.is_evaluation_mode:
+            summary = {"total_predictions": len(prompts), "successful_predictions": successful}
+            for name in self.scorers:
+                summary[f"avg_{name}"] = totals[name] / counts[name] if counts[name] else None
+            evaluation.log_summary(summary)
+        else:
+            evaluation.finish()
