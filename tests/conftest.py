@@ -1,0 +1,40 @@
+"""Shared pytest fixtures and environment for the test suite.
+
+The environment variables below keep every test offline and quiet; they are set at import time so that they are in
+place before any test module imports transformers or datasets.
+"""
+
+import os
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+import pytest  # noqa: E402
+
+from trl.assets import get_model_path, get_tokenizer_path  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    """Locally built Qwen2.5-style (ChatML) tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(get_tokenizer_path("qwen2_5"))
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer():
+    """Locally built Llama-3-style tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(get_tokenizer_path("llama3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_path() -> str:
+    """Directory of the tiny random-weight Qwen2 causal LM (model and tokenizer files)."""
+    return get_model_path("tiny-Qwen2ForCausalLM")
