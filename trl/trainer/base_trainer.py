@@ -5,6 +5,7 @@ wrapping, metric accumulation and logging (averaged per logging interval, train 
 and the default config when `args=None`. A trainer subclass adds only its data preparation and its loss.
 """
 
+import contextlib
 import logging
 import os
 import warnings
@@ -169,6 +170,112 @@ class _BaseTrainer(Trainer):
                 )
             if args.accelerator_config is not None:
                 args.accelerator_config.dispatch_batches = False
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Reference model (DPO, KTO, GRPO, RLOO, ...): one implementation for every trainer
+    # ------------------------------------------------------------------------------------------------------------
+    @classmethod
+    def _build_ref_model(
+        cls,
+        model: "str | PreTrainedModel",
+        policy: PreTrainedModel,
+        ref_model: "str | PreTrainedModel | None",
+        args: TrainingArguments,
+        needed: bool = True,
+    ) -> PreTrainedModel | None:
+        """Reference model for a trainer, created before `Trainer.__init__`.
+
+        Returns None when no separate reference is needed: `needed=False` (e.g. `beta == 0` or precomputed reference
+        log-probs) or a PEFT policy, whose reference is the same model with its adapters disabled. Otherwise the
+        given `ref_model` (loaded when it is a string), or a fresh frozen copy of the policy loaded from the
+        policy's path with `model_init_kwargs` and the policy's dtype.
+
+        Args:
+            model: What the user passed as `model` (a string or an instance).
+            policy: The loaded policy (before PEFT wrapping it may still be a plain model).
+            ref_model: What the user passed as `ref_model`.
+            args: The trainer config.
+            needed: Whether the method needs a reference at all.
+        """
+        if ref_model is not None and ref_model is policy:
+            raise ValueError(
+                "`ref_model` is the same object as `model`. Pass a separate copy as ref_model, or leave it None to "
+                "let the trainer create a frozen copy (or use the adapter-disabled model with PEFT)."
+            )
+        if isinstance(ref_model, str):
+            ref_model = cls._load_model(ref_model, args)
+        if ref_model is not None:
+            return cls._freeze(ref_model)
+        if not needed or cls._is_peft_model(policy):
+            return None
+        if isinstance(model, str):
+            from .utils import create_model_from_path
+
+            init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+            init_kwargs["dtype"] = policy.dtype
+            attn = getattr(policy.config, "_attn_implementation", None)
+            if attn is not None:
+                init_kwargs.setdefault("attn_implementation", attn)
+            init_kwargs.pop("quantization_config", None)
+            if getattr(args, "trust_remote_code", False):
+                init_kwargs.setdefault("trust_remote_code", True)
+            return cls._freeze(create_model_from_path(model, **init_kwargs))
+        from ..models.utils import _create_reference_model
+
+        return _create_reference_model(policy)
+
+    @staticmethod
+    def _freeze(model: nn.Module) -> nn.Module:
+        for param in model.parameters():
+            param.requires_grad_(False)
+        return model.eval()
+
+    def _prepare_ref_model(self, ref_model: nn.Module | None) -> nn.Module | None:
+        """Place the reference model for evaluation under the trainer's engine (DeepSpeed, FSDP or plain)."""
+        if ref_model is None:
+            return None
+        if self.is_deepspeed_enabled:
+            from ..models.utils import prepare_deepspeed
+
+            return prepare_deepspeed(ref_model, self.accelerator)
+        if self.is_fsdp_enabled:
+            from ..models.utils import prepare_fsdp
+
+            return prepare_fsdp(ref_model, self.accelerator)
+        return self.accelerator.prepare_model(ref_model, evaluation_mode=True)
+
+    def _add_sync_ref_model_callback(self, ref_model: nn.Module | None) -> None:
+        """TR-DPO style reference refresh (`sync_ref_model=True`): ref <- alpha * policy + (1 - alpha) * ref."""
+        if not getattr(self.args, "sync_ref_model", False):
+            return
+        if ref_model is None:
+            raise ValueError(
+                "sync_ref_model=True needs a separate reference model, but none exists here (a PEFT policy uses its "
+                "adapter-disabled self, and precomputed reference log-probs drop the model). Set "
+                "sync_ref_model=False or train without PEFT / precompute_ref_log_probs."
+            )
+        from .callbacks import SyncRefModelCallback
+
+        self.add_callback(SyncRefModelCallback(ref_model=ref_model, accelerator=self.accelerator))
+
+    @contextlib.contextmanager
+    def _reference_context(self, model: nn.Module, ref_model: nn.Module | None, ref_adapter_name: str | None = None):
+        """Yield the module that computes reference outputs, in no-grad mode.
+
+        With a separate reference model, that model. With a PEFT policy, the policy itself with the adapter named
+        `ref_adapter_name` active, or with all adapters disabled when it is None.
+        """
+        with torch.no_grad():
+            if ref_model is not None:
+                yield ref_model
+                return
+            unwrapped = self.accelerator.unwrap_model(model)
+            if not self._is_peft_model(unwrapped):
+                raise ValueError("No reference model is available: pass ref_model, or use a PEFT policy.")
+            from .utils import use_adapter
+
+            with use_adapter(unwrapped, ref_adapter_name):
+                yield model
 
     # ------------------------------------------------------------------------------------------------------------
     # Metrics: accumulated per mode, averaged at log time
