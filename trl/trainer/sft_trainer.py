@@ -36,7 +36,7 @@ from ..data_utils import (
 )
 from .base_trainer import _BaseTrainer
 from .sft_config import SFTConfig
-from .utils import entropy_from_logits, pad
+from .utils import entropy_from_logits, model_accepts_argument, pad
 
 
 logger = logging.getLogger(__name__)
@@ -382,7 +382,7 @@ class SFTTrainer(_BaseTrainer):
         # Trainer must pass `num_items_in_batch` and must not rescale for gradient accumulation again.
         self.model_accepts_loss_kwargs = True
         self._loss_shifts_labels = not getattr(getattr(self.model, "config", None), "is_encoder_decoder", False)
-        self._forward_accepts_logits_to_keep = _accepts_argument(self.model, "logits_to_keep")
+        self._forward_accepts_logits_to_keep = model_accepts_argument(self.model, "logits_to_keep")
 
         if args.activation_offloading:
             from ..models.activation_offloading import get_act_offloading_ctx_manager
@@ -857,21 +857,6 @@ def _as_list(value: Any) -> Any:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
         return value[0]
     return value
-
-
-def _accepts_argument(model: nn.Module, name: str) -> bool:
-    import inspect
-
-    target = model
-    for attr in ("base_model", "model"):
-        # PeftModel.forward takes **kwargs and forwards them to the wrapped model.
-        if hasattr(target, "peft_config") and hasattr(target, attr):
-            target = getattr(target, attr)
-    target = getattr(target, "module", target)
-    try:
-        return name in inspect.signature(target.forward).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _to_sft_config(args: TrainingArguments) -> SFTConfig:
