@@ -174,7 +174,9 @@ def test_sharegpt_conversations_are_converted(tmp_path, model_path):
             for i in range(6)
         ]
     }
-    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path, max_steps=1), train_dataset=Dataset.from_dict(rows))
+    trainer = SFTTrainer(
+        model=model_path, args=make_args(tmp_path, max_steps=1), train_dataset=Dataset.from_dict(rows)
+    )
     text = trainer.processing_class.decode(trainer.train_dataset[0]["input_ids"])
     assert "What is 0 plus 1?" in text and "<|im_start|>assistant" in text
     trainer.train()
@@ -202,9 +204,7 @@ def test_completion_only_loss_masks_prompt(tmp_path, model_path, tokenizer):
     assert row["labels"] == [-100] * len(prompt_ids) + full_ids[len(prompt_ids) :]
 
     # completion_only_loss=False trains on the whole sequence
-    trainer = SFTTrainer(
-        model=model_path, args=make_args(tmp_path, completion_only_loss=False), train_dataset=dataset
-    )
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path, completion_only_loss=False), train_dataset=dataset)
     assert trainer.train_dataset[0]["labels"] == full_ids
 
 
@@ -322,7 +322,9 @@ def test_loss_matches_hand_written_formula(tmp_path, model_path, loss_type):
 # ---------------------------------------------------------------------------------------------------------------------
 def test_collator_padding_free_layout():
     collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
-    batch = collator([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6, 7, 8, 9], "seq_lengths": [1, 3]}])
+    batch = collator(
+        [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6, 7, 8, 9], "seq_lengths": [1, 3]}]
+    )
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 0, 1, 2]]
     assert batch["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, -100, 8, 9]]
@@ -349,9 +351,9 @@ def test_padding_free_losses_equal_unpadded_per_sequence(model_path, tokenizer):
     with torch.no_grad():
         # use_cache=False as in training: transformers only detects packed sequences when no cache is built
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
-    token_loss = F.cross_entropy(
-        logits[0, :-1].float(), batch["labels"][0, 1:].clamp(min=0), reduction="none"
-    ) * (batch["labels"][0, 1:] != -100)
+    token_loss = F.cross_entropy(logits[0, :-1].float(), batch["labels"][0, 1:].clamp(min=0), reduction="none") * (
+        batch["labels"][0, 1:] != -100
+    )
     start = 0
     for seq in sequences:
         n = len(seq)
@@ -501,9 +503,7 @@ def test_router_aux_loss_on_dense_model_is_an_error(tmp_path, model_path):
 
 def test_activation_offloading_on_cpu(tmp_path, model_path):
     dataset = load_test_dataset("standard_language_modeling", split="train")
-    trainer = SFTTrainer(
-        model=model_path, args=make_args(tmp_path, activation_offloading=True), train_dataset=dataset
-    )
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path, activation_offloading=True), train_dataset=dataset)
     before = snapshot(trainer.model)
     trainer.train()
     assert_params_changed(before, trainer.model)
