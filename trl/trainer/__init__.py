@@ -20,6 +20,7 @@ _import_structure = {
     "utils": [
         "disable_dropout_in_model",
         "ensure_master_addr_port",
+        "get_kbit_device_map",
         "get_peft_config",
         "get_quantization_config",
     ],
@@ -36,6 +37,12 @@ if TYPE_CHECKING:
     from .model_config import ModelConfig
     from .sft_config import SFTConfig
     from .sft_trainer import SFTTrainer
-    from .utils import disable_dropout_in_model, ensure_master_addr_port, get_peft_config, get_quantization_config
+    from .utils import (
+        disable_dropout_in_model,
+        ensure_master_addr_port,
+        get_kbit_device_map,
+        get_peft_config,
+        get_quantization_config,
+    )
 else:
     sys.modules[__name__] = _LazyModule(__name__, globals()["__file__"], _import_structure, module_spec=__spec__)

@@ -1,0 +1,1 @@
+"""Optional extras: profiling helpers and other utilities that the trainers use."""
