@@ -393,28 +393,6 @@ class SFTTrainer(_BaseTrainer):
         self._add_model_tags(self.model)
 
     # ------------------------------------------------------------------------------------------------------------
-    # Chat template
-    # ------------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _apply_chat_template_path(model, processing_class, path: str):
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if os.path.isfile(path) and path.endswith((".jinja", ".j2")):
-            with open(path) as f:
-                tokenizer.chat_template = f.read()
-            if tokenizer is not processing_class:
-                processing_class.chat_template = tokenizer.chat_template
-            return model, processing_class, []
-        if os.path.isfile(path):
-            raise ValueError(
-                f"chat_template_path={path!r} is a file but not a .jinja/.j2 template. Give a template file or a "
-                "tokenizer directory whose chat template should be copied."
-            )
-        from ..chat_template_utils import clone_chat_template
-
-        model, tokenizer, added_tokens = clone_chat_template(model, tokenizer, path)
-        return model, tokenizer, added_tokens
-
-    # ------------------------------------------------------------------------------------------------------------
     # Dataset preparation
     # ------------------------------------------------------------------------------------------------------------
     def _prepare_dataset(
