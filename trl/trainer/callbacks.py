@@ -96,9 +96,14 @@ def _select_eval_prompts(trainer: Trainer, num_prompts: int | None, callback_nam
 
 
 def _generate_completions(
-    trainer: Trainer, prompts: list, generation_config: GenerationConfig | None, batch_size: int
+    trainer: Trainer,
+    prompts: list,
+    generation_config: GenerationConfig | None,
+    batch_size: int,
+    model: nn.Module | None = None,
 ) -> tuple[list[str], list[str]]:
-    """Generate one completion per prompt with the trainer's model.
+    """Generate one completion per prompt with the trainer's model, or with `model` when given (e.g. a reference
+    model prepared by the trainer's accelerator).
 
     Prompts are split across processes, rendered with the chat template when conversational, generated in batches
     of `batch_size` and gathered back, so every process returns the full `(prompt_texts, completions)` lists.
@@ -110,7 +115,8 @@ def _generate_completions(
     accelerator = trainer.accelerator
     processing_class = trainer.processing_class
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    model = getattr(trainer, "model_wrapped", None) or trainer.model
+    if model is None:
+        model = getattr(trainer, "model_wrapped", None) or trainer.model
 
     # Decoder-only generation needs the padding on the left so that every completion starts right after its prompt.
     original_padding_side = tokenizer.padding_side
