@@ -1,6 +1,8 @@
-"""BEMA for the reference model: a `BEMACallback` that can also copy its averaged weights into the reference model."""
+"""BEMA for the reference model: a `BEMACallback` that can also copy its averaged weights into the reference model,
+and a `DPOTrainer` whose callbacks receive the reference model."""
 
 from .callback import BEMACallback
+from .dpo_trainer import DPOTrainer
 
 
-__all__ = ["BEMACallback"]
+__all__ = ["BEMACallback", "DPOTrainer"]

@@ -1,0 +1,710 @@
+"""DPOTrainer: data preparation, every loss type, reference handling, layouts, metrics, saving and resuming."""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset, IterableDataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl import DPOConfig, DPOTrainer
+from trl.assets import get_model_path, load_test_dataset
+from trl.trainer.dpo_trainer import DataCollatorForPreference, dpo_loss
+from trl.trainer.utils import compute_sequence_token_logps, pack_padded_sequences, packed_attention_kind
+
+
+MODEL = "tiny-Qwen2ForCausalLM"
+PAIR_METRICS = [
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+    "entropy",
+    "mean_token_accuracy",
+]
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return get_model_path(MODEL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="module")
+def preference():
+    return load_test_dataset("standard_preference")
+
+
+def make_args(tmp_path, **kwargs):
+    defaults = dict(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        learning_rate=1e-2,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+    )
+    defaults.update(kwargs)
+    return DPOConfig(**defaults)
+
+
+def snapshot(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def changed_params(before, model):
+    return [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(before[n], p.detach())]
+
+
+def plain_sequence_logps(model, batch):
+    """Summed completion log-probs and lengths with a full log-softmax on the padded batch (the test's oracle)."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    token_logps = torch.log_softmax(logits, dim=-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    mask = (batch["completion_mask"][:, 1:] * batch["attention_mask"][:, 1:]).float()
+    return (token_logps * mask).sum(1), mask.sum(1), token_logps, mask, logits
+
+
+def perturb(model, seed=0, scale=0.05):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=generator) * scale)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------------------
+def test_config_defaults_match_contract():
+    args = DPOConfig("out")
+    assert args.learning_rate == 1e-6
+    assert args.loss_type == ["sigmoid"] and args.loss_weights is None
+    assert (args.beta, args.label_smoothing, args.discopop_tau) == (0.1, 0.0, 0.05)
+    assert (args.f_divergence_type, args.f_alpha_divergence_coef) == ("reverse_kl", 0.5)
+    assert (args.max_length, args.truncation_mode, args.padding_free) == (1024, "keep_start", False)
+    assert (args.precompute_ref_log_probs, args.precompute_ref_batch_size) == (False, None)
+    assert (args.sync_ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps) == (False, 0.6, 512)
+    assert args.disable_dropout is True and args.use_weighting is False and args.ld_alpha is None
+    assert args.pad_to_multiple_of is None  # "auto" on a machine without Neuron cores
+    assert args.logging_steps == 10 and args.gradient_checkpointing is True
+    assert DPOConfig("out", loss_type="ipo").loss_type == ["ipo"]
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match=r"loss_type=\['sigmoid', 'sft'\] has 2 entries but loss_weights"):
+        DPOConfig("out", loss_type=["sigmoid", "sft"], loss_weights=[1.0])
+    with pytest.raises(ValueError, match="Unknown loss_type"):
+        DPOConfig("out", loss_type="kto_pair")
+    with pytest.raises(ValueError, match="ld_alpha"):
+        DPOConfig("out", ld_alpha=1.5)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Collator and packing
+# ---------------------------------------------------------------------------------------------------------------------
+def test_collator_concatenates_chosen_then_rejected():
+    collator = DataCollatorForPreference(pad_token_id=0)
+    examples = [
+        {"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5], "ref_chosen_logps": -1.0,
+         "ref_rejected_logps": -2.0},
+        {"prompt_ids": [6], "chosen_ids": [7, 8, 9], "rejected_ids": [10], "ref_chosen_logps": -3.0,
+         "ref_rejected_logps": -4.0},
+    ]  # fmt: skip
+    batch = collator(examples)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0], [6, 7, 8, 9], [1, 2, 4, 5], [6, 10, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]]
+    assert batch["completion_mask"].tolist() == [[0, 0, 1, 0], [0, 1, 1, 1], [0, 0, 1, 1], [0, 1, 0, 0]]
+    assert batch["ref_chosen_logps"].tolist() == [-1.0, -3.0]
+    assert batch["ref_rejected_logps"].tolist() == [-2.0, -4.0]
+
+
+def test_collator_truncation_and_multiple():
+    example = [{"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5, 6], "rejected_ids": [7]}]
+    start = DataCollatorForPreference(pad_token_id=0, max_length=4)(example)
+    assert start["input_ids"].tolist() == [[1, 2, 3, 4], [1, 2, 3, 7]]
+    assert start["completion_mask"].tolist() == [[0, 0, 0, 1], [0, 0, 0, 1]]
+    end = DataCollatorForPreference(pad_token_id=0, max_length=4, truncation_mode="keep_end")(example)
+    assert end["input_ids"].tolist() == [[3, 4, 5, 6], [1, 2, 3, 7]]
+    assert end["completion_mask"].tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
+    padded = DataCollatorForPreference(pad_token_id=0, pad_to_multiple_of=8)(example)
+    assert padded["input_ids"].shape == (2, 8)
+
+
+def test_pack_padded_sequences_layouts():
+    ids = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0], [6, 7, 8, 9]])
+    single = pack_padded_sequences(ids, ids != 0)
+    assert single.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    assert single.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
+    rows = pack_padded_sequences(ids, ids != 0, capacity=5, pad_token_id=-1)
+    assert rows.input_ids.tolist() == [[6, 7, 8, 9, -1], [1, 2, 3, 4, 5]]
+    assert rows.position_ids.tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+    # next-token values survive a round trip; the first token of each sequence is never a target
+    values = torch.arange(12, dtype=torch.float).reshape(3, 4)[:, :3] + 1
+    values = values * (ids[:, 1:] != 0)
+    packed = rows.pack_next_token(values)
+    assert torch.equal(rows.unpack_next_token(packed, (3, 3)), values)
+
+
+@pytest.mark.parametrize("model_name", [MODEL, "tiny-LlamaForCausalLM"])
+def test_padding_free_logps_equal_padded(model_name):
+    model = AutoModelForCausalLM.from_pretrained(get_model_path(model_name)).eval()
+    assert packed_attention_kind(model) == "masked"
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, 1000, (6, 17), generator=generator)
+    lengths = torch.tensor([17, 5, 12, 9, 16, 3])
+    mask = (torch.arange(17)[None] < lengths[:, None]).long()
+    ids = ids * mask
+    target = (torch.arange(16)[None] >= 2) & mask[:, 1:].bool()
+    results = {
+        layout: compute_sequence_token_logps(model, ids, mask, target, layout=layout, compute_entropy=True)
+        for layout in ("padded", "packed", "padding_free")
+    }
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    oracle = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1) * target
+    for layout, result in results.items():
+        assert torch.allclose(result.logps, oracle, atol=1e-5), layout
+        assert torch.allclose(result.entropy, results["padded"].entropy, atol=1e-5), layout
+
+
+def test_packed_attention_kind():
+    t5 = get_model_path("tiny-T5ForConditionalGeneration")
+    from transformers import AutoModelForSeq2SeqLM
+
+    encoder_decoder = AutoModelForSeq2SeqLM.from_pretrained(t5)
+    assert packed_attention_kind(encoder_decoder) is None
+    with pytest.warns(UserWarning, match="falling back to padded batches"):
+        assert DPOTrainer._choose_layout(encoder_decoder, padding_free=True, warn=True) == "padded"
+    model = AutoModelForCausalLM.from_pretrained(get_model_path(MODEL))
+    assert DPOTrainer._choose_layout(model, padding_free=False) == "packed"
+    assert DPOTrainer._choose_layout(model, padding_free=True) == "padding_free"
+    model.config._attn_implementation = "flash_attention_2"
+    assert packed_attention_kind(model) == "varlen"
+    assert DPOTrainer._choose_layout(model, padding_free=False) == "padding_free"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loss formulas: every loss type against a hand-written formula on fixed log-probs
+# ---------------------------------------------------------------------------------------------------------------------
+PC = [-5.0, -8.0, -3.5]  # policy chosen
+PR = [-6.0, -7.0, -9.0]  # policy rejected
+RC = [-5.5, -7.5, -4.0]  # reference chosen
+RR = [-5.0, -7.2, -8.0]  # reference rejected
+LC = [2, 4, 3]  # chosen lengths
+LR = [3, 2, 5]  # rejected lengths
+B = 0.1
+
+
+def sig(x):
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def logsig(x):
+    return math.log(sig(x))
+
+
+def h_sigmoid(ls=0.0, beta=B, cr=None, rr=None):
+    cr = cr or [PC[i] - RC[i] for i in range(3)]
+    rr = rr or [PR[i] - RR[i] for i in range(3)]
+    return [-(1 - ls) * logsig(beta * (c - r)) - ls * logsig(-beta * (c - r)) for c, r in zip(cr, rr)]
+
+
+def h_ipo():
+    out = []
+    for i in range(3):
+        z = (PC[i] - RC[i]) / LC[i] - (PR[i] - RR[i]) / LR[i]
+        out.append((z - 1 / (2 * B)) ** 2)
+    return out
+
+
+def h_sigmoid_norm():
+    cr = [(PC[i] - RC[i]) / LC[i] for i in range(3)]
+    rr = [(PR[i] - RR[i]) / LR[i] for i in range(3)]
+    return h_sigmoid(cr=cr, rr=rr)
+
+
+def h_hinge():
+    return [max(0.0, 1 - B * ((PC[i] - RC[i]) - (PR[i] - RR[i]))) for i in range(3)]
+
+
+def h_exo(eps):
+    out = []
+    for i in range(3):
+        z = B * ((PC[i] - RC[i]) - (PR[i] - RR[i]))
+        out.append(sig(z) * (logsig(z) - math.log(1 - eps)) + sig(-z) * (logsig(-z) - math.log(eps)))
+    return out
+
+
+def h_robust(ls):
+    out = []
+    for i in range(3):
+        z = B * ((PC[i] - RC[i]) - (PR[i] - RR[i]))
+        out.append((-(1 - ls) * logsig(z) + ls * logsig(-z)) / (1 - 2 * ls))
+    return out
+
+
+def h_nca():
+    out = []
+    for i in range(3):
+        c, r = B * (PC[i] - RC[i]), B * (PR[i] - RR[i])
+        out.append(-logsig(c) - 0.5 * logsig(-c) - 0.5 * logsig(-r))
+    return out
+
+
+def h_bco():
+    rewards = [B * (PC[i] - RC[i]) for i in range(3)] + [B * (PR[i] - RR[i]) for i in range(3)]
+    delta = sum(rewards) / 6
+    return [-logsig(rewards[i] - delta) - logsig(-(rewards[3 + i] - delta)) for i in range(3)]
+
+
+def h_sppo():
+    return [(PC[i] - RC[i] - 1 / (2 * B)) ** 2 + (PR[i] - RR[i] + 1 / (2 * B)) ** 2 for i in range(3)]
+
+
+def h_aot(ls=0.0):
+    policy = sorted(PC[i] - PR[i] for i in range(3))
+    ref = sorted(RC[i] - RR[i] for i in range(3))
+    return [-(1 - ls) * logsig(B * (p - r)) - ls * logsig(-B * (p - r)) for p, r in zip(policy, ref)]
+
+
+def h_aot_unpaired():
+    chosen = sorted(PC[i] - RC[i] for i in range(3))
+    rejected = sorted(PR[i] - RR[i] for i in range(3))
+    return [-logsig(B * (c - r)) for c, r in zip(chosen, rejected)]
+
+
+def h_apo_zero():
+    return [1 - sig(B * (PC[i] - RC[i])) + sig(B * (PR[i] - RR[i])) for i in range(3)]
+
+
+def h_apo_down():
+    out = []
+    for i in range(3):
+        c, r = B * (PC[i] - RC[i]), B * (PR[i] - RR[i])
+        out.append(sig(c) + 1 - sig(c - r))
+    return out
+
+
+def h_discopop(tau=0.05):
+    out = []
+    for i in range(3):
+        z = B * ((PC[i] - RC[i]) - (PR[i] - RR[i]))
+        m = sig(z / tau)
+        out.append(-logsig(z) * (1 - m) + math.exp(-z) * m)
+    return out
+
+
+def h_sft():
+    return [-PC[i] / LC[i] for i in range(3)]
+
+
+def h_fdiv(kind, alpha=0.5):
+    out = []
+    for i in range(3):
+        c, r = PC[i] - RC[i], PR[i] - RR[i]
+        if kind == "forward_kl":
+            z = -math.exp(-c) + math.exp(-r)
+        elif kind == "js_divergence":
+            z = math.log(2 * math.exp(c) / (1 + math.exp(c))) - math.log(2 * math.exp(r) / (1 + math.exp(r)))
+        else:
+            z = ((1 - math.exp(-alpha * c)) - (1 - math.exp(-alpha * r))) / alpha
+        out.append(-logsig(B * z))
+    return out
+
+
+LOSS_CASES = [
+    ("sigmoid", {}, h_sigmoid()),
+    ("sigmoid", {"label_smoothing": 0.2}, h_sigmoid(ls=0.2)),
+    ("hinge", {}, h_hinge()),
+    ("ipo", {}, h_ipo()),
+    ("exo_pair", {"label_smoothing": 1e-3}, h_exo(1e-3)),
+    ("nca_pair", {}, h_nca()),
+    ("robust", {"label_smoothing": 0.1}, h_robust(0.1)),
+    ("bco_pair", {}, h_bco()),
+    ("sppo_hard", {}, h_sppo()),
+    ("aot", {}, h_aot()),
+    ("aot", {"label_smoothing": 0.1}, h_aot(0.1)),
+    ("aot_unpaired", {}, h_aot_unpaired()),
+    ("apo_zero", {}, h_apo_zero()),
+    ("apo_down", {}, h_apo_down()),
+    ("discopop", {}, h_discopop()),
+    ("discopop", {"discopop_tau": 0.5}, h_discopop(0.5)),
+    ("sft", {}, h_sft()),
+    ("sigmoid_norm", {}, h_sigmoid_norm()),
+    ("sigmoid", {"f_divergence_type": "forward_kl"}, h_fdiv("forward_kl")),
+    ("sigmoid", {"f_divergence_type": "js_divergence"}, h_fdiv("js_divergence")),
+    ("sigmoid", {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3}, h_fdiv("alpha", 0.3)),
+]
+
+
+@pytest.mark.parametrize(
+    "loss_type, kwargs, expected", LOSS_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(LOSS_CASES)]
+)
+def test_loss_formula(loss_type, kwargs, expected):
+    t = lambda values: torch.tensor(values, dtype=torch.float64)  # noqa: E731
+    losses = dpo_loss(
+        loss_type, t(PC), t(PR), t(RC), t(RR), chosen_lengths=t(LC), rejected_lengths=t(LR), beta=B, **kwargs
+    )
+    assert losses.shape == (3,)
+    assert torch.allclose(losses, t(expected), rtol=1e-9, atol=1e-12), (losses.tolist(), expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The trainer's loss on a real batch, against an independent computation
+# ---------------------------------------------------------------------------------------------------------------------
+def test_compute_loss_weighted_losses_and_metrics(tmp_path, model_path, preference):
+    args = make_args(tmp_path, loss_type=["sigmoid", "hinge", "sft"], loss_weights=[0.8, 0.5, 1.0],
+                     label_smoothing=0.1, beta=0.3)  # fmt: skip
+    trainer = DPOTrainer(model_path, args=args, train_dataset=preference["train"].select(range(8)))
+    perturb(trainer.model)
+    trainer.model.train()  # metrics go to the "train" bucket
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    loss = trainer.compute_loss(trainer.model, batch)
+
+    pol, lengths, _, _, logits = plain_sequence_logps(trainer.model, batch)
+    ref, _, _, _, _ = plain_sequence_logps(trainer.ref_model, batch)
+    z = (pol[:4] - ref[:4]) - (pol[4:] - ref[4:])
+    sigmoid = (-(0.9) * F.logsigmoid(0.3 * z) - 0.1 * F.logsigmoid(-0.3 * z)).mean()
+    hinge = torch.relu(1 - 0.3 * z).mean()
+    sft = (-pol[:4] / lengths[:4]).mean()
+    expected = 0.8 * sigmoid + 0.5 * hinge + 1.0 * sft
+    assert torch.allclose(loss, expected, atol=1e-5)
+
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    rewards_c, rewards_r = 0.3 * (pol[:4] - ref[:4]), 0.3 * (pol[4:] - ref[4:])
+    assert metrics["rewards/chosen"] == pytest.approx(rewards_c.mean().item(), abs=1e-5)
+    assert metrics["rewards/rejected"] == pytest.approx(rewards_r.mean().item(), abs=1e-5)
+    assert metrics["rewards/margins"] == pytest.approx((rewards_c - rewards_r).mean().item(), abs=1e-5)
+    assert metrics["rewards/accuracies"] == pytest.approx((rewards_c > rewards_r).float().mean().item())
+    assert metrics["logps/chosen"] == pytest.approx(pol[:4].mean().item(), abs=1e-4)
+    assert metrics["logps/rejected"] == pytest.approx(pol[4:].mean().item(), abs=1e-4)
+    mask = (batch["completion_mask"][:, 1:] * batch["attention_mask"][:, 1:]).bool()
+    assert metrics["logits/chosen"] == pytest.approx(logits[:4][mask[:4]].mean().item(), abs=1e-5)
+    assert metrics["logits/rejected"] == pytest.approx(logits[4:][mask[4:]].mean().item(), abs=1e-5)
+    probs = torch.softmax(logits, -1)
+    entropy = -(probs * torch.log_softmax(logits, -1)).sum(-1)
+    assert metrics["entropy"] == pytest.approx(entropy[mask].mean().item(), abs=1e-4)
+    correct = logits.argmax(-1) == batch["input_ids"][:, 1:]
+    assert metrics["mean_token_accuracy"] == pytest.approx(correct[:4][mask[:4]].float().mean().item())
+    assert metrics["num_tokens"] == batch["attention_mask"].sum().item()
+
+
+def test_compute_loss_ld_alpha_and_wpo(tmp_path, model_path, preference):
+    args = make_args(tmp_path, ld_alpha=0.5, use_weighting=True, loss_type="ipo")
+    rows = [{"prompt": "1 + 1 =", "chosen": " 2", "rejected": " two, as everybody knows"},
+            {"prompt": "2 + 3 =", "chosen": " 5 for sure", "rejected": " 6"}]  # fmt: skip
+    trainer = DPOTrainer(model_path, args=args, train_dataset=Dataset.from_list(rows))
+    perturb(trainer.model)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    loss = trainer.compute_loss(trainer.model, batch)
+
+    _, lengths, pol_tok, mask, logits = plain_sequence_logps(trainer.model, batch)
+    _, _, ref_tok, _, _ = plain_sequence_logps(trainer.ref_model, batch)
+    # LD-DPO: tokens past the shorter completion of the pair count half.
+    shared = torch.minimum(lengths[:2], lengths[2:]).repeat(2)
+    rank = mask.cumsum(1) - 1
+    weights = torch.where(rank < shared[:, None], 1.0, 0.5) * mask
+    pol, ref = (pol_tok * weights).sum(1), (ref_tok * weights).sum(1)
+    z = (pol[:2] - ref[:2]) / lengths[:2] - (pol[2:] - ref[2:]) / lengths[2:]
+    ipo = (z - 1 / (2 * 0.1)) ** 2
+    # WPO: exp(mean_t [log p(y_t) - log sum_v p_v^2]) for chosen plus rejected, capped at 1.
+    logp_all = torch.log_softmax(logits, -1)
+    adjusted = (pol_tok - torch.logsumexp(2 * logp_all, -1)) * mask
+    mean_adjusted = adjusted.sum(1) / lengths
+    wpo = torch.exp(mean_adjusted[:2] + mean_adjusted[2:]).clamp(max=1)
+    assert torch.allclose(loss, (ipo * wpo).mean(), atol=1e-5)
+
+
+def test_moe_aux_loss(tmp_path, preference):
+    path = get_model_path("tiny-Qwen2MoeForCausalLM")
+    args = make_args(tmp_path, router_aux_loss_coef=0.01, max_steps=1)
+    trainer = DPOTrainer(path, args=args, train_dataset=preference["train"].select(range(4)))
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert logs[-1]["aux_loss"] > 0
+    with pytest.raises(ValueError, match="no mixture-of-experts router"):
+        DPOTrainer(get_model_path(MODEL), args=args, train_dataset=preference["train"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training on every dataset shape
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "config_name",
+    [
+        "standard_preference",
+        "standard_implicit_prompt_preference",
+        "conversational_preference",
+        "conversational_implicit_prompt_preference",
+    ],
+)
+def test_train_each_format(tmp_path, model_path, config_name):
+    dataset = load_test_dataset(config_name)
+    args = make_args(tmp_path, eval_strategy="steps", eval_steps=2)
+    trainer = DPOTrainer(model_path, args=args, train_dataset=dataset["train"], eval_dataset=dataset["test"])
+    before = snapshot(trainer.model)
+    ref_before = snapshot(trainer.ref_model)
+    trainer.train()
+    assert changed_params(before, trainer.model)
+    assert all(torch.equal(ref_before[n], p) for n, p in trainer.ref_model.named_parameters())
+    train_logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(train_logs) == 2
+    for key in [*PAIR_METRICS, "num_tokens"]:
+        assert key in train_logs[-1], key
+        assert math.isfinite(train_logs[-1][key]), key
+    assert train_logs[-1]["num_tokens"] > train_logs[0]["num_tokens"] > 0
+    assert train_logs[0]["loss"] == pytest.approx(math.log(2), abs=1e-5)  # policy == reference at step 1
+    eval_logs = [log for log in trainer.state.log_history if "eval_loss" in log]
+    for key in PAIR_METRICS:
+        assert f"eval_{key}" in eval_logs[-1], key
+
+
+def test_implicit_prompt_is_extracted(model_path, tmp_path):
+    explicit = load_test_dataset("conversational_preference", split="train").select(range(4))
+    implicit = load_test_dataset("conversational_implicit_prompt_preference", split="train").select(range(4))
+    a = DPOTrainer(model_path, args=make_args(tmp_path), train_dataset=explicit).train_dataset
+    b = DPOTrainer(model_path, args=make_args(tmp_path), train_dataset=implicit).train_dataset
+    assert a["prompt_ids"] == b["prompt_ids"] and a["chosen_ids"] == b["chosen_ids"]
+
+
+def test_tools_and_pretokenized(tmp_path, model_path, tokenizer):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add two numbers.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                    "required": ["a", "b"],
+                },
+            },
+        }
+    ]
+    dataset = load_test_dataset("conversational_preference", split="train").select(range(4))
+    dataset = dataset.add_column("tools", [tools] * 4)  # fmt: skip
+    trainer = DPOTrainer(model_path, args=make_args(tmp_path, max_steps=1), train_dataset=dataset)
+    prompt = tokenizer.decode(trainer.train_dataset[0]["prompt_ids"])
+    assert '"name": "add"' in prompt and prompt.endswith("<|im_start|>assistant\n")
+    trainer.train()
+
+    rows = {"prompt_ids": [[5, 6, 7], [8, 9]], "chosen_ids": [[10, 11], [12]], "rejected_ids": [[13], [14, 15, 16]]}
+    trainer = DPOTrainer(model_path, args=make_args(tmp_path, max_steps=1, per_device_train_batch_size=2),
+                         train_dataset=Dataset.from_dict(rows), processing_class=tokenizer)  # fmt: skip
+    assert trainer.train_dataset[1] == {"prompt_ids": [8, 9], "chosen_ids": [12], "rejected_ids": [14, 15, 16]}
+    trainer.train()
+
+
+def test_streaming_dataset(tmp_path, model_path, preference):
+    stream = IterableDataset.from_generator(lambda: iter(preference["train"].select(range(8))))
+    trainer = DPOTrainer(model_path, args=make_args(tmp_path), train_dataset=stream)
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_truncation_drops_pairs_without_completion(tmp_path, model_path, caplog):
+    rows = [{"prompt": "word " * 30, "chosen": " a", "rejected": " b"},
+            {"prompt": "1 + 1 =", "chosen": " 2", "rejected": " 3"}]  # fmt: skip
+    trainer = DPOTrainer(model_path, args=make_args(tmp_path, max_length=12), train_dataset=Dataset.from_list(rows))
+    assert len(trainer.train_dataset) == 1
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    assert batch["input_ids"].shape[1] <= 12
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reference model
+# ---------------------------------------------------------------------------------------------------------------------
+def _lora(**kwargs):
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **kwargs)
+
+
+def test_peft_reference_equals_frozen_copy(tmp_path, model_path, preference):
+    args = make_args(tmp_path, max_steps=1)
+    trainer = DPOTrainer(
+        model_path, args=args, train_dataset=preference["train"].select(range(8)), peft_config=_lora()
+    )
+    assert trainer.ref_model is None
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    ref = trainer.compute_ref_log_probs(trainer.model, batch)
+    base = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    expected, _, _, _, _ = plain_sequence_logps(base, batch)
+    assert torch.allclose(ref["ref_chosen_logps"], expected[:4], atol=1e-5)
+    assert torch.allclose(ref["ref_rejected_logps"], expected[4:], atol=1e-5)
+    policy, _, _, _, _ = plain_sequence_logps(trainer.model, batch)  # adapters active again after the ref pass
+    assert not torch.allclose(policy, expected, atol=1e-3)
+    before = snapshot(trainer.model)
+    trainer.train()
+    changed = changed_params(before, trainer.model)
+    assert changed and all("lora" in name for name in changed)
+
+
+def test_two_adapters(tmp_path, model_path, preference):
+    from peft import get_peft_model
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_path), _lora(), adapter_name="policy")
+    model.add_adapter("reference", _lora())
+    args = make_args(tmp_path, max_steps=1, model_adapter_name="policy", ref_adapter_name="reference")
+    trainer = DPOTrainer(model, args=args, train_dataset=preference["train"].select(range(8)))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    ref = trainer.compute_ref_log_probs(trainer.model, batch)
+    model.set_adapter("reference")
+    expected, _, _, _, _ = plain_sequence_logps(model, batch)
+    model.set_adapter("policy")
+    assert torch.allclose(ref["ref_chosen_logps"], expected[:4], atol=1e-5)
+    reference_before = {n: p.clone() for n, p in model.named_parameters() if ".reference." in n}
+    trainer.train()
+    assert all(torch.equal(p, reference_before[n]) for n, p in model.named_parameters() if ".reference." in n)
+    with pytest.raises(ValueError, match=r"ref_adapter_name='missing' is not an adapter"):
+        DPOTrainer(model, args=make_args(tmp_path, ref_adapter_name="missing"), train_dataset=preference["train"])
+
+
+def test_precomputed_reference_equals_on_the_fly(tmp_path, model_path, preference):
+    data = preference["train"].select(range(8))
+    args = make_args(tmp_path, precompute_ref_log_probs=True, precompute_ref_batch_size=3, eval_strategy="steps",
+                     eval_steps=2)  # fmt: skip
+    trainer = DPOTrainer(model_path, args=args, train_dataset=data, eval_dataset=preference["test"].select(range(4)))
+    assert trainer.ref_model is None  # released (never even copied)
+    assert {"ref_chosen_logps", "ref_rejected_logps"} <= set(trainer.train_dataset.column_names)
+    assert "ref_chosen_logps" in trainer.eval_dataset.column_names
+    on_the_fly = DPOTrainer(model_path, args=make_args(tmp_path), train_dataset=data)
+    batch = on_the_fly.data_collator([on_the_fly.train_dataset[i] for i in range(8)])
+    ref = on_the_fly.compute_ref_log_probs(on_the_fly.model, batch)
+    assert torch.allclose(torch.tensor(trainer.train_dataset["ref_chosen_logps"]), ref["ref_chosen_logps"], atol=1e-5)
+    assert torch.allclose(
+        torch.tensor(trainer.train_dataset["ref_rejected_logps"]), ref["ref_rejected_logps"], atol=1e-5
+    )
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert changed_params(before, trainer.model)
+    assert any("eval_rewards/margins" in log for log in trainer.state.log_history)
+    # Without stored log-probs and with the reference released, a clear error.
+    with pytest.raises(ValueError, match="no precomputed reference log-probs"):
+        trainer.compute_ref_log_probs(trainer.model, batch)
+
+
+def test_sync_ref_model(tmp_path, model_path, preference):
+    args = make_args(tmp_path, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
+    trainer = DPOTrainer(model_path, args=args, train_dataset=preference["train"].select(range(8)))
+    before = snapshot(trainer.ref_model)
+    trainer.train()
+    assert any(not torch.equal(before[n], p) for n, p in trainer.ref_model.named_parameters())
+
+
+def test_bema_reference_dpo_trainer_as_in_seed(tmp_path, monkeypatch):
+    from trl.experimental.bema_for_ref_model import BEMACallback
+    from trl.experimental.bema_for_ref_model import DPOTrainer as BEMADPOTrainer
+
+    monkeypatch.chdir(tmp_path)
+    dataset = load_test_dataset("standard_preference", split="train")
+    bema_callback = BEMACallback(update_ref_model=True)
+    trainer = BEMADPOTrainer(model=get_model_path(MODEL), train_dataset=dataset, callbacks=[bema_callback])
+    assert trainer.args.output_dir.endswith(f"{MODEL}-DPO") and trainer.args.gradient_checkpointing is True
+    trainer.train()
+    assert trainer.state.global_step == 24  # 64 pairs, batch size 8, 3 epochs
+    assert os.path.isdir(os.path.join(trainer.args.output_dir, "bema"))
+
+
+def test_bema_callback_updates_reference(tmp_path, model_path, preference):
+    from trl.experimental.bema_for_ref_model import BEMACallback
+    from trl.experimental.bema_for_ref_model import DPOTrainer as BEMADPOTrainer
+
+    callback = BEMACallback(update_freq=1, ref_model_update_freq=2, update_ref_model=True)
+    args = make_args(tmp_path, max_steps=2)
+    trainer = BEMADPOTrainer(model_path, args=args, train_dataset=preference["train"].select(range(8)),
+                             callbacks=[callback])  # fmt: skip
+    before = snapshot(trainer.ref_model)
+    trainer.train()
+    assert any(not torch.equal(before[n], p) for n, p in trainer.ref_model.named_parameters())
+    with pytest.raises(ValueError, match="precompute_ref_log_probs=True"):
+        BEMADPOTrainer(model_path, args=make_args(tmp_path, precompute_ref_log_probs=True), train_dataset=preference)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gradient accumulation, saving, resuming
+# ---------------------------------------------------------------------------------------------------------------------
+def test_gradient_accumulation_invariance(tmp_path, model_path, preference):
+    data = preference["train"].select(range(8))
+    results = []
+    for batch_size, accumulation in ((4, 1), (2, 2)):
+        args = make_args(tmp_path / f"{batch_size}", optim="sgd", learning_rate=0.5, per_device_train_batch_size=batch_size,
+                         gradient_accumulation_steps=accumulation)  # fmt: skip
+        trainer = DPOTrainer(model_path, args=args, train_dataset=data)
+        perturb(trainer.model)  # non-trivial gradients from the first step
+        trainer.train()
+        results.append(snapshot(trainer.model))
+    for other in results[1:]:
+        for name, value in results[0].items():
+            assert torch.allclose(value, other[name], atol=1e-6), name
+
+
+def test_save_reload_and_resume(tmp_path, model_path, preference):
+    data = preference["train"].select(range(16))
+    args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    trainer = DPOTrainer(model_path, args=args, train_dataset=data)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param, reloaded.get_parameter(name)), name
+    assert os.path.isfile(tmp_path / "README.md")
+    with open(tmp_path / "README.md") as f:
+        card = f.read()
+    assert "dpo" in card and "2305.18290" in card
+
+    resumed = DPOTrainer(model_path, args=args, train_dataset=data)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    for name, param in trainer.model.named_parameters():
+        assert torch.allclose(param, resumed.model.get_parameter(name), atol=1e-6), name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input: each a clear error before training
+# ---------------------------------------------------------------------------------------------------------------------
+def test_bad_inputs(tmp_path, model_path, preference):
+    train = preference["train"]
+    with pytest.raises(ValueError, match=r"missing: \['rejected'\]"):
+        DPOTrainer(model_path, args=make_args(tmp_path), train_dataset=train.remove_columns("rejected"))
+    with pytest.raises(ValueError, match="needs a `train_dataset`"):
+        DPOTrainer(model_path, args=make_args(tmp_path))
+    rows = [{"prompt": "word " * 30, "chosen": " a", "rejected": " b"}] * 2
+    with pytest.raises(ValueError, match=r"shortest prompt is \d+ tokens, expected fewer than max_length"):
+        DPOTrainer(model_path, args=make_args(tmp_path, max_length=8), train_dataset=Dataset.from_list(rows))
+    bad_args = [
+        (dict(loss_type="bco_pair", f_divergence_type="js_divergence"), "only applies to the losses"),
+        (dict(loss_type="aot", use_weighting=True), "cannot be combined with loss_type 'aot'"),
+        (dict(loss_type="robust", label_smoothing=0.5), "0 <= label_smoothing < 0.5"),
+        (dict(loss_type="exo_pair"), r"label_smoothing in \(0, 1\)"),
+        (dict(sync_ref_model=True, precompute_ref_log_probs=True), "Use one of the two"),
+    ]
+    for kwargs, message in bad_args:
+        with pytest.raises(ValueError, match=message):
+            DPOTrainer(model_path, args=make_args(tmp_path, **kwargs), train_dataset=train)
+    with pytest.raises(ValueError, match="needs a separate reference model"):
+        DPOTrainer(model_path, args=make_args(tmp_path, sync_ref_model=True), train_dataset=train, peft_config=_lora())
+    with pytest.raises(ValueError, match="select adapters of a PeftModel"):
+        DPOTrainer(model_path, args=make_args(tmp_path, ref_adapter_name="ref"), train_dataset=train)
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    with pytest.raises(ValueError, match="same object as `model`"):
+        DPOTrainer(model, ref_model=model, args=make_args(tmp_path), train_dataset=train)
+    args = make_args(tmp_path)
+    args.loss_weights = [1.0, 2.0]  # bypassing the config's own check
+    with pytest.raises(ValueError, match="one weight per loss_type entry"):
+        DPOTrainer(model_path, args=args, train_dataset=train)

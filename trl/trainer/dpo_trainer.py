@@ -1,0 +1,1093 @@
+"""Direct Preference Optimization (DPO) trainer and its loss variants."""
+
+import contextlib
+import dataclasses
+import gc
+import json
+import logging
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+from transformers import (
+    BaseImageProcessor,
+    DataCollator,
+    FeatureExtractionMixin,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    ProcessorMixin,
+    TrainerCallback,
+    TrainingArguments,
+)
+from transformers.trainer_utils import EvalPrediction
+
+from ..data_utils import common_prefix_length, get_dataset_column_names, is_conversational, maybe_extract_prompt
+from .base_trainer import _BaseTrainer
+from .dpo_config import DPOConfig
+from .utils import (
+    compute_sequence_token_logps,
+    disable_dropout_in_model,
+    packed_attention_kind,
+    pad,
+    precompute_reference_logps,
+)
+
+
+logger = logging.getLogger(__name__)
+
+# Columns of a tokenized preference dataset (the collator's input), and the optional precomputed reference columns.
+_TOKENIZED_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+_REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+# Column names used by older TRL releases for pre-tokenized data, renamed on the way in.
+_LEGACY_TOKENIZED_COLUMNS = {
+    "prompt_input_ids": "prompt_ids",
+    "chosen_input_ids": "chosen_ids",
+    "rejected_input_ids": "rejected_ids",
+}
+# Losses that use the f-divergence "logits" (and may therefore take a non-default f_divergence_type).
+_F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
+# Losses computed on per-token mean log-probs instead of sums.
+_LENGTH_NORMALIZED_LOSSES = ("ipo", "sigmoid_norm")
+# Bytes of float32 logits processed at once when computing per-token statistics of the full distribution.
+_STATS_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Collator
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class DataCollatorForPreference:
+    """Collate tokenized preference pairs into one padded batch holding every chosen and every rejected sequence.
+
+    Each example is a dict with `prompt_ids`, `chosen_ids` and `rejected_ids` (lists of token ids) and optionally
+    `ref_chosen_logps` / `ref_rejected_logps` (precomputed reference log-probabilities). The batch has `2 * n` rows:
+    the `n` sequences `prompt + chosen` first, then the `n` sequences `prompt + rejected`, right-padded, so that both
+    halves go through the model in a single forward pass.
+
+    Returned keys: `input_ids`, `attention_mask`, `completion_mask` (1 on completion tokens), and the reference
+    columns when present (as `(n,)` float tensors).
+
+    Args:
+        pad_token_id (`int`):
+            Token used to pad `input_ids`.
+        max_length (`int` or `None`, defaults to `None`):
+            Truncate every `prompt + completion` sequence to this many tokens.
+        truncation_mode (`str`, defaults to `"keep_start"`):
+            `"keep_start"` keeps the first `max_length` tokens, `"keep_end"` the last ones.
+        pad_to_multiple_of (`int` or `None`, defaults to `None`):
+            Pad the sequence length to a multiple of this value.
+        return_tensors (`str`, defaults to `"pt"`):
+            Only `"pt"` is supported.
+
+    Example:
+    ```python
+    >>> collator = DataCollatorForPreference(pad_token_id=0)
+    >>> batch = collator([{"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5]}])
+    >>> batch["input_ids"]
+    tensor([[1, 2, 3, 0],
+            [1, 2, 4, 5]])
+    >>> batch["completion_mask"]
+    tensor([[0, 0, 1, 0],
+            [0, 0, 1, 1]])
+    ```
+    """
+
+    pad_token_id: int
+    max_length: int | None = None
+    truncation_mode: str = "keep_start"
+    pad_to_multiple_of: int | None = None
+    return_tensors: str = "pt"
+
+    def _truncate(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
+        if self.max_length is None or len(ids) <= self.max_length:
+            return ids, mask
+        if self.truncation_mode == "keep_start":
+            return ids[: self.max_length], mask[: self.max_length]
+        if self.truncation_mode == "keep_end":
+            return ids[-self.max_length :], mask[-self.max_length :]
+        raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end'; got {self.truncation_mode!r}.")
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if self.return_tensors != "pt":
+            raise ValueError(f"Only return_tensors='pt' is supported; got {self.return_tensors!r}.")
+        sequences, masks = [], []
+        for key in ("chosen_ids", "rejected_ids"):
+            for example in examples:
+                prompt, completion = list(example["prompt_ids"]), list(example[key])
+                ids, mask = self._truncate(prompt + completion, [0] * len(prompt) + [1] * len(completion))
+                sequences.append(torch.tensor(ids, dtype=torch.long))
+                masks.append(torch.tensor(mask, dtype=torch.long))
+        batch = {
+            "input_ids": pad(sequences, self.pad_token_id, "right", self.pad_to_multiple_of),
+            "attention_mask": pad([torch.ones_like(s) for s in sequences], 0, "right", self.pad_to_multiple_of),
+            "completion_mask": pad(masks, 0, "right", self.pad_to_multiple_of),
+        }
+        for key in _REF_COLUMNS:
+            if examples and examples[0].get(key) is not None:
+                batch[key] = torch.tensor([float(example[key]) for example in examples], dtype=torch.float32)
+        return batch
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Losses
+# ----------------------------------------------------------------------------------------------------------------
+def _f_divergence_logits(
+    chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, f_divergence_type: str, alpha: float
+) -> torch.Tensor:
+    """`f'(chosen ratio) - f'(rejected ratio)` for the f-divergence regulariser of f-DPO (reverse KL = plain DPO)."""
+    if f_divergence_type == "reverse_kl":
+        return chosen_logratios - rejected_logratios
+    if f_divergence_type == "forward_kl":  # f'(u) = -1/u
+        return torch.exp(-rejected_logratios) - torch.exp(-chosen_logratios)
+    if f_divergence_type == "js_divergence":  # f'(u) = log(2u / (1 + u))
+        return (chosen_logratios - F.softplus(chosen_logratios)) - (
+            rejected_logratios - F.softplus(rejected_logratios)
+        )
+    if f_divergence_type == "alpha_divergence":  # f'(u) = (1 - u^-alpha) / alpha
+        return (torch.exp(-alpha * rejected_logratios) - torch.exp(-alpha * chosen_logratios)) / alpha
+    raise ValueError(
+        f"f_divergence_type must be one of reverse_kl, forward_kl, js_divergence, alpha_divergence; got "
+        f"{f_divergence_type!r}."
+    )
+
+
+def _smoothed_sigmoid_loss(logits: torch.Tensor, beta: float, label_smoothing: float) -> torch.Tensor:
+    return -(1 - label_smoothing) * F.logsigmoid(beta * logits) - label_smoothing * F.logsigmoid(-beta * logits)
+
+
+def dpo_loss(
+    loss_type: str,
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    ref_chosen_logps: torch.Tensor,
+    ref_rejected_logps: torch.Tensor,
+    chosen_lengths: torch.Tensor | None = None,
+    rejected_lengths: torch.Tensor | None = None,
+    beta: float = 0.1,
+    label_smoothing: float = 0.0,
+    f_divergence_type: str = "reverse_kl",
+    f_alpha_divergence_coef: float = 0.5,
+    discopop_tau: float = 0.05,
+) -> torch.Tensor:
+    """Per-pair loss of one DPO variant from sequence log-probabilities.
+
+    Args:
+        loss_type: One of the losses of [`DPOConfig`] (`"sigmoid"`, `"hinge"`, `"ipo"`, ...).
+        chosen_logps: `(n,)` summed log-probabilities of the chosen completions under the policy.
+        rejected_logps: `(n,)` same for the rejected completions.
+        ref_chosen_logps: `(n,)` summed log-probabilities of the chosen completions under the reference.
+        ref_rejected_logps: `(n,)` same for the rejected completions.
+        chosen_lengths: `(n,)` number of completion tokens of the chosen sequences (needed by `ipo`, `sigmoid_norm`
+            and `sft`, which work on per-token means).
+        rejected_lengths: `(n,)` same for the rejected sequences.
+        beta: KL strength (tau for `ipo`).
+        label_smoothing: Label-flip probability (`sigmoid`, `robust`, `aot*`) / EXO epsilon.
+        f_divergence_type: f-DPO divergence used to build the preference logits.
+        f_alpha_divergence_coef: Alpha of the alpha-divergence.
+        discopop_tau: Temperature of `discopop`.
+
+    Returns:
+        `(n,)` tensor of losses (average it for the batch loss).
+    """
+    if loss_type in _LENGTH_NORMALIZED_LOSSES or loss_type == "sft":
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError(f"loss_type={loss_type!r} works on per-token means and needs chosen/rejected lengths.")
+        chosen_lengths = chosen_lengths.to(chosen_logps.dtype).clamp(min=1)
+        rejected_lengths = rejected_lengths.to(rejected_logps.dtype).clamp(min=1)
+    if loss_type == "sft":
+        return -chosen_logps / chosen_lengths
+    if loss_type in _LENGTH_NORMALIZED_LOSSES:
+        chosen_logps, ref_chosen_logps = chosen_logps / chosen_lengths, ref_chosen_logps / chosen_lengths
+        rejected_logps, ref_rejected_logps = rejected_logps / rejected_lengths, ref_rejected_logps / rejected_lengths
+    chosen_logratios = chosen_logps - ref_chosen_logps
+    rejected_logratios = rejected_logps - ref_rejected_logps
+
+    if loss_type in _F_DIVERGENCE_LOSSES:
+        logits = _f_divergence_logits(chosen_logratios, rejected_logratios, f_divergence_type, f_alpha_divergence_coef)
+        if loss_type in ("sigmoid", "sigmoid_norm"):
+            return _smoothed_sigmoid_loss(logits, beta, label_smoothing)
+        if loss_type == "hinge":
+            return torch.relu(1 - beta * logits)
+        if loss_type == "ipo":
+            # IPO regresses the log-ratio gap onto 1 / (2 tau), with tau = beta.
+            return (logits - 1 / (2 * beta)) ** 2
+        if loss_type == "exo_pair":
+            epsilon = label_smoothing
+            # Reverse KL between the model's preference distribution and the epsilon-smoothed labels.
+            return torch.sigmoid(beta * logits) * (
+                F.logsigmoid(beta * logits) - math.log(1 - epsilon)
+            ) + torch.sigmoid(-beta * logits) * (F.logsigmoid(-beta * logits) - math.log(epsilon))
+        if loss_type == "robust":
+            return (
+                -(1 - label_smoothing) * F.logsigmoid(beta * logits) + label_smoothing * F.logsigmoid(-beta * logits)
+            ) / (1 - 2 * label_smoothing)
+        if loss_type == "discopop":
+            scaled = beta * logits
+            modulation = torch.sigmoid(scaled / discopop_tau)
+            return -F.logsigmoid(scaled) * (1 - modulation) + torch.exp(-scaled) * modulation
+
+    chosen_rewards = beta * chosen_logratios
+    rejected_rewards = beta * rejected_logratios
+    if loss_type == "nca_pair":
+        return (
+            -F.logsigmoid(chosen_rewards) - 0.5 * F.logsigmoid(-chosen_rewards) - 0.5 * F.logsigmoid(-rejected_rewards)
+        )
+    if loss_type == "bco_pair":
+        # The decision boundary delta is the mean reward of the batch (no gradient through it).
+        delta = torch.cat([chosen_rewards, rejected_rewards]).mean().detach()
+        return -F.logsigmoid(chosen_rewards - delta) - F.logsigmoid(-(rejected_rewards - delta))
+    if loss_type == "sppo_hard":
+        return (chosen_logratios - 1 / (2 * beta)) ** 2 + (rejected_logratios + 1 / (2 * beta)) ** 2
+    if loss_type == "aot":
+        # Paired AOT: the policy's chosen-minus-rejected gaps must dominate the reference's, quantile by quantile.
+        policy_gaps, _ = torch.sort(chosen_logps - rejected_logps)
+        ref_gaps, _ = torch.sort(ref_chosen_logps - ref_rejected_logps)
+        return _smoothed_sigmoid_loss(policy_gaps - ref_gaps, beta, label_smoothing)
+    if loss_type == "aot_unpaired":
+        chosen_sorted, _ = torch.sort(chosen_logratios)
+        rejected_sorted, _ = torch.sort(rejected_logratios)
+        return _smoothed_sigmoid_loss(chosen_sorted - rejected_sorted, beta, label_smoothing)
+    if loss_type == "apo_zero":
+        return (1 - torch.sigmoid(chosen_rewards)) + torch.sigmoid(rejected_rewards)
+    if loss_type == "apo_down":
+        return torch.sigmoid(chosen_rewards) + (1 - torch.sigmoid(chosen_rewards - rejected_rewards))
+    raise ValueError(f"Unknown loss_type {loss_type!r}.")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Trainer
+# ----------------------------------------------------------------------------------------------------------------
+class DPOTrainer(_BaseTrainer):
+    """Trainer for Direct Preference Optimization (DPO) and its variants.
+
+    DPO fits the policy directly on preference pairs: it raises the log-probability of the chosen completion relative
+    to the rejected one, measured against a frozen reference model, with no reward model and no sampling. Chosen and
+    rejected sequences go through the model in a single forward pass, packed without padding when the model's
+    attention supports it; the reference pass runs once per batch without gradients (or not at all with
+    `precompute_ref_log_probs=True`).
+
+    Example:
+
+    ```python
+    from trl import DPOConfig, DPOTrainer
+    from trl.assets import get_model_path, load_test_dataset
+
+    trainer = DPOTrainer(
+        model=get_model_path("tiny-Qwen2ForCausalLM"),
+        args=DPOConfig(output_dir="dpo-out", max_steps=5),
+        train_dataset=load_test_dataset("standard_preference", split="train"),
+    )
+    trainer.train()
+    ```
+
+    Args:
+        model (`str`, `PreTrainedModel` or `PeftModel`):
+            Model to train: a path or hub id (loaded with `args.model_init_kwargs`; dtype float32 unless given) or an
+            instantiated causal language model.
+        ref_model (`PreTrainedModel` or `None`, defaults to `None`):
+            Reference model. `None` creates a frozen copy of `model`, except with a PEFT model (the reference is the
+            model with its adapters disabled, or the adapter `args.ref_adapter_name`) and with
+            `precompute_ref_log_probs=True` (the untrained policy itself scores the dataset once).
+        args (`DPOConfig` or `None`, defaults to `None`):
+            Training configuration. `None` builds `DPOConfig(f"{model_name}-DPO")`.
+        data_collator (`DataCollator` or `None`, defaults to `None`):
+            Batch collator. Defaults to [`DataCollatorForPreference`]; a custom one must return the same keys.
+        train_dataset (`Dataset` or `IterableDataset`):
+            Preference data: `prompt`, `chosen`, `rejected` (explicit prompt) or `chosen`, `rejected` (implicit
+            prompt, extracted), standard or conversational, with optional `tools` and `chat_template_kwargs` columns;
+            or pre-tokenized `prompt_ids`, `chosen_ids`, `rejected_ids`.
+        eval_dataset (`Dataset`, `IterableDataset`, dict of them or `None`, defaults to `None`):
+            Evaluation data in the same formats.
+        processing_class (`PreTrainedTokenizerBase`, `ProcessorMixin` or `None`, defaults to `None`):
+            Tokenizer; loaded from the model's path when omitted (a missing pad token is set to the eos token).
+        compute_metrics (`Callable` or `None`, defaults to `None`):
+            Metric function for evaluation; receives the chosen and rejected rewards as predictions.
+        callbacks (`list[TrainerCallback]` or `None`, defaults to `None`):
+            Extra callbacks.
+        optimizers (`tuple`, defaults to `(None, None)`):
+            Optimizer and scheduler to use instead of the defaults.
+        quantization_config (`BitsAndBytesConfig` or `None`, defaults to `None`):
+            Quantization used when `model` is a string.
+        peft_config (`PeftConfig` or `None`, defaults to `None`):
+            Adapter configuration; the model is wrapped with `peft.get_peft_model`.
+    """
+
+    _tag_names = ["trl", "dpo"]
+    _name = "DPO"
+    _template_file = "lm_model_card.md"
+    _paper = {
+        "title": "Direct Preference Optimization: Your Language Model is Secretly a Reward Model",
+        "id": "2305.18290",
+        "citation": (
+            "@inproceedings{rafailov2023direct,\n"
+            "    title        = {{Direct Preference Optimization: Your Language Model is Secretly a Reward Model}},\n"
+            "    author       = {Rafael Rafailov and Archit Sharma and Eric Mitchell and Christopher D. Manning and "
+            "Stefano Ermon and Chelsea Finn},\n"
+            "    year         = 2023,\n"
+            "    booktitle    = {Advances in Neural Information Processing Systems 36},\n"
+            "}"
+        ),
+    }
+
+    def __init__(
+        self,
+        model: "str | PreTrainedModel | nn.Module",
+        ref_model: "PreTrainedModel | nn.Module | str | None" = None,
+        args: DPOConfig | None = None,
+        data_collator: DataCollator | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | IterableDataset | dict[str, Dataset | IterableDataset] | None = None,
+        processing_class: PreTrainedTokenizerBase
+        | BaseImageProcessor
+        | FeatureExtractionMixin
+        | ProcessorMixin
+        | None = None,
+        compute_metrics: Callable[[EvalPrediction], dict] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+    ):
+        # ---- Config --------------------------------------------------------------------------------------------
+        if args is None:
+            args = self._default_args(DPOConfig, model, "DPO")
+        elif isinstance(args, TrainingArguments) and not isinstance(args, DPOConfig):
+            args = _to_dpo_config(args)
+        self._check_train_dataset(train_dataset, "DPOTrainer")
+        self._prepare_iterable_args(args, train_dataset)
+        self._check_dpo_args(args)
+        if args.use_liger_kernel:
+            warnings.warn(
+                "use_liger_kernel is deprecated in DPOTrainer and has no effect: pass "
+                "model_init_kwargs={'use_kernels': True} to use hub kernels instead.",
+                FutureWarning,
+                stacklevel=2,
+            )
+
+        # ---- Model ---------------------------------------------------------------------------------------------
+        model_id = self._model_id(model)
+        model_arg = model
+        model = self._load_model(model, args, quantization_config=quantization_config)
+        if self._is_peft_model(model) and peft_config is not None:
+            raise ValueError(
+                "You passed a PeftModel together with a peft_config. Pass either a base model with peft_config, or "
+                "the PeftModel alone."
+            )
+        will_be_peft = self._is_peft_model(model) or peft_config is not None
+        if args.sync_ref_model and will_be_peft and ref_model is None:
+            raise ValueError(
+                "sync_ref_model=True needs a separate reference model, but with PEFT and ref_model=None the reference "
+                "is the model with its adapters disabled, which cannot be blended. Pass a ref_model or set "
+                "sync_ref_model=False."
+            )
+        if (args.model_adapter_name or args.ref_adapter_name) and not self._is_peft_model(model):
+            raise ValueError(
+                "model_adapter_name / ref_adapter_name select adapters of a PeftModel holding several adapters, but "
+                f"the model is a {type(model).__name__}. Pass a PeftModel with those adapters loaded, or leave both "
+                "options None."
+            )
+
+        # ---- Processing class ----------------------------------------------------------------------------------
+        if processing_class is None:
+            processing_class = self._load_processing_class(model_id, args)
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        if getattr(tokenizer, "pad_token", None) is None:
+            if getattr(tokenizer, "eos_token", None) is None:
+                raise ValueError(
+                    "The processing class has neither a pad_token nor an eos_token; set tokenizer.pad_token before "
+                    "creating the trainer."
+                )
+            tokenizer.pad_token = tokenizer.eos_token
+
+        # ---- MoE router loss -----------------------------------------------------------------------------------
+        self._aux_loss_enabled, self._aux_loss_coef = self._resolve_aux_loss(model, args)
+
+        # ---- PEFT and adapters ---------------------------------------------------------------------------------
+        model = self._wrap_peft(model, peft_config, args)
+        if self._is_peft_model(model):
+            self._check_adapters(model, args)
+            if args.model_adapter_name is not None:
+                model.set_adapter(args.model_adapter_name)
+
+        # ---- Reference model -----------------------------------------------------------------------------------
+        self._needs_reference = any(loss != "sft" for loss in args.loss_type)
+        # With precomputed log-probs the untrained policy scores the data itself: no copy is needed, except under
+        # DeepSpeed/FSDP where the policy is sharded later and a prepared reference is simpler.
+        distributed_engine = _uses_sharding_engine(args)
+        build_ref = self._needs_reference and (not args.precompute_ref_log_probs or distributed_engine)
+        ref_model = self._build_ref_model(model_arg, model, ref_model, args, needed=build_ref)
+        if args.disable_dropout:
+            disable_dropout_in_model(model)
+            if ref_model is not None:
+                disable_dropout_in_model(ref_model)
+
+        # ---- Collator and layout -------------------------------------------------------------------------------
+        self.pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
+        self._layout = self._choose_layout(model, args.padding_free, warn=True)
+        self._ref_layout = self._choose_layout(ref_model, args.padding_free) if ref_model is not None else None
+        if data_collator is None:
+            data_collator = DataCollatorForPreference(
+                pad_token_id=self.pad_token_id,
+                max_length=args.max_length,
+                truncation_mode=args.truncation_mode,
+                pad_to_multiple_of=args.pad_to_multiple_of,
+            )
+
+        # ---- Datasets ------------------------------------------------------------------------------------------
+        train_dataset = self._prepare_dataset(train_dataset, processing_class, args, "train")
+        if eval_dataset is not None:
+            if isinstance(eval_dataset, dict) and not isinstance(eval_dataset, (Dataset, IterableDataset)):
+                eval_dataset = {
+                    key: self._prepare_dataset(ds, processing_class, args, f"eval ({key})")
+                    for key, ds in eval_dataset.items()
+                }
+            else:
+                eval_dataset = self._prepare_dataset(eval_dataset, processing_class, args, "eval")
+
+        # ---- Trainer -------------------------------------------------------------------------------------------
+        self._init_metrics()
+        self._total_train_tokens = 0
+        self._policy_is_reference = False
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        # DPO losses are averaged per pair: the Trainer scales them for gradient accumulation itself.
+        self.model_accepts_loss_kwargs = False
+        self.ref_model = self._prepare_ref_model(ref_model)
+        self._add_sync_ref_model_callback(self.ref_model)
+
+        if args.activation_offloading:
+            from ..models.activation_offloading import get_act_offloading_ctx_manager
+
+            self.maybe_activation_offload_context = get_act_offloading_ctx_manager(self.model)
+        else:
+            self.maybe_activation_offload_context = contextlib.nullcontext()
+
+        if args.precompute_ref_log_probs and self._needs_reference:
+            self._precompute_all_reference_logps()
+        self._add_model_tags(self.model)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Validation and setup helpers
+    # ------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_dpo_args(args: DPOConfig) -> None:
+        """Combinations of options that cannot work, rejected before anything is loaded."""
+        losses = list(args.loss_type)
+        if args.loss_weights is not None and len(args.loss_weights) != len(losses):
+            raise ValueError(
+                f"loss_weights needs one weight per loss_type entry: loss_type={losses} has {len(losses)} entries but "
+                f"loss_weights={args.loss_weights} has {len(args.loss_weights)}."
+            )
+        if args.f_divergence_type != "reverse_kl":
+            unsupported = [loss for loss in losses if loss not in _F_DIVERGENCE_LOSSES]
+            if unsupported:
+                raise ValueError(
+                    f"f_divergence_type={args.f_divergence_type!r} only applies to the losses {_F_DIVERGENCE_LOSSES}, "
+                    f"but loss_type contains {unsupported}. Use f_divergence_type='reverse_kl' with those losses."
+                )
+        if args.use_weighting and any(loss in ("aot", "aot_unpaired") for loss in losses):
+            raise ValueError(
+                "use_weighting=True (WPO) cannot be combined with loss_type 'aot' / 'aot_unpaired', whose quantile "
+                "matching sorts the pairs. Drop one of the two."
+            )
+        if "robust" in losses and not 0.0 <= args.label_smoothing < 0.5:
+            raise ValueError(
+                f"loss_type='robust' needs 0 <= label_smoothing < 0.5 (the label-noise rate); got "
+                f"{args.label_smoothing}."
+            )
+        if "exo_pair" in losses and not 0.0 < args.label_smoothing < 1.0:
+            raise ValueError(
+                f"loss_type='exo_pair' needs label_smoothing in (0, 1) (its epsilon; 1e-3 is a common value); got "
+                f"{args.label_smoothing}."
+            )
+        if not 0.0 <= args.label_smoothing < 1.0 and not set(losses) <= {"sft"}:
+            raise ValueError(f"label_smoothing must be in [0, 1); got {args.label_smoothing}.")
+        if args.beta <= 0 and any(loss in ("ipo", "sppo_hard") for loss in losses):
+            raise ValueError(f"loss_type 'ipo' / 'sppo_hard' divide by beta, which must be > 0; got {args.beta}.")
+        if args.sync_ref_model and args.precompute_ref_log_probs:
+            raise ValueError(
+                "sync_ref_model=True updates the reference model during training, but precompute_ref_log_probs=True "
+                "fixes the reference log-probs before training (and drops the reference model). Use one of the two."
+            )
+        if args.n_gpu > 1:
+            raise ValueError(
+                f"DPOTrainer does not support torch.nn.DataParallel over {args.n_gpu} GPUs in one process. Launch "
+                "one process per GPU with `accelerate launch` (or torchrun), or restrict CUDA_VISIBLE_DEVICES to one "
+                "GPU."
+            )
+
+    @staticmethod
+    def _resolve_aux_loss(model: nn.Module, args: DPOConfig) -> tuple[bool, float]:
+        model_config = getattr(model, "config", None)
+        if args.router_aux_loss_coef is None and not getattr(model_config, "output_router_logits", False):
+            return False, 0.0
+        is_moe = model_config is not None and hasattr(model_config, "router_aux_loss_coef")
+        if args.router_aux_loss_coef is not None and not is_moe:
+            raise ValueError(
+                f"router_aux_loss_coef={args.router_aux_loss_coef} was set, but {type(model).__name__} has no "
+                "mixture-of-experts router. Leave router_aux_loss_coef=None for dense models."
+            )
+        coef = (
+            args.router_aux_loss_coef if args.router_aux_loss_coef is not None else model_config.router_aux_loss_coef
+        )
+        if is_moe and coef:
+            model_config.output_router_logits = True
+            return True, float(coef)
+        return False, 0.0
+
+    @staticmethod
+    def _check_adapters(model: nn.Module, args: DPOConfig) -> None:
+        available = list(getattr(model, "peft_config", {}) or {})
+        for option in ("model_adapter_name", "ref_adapter_name"):
+            name = getattr(args, option)
+            if name is not None and name not in available:
+                raise ValueError(
+                    f"{option}={name!r} is not an adapter of the PEFT model; it has {available}. Load it first (e.g. "
+                    f"PeftModel.load_adapter(path, adapter_name={name!r})) or fix the name."
+                )
+        if args.model_adapter_name is not None and args.model_adapter_name == args.ref_adapter_name:
+            raise ValueError(
+                f"model_adapter_name and ref_adapter_name are both {args.model_adapter_name!r}; the reference adapter "
+                "must differ from the trained one."
+            )
+
+    @staticmethod
+    def _choose_layout(model: nn.Module | None, padding_free: bool, warn: bool = False) -> str:
+        """Batch layout of the forward pass: `padding_free` (one row), `packed` (short rows) or `padded`."""
+        kind = packed_attention_kind(model) if model is not None else None
+        if kind is None:
+            if padding_free and warn:
+                implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+                warnings.warn(
+                    f"padding_free=True, but the model ({type(model).__name__}, attention {implementation!r}) cannot "
+                    "attend within packed sequences; falling back to padded batches.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return "padded"
+        if padding_free or kind == "varlen":
+            return "padding_free"
+        return "packed"
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Dataset preparation
+    # ------------------------------------------------------------------------------------------------------------
+    def _prepare_dataset(
+        self, dataset: Dataset | IterableDataset, processing_class: Any, args: DPOConfig, dataset_name: str
+    ) -> Dataset | IterableDataset:
+        if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
+            raise ValueError(
+                f"The {dataset_name} dataset is a DatasetDict with splits {list(dataset.keys())}; pass one split, for "
+                f"example dataset['train']."
+            )
+        is_iterable = isinstance(dataset, IterableDataset)
+        map_kwargs: dict[str, Any] = {} if is_iterable else {"num_proc": args.dataset_num_proc}
+        first = next(iter(dataset), None)
+        if first is None:
+            raise ValueError(f"The {dataset_name} dataset is empty; DPOTrainer needs at least one preference pair.")
+        columns = list(get_dataset_column_names(dataset) or first.keys())
+
+        legacy = {old: new for old, new in _LEGACY_TOKENIZED_COLUMNS.items() if old in columns and new not in columns}
+        if legacy:
+            dataset = dataset.rename_columns(legacy)
+            columns = [legacy.get(c, c) for c in columns]
+
+        if all(c in columns for c in _TOKENIZED_COLUMNS):
+            tokenized = dataset
+        else:
+            missing = [c for c in ("chosen", "rejected") if c not in columns]
+            if missing:
+                raise ValueError(
+                    f"The {dataset_name} dataset has columns {columns}, but DPOTrainer needs preference data with "
+                    f"'chosen' and 'rejected' columns (missing: {missing}), plus an optional 'prompt' (otherwise the "
+                    "shared beginning of chosen and rejected is used as the prompt), or pre-tokenized 'prompt_ids', "
+                    "'chosen_ids' and 'rejected_ids'. Rename your columns (dataset.rename_column(old, new))."
+                )
+            conversational = is_conversational(first)
+            tokenizer = getattr(processing_class, "tokenizer", processing_class)
+            if conversational and getattr(processing_class, "chat_template", None) is None:
+                raise ValueError(
+                    f"The {dataset_name} dataset is conversational but the processing class "
+                    f"({type(processing_class).__name__}, {getattr(tokenizer, 'name_or_path', '')!r}) has no chat "
+                    "template. Assign tokenizer.chat_template (or use trl.clone_chat_template) before creating the "
+                    "trainer."
+                )
+            dataset = dataset.map(maybe_extract_prompt, **_desc(map_kwargs, f"Extracting prompt in {dataset_name}"))
+            tokenize = _PreferenceTokenizer(processing_class, conversational)
+            keep = set(_REF_COLUMNS)
+            remove = [c for c in get_dataset_column_names(dataset) or columns if c not in keep]
+            tokenized = dataset.map(tokenize, remove_columns=remove, **_desc(map_kwargs, f"Tokenizing {dataset_name}"))
+
+        # Drop pairs where truncation would leave the chosen or the rejected completion without a scored token.
+        max_length, mode = args.max_length, args.truncation_mode
+        keep_fn = _HasTargets(max_length, mode)
+        if not is_iterable:
+            flags = [
+                keep_fn.check(len(p), len(c), len(r))
+                for p, c, r in zip(tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"])
+            ]
+            n_drop = flags.count(False)
+            if n_drop == len(flags):
+                shortest = min(len(p) for p in tokenized["prompt_ids"])
+                raise ValueError(
+                    f"No {dataset_name} pair has a completion token left to train on: with max_length={max_length} "
+                    f"and truncation_mode={mode!r}, every prompt fills the whole length (the shortest prompt is "
+                    f"{shortest} tokens, expected fewer than max_length) or a completion is empty. Raise max_length, "
+                    "shorten the prompts, or use truncation_mode='keep_end'."
+                )
+            if n_drop:
+                logger.warning(
+                    "Dropping %d of %d %s pairs whose prompt leaves no completion token within max_length=%s.",
+                    n_drop,
+                    len(flags),
+                    dataset_name,
+                    max_length,
+                )
+                tokenized = tokenized.select([i for i, keep in enumerate(flags) if keep])
+        else:
+            tokenized = tokenized.filter(keep_fn)
+        return tokenized
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Log-probabilities
+    # ------------------------------------------------------------------------------------------------------------
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = [*_TOKENIZED_COLUMNS, *_REF_COLUMNS]
+
+    @staticmethod
+    def _target_mask(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Next-token positions to score: the target token is a real completion token."""
+        return (inputs["completion_mask"][:, 1:] * inputs["attention_mask"][:, 1:]).bool()
+
+    def _sequence_logps(self, token_logps: torch.Tensor, target_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Summed log-prob and scored-token count of each sequence (LD-DPO down-weights the longer tail)."""
+        mask = target_mask.to(token_logps.dtype)
+        counts = target_mask.sum(dim=1)
+        if self.args.ld_alpha is None:
+            return (token_logps * mask).sum(dim=1), counts
+        num_pairs = token_logps.shape[0] // 2
+        rank = target_mask.long().cumsum(dim=1) - 1  # index of each scored token inside its completion
+        shared = torch.minimum(counts[:num_pairs], counts[num_pairs:]).repeat(2)
+        weights = torch.where(rank < shared.unsqueeze(1), 1.0, self.args.ld_alpha).to(token_logps.dtype)
+        return (token_logps * mask * weights).sum(dim=1), counts
+
+    def _logits_stats(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-token statistics of the full distribution, computed chunk by chunk (never a full-vocab log-softmax)."""
+        vocab = logits.shape[-1]
+        flat_logits = logits.reshape(-1, vocab)
+        flat_targets = targets.reshape(-1)
+        rows = max(1, _STATS_CHUNK_BYTES // (4 * vocab))
+        mean_logit, correct, sharpness = [], [], []
+        for start in range(0, flat_logits.shape[0], rows):
+            chunk = flat_logits[start : start + rows].float()
+            mean_logit.append(chunk.mean(dim=-1))
+            correct.append((chunk.argmax(dim=-1) == flat_targets[start : start + rows]).float())
+            if self.args.use_weighting:
+                # WPO: log sum_v p_v^2 = logsumexp(2 z) - 2 logsumexp(z).
+                sharpness.append(torch.logsumexp(2 * chunk, dim=-1) - 2 * torch.logsumexp(chunk, dim=-1))
+        stats = {
+            "mean_logit": torch.cat(mean_logit).reshape(targets.shape),
+            "correct": torch.cat(correct).reshape(targets.shape),
+        }
+        if sharpness:
+            stats["log_sum_sq_probs"] = torch.cat(sharpness).reshape(targets.shape)
+        return stats
+
+    def _token_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor], layout: str, with_stats: bool):
+        return compute_sequence_token_logps(
+            model,
+            inputs["input_ids"],
+            inputs["attention_mask"],
+            self._target_mask(inputs),
+            layout=layout,
+            pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=self.args.pad_to_multiple_of,
+            compute_entropy=with_stats,
+            logits_stats_fn=self._logits_stats if with_stats else None,
+        )
+
+    def compute_ref_log_probs(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Reference log-probabilities of the chosen and rejected completions of a collated batch.
+
+        Computed without gradients by the reference model, by the PEFT policy with its adapters disabled (or with
+        `args.ref_adapter_name` active), or, while precomputing before training, by the untrained policy itself.
+
+        Args:
+            model: The policy (used for the PEFT reference and for precomputation).
+            inputs: A batch from [`DataCollatorForPreference`].
+
+        Returns:
+            `{"ref_chosen_logps": (n,), "ref_rejected_logps": (n,)}` summed log-probabilities.
+        """
+        target_mask = self._target_mask(inputs)
+        with torch.no_grad():
+            if self.ref_model is None and self._policy_is_reference:
+                result = self._token_logps(model, inputs, self._layout, with_stats=False)
+            else:
+                if self.ref_model is None and not self._is_peft_model(self.accelerator.unwrap_model(model)):
+                    raise ValueError(
+                        "This batch has no precomputed reference log-probs (ref_chosen_logps / ref_rejected_logps) "
+                        "and the trainer holds no reference model (it was released after precompute_ref_log_probs). "
+                        "Evaluate on the datasets given to the trainer, whose reference log-probs were precomputed, "
+                        "or create the trainer with precompute_ref_log_probs=False."
+                    )
+                layout = self._ref_layout if self.ref_model is not None else self._layout
+                with self._reference_context(model, self.ref_model, self.args.ref_adapter_name) as reference:
+                    result = self._token_logps(reference, inputs, layout, with_stats=False)
+        sums, _ = self._sequence_logps(result.logps.float(), target_mask)
+        num_pairs = sums.shape[0] // 2
+        return {"ref_chosen_logps": sums[:num_pairs], "ref_rejected_logps": sums[num_pairs:]}
+
+    def _precompute_all_reference_logps(self) -> None:
+        """Score the train and eval datasets with the reference once, then release the reference model."""
+        args = self.args
+        was_training = self.model.training
+        self.model.eval()
+        self._policy_is_reference = self.ref_model is None
+        try:
+            self.train_dataset = self._precompute_dataset(
+                self.train_dataset, args.precompute_ref_batch_size or args.per_device_train_batch_size, "train"
+            )
+            if self.eval_dataset is not None:
+                batch_size = args.precompute_ref_batch_size or args.per_device_eval_batch_size
+                if isinstance(self.eval_dataset, dict):
+                    self.eval_dataset = {
+                        key: self._precompute_dataset(ds, batch_size, f"eval ({key})")
+                        for key, ds in self.eval_dataset.items()
+                    }
+                else:
+                    self.eval_dataset = self._precompute_dataset(self.eval_dataset, batch_size, "eval")
+        finally:
+            self._policy_is_reference = False
+            self.model.train(was_training)
+        # The log-probs are stored with the data: the reference model is no longer needed.
+        self.ref_model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _precompute_dataset(self, dataset: Dataset, batch_size: int, name: str) -> Dataset:
+        if isinstance(dataset, Dataset) and all(c in dataset.column_names for c in _REF_COLUMNS):
+            return dataset  # already scored (e.g. by the user)
+        model = self.model if self.is_deepspeed_enabled or self.is_fsdp_enabled else self.model.to(self.args.device)
+
+        def compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            with self.compute_loss_context_manager():
+                return self.compute_ref_log_probs(model, batch)
+
+        return precompute_reference_logps(
+            dataset,
+            self.data_collator,
+            compute,
+            batch_size=batch_size,
+            accelerator=self.accelerator,
+            num_workers=self.args.dataloader_num_workers,
+            desc=f"Computing reference log-probs of the {name} dataset",
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Loss
+    # ------------------------------------------------------------------------------------------------------------
+    def training_step(self, *args, **kwargs):
+        with self.maybe_activation_offload_context:
+            return super().training_step(*args, **kwargs)
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        mode = "train" if self.model.training else "eval"
+        target_mask = self._target_mask(inputs)
+        num_pairs = inputs["input_ids"].shape[0] // 2
+
+        policy = self._token_logps(model, inputs, self._layout, with_stats=True)
+        token_logps = policy.logps.float()
+        sums, counts = self._sequence_logps(token_logps, target_mask)
+        chosen_logps, rejected_logps = sums[:num_pairs], sums[num_pairs:]
+        chosen_lengths, rejected_lengths = counts[:num_pairs], counts[num_pairs:]
+
+        if all(key in inputs for key in _REF_COLUMNS):
+            ref_chosen_logps = inputs["ref_chosen_logps"].to(chosen_logps)
+            ref_rejected_logps = inputs["ref_rejected_logps"].to(rejected_logps)
+        elif self._needs_reference:
+            ref = self.compute_ref_log_probs(model, inputs)
+            ref_chosen_logps, ref_rejected_logps = ref["ref_chosen_logps"], ref["ref_rejected_logps"]
+        else:  # only the sft loss: rewards are measured against a zero baseline
+            ref_chosen_logps = torch.zeros_like(chosen_logps)
+            ref_rejected_logps = torch.zeros_like(rejected_logps)
+
+        pair_weights = None
+        if self.args.use_weighting:
+            # WPO: length-normalised, sharpness-adjusted probability of both completions under the current policy.
+            adjusted = (token_logps.detach() - policy.stats["log_sum_sq_probs"]) * target_mask
+            mean_adjusted = adjusted.sum(dim=1) / counts.clamp(min=1)
+            pair_weights = torch.exp(mean_adjusted[:num_pairs] + mean_adjusted[num_pairs:]).clamp(max=1.0)
+
+        weights = self.args.loss_weights or [1.0] * len(self.args.loss_type)
+        loss = token_logps.new_zeros(())
+        for loss_type, weight in zip(self.args.loss_type, weights):
+            losses = dpo_loss(
+                loss_type,
+                chosen_logps,
+                rejected_logps,
+                ref_chosen_logps,
+                ref_rejected_logps,
+                chosen_lengths=chosen_lengths,
+                rejected_lengths=rejected_lengths,
+                beta=self.args.beta,
+                label_smoothing=self.args.label_smoothing,
+                f_divergence_type=self.args.f_divergence_type,
+                f_alpha_divergence_coef=self.args.f_alpha_divergence_coef,
+                discopop_tau=self.args.discopop_tau,
+            )
+            if pair_weights is not None and loss_type != "sft":
+                losses = losses * pair_weights
+            loss = loss + weight * losses.mean()
+
+        aux_loss = getattr(policy.outputs, "aux_loss", None) if self._aux_loss_enabled else None
+        if aux_loss is not None:
+            loss = loss + self._aux_loss_coef * aux_loss
+
+        chosen_rewards = self.args.beta * (chosen_logps - ref_chosen_logps).detach()
+        rejected_rewards = self.args.beta * (rejected_logps - ref_rejected_logps).detach()
+        with torch.no_grad():
+            self._log_batch_metrics(
+                mode,
+                inputs,
+                target_mask,
+                num_pairs,
+                chosen_logps.detach(),
+                rejected_logps.detach(),
+                chosen_rewards,
+                rejected_rewards,
+                policy,
+                aux_loss,
+            )
+        if return_outputs:
+            return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
+        return loss
+
+    def _log_batch_metrics(
+        self,
+        mode: str,
+        inputs: dict[str, torch.Tensor],
+        target_mask: torch.Tensor,
+        num_pairs: int,
+        chosen_logps: torch.Tensor,
+        rejected_logps: torch.Tensor,
+        chosen_rewards: torch.Tensor,
+        rejected_rewards: torch.Tensor,
+        policy: Any,
+        aux_loss: torch.Tensor | None,
+    ) -> None:
+        """Gather every metric of the batch across processes in one collective and store it for logging."""
+        mask = target_mask.float()
+        chosen_mask, rejected_mask = mask[:num_pairs], mask[num_pairs:]
+        mean_logit = policy.stats["mean_logit"]
+        # Pair-level metrics are averaged over processes; token-level ones are ratios of summed numerators/denominators.
+        pair_level = {
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "logps/chosen": chosen_logps.mean(),
+            "logps/rejected": rejected_logps.mean(),
+        }
+        if aux_loss is not None:
+            pair_level["aux_loss"] = aux_loss.detach().float()
+        token_level = {
+            "logits/chosen": ((mean_logit[:num_pairs] * chosen_mask).sum(), chosen_mask.sum()),
+            "logits/rejected": ((mean_logit[num_pairs:] * rejected_mask).sum(), rejected_mask.sum()),
+            "entropy": ((policy.entropy.float() * mask).sum(), mask.sum()),
+            "mean_token_accuracy": ((policy.stats["correct"][:num_pairs] * chosen_mask).sum(), chosen_mask.sum()),
+        }
+        values = [v.float().reshape(()) for v in pair_level.values()]
+        for numerator, denominator in token_level.values():
+            values.extend([numerator.float().reshape(()), denominator.float().reshape(())])
+        values.append(inputs["attention_mask"].sum().float())
+        stacked = torch.stack(values).to(self.accelerator.device)
+        gathered = self.accelerator.gather(stacked.unsqueeze(0)).reshape(-1, stacked.numel())
+        means = gathered.mean(dim=0).tolist()
+        sums = gathered.sum(dim=0).tolist()
+        for index, name in enumerate(pair_level):
+            self._metrics[mode][name].append(means[index])
+        offset = len(pair_level)
+        for index, name in enumerate(token_level):
+            numerator, denominator = sums[offset + 2 * index], sums[offset + 2 * index + 1]
+            self._metrics[mode][name].append(numerator / denominator if denominator > 0 else float("nan"))
+        if mode == "train":
+            self._total_train_tokens += int(sums[-1])
+            self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        loss = loss.detach()
+        if prediction_loss_only:
+            return loss, None, None
+        # Predictions: the chosen and rejected rewards of every pair; labels: index 0 (the chosen one is preferred).
+        logits = torch.stack([outputs["chosen_rewards"], outputs["rejected_rewards"]], dim=1)
+        labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+        return loss, logits, labels
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dataset-map helpers (picklable, so that `dataset_num_proc` works)
+# ----------------------------------------------------------------------------------------------------------------
+def _desc(map_kwargs: dict[str, Any], text: str) -> dict[str, Any]:
+    return {**map_kwargs, "desc": text} if "num_proc" in map_kwargs else dict(map_kwargs)
+
+
+def _as_list(value: Any) -> list[int]:
+    if torch.is_tensor(value):
+        value = value.tolist()
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
+        return value[0]
+    return list(value)
+
+
+def _parse_tools(tools: Any) -> Any:
+    if isinstance(tools, str):
+        try:
+            return json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"The `tools` column must hold a list of JSON schemas or a JSON string; got {tools!r}."
+            ) from error
+    return tools
+
+
+class _PreferenceTokenizer:
+    """Turns one `{prompt, chosen, rejected}` example into `prompt_ids`, `chosen_ids`, `rejected_ids`.
+
+    Both `prompt + chosen` and `prompt + rejected` are tokenized in full, and the prompt is taken as their shared
+    token prefix with the separately tokenized prompt, so a tokenizer that merges characters across the junction
+    cannot make the prompt differ between the two sequences.
+    """
+
+    def __init__(self, processing_class: Any, conversational: bool):
+        self.processing_class = processing_class
+        self.tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        self.conversational = conversational
+
+    def _chat(self, messages: list[dict[str, Any]], example: dict[str, Any], **kwargs: Any) -> list[int]:
+        template_kwargs = {k: v for k, v in (example.get("chat_template_kwargs") or {}).items() if v is not None}
+        try:
+            out = self.processing_class.apply_chat_template(
+                messages,
+                tools=_parse_tools(example.get("tools")),
+                tokenize=True,
+                return_dict=True,
+                **kwargs,
+                **template_kwargs,
+            )
+        except Exception as error:  # surface template errors with the offending example
+            raise ValueError(
+                f"Applying the chat template failed on the example {str(messages)[:300]}: {error}"
+            ) from error
+        return _as_list(out["input_ids"])
+
+    def __call__(self, example: dict[str, Any]) -> dict[str, list[int]]:
+        prompt, chosen, rejected = example.get("prompt"), example["chosen"], example["rejected"]
+        if self.conversational:
+            prompt = list(prompt or [])
+            if prompt:
+                last_role = prompt[-1].get("role")
+                prompt_kwargs = (
+                    {"continue_final_message": True} if last_role == "assistant" else {"add_generation_prompt": True}
+                )
+                prompt_ids = self._chat(prompt, example, **prompt_kwargs)
+            else:
+                prompt_ids = []
+            full_chosen = self._chat(prompt + list(chosen), example)
+            full_rejected = self._chat(prompt + list(rejected), example)
+        else:
+            prompt = prompt or ""
+            if not all(isinstance(value, str) for value in (prompt, chosen, rejected)):
+                raise ValueError(
+                    "Standard preference data needs string 'prompt', 'chosen' and 'rejected' values; got "
+                    f"{type(prompt).__name__}, {type(chosen).__name__} and {type(rejected).__name__}. Conversational "
+                    "data must be lists of {'role', 'content'} messages in every column."
+                )
+            eos = self.tokenizer.eos_token
+            if eos:
+                chosen = chosen if chosen.endswith(eos) else chosen + eos
+                rejected = rejected if rejected.endswith(eos) else rejected + eos
+            prompt_ids = _as_list(self.tokenizer(prompt)["input_ids"]) if prompt else []
+            full_chosen = _as_list(self.tokenizer(prompt + chosen)["input_ids"])
+            full_rejected = _as_list(self.tokenizer(prompt + rejected)["input_ids"])
+        split = min(common_prefix_length(prompt_ids, full_chosen), common_prefix_length(prompt_ids, full_rejected))
+        return {
+            "prompt_ids": full_chosen[:split],
+            "chosen_ids": full_chosen[split:],
+            "rejected_ids": full_rejected[split:],
+        }
+
+
+class _HasTargets:
+    """Whether both completions of a pair keep at least one scored token after truncation."""
+
+    def __init__(self, max_length: int | None, mode: str):
+        self.max_length = max_length
+        self.mode = mode
+
+    def _targets(self, prompt_len: int, completion_len: int) -> int:
+        total = prompt_len + completion_len
+        if self.max_length is None or total <= self.max_length:
+            kept_prompt, kept_completion = prompt_len, completion_len
+        elif self.mode == "keep_start":
+            kept_prompt = min(prompt_len, self.max_length)
+            kept_completion = self.max_length - kept_prompt
+        else:
+            kept_completion = min(completion_len, self.max_length)
+            kept_prompt = self.max_length - kept_completion
+        # The first token of a sequence has nothing before it and cannot be scored.
+        return kept_completion - (1 if kept_prompt == 0 and kept_completion > 0 else 0)
+
+    def check(self, prompt_len: int, chosen_len: int, rejected_len: int) -> bool:
+        return self._targets(prompt_len, chosen_len) > 0 and self._targets(prompt_len, rejected_len) > 0
+
+    def __call__(self, example: dict[str, Any]) -> bool:
+        return self.check(len(example["prompt_ids"]), len(example["chosen_ids"]), len(example["rejected_ids"]))
+
+
+def _uses_sharding_engine(args: TrainingArguments) -> bool:
+    """Whether DeepSpeed or FSDP will wrap the model (the policy cannot then double as an unsharded reference)."""
+    return bool(getattr(args, "deepspeed", None)) or bool(getattr(args, "fsdp", None))
+
+
+def _to_dpo_config(args: TrainingArguments) -> DPOConfig:
+    """Convert plain `TrainingArguments` to `DPOConfig`, keeping every value the user set."""
+    values = {}
+    for f in dataclasses.fields(args):
+        if f.init and not f.name.startswith("_"):
+            values[f.name] = getattr(args, f.name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return DPOConfig(**values)
