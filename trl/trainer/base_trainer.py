@@ -6,6 +6,7 @@ and the default config when `args=None`. A trainer subclass adds only its data p
 """
 
 import contextlib
+import copy
 import logging
 import os
 import warnings
@@ -395,6 +396,53 @@ class _BaseTrainer(Trainer):
     def _add_model_tags(self, model: Any) -> None:
         if hasattr(model, "add_model_tags"):
             model.add_model_tags(self._tag_names)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Classification heads with PEFT (reward and process reward models)
+    # ------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _with_trainable_head(
+        peft_config: Any,
+        model: nn.Module,
+        head_names: tuple[str, ...] = ("score", "classifier"),
+        task_type: str | None = None,
+    ):
+        """Copy of `peft_config` fit for a classification model: its head trains, and the task type matches.
+
+        A sequence/token-classification head is usually freshly initialised, so it must be trained (and saved with
+        the adapter) even though the rest of the base model stays frozen: any top-level child module named in
+        `head_names` is added to `modules_to_save`. When `task_type` is given and the config names another one (for
+        example the `CAUSAL_LM` default of the CLI's `--lora_task_type`, whose PEFT wrapper expects a generative
+        model), it is replaced with a warning. The config is returned unchanged when nothing needs fixing.
+
+        Args:
+            peft_config: A `peft.PeftConfig` (not modified), or None.
+            model: The model about to be wrapped.
+            head_names: Names of head modules to look for among the model's direct children.
+            task_type: PEFT task type the trainer needs (`"SEQ_CLS"`, `"TOKEN_CLS"`), or None to keep any.
+        """
+        if peft_config is None:
+            return None
+        current = getattr(peft_config, "task_type", None)
+        current = getattr(current, "value", current)
+        fix_task = task_type is not None and current is not None and current != task_type
+        heads = [name for name, _ in model.named_children() if name in head_names]
+        modules = list(getattr(peft_config, "modules_to_save", None) or [])
+        missing = [name for name in heads if name not in modules] if hasattr(peft_config, "modules_to_save") else []
+        if not missing and not fix_task:
+            return peft_config
+        peft_config = copy.copy(peft_config)
+        if missing:
+            peft_config.modules_to_save = modules + missing
+        if fix_task:
+            warnings.warn(
+                f"peft_config.task_type={current!r} does not fit this trainer's {type(model).__name__}; using "
+                f"task_type={task_type!r} instead (pass --lora_task_type {task_type} on the command line).",
+                UserWarning,
+                stacklevel=3,
+            )
+            peft_config.task_type = task_type
+        return peft_config
 
     # ------------------------------------------------------------------------------------------------------------
     # Chat template from `args.chat_template_path` (SFT, Reward, ...)
