@@ -331,6 +331,15 @@ def test_collator_padding_free_layout():
     assert "attention_mask" not in batch
 
 
+def test_collator_padding_free_rows_bounded_for_dense_attention():
+    collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True, max_row_length=5)
+    batch = collator([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6, 7, 8, 9]}])
+    # first fit, longest first: [6..9] alone, [1, 2, 3] + [4, 5]; the short row is padded by its own block
+    assert batch["input_ids"].tolist() == [[6, 7, 8, 9, 0], [1, 2, 3, 4, 5]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+    assert batch["labels"].tolist() == [[-100, 7, 8, 9, -100], [-100, 2, 3, -100, 5]]
+
+
 def test_collator_padded_layout():
     collator = DataCollatorForLanguageModeling(pad_token_id=0, pad_to_multiple_of=4, return_position_ids=True)
     batch = collator([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [-100, 5]}])

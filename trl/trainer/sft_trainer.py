@@ -36,7 +36,7 @@ from ..data_utils import (
 )
 from .base_trainer import _BaseTrainer
 from .sft_config import SFTConfig
-from .utils import entropy_from_logits, model_accepts_argument, pad
+from .utils import entropy_from_logits, model_accepts_argument, packed_attention_kind, pad
 
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,12 @@ class DataCollatorForLanguageModeling:
             Pad the sequence length to a multiple of this value.
         return_tensors (`str`, defaults to `"pt"`):
             Only `"pt"` is supported.
+        max_row_length (`int` or `None`, defaults to `None`):
+            Padding-free only: the most tokens one row may hold. `None` puts the whole batch into a single row, which
+            is ideal for variable-length attention kernels (FlashAttention). Eager/SDPA attention builds a dense
+            mask whose cost grows with the square of the row length, so SFTTrainer sets this to `max_length` for
+            them: examples are then placed into rows first-fit (longest first) and each row is padded by a separate
+            trailing block that nothing attends to.
     """
 
     pad_token_id: int
@@ -73,6 +79,7 @@ class DataCollatorForLanguageModeling:
     return_position_ids: bool = False
     pad_to_multiple_of: int | None = None
     return_tensors: str = "pt"
+    max_row_length: int | None = None
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if self.return_tensors != "pt":
@@ -90,20 +97,7 @@ class DataCollatorForLanguageModeling:
         position_ids = [_positions_from_lengths(lengths) for lengths in pieces]
 
         if self.padding_free:
-            flat_ids = torch.cat(input_ids).unsqueeze(0)
-            flat_pos = torch.cat(position_ids).unsqueeze(0)
-            flat_labels = torch.cat(labels).unsqueeze(0).clone()
-            flat_labels[flat_pos == 0] = -100
-            if self.pad_to_multiple_of is not None:
-                length = flat_ids.shape[1]
-                target = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-                extra = target - length
-                if extra:
-                    flat_ids = F.pad(flat_ids, (0, extra), value=self.pad_token_id)
-                    flat_labels = F.pad(flat_labels, (0, extra), value=-100)
-                    # Padding forms its own trailing "sequence" so real tokens never attend to it.
-                    flat_pos = torch.cat([flat_pos, torch.arange(extra).unsqueeze(0)], dim=1)
-            return {"input_ids": flat_ids, "position_ids": flat_pos, "labels": flat_labels}
+            return self._padding_free(input_ids, labels, position_ids)
 
         batch = {
             "input_ids": pad(input_ids, self.pad_token_id, "right", self.pad_to_multiple_of),
@@ -120,6 +114,54 @@ class DataCollatorForLanguageModeling:
         if self.return_position_ids:
             batch["position_ids"] = pad(position_ids, 0, "right", self.pad_to_multiple_of)
         return batch
+
+    def _padding_free(
+        self, input_ids: list[torch.Tensor], labels: list[torch.Tensor], position_ids: list[torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        rows = _first_fit_rows([len(ids) for ids in input_ids], self.max_row_length)
+        row_ids, row_labels, row_pos = [], [], []
+        for members in rows:
+            ids = torch.cat([input_ids[i] for i in members])
+            pos = torch.cat([position_ids[i] for i in members])
+            lab = torch.cat([labels[i] for i in members]).clone()
+            lab[pos == 0] = -100  # a sequence's first token is never the continuation of the previous one
+            row_ids.append(ids)
+            row_labels.append(lab)
+            row_pos.append(pos)
+        width = max(len(ids) for ids in row_ids)
+        if self.pad_to_multiple_of is not None:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        for i, ids in enumerate(row_ids):
+            extra = width - len(ids)
+            if extra:
+                # Padding forms its own trailing "sequence" (positions restart at 0), so real tokens never attend to it.
+                row_ids[i] = F.pad(ids, (0, extra), value=self.pad_token_id)
+                row_labels[i] = F.pad(row_labels[i], (0, extra), value=-100)
+                row_pos[i] = torch.cat([row_pos[i], torch.arange(extra, dtype=torch.long)])
+        return {
+            "input_ids": torch.stack(row_ids),
+            "position_ids": torch.stack(row_pos),
+            "labels": torch.stack(row_labels),
+        }
+
+
+def _first_fit_rows(lengths: list[int], capacity: int | None) -> list[list[int]]:
+    """Group example indices into rows of at most `capacity` tokens (first fit, longest first); None: one row."""
+    if capacity is None:
+        return [list(range(len(lengths)))]
+    capacity = max(capacity, max(lengths, default=0))
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[index] <= free:
+                rows[r].append(index)
+                room[r] -= lengths[index]
+                break
+        else:
+            rows.append([index])
+            room.append(capacity - lengths[index])
+    return [sorted(members) for members in rows]
 
 
 def _positions_from_lengths(lengths: list[int]) -> torch.Tensor:
@@ -332,10 +374,16 @@ class SFTTrainer(_BaseTrainer):
             logger.info("packing_strategy=%r implies padding_free=True.", args.packing_strategy)
         if data_collator is None:
             pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
+            # Dense-mask attention (eager/SDPA) pays quadratically for long rows: keep padding-free rows within
+            # max_length. Variable-length kernels take the whole batch as one row.
+            max_row_length = None
+            if self.padding_free and packed_attention_kind(model) != "varlen":
+                max_row_length = args.max_length
             data_collator = DataCollatorForLanguageModeling(
                 pad_token_id=pad_token_id,
                 padding_free=self.padding_free,
                 pad_to_multiple_of=args.pad_to_multiple_of,
+                max_row_length=max_row_length,
             )
 
         # ---- Datasets ------------------------------------------------------------------------------------------
