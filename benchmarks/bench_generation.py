@@ -1,0 +1,194 @@
+"""Generation throughput for the online trainers: transformers `generate` vs vLLM, on CPU or GPU.
+
+Each configuration runs in its own subprocess; memory is the resident size of that process and its children (the
+vLLM engine and server processes) at the end of the run. The vLLM configurations run
+with the vLLM environment's interpreter (`make vllm-env` builds `.venv-vllm`; pass `--vllm-python` otherwise):
+
+- `hf`: `model.generate` on left-padded batches (what the trainers do without `use_vllm`);
+- `vllm`: an in-process `vllm.LLM` (what colocate mode runs);
+- `vllm-serve` (with `--server`): `trl vllm-serve` queried through `VLLMClient` (server mode), start-up excluded.
+
+Every completion is exactly `--max-new-tokens` long (EOS ignored) so that the configurations do the same work.
+
+Usage:
+    python benchmarks/bench_generation.py                         # ~30M model, 64 completions of 64 tokens
+    python benchmarks/bench_generation.py --model tiny --server   # tiny model, also through the HTTP server
+"""
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+MODELS = {"tiny": "tiny-Qwen2ForCausalLM", "small": "small-Qwen2ForCausalLM"}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _prompts(num_prompts: int, prompt_length: int, vocab_size: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(10, vocab_size - 10) for _ in range(prompt_length)] for _ in range(num_prompts)]
+
+
+def _total_rss_mb() -> float:
+    """Resident memory of this process and all its descendants (vLLM runs its engine in child processes)."""
+    import psutil
+
+    process = psutil.Process()
+    total = process.memory_info().rss
+    for child in process.children(recursive=True):
+        try:
+            total += child.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 2**20
+
+
+def run_hf(model_path: str, prompts: list[list[int]], n: int, max_new_tokens: int, batch_size: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    expanded = [p for p in prompts for _ in range(n)]
+
+    def generate(batch):
+        input_ids = torch.tensor(batch)  # equal-length prompts: no padding needed
+        with torch.no_grad():
+            return model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=True,
+                temperature=1.0,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                pad_token_id=model.config.pad_token_id or 0,
+            )
+
+    generate(expanded[:2])  # warm-up
+    start = time.perf_counter()
+    tokens = 0
+    for i in range(0, len(expanded), batch_size):
+        out = generate(expanded[i : i + batch_size])
+        tokens += (out.shape[1] - len(expanded[0])) * out.shape[0]
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "completions": len(expanded), "tokens": tokens, "rss_mb": _total_rss_mb()}
+
+
+def run_vllm(model_path: str, prompts: list[list[int]], n: int, max_new_tokens: int) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import torch
+    from vllm import LLM, SamplingParams
+
+    kwargs = {} if torch.cuda.is_available() else {"gpu_memory_utilization": 0.2}
+    llm = LLM(model=model_path, dtype="float32", max_model_len=512, seed=0, **kwargs)
+    params = SamplingParams(n=n, temperature=1.0, max_tokens=max_new_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    completions = [c for o in outputs for c in o.outputs]
+    tokens = sum(len(c.token_ids) for c in completions)
+    return {"seconds": seconds, "completions": len(completions), "tokens": tokens, "rss_mb": _total_rss_mb()}
+
+
+def run_vllm_serve(model_path: str, prompts: list[list[int]], n: int, max_new_tokens: int) -> dict:
+    import torch
+
+    from trl.generation.vllm_client import VLLMClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "trl.cli.main", "vllm-serve", "--model", model_path, "--port", str(port)]
+    command += ["--dtype", "float32", "--max_model_len", "512", "--log_level", "warning"]
+    if not torch.cuda.is_available():
+        command += ["--gpu_memory_utilization", "0.2"]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        client = VLLMClient(host="127.0.0.1", server_port=port, connection_timeout=600)
+        client.generate([prompts[0]], max_tokens=4)  # warm-up
+        start = time.perf_counter()
+        out = client.generate(
+            prompts, n=n, temperature=1.0, max_tokens=max_new_tokens, generation_kwargs={"ignore_eos": True}
+        )
+        seconds = time.perf_counter() - start
+        rss_mb = _total_rss_mb()  # the server and its engines are children of this process
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+    ids = out["completion_ids"]
+    return {"seconds": seconds, "completions": len(ids), "tokens": sum(len(c) for c in ids), "rss_mb": rss_mb}
+
+
+def worker(args: argparse.Namespace) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig
+
+    from trl.assets import get_model_path
+
+    model_path = get_model_path(MODELS[args.model])
+    vocab_size = AutoConfig.from_pretrained(model_path).vocab_size
+    prompts = _prompts(args.num_prompts, args.prompt_length, vocab_size)
+    if args.worker == "hf":
+        result = run_hf(model_path, prompts, args.n, args.max_new_tokens, args.hf_batch_size)
+    elif args.worker == "vllm":
+        result = run_vllm(model_path, prompts, args.n, args.max_new_tokens)
+    else:
+        result = run_vllm_serve(model_path, prompts, args.n, args.max_new_tokens)
+    print("RESULT " + json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="small")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=4, help="completions per prompt")
+    parser.add_argument("--prompt-length", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--server", action="store_true", help="also measure `trl vllm-serve` through VLLMClient")
+    parser.add_argument("--vllm-python", default=os.path.join(ROOT, ".venv-vllm", "bin", "python"))
+    parser.add_argument("--worker", choices=["hf", "vllm", "vllm-serve"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+
+    forwarded = [
+        "--model", args.model, "--num-prompts", str(args.num_prompts), "--n", str(args.n),
+        "--prompt-length", str(args.prompt_length), "--max-new-tokens", str(args.max_new_tokens),
+        "--hf-batch-size", str(args.hf_batch_size),
+    ]  # fmt: skip
+    vllm_python = args.vllm_python if os.path.exists(args.vllm_python) else sys.executable
+    configurations = [("hf", sys.executable), ("vllm", vllm_python)]
+    if args.server:
+        configurations.append(("vllm-serve", vllm_python))
+    print(
+        f"model={MODELS[args.model]} prompts={args.num_prompts} n={args.n} prompt_length={args.prompt_length} "
+        f"max_new_tokens={args.max_new_tokens}"
+    )
+    print(f"{'backend':<12}{'seconds':>10}{'completions/s':>16}{'tokens/s':>12}{'RSS MB (all processes)':>24}")
+    for name, python in configurations:
+        process = subprocess.run(
+            [python, os.path.abspath(__file__), "--worker", name, *forwarded], capture_output=True, text=True
+        )
+        lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
+        if process.returncode != 0 or not lines:
+            print(f"{name:<12} failed:\n{process.stderr[-2000:]}")
+            continue
+        r = json.loads(lines[-1][len("RESULT ") :])
+        print(
+            f"{name:<12}{r['seconds']:>10.2f}{r['completions'] / r['seconds']:>16.2f}"
+            f"{r['tokens'] / r['seconds']:>12.1f}{r['rss_mb']:>24.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
