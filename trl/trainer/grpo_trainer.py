@@ -1,0 +1,607 @@
+"""Group Relative Policy Optimization (GRPO) trainer.
+
+The rollout, reward and logging machinery is shared with RLOO (see `online_base.py`); this module adds the
+group-relative advantages and the GRPO family of clipped policy losses (GRPO, DAPO, Dr. GRPO, BNPO, CISPO, SAPO,
+LUSPO, VESPO), the k3 KL penalty, GSPO sequence-level ratios, entropy-based token selection and the entropy bonus.
+"""
+
+import json
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from datasets import Dataset, IterableDataset
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .grpo_config import GRPOConfig
+from .online_base import (
+    ADVANTAGE_EPS,
+    RewardFunc,
+    _OnlineTrainer,
+    aggregate_rewards,
+    group_advantages,
+    k3_kl,
+    masked_mean,
+)
+from .utils import nanstd
+
+
+ENTROPY_STATE_FILE = "entropy_ctrl_state.json"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pure functions (the loss, tested against hand-written formulas)
+# ---------------------------------------------------------------------------------------------------------------------
+def normalize_then_sum_advantages(
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int, eps: float = ADVANTAGE_EPS
+) -> torch.Tensor:
+    """GDPO-style advantages: normalise each reward within its group, sum with weights, standardise over the batch.
+
+    NaN rewards (a function that did not apply) contribute 0 after the per-group normalisation.
+
+    Args:
+        rewards_per_func: `(N, F)` rewards.
+        weights: `(F,)` reward weights.
+        num_generations: Group size G.
+        eps: Added to every standard deviation.
+
+    Returns:
+        `(N,)` advantages.
+    """
+    num, funcs = rewards_per_func.shape
+    grouped = rewards_per_func.view(-1, num_generations, funcs)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = nanstd(grouped, dim=1, keepdim=True)
+    normalised = torch.nan_to_num((grouped - mean) / (std + eps), nan=0.0).view(num, funcs)
+    summed = (normalised * weights.to(normalised).unsqueeze(0)).sum(dim=1)
+    return (summed - summed.mean()) / (summed.std() + eps)
+
+
+def importance_log_weights(
+    per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor, mask: torch.Tensor, level: str = "token"
+) -> torch.Tensor:
+    """Log importance ratios: per token `(B, T)`, or per sequence `(B, 1)` as the masked mean of the token log-ratios
+    (GSPO)."""
+    log_ratio = per_token_logps - old_per_token_logps
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        return masked_mean(log_ratio, mask, dim=1).unsqueeze(1)
+    raise ValueError(f"importance_sampling_level must be 'token' or 'sequence'; got {level!r}.")
+
+
+def vespo_sequence_weights(
+    seq_log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    k_pos: float,
+    lambda_pos: float,
+    k_neg: float,
+    lambda_neg: float,
+) -> torch.Tensor:
+    """VESPO weight of each sequence, `phi(w) = w^k * exp(-lambda * (w - 1))` of the sequence ratio `w`.
+
+    `phi(1) = 1`, so on-policy data gets the plain policy gradient; far off-policy sequences (`w` large or small) are
+    smoothly down-weighted instead of hard-clipped. `(k, lambda)` depend on the sign of the advantage. Computed in log
+    space with the log-ratio clamped to [-20, 20] for stability.
+
+    Args:
+        seq_log_ratio: `(B,)` log of the sequence importance ratio (sum of token log-ratios).
+        advantages: `(B,)` advantages.
+        k_pos, lambda_pos: Exponent and decay for positive advantages.
+        k_neg, lambda_neg: Exponent and decay for non-positive advantages.
+
+    Returns:
+        `(B,)` weights (no gradient).
+    """
+    s = seq_log_ratio.detach().clamp(-20.0, 20.0)
+    positive = advantages > 0
+    k = torch.where(positive, torch.full_like(s, k_pos), torch.full_like(s, k_neg))
+    lam = torch.where(positive, torch.full_like(s, lambda_pos), torch.full_like(s, lambda_neg))
+    return torch.exp(k * s - lam * (torch.exp(s) - 1.0))
+
+
+def grpo_per_token_loss(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str = "dapo",
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+    delta: float | None = None,
+    importance_sampling_level: str = "token",
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo_params: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token policy loss of the GRPO family, before masking/normalisation (KL and entropy terms excluded).
+
+    With `r` the importance ratio (per token or per sequence) and `A` the advantage:
+
+    - grpo, dapo, dr_grpo, bnpo, luspo: `-min(r' A, clip(r, 1 - eps_low, 1 + eps_high) A)`, where `r' = min(r, delta)`
+      when `delta` is set and `r' = r` otherwise;
+    - cispo: `-sg(min(r, eps_high)) * A * logp` (REINFORCE with a clipped, detached importance weight; here
+      `eps_high` is the cap itself, epsilon_max);
+    - sapo: `-sigmoid(tau (r - 1)) * 4 / tau * A`, `tau` chosen by the sign of `A` (a soft trust region whose
+      gradient at `r = 1` is the plain policy gradient);
+    - vespo: `-sg(phi(w)) * r * A` with `phi` from [`vespo_sequence_weights`] of the sequence ratio `w`.
+
+    Args:
+        per_token_logps: `(B, T)` log-probabilities under the current policy (with gradient).
+        old_per_token_logps: `(B, T)` log-probabilities under the policy that sampled the data.
+        advantages: `(B,)` advantages.
+        mask: `(B, T)` completion mask.
+        loss_type: One of grpo, dapo, dr_grpo, bnpo, cispo, sapo, luspo, vespo.
+        epsilon_low, epsilon_high: Clipping bounds.
+        delta: Optional cap of the unclipped ratio.
+        importance_sampling_level: `"token"` or `"sequence"`.
+        sapo_temperature_pos, sapo_temperature_neg: SAPO gate temperatures.
+        vespo_params: `(k_pos, lambda_pos, k_neg, lambda_neg)`.
+
+    Returns:
+        `(per_token_loss, ratio, stats)`: the `(B, T)` loss, the ratio `r` (`(B, T)` or `(B, 1)`), and boolean/float
+        tensors for metrics (`low_clipped`, `high_clipped`, and `cispo_clipped` / `vespo_phi` when relevant).
+    """
+    adv = advantages.unsqueeze(1)
+    log_weights = importance_log_weights(per_token_logps, old_per_token_logps, mask, importance_sampling_level)
+    ratio = torch.exp(log_weights)
+    stats = {
+        "low_clipped": (ratio < 1 - epsilon_low) & (adv < 0),
+        "high_clipped": (ratio > 1 + epsilon_high) & (adv > 0),
+    }
+    if loss_type in ("grpo", "dapo", "dr_grpo", "bnpo", "luspo"):
+        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        unclipped = torch.clamp(ratio, max=delta) if delta is not None else ratio
+        per_token_loss = -torch.min(unclipped * adv, clipped * adv)
+    elif loss_type == "cispo":
+        weight = torch.clamp(ratio, max=epsilon_high).detach()
+        stats["cispo_clipped"] = ratio > epsilon_high
+        per_token_loss = -weight * adv * per_token_logps
+    elif loss_type == "sapo":
+        tau = torch.where(
+            adv > 0, torch.full_like(adv, sapo_temperature_pos), torch.full_like(adv, sapo_temperature_neg)
+        )
+        gate = torch.sigmoid(tau * (ratio - 1)) * 4.0 / tau
+        per_token_loss = -gate * adv
+    elif loss_type == "vespo":
+        seq_log_ratio = ((per_token_logps - old_per_token_logps) * mask).sum(dim=1)
+        phi = vespo_sequence_weights(seq_log_ratio, advantages, *vespo_params)
+        stats["vespo_phi"] = phi
+        per_token_loss = -phi.unsqueeze(1) * ratio * adv
+    else:
+        raise ValueError(f"Unknown loss_type {loss_type!r}.")
+    per_token_loss = per_token_loss.expand_as(per_token_logps)
+    return per_token_loss, ratio, stats
+
+
+def normalize_per_token_loss(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str,
+    gradient_accumulation_steps: float = 1.0,
+    num_items_in_batch: float | torch.Tensor | None = None,
+    num_processes: int = 1,
+    max_completion_length: int | None = None,
+) -> torch.Tensor:
+    """Reduce a `(B, T)` per-token loss to a scalar with the normalisation of `loss_type`.
+
+    - grpo, sapo: mean over sequences of each sequence's token mean, divided by `gradient_accumulation_steps`;
+    - bnpo: sum over tokens / tokens of this micro-batch, divided by `gradient_accumulation_steps`;
+    - dr_grpo: sum over tokens / (`B * max_completion_length`), divided by `gradient_accumulation_steps`;
+    - luspo: mean over sequences of each sequence's token sum, divided by `gradient_accumulation_steps`;
+    - dapo, cispo, vespo: sum over tokens / (`num_items_in_batch / num_processes`), where `num_items_in_batch` counts
+      the completion tokens of the whole optimizer step on all processes (exactly gradient-accumulation invariant).
+    """
+    mask = mask.to(per_token_loss.dtype)
+    masked = per_token_loss * mask
+    if loss_type in ("grpo", "sapo"):
+        loss = (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).mean()
+        return loss / gradient_accumulation_steps
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1.0) / gradient_accumulation_steps
+    if loss_type == "dr_grpo":
+        length = max_completion_length if max_completion_length is not None else per_token_loss.shape[1]
+        return masked.sum() / (per_token_loss.shape[0] * length) / gradient_accumulation_steps
+    if loss_type == "luspo":
+        return masked.sum(dim=1).mean() / gradient_accumulation_steps
+    if loss_type in ("dapo", "cispo", "vespo"):
+        if num_items_in_batch is None:
+            return masked.sum() / mask.sum().clamp(min=1.0) / gradient_accumulation_steps
+        normaliser = torch.as_tensor(num_items_in_batch, dtype=per_token_loss.dtype, device=per_token_loss.device)
+        return masked.sum() / (normaliser / num_processes).clamp(min=1.0)
+    raise ValueError(f"Unknown loss_type {loss_type!r}.")
+
+
+def importance_sampling_correction(
+    old_per_token_logps: torch.Tensor,
+    sampling_per_token_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> torch.Tensor:
+    """Weights correcting for a sampler whose probabilities differ from the trainer's (e.g. vLLM).
+
+    The ratio `pi_trainer / pi_sampler` is taken per token (`token_*`) or per sequence (`sequence_*`, product over
+    the completion), then clipped to `[clip_min, clip_max]` (`*_truncate`) or zeroed outside it (`*_mask`).
+
+    Returns:
+        `(B, T)` or `(B, 1)` weights.
+    """
+    log_diff = (old_per_token_logps - sampling_per_token_logps) * mask
+    if mode.startswith("token"):
+        ratio = torch.exp(log_diff)
+    else:
+        ratio = torch.exp(log_diff.sum(dim=1, keepdim=True))
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=clip_min, max=clip_max)
+    keep = torch.ones_like(ratio, dtype=torch.bool)
+    if clip_min is not None:
+        keep &= ratio >= clip_min
+    if clip_max is not None:
+        keep &= ratio <= clip_max
+    return ratio * keep
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------------------------------
+class GRPOTrainer(_OnlineTrainer):
+    """Trainer for Group Relative Policy Optimization (GRPO) and its variants (DAPO, Dr. GRPO, GSPO, CISPO, ...).
+
+    Example:
+
+    ```python
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.assets import get_model_path, load_test_dataset
+
+
+    def reward_short(completions, **kwargs):
+        return [-float(len(c)) for c in completions]
+
+
+    trainer = GRPOTrainer(
+        model=get_model_path("tiny-Qwen2ForCausalLM"),
+        reward_funcs=reward_short,
+        args=GRPOConfig(output_dir="grpo-out", per_device_train_batch_size=4, num_generations=4, max_steps=5),
+        train_dataset=load_test_dataset("standard_prompt_only", split="train"),
+    )
+    trainer.train()
+    ```
+
+    Args:
+        model (`str`, `PreTrainedModel` or `PeftModel`):
+            Policy to train: a path or hub id (loaded with `args.model_init_kwargs`; float32 unless a dtype is given)
+            or an instantiated causal language model.
+        reward_funcs (`RewardFunc` or `list[RewardFunc]`):
+            Reward functions and/or models. A string is loaded as `AutoModelForSequenceClassification` with
+            `num_labels=1`; a model instance is used as a reward model (its first logit is the reward); a callable
+            (sync or `async def`) is called with keyword arguments `prompts`, `completions`, `completion_ids`,
+            `trainer_state`, `log_extra`, `log_metric` and every other dataset column, and returns one float (or None
+            when it does not apply) per completion. Rewards are combined with `args.reward_weights`.
+        args (`GRPOConfig` or `None`, defaults to `None`):
+            Training configuration. `None` builds `GRPOConfig(f"{model_name}-GRPO")`.
+        train_dataset (`Dataset` or `IterableDataset`):
+            Prompt-only data: a `prompt` column (text, or a list of chat messages rendered with the chat template).
+            Other columns are passed to the reward functions.
+        eval_dataset (`Dataset`, `IterableDataset`, dict of them or `None`, defaults to `None`):
+            Evaluation prompts.
+        processing_class (`PreTrainedTokenizerBase` or `None`, defaults to `None`):
+            Tokenizer; loaded from the model's path (left padding) when omitted.
+        reward_processing_classes (`PreTrainedTokenizerBase`, a list of them or `None`, defaults to `None`):
+            Tokenizers of the reward models, aligned with `reward_funcs` (ignored for callables). Loaded from each
+            reward model's path when omitted.
+        callbacks (`list[TrainerCallback]` or `None`, defaults to `None`):
+            Extra callbacks.
+        optimizers (`tuple`, defaults to `(None, None)`):
+            Optimizer and scheduler to use instead of the defaults.
+        quantization_config (`BitsAndBytesConfig` or `None`, defaults to `None`):
+            Quantization used when `model` is a string.
+        peft_config (`PeftConfig` or `None`, defaults to `None`):
+            Adapter configuration; the reference model is then the policy with adapters disabled.
+        tools (`list[Callable]` or `None`, defaults to `None`):
+            Tool functions for multi-turn tool calling (not supported in this version; must be None).
+        rollout_func (`Callable` or `None`, defaults to `None`):
+            Replaces generation: `rollout_func(prompts, trainer)` receives the (repeated) prompts and returns a dict
+            with `prompt_ids`, `completion_ids` and optionally `logprobs` (per-token sampling log-probabilities, used
+            for importance-sampling correction); other keys are passed to the reward functions.
+        environment_factory (`Callable` or `None`, defaults to `None`):
+            Environments for agentic training (not supported in this version; must be None).
+    """
+
+    _tag_names = ["trl", "grpo"]
+    _name = "GRPO"
+    _template_file = "lm_model_card.md"
+    _paper = {
+        "title": "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
+        "id": "2402.03300",
+        "citation": (
+            "@article{shao2024deepseekmath,\n"
+            "    title        = {{DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models}},\n"
+            "    author       = {Zhihong Shao and Peiyi Wang and Qihao Zhu and Runxin Xu and Junxiao Song and "
+            "Mingchuan Zhang and Y. K. Li and Y. Wu and Daya Guo},\n"
+            "    year         = 2024,\n"
+            "    eprint       = {arXiv:2402.03300},\n"
+            "}"
+        ),
+    }
+    _config_class = GRPOConfig
+    _default_suffix = "GRPO"
+
+    def __init__(
+        self,
+        model: "str | PreTrainedModel | nn.Module",
+        reward_funcs: RewardFunc | list[RewardFunc] | None = None,
+        args: GRPOConfig | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | IterableDataset | dict[str, Dataset | IterableDataset] | None = None,
+        processing_class: PreTrainedTokenizerBase | ProcessorMixin | None = None,
+        reward_processing_classes: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+        tools: list[Callable] | None = None,
+        rollout_func: Callable[[list[str], "GRPOTrainer"], dict[str, Any]] | None = None,
+        environment_factory: Callable | dict[str, Callable] | None = None,
+    ):
+        if tools is not None or environment_factory is not None:
+            raise NotImplementedError(
+                "Tool calling (`tools`) and environments (`environment_factory`) are not supported by this version "
+                "of GRPOTrainer; leave them None."
+            )
+        if args is not None and isinstance(args, GRPOConfig):
+            self._warn_loss_setup(args)
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            rollout_func=rollout_func,
+        )
+        self.beta = self.args.beta
+        self.epsilon_low = self.args.epsilon
+        self.epsilon_high = self.args.epsilon_high if self.args.epsilon_high is not None else self.args.epsilon
+        self.entropy_coef = self.args.entropy_coef
+        self._entropy_sum = 0.0
+        self._entropy_count = 0.0
+
+    @staticmethod
+    def _warn_loss_setup(args: GRPOConfig) -> None:
+        if args.loss_type == "luspo" and args.importance_sampling_level != "sequence":
+            warnings.warn(
+                "loss_type='luspo' is designed for importance_sampling_level='sequence' (it weights the GSPO "
+                "sequence objective by length); you use 'token'.",
+                UserWarning,
+                stacklevel=3,
+            )
+        if args.loss_type == "vespo" and args.importance_sampling_level != "token":
+            warnings.warn(
+                "loss_type='vespo' is designed for importance_sampling_level='token'; you use 'sequence'.",
+                UserWarning,
+                stacklevel=3,
+            )
+        if args.importance_sampling_level == "sequence" and args.loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+            warnings.warn(
+                f"importance_sampling_level='sequence' (GSPO) with loss_type={args.loss_type!r}: the GSPO paper uses "
+                "loss_type='grpo' (per-sequence averaging).",
+                UserWarning,
+                stacklevel=3,
+            )
+        if args.loss_type == "cispo" and (args.epsilon_high is None or args.epsilon_high < 1.0):
+            cap = args.epsilon_high if args.epsilon_high is not None else args.epsilon
+            warnings.warn(
+                f"loss_type='cispo' uses epsilon_high as the cap of the importance weight (epsilon_max); with "
+                f"{cap} every weight is at most {cap}, which shrinks the gradient. Values around 5.0 are typical.",
+                UserWarning,
+                stacklevel=3,
+            )
+        if (
+            args.loss_type == "vespo"
+            and args.use_vllm
+            and args.vllm_importance_sampling_correction
+            and not args.vllm_importance_sampling_mode.startswith("token")
+        ):
+            raise ValueError(
+                "loss_type='vespo' with vLLM importance-sampling correction needs a per-token correction; set "
+                "vllm_importance_sampling_mode to 'token_truncate' or 'token_mask'."
+            )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Advantages
+    # ------------------------------------------------------------------------------------------------------------
+    def _compute_advantages(self, rewards_per_func: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        group = self._group_size()
+        weights = self.reward_weights.to(rewards_per_func.device)
+        if self.args.multi_objective_aggregation == "normalize_then_sum":
+            return normalize_then_sum_advantages(rewards_per_func, weights, group)
+        rewards = aggregate_rewards(rewards_per_func, weights)
+        advantages, _ = group_advantages(rewards, group, self.args.scale_rewards)
+        return advantages
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Rollout extras: importance-sampling correction for external samplers
+    # ------------------------------------------------------------------------------------------------------------
+    def _compute_rollout_logps(self, batch: dict[str, Any]) -> None:
+        super()._compute_rollout_logps(batch)
+        if "sampling_per_token_logps" not in batch:
+            return
+        args = self.args
+        mask = batch["completion_mask"].float()
+        old, sampling = batch["old_per_token_logps"], batch["sampling_per_token_logps"]
+        difference = (old - sampling).abs()
+        self._record_reduced("sampling/sampling_logp_difference/mean", masked_mean(difference, mask), "mean")
+        self._record_reduced(
+            "sampling/sampling_logp_difference/max",
+            difference.masked_fill(mask == 0, float("nan")).nan_to_num(-1).max(),
+            "max",
+        )
+        if not args.vllm_importance_sampling_correction:
+            return
+        weights = importance_sampling_correction(
+            old,
+            sampling,
+            mask,
+            args.vllm_importance_sampling_mode,
+            args.vllm_importance_sampling_clip_min,
+            args.vllm_importance_sampling_clip_max,
+        )
+        full = weights.expand_as(mask)
+        batch["importance_sampling_ratio"] = full
+        valid = mask > 0
+        values = full[valid] if bool(valid.any()) else full.new_zeros(1)
+        self._record_reduced("sampling/importance_sampling_ratio/min", values.min(), "min")
+        self._record_reduced("sampling/importance_sampling_ratio/mean", values.mean(), "mean")
+        self._record_reduced("sampling/importance_sampling_ratio/max", values.max(), "max")
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Loss
+    # ------------------------------------------------------------------------------------------------------------
+    def _high_entropy_mask(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Tokens whose entropy is at or above the `1 - top_entropy_quantile` quantile (over all processes)."""
+        values = entropy.detach()[mask.bool()].float()
+        padded = self.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
+        gathered = self.accelerator.gather(padded)
+        gathered = gathered[~torch.isnan(gathered)]
+        if gathered.numel() == 0:
+            return torch.zeros_like(mask)
+        threshold = torch.quantile(gathered, 1.0 - self.args.top_entropy_quantile)
+        return ((entropy.detach() >= threshold) & mask.bool()).to(mask.dtype)
+
+    def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        args = self.args
+        mode = self._mode
+        logps, entropy, outputs = self._forward_logps(model, inputs, compute_entropy=True)
+        mask = inputs["completion_mask"].to(logps.dtype)
+        advantages = inputs["advantages"].to(logps.dtype)
+        old = inputs.get("old_per_token_logps")
+        # On-policy data: the sampling policy is the current one, so the ratio is exactly 1 (with its gradient).
+        old = logps.detach() if old is None else old
+
+        per_token_loss, ratio, stats = grpo_per_token_loss(
+            logps,
+            old,
+            advantages,
+            mask,
+            loss_type=args.loss_type,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            delta=args.delta,
+            importance_sampling_level=args.importance_sampling_level,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_params=(args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
+        )
+        if "importance_sampling_ratio" in inputs:
+            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
+        if args.off_policy_mask_threshold is not None:
+            reference = inputs.get("sampling_per_token_logps", old)
+            sampling_kl = masked_mean(reference - logps.detach(), mask, dim=1)
+            keep = ~((advantages < 0) & (sampling_kl > args.off_policy_mask_threshold))
+            per_token_loss = per_token_loss * keep.unsqueeze(1).to(per_token_loss.dtype)
+        if args.top_entropy_quantile < 1.0:
+            per_token_loss = per_token_loss * self._high_entropy_mask(entropy, mask)
+
+        per_token_kl = None
+        if self.beta != 0.0:
+            per_token_kl = k3_kl(logps, inputs["ref_per_token_logps"])
+            kl_term = per_token_kl * ratio if args.use_bias_correction_kl else per_token_kl
+            per_token_loss = per_token_loss + self.beta * kl_term
+
+        normalise = dict(
+            loss_type=args.loss_type,
+            gradient_accumulation_steps=self._gradient_accumulation_divisor(),
+            num_items_in_batch=inputs.get("num_items_in_batch"),
+            num_processes=self.accelerator.num_processes,
+            max_completion_length=args.max_completion_length,
+        )
+        loss = normalize_per_token_loss(per_token_loss, mask, **normalise)
+        use_entropy_bonus = self.entropy_coef != 0.0 or args.use_adaptive_entropy
+        if use_entropy_bonus:
+            policy_loss = loss
+            loss = loss - self.entropy_coef * normalize_per_token_loss(entropy, mask, **normalise)
+        loss = self._add_aux_loss(loss, outputs)
+
+        # ---- Metrics -----------------------------------------------------------------------------------------
+        with torch.no_grad():
+            mean_entropy = masked_mean(entropy.detach(), mask)
+            self._record_metric("entropy", mean_entropy)
+            if mode == "train":
+                self._entropy_sum += float((entropy.detach() * mask).sum())
+                self._entropy_count += float(mask.sum())
+            if per_token_kl is not None:
+                self._record_metric("kl", masked_mean(per_token_kl.detach(), mask))
+            full_mask = mask.expand_as(per_token_loss)
+            low = masked_mean(stats["low_clipped"].expand_as(full_mask).float(), full_mask)
+            high = masked_mean(stats["high_clipped"].expand_as(full_mask).float(), full_mask)
+            region = masked_mean(
+                (stats["low_clipped"] | stats["high_clipped"]).expand_as(full_mask).float(), full_mask
+            )
+            self._record_metric("clip_ratio/low_mean", low)
+            self._record_reduced("clip_ratio/low_min", low, "min")
+            self._record_metric("clip_ratio/high_mean", high)
+            self._record_reduced("clip_ratio/high_max", high, "max")
+            self._record_metric("clip_ratio/region_mean", region)
+            if "cispo_clipped" in stats:
+                self._record_metric(
+                    "cispo_clip_ratio", masked_mean(stats["cispo_clipped"].expand_as(full_mask).float(), full_mask)
+                )
+            if "vespo_phi" in stats:
+                self._record_metric("vespo/phi_seq_mean", stats["vespo_phi"].mean())
+            if use_entropy_bonus:
+                self._record_metric("policy_loss", policy_loss.detach() * self._gradient_accumulation_divisor())
+                self._metrics[mode]["entropy_coef"].append(float(self.entropy_coef))
+        return loss
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Adaptive entropy coefficient
+    # ------------------------------------------------------------------------------------------------------------
+    def _on_optimizer_step(self) -> None:
+        if not self.args.use_adaptive_entropy:
+            self._entropy_sum, self._entropy_count = 0.0, 0.0
+            return
+        totals = torch.tensor([self._entropy_sum, self._entropy_count], device=self.accelerator.device)
+        totals = self.accelerator.gather(totals.unsqueeze(0)).sum(dim=0)
+        self._entropy_sum, self._entropy_count = 0.0, 0.0
+        if totals[1] <= 0:
+            return
+        mean_entropy = (totals[0] / totals[1]).item()
+        args = self.args
+        # Raise the bonus when entropy falls below the target, lower it when above.
+        step = args.entropy_coef_delta if mean_entropy < args.entropy_target else -args.entropy_coef_delta
+        self.entropy_coef = min(max(self.entropy_coef + step, args.entropy_coef_min), args.entropy_coef_max)
+        self._last_world_entropy = mean_entropy
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.use_adaptive_entropy and self.is_world_process_zero():
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            os.makedirs(folder, exist_ok=True)
+            state = {
+                "entropy_coef": self.entropy_coef,
+                "last_world_entropy": getattr(self, "_last_world_entropy", None),
+            }
+            with open(os.path.join(folder, ENTROPY_STATE_FILE), "w") as f:
+                json.dump(state, f)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = os.path.join(resume_from_checkpoint, ENTROPY_STATE_FILE)
+        if self.args.use_adaptive_entropy and os.path.isfile(path):
+            with open(path) as f:
+                state = json.load(f)
+            self.entropy_coef = float(state["entropy_coef"])
+            self._last_world_entropy = state.get("last_world_entropy")

@@ -1,0 +1,204 @@
+"""REINFORCE Leave-One-Out (RLOO) trainer.
+
+Shares rollouts, rewards and logging with GRPO (see `online_base.py`). What differs: the KL divergence to the reference
+model is subtracted from the reward (sequence level), the baseline of a completion is the mean reward of the other
+completions of its prompt, and the policy loss uses one clipped importance ratio per sequence.
+"""
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from datasets import Dataset, IterableDataset
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
+
+from .online_base import (
+    ADVANTAGE_EPS,
+    RewardFunc,
+    _OnlineTrainer,
+    aggregate_rewards,
+    leave_one_out_advantages,
+    masked_mean,
+)
+from .rloo_config import RLOOConfig
+
+
+def rloo_sequence_loss(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    epsilon_low: float = 0.2,
+    epsilon_high: float = 0.2,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipped REINFORCE loss with one importance ratio per sequence.
+
+    `r = exp(sum_t (logp - old_logp))` over the completion tokens, and the loss of a sequence is
+    `-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`. On-policy (`r = 1`) its gradient is the plain REINFORCE
+    gradient `-A * sum_t grad logp`.
+
+    Args:
+        per_token_logps: `(B, T)` current log-probabilities (with gradient).
+        old_per_token_logps: `(B, T)` log-probabilities of the sampling policy.
+        advantages: `(B,)` advantages.
+        mask: `(B, T)` completion mask.
+        epsilon_low, epsilon_high: Clipping bounds.
+
+    Returns:
+        `(per_sequence_loss, ratio)`, both `(B,)`.
+    """
+    log_ratio = ((per_token_logps - old_per_token_logps) * mask).sum(dim=1)
+    ratio = torch.exp(log_ratio)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    return -torch.min(ratio * advantages, clipped * advantages), ratio
+
+
+class RLOOTrainer(_OnlineTrainer):
+    """Trainer for REINFORCE Leave-One-Out (RLOO).
+
+    Example:
+
+    ```python
+    from trl import RLOOConfig, RLOOTrainer
+    from trl.assets import get_model_path, load_test_dataset
+
+
+    def reward_short(completions, **kwargs):
+        return [-float(len(c)) for c in completions]
+
+
+    trainer = RLOOTrainer(
+        model=get_model_path("tiny-Qwen2ForCausalLM"),
+        reward_funcs=reward_short,
+        args=RLOOConfig(output_dir="rloo-out", per_device_train_batch_size=4, num_generations=4, max_steps=5),
+        train_dataset=load_test_dataset("standard_prompt_only", split="train"),
+    )
+    trainer.train()
+    ```
+
+    Args:
+        model (`str`, `PreTrainedModel` or `PeftModel`):
+            Policy to train: a path or hub id (loaded with `args.model_init_kwargs`; float32 unless a dtype is given)
+            or an instantiated causal language model.
+        reward_funcs (`RewardFunc` or `list[RewardFunc]`):
+            Reward functions and/or models, exactly as for [`GRPOTrainer`]: model paths/ids and sequence
+            classification models are used as reward models; callables (sync or `async def`) receive `prompts`,
+            `completions`, `completion_ids`, `trainer_state`, `log_extra`, `log_metric` and the other dataset columns
+            as keyword arguments and return one float (or None) per completion.
+        args (`RLOOConfig` or `None`, defaults to `None`):
+            Training configuration. `None` builds `RLOOConfig(f"{model_name}-RLOO")`.
+        train_dataset (`Dataset` or `IterableDataset`):
+            Prompt-only data with a `prompt` column (text or chat messages); other columns go to the reward
+            functions.
+        eval_dataset (`Dataset`, `IterableDataset`, dict of them or `None`, defaults to `None`):
+            Evaluation prompts.
+        processing_class (`PreTrainedTokenizerBase` or `None`, defaults to `None`):
+            Tokenizer; loaded from the model's path (left padding) when omitted.
+        reward_processing_classes (`PreTrainedTokenizerBase`, a list of them or `None`, defaults to `None`):
+            Tokenizers of the reward models, aligned with `reward_funcs`.
+        callbacks (`list[TrainerCallback]` or `None`, defaults to `None`):
+            Extra callbacks.
+        optimizers (`tuple`, defaults to `(None, None)`):
+            Optimizer and scheduler to use instead of the defaults.
+        quantization_config (`BitsAndBytesConfig` or `None`, defaults to `None`):
+            Quantization used when `model` is a string.
+        peft_config (`PeftConfig` or `None`, defaults to `None`):
+            Adapter configuration; the reference model is then the policy with adapters disabled.
+    """
+
+    _tag_names = ["trl", "rloo"]
+    _name = "RLOO"
+    _template_file = "lm_model_card.md"
+    _paper = {
+        "title": "Back to Basics: Revisiting REINFORCE-Style Optimization for Learning from Human Feedback in LLMs",
+        "id": "2402.14740",
+        "citation": (
+            "@inproceedings{ahmadian2024back,\n"
+            "    title        = {{Back to Basics: Revisiting REINFORCE-Style Optimization for Learning from Human "
+            "Feedback in LLMs}},\n"
+            "    author       = {Arash Ahmadian and Chris Cremer and Matthias Gall{\\'{e}} and Marzieh Fadaee and "
+            'Julia Kreutzer and Olivier Pietquin and Ahmet {\\"{U}}st{\\"{u}}n and Sara Hooker},\n'
+            "    year         = 2024,\n"
+            "    booktitle    = {Proceedings of the 62nd Annual Meeting of the Association for Computational "
+            "Linguistics (Volume 1: Long Papers)},\n"
+            "}"
+        ),
+    }
+    _config_class = RLOOConfig
+    _default_suffix = "RLOO"
+
+    def __init__(
+        self,
+        model: "str | PreTrainedModel | nn.Module",
+        reward_funcs: RewardFunc | list[RewardFunc],
+        args: RLOOConfig | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | IterableDataset | dict[str, Dataset | IterableDataset] | None = None,
+        processing_class: PreTrainedTokenizerBase | ProcessorMixin | None = None,
+        reward_processing_classes: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        quantization_config: Any = None,
+        peft_config: Any = None,
+    ):
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+        )
+        self.beta = self.args.beta
+        self.epsilon_low = self.args.epsilon
+        self.epsilon_high = self.args.epsilon_high if self.args.epsilon_high is not None else self.args.epsilon
+
+    def _needs_rollout_logps(self) -> bool:
+        # The KL penalty enters the reward, so the sampling policy's log-probabilities are needed right away.
+        return self.args.beta != 0.0 or not self._is_on_policy()
+
+    def _compute_advantages(self, rewards_per_func: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        args = self.args
+        rewards = aggregate_rewards(rewards_per_func, self.reward_weights.to(rewards_per_func.device))
+        if args.reward_clip_range is not None:
+            rewards = rewards.clamp(min=args.reward_clip_range[0], max=args.reward_clip_range[1])
+        if args.beta != 0.0:
+            mask = batch["completion_mask"].float()
+            per_token_kl = batch["old_per_token_logps"] - batch["ref_per_token_logps"]
+            sequence_kl = self.accelerator.gather((per_token_kl * mask).sum(dim=1))
+            self._record_metric("kl", sequence_kl.mean())
+            rewards = rewards - args.beta * sequence_kl.to(rewards.device)
+        advantages = leave_one_out_advantages(rewards, self._group_size())
+        if args.normalize_advantages:
+            advantages = (advantages - advantages.mean()) / (advantages.std() + ADVANTAGE_EPS)
+        return advantages
+
+    def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        logps, entropy, outputs = self._forward_logps(model, inputs, compute_entropy=True)
+        mask = inputs["completion_mask"].to(logps.dtype)
+        advantages = inputs["advantages"].to(logps.dtype)
+        old = inputs.get("old_per_token_logps")
+        if old is None or self._is_on_policy():
+            # The data was sampled by exactly this policy: ratio 1, plain REINFORCE gradient.
+            old = logps.detach()
+        per_sequence_loss, ratio = rloo_sequence_loss(
+            logps, old, advantages, mask, self.epsilon_low, self.epsilon_high
+        )
+        loss = per_sequence_loss.mean() / self._gradient_accumulation_divisor()
+        loss = self._add_aux_loss(loss, outputs)
+
+        with torch.no_grad():
+            self._record_metric("entropy", masked_mean(entropy.detach(), mask))
+            low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float().mean()
+            high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float().mean()
+            self._record_metric("clip_ratio/low_mean", low)
+            self._record_reduced("clip_ratio/low_min", low, "min")
+            self._record_metric("clip_ratio/high_mean", high)
+            self._record_reduced("clip_ratio/high_max", high, "max")
+            self._record_metric("clip_ratio/region_mean", low + high)
+        return loss
