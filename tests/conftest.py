@@ -38,3 +38,12 @@ def llama_tokenizer():
 def tiny_qwen_path() -> str:
     """Directory of the tiny random-weight Qwen2 causal LM (model and tokenizer files)."""
     return get_model_path("tiny-Qwen2ForCausalLM")
+
+
+def pytest_configure(config):
+    # Under pytest-xdist each worker gets one core of the two: a second torch thread per worker only oversubscribes
+    # the CPU (tiny-model tests run several times slower).
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
