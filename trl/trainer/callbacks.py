@@ -11,6 +11,7 @@ All of them are `transformers.TrainerCallback` subclasses and work with a plain 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from collections.abc import Callable
@@ -52,6 +53,41 @@ def _unwrap_training_model(model: nn.Module) -> nn.Module:
             model = model.module
         else:
             return model
+
+
+@contextlib.contextmanager
+def _full_parameters(params: list[nn.Parameter], modifier_rank: int | None = None):
+    """Yield full-size tensors of `params`, however they are sharded across processes (a collective when sharded).
+
+    DeepSpeed ZeRO-3 partitions are gathered for the duration of the block (the yielded tensors are the parameters
+    themselves; with `modifier_rank`, that rank's in-place changes are scattered back on exit). FSDP2 parameters
+    (`DTensor`s) are materialised as full copies, read-only. Other parameters are yielded as they are.
+    """
+    if any(hasattr(param, "ds_tensor") for param in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank):
+            yield [param.data for param in params]
+        return
+    yield [param.full_tensor() if hasattr(param, "full_tensor") else param.data for param in params]
+
+
+def _copy_into_parameters(params: list[nn.Parameter], values: list[torch.Tensor]) -> None:
+    """Write full-size `values` into `params`, sharded or not (a collective when sharded; every process must pass
+    the same values)."""
+    if any(hasattr(param, "ds_tensor") for param in params):
+        with _full_parameters(params, modifier_rank=0) as full:
+            for target, value in zip(full, values):
+                target.copy_(value.to(target.device, target.dtype))
+        return
+    for param, value in zip(params, values):
+        if hasattr(param, "device_mesh"):  # FSDP2 DTensor: keep this process's shard of the full value
+            from torch.distributed.tensor import distribute_tensor
+
+            value = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh, param.placements)
+            param.data.to_local().copy_(value.to_local())
+        else:
+            param.data.copy_(value.to(param.device, param.dtype))
 
 
 def _is_deepspeed_zero3_enabled() -> bool:
@@ -278,20 +314,23 @@ class BEMACallback(TrainerCallback):
     @torch.no_grad()
     def _take_snapshot(self) -> None:
         """Reset θ0 and the EMA to the current training weights."""
-        for theta0, ema, thetat in zip(self.theta0_params, self.ema_params, self.thetat_params):
-            theta0.copy_(thetat.detach())
-            ema.copy_(thetat.detach())
+        # Sharded parameters (ZeRO-3, FSDP2) are read in full: every process keeps the whole average.
+        with _full_parameters(self.thetat_params) as current_params:
+            for theta0, ema, thetat in zip(self.theta0_params, self.ema_params, current_params):
+                theta0.copy_(thetat.detach())
+                ema.copy_(thetat.detach())
 
     @torch.no_grad()
     def _update_bema_weights(self, step: int) -> None:
         beta = self._ema_beta(step)
         alpha = self._bema_alpha(step)
-        for thetat, theta0, ema, running in zip(
-            self.thetat_params, self.theta0_params, self.ema_params, self._running_params
-        ):
-            current = thetat.detach().to(self.device, dtype=ema.dtype)
-            ema.mul_(1.0 - beta).add_(current, alpha=beta)
-            running.copy_(ema + alpha * (current - theta0))
+        with _full_parameters(self.thetat_params) as current_params:
+            for thetat, theta0, ema, running in zip(
+                current_params, self.theta0_params, self.ema_params, self._running_params
+            ):
+                current = thetat.detach().to(self.device, dtype=ema.dtype)
+                ema.mul_(1.0 - beta).add_(current, alpha=beta)
+                running.copy_(ema + alpha * (current - theta0))
 
     def on_train_begin(
         self,
@@ -306,15 +345,21 @@ class BEMACallback(TrainerCallback):
         model = _unwrap_training_model(model)
 
         self.running_model = type(model)(model.config).to(self.device)
-        self.running_model.load_state_dict(model.state_dict())
+        # Under ZeRO-3 / FSDP2 each process holds a shard of every parameter: copy the gathered full weights.
+        named = list(model.named_parameters())
+        with _full_parameters([param for _, param in named]) as full:
+            state = {name: tensor.detach().to(self.device, copy=True) for (name, _), tensor in zip(named, full)}
+        persistent = self.running_model.state_dict()
+        state.update({name: buffer for name, buffer in model.named_buffers() if name in persistent})
+        self.running_model.load_state_dict(state, strict=False)
         running_params = dict(self.running_model.named_parameters())
 
         self.param_names, self.thetat_params, self.theta0_params, self.ema_params = [], [], [], []
         self._running_params = []
-        for name, param in model.named_parameters():
+        for name, param in named:
             if not param.requires_grad:
                 continue
-            snapshot = param.detach().to(self.device, copy=True)
+            snapshot = state[name].clone()
             self.param_names.append(name)
             self.thetat_params.append(param)
             self.theta0_params.append(snapshot)

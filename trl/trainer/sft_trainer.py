@@ -714,18 +714,21 @@ class SFTTrainer(_BaseTrainer):
         if mode == "train":
             self._total_train_tokens += num_tokens
             self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]
-        if token_logits is None or token_logits.numel() == 0:
+        if token_logits is None:  # custom compute_loss_func: no token statistics, on every process alike
             return
-        entropy_sum = entropy_from_logits(token_logits.float()).sum()
-        correct = (token_logits.argmax(dim=-1) == token_targets).sum()
-        count = torch.tensor(token_targets.numel(), device=token_logits.device)
-        stats = self.accelerator.gather(
-            torch.stack([entropy_sum.float(), correct.float(), count.float()]).reshape(1, 3)
-        )
-        stats = stats.reshape(-1, 3).sum(dim=0)
-        total = stats[2].clamp(min=1)
-        self._metrics[mode]["entropy"].append((stats[0] / total).item())
-        self._metrics[mode]["mean_token_accuracy"].append((stats[1] / total).item())
+        # Every process joins the gather, also one whose batch has no target token (skipping it would deadlock).
+        if token_logits.numel() == 0:
+            local = torch.zeros(3, device=token_logits.device)
+        else:
+            entropy_sum = entropy_from_logits(token_logits.float()).sum()
+            correct = (token_logits.argmax(dim=-1) == token_targets).sum()
+            count = torch.tensor(token_targets.numel(), device=token_logits.device)
+            local = torch.stack([entropy_sum.float(), correct.float(), count.float()])
+        stats = self.accelerator.gather(local.reshape(1, 3)).reshape(-1, 3).sum(dim=0)
+        if stats[2] == 0:
+            return
+        self._metrics[mode]["entropy"].append((stats[0] / stats[2]).item())
+        self._metrics[mode]["mean_token_accuracy"].append((stats[1] / stats[2]).item())
 
 
 # ----------------------------------------------------------------------------------------------------------------

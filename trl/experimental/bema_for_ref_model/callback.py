@@ -12,7 +12,7 @@ from transformers.utils import logging
 
 from ...import_utils import is_peft_available
 from ...trainer.callbacks import BEMACallback as _BEMACallback
-from ...trainer.callbacks import _unwrap_training_model
+from ...trainer.callbacks import _copy_into_parameters, _unwrap_training_model
 
 
 logger = logging.get_logger(__name__)
@@ -155,7 +155,12 @@ class BEMACallback(_BEMACallback):
             target = _unwrap_training_model(ref_model)
             if _is_peft_model(target):
                 target = target.get_base_model()
-            target.load_state_dict(bema_state, strict=False)
+            named = [(name, param) for name, param in target.named_parameters() if name in bema_state]
+            if any(hasattr(param, "ds_tensor") or hasattr(param, "device_mesh") for _, param in named):
+                # A reference sharded by ZeRO-3 / FSDP2: each process writes its shard of the full BEMA weights.
+                _copy_into_parameters([param for _, param in named], [bema_state[name] for name, _ in named])
+            else:
+                target.load_state_dict(bema_state, strict=False)
             logger.info("Updated the reference model with the BEMA weights.")
             return
 
