@@ -14,7 +14,27 @@ _import_structure = {
         "SyncRefModelCallback",
         "WeaveCallback",
     ],
+    "judges": [
+        "AllTrueJudge",
+        "BaseBinaryJudge",
+        "BaseJudge",
+        "BasePairwiseJudge",
+        "BaseRankJudge",
+        "HfPairwiseJudge",
+        "OpenAIPairwiseJudge",
+        "PairRMJudge",
+    ],
+    "dpo_config": ["DPOConfig"],
+    "dpo_trainer": ["DPOTrainer"],
+    "grpo_config": ["GRPOConfig"],
+    "grpo_trainer": ["GRPOTrainer"],
+    "kto_config": ["KTOConfig"],
+    "kto_trainer": ["KTOTrainer"],
     "model_config": ["ModelConfig"],
+    "reward_config": ["RewardConfig"],
+    "reward_trainer": ["RewardTrainer"],
+    "rloo_config": ["RLOOConfig"],
+    "rloo_trainer": ["RLOOTrainer"],
     "sft_config": ["SFTConfig"],
     "sft_trainer": ["SFTTrainer"],
     "utils": [
@@ -34,7 +54,27 @@ if TYPE_CHECKING:
         SyncRefModelCallback,
         WeaveCallback,
     )
+    from .dpo_config import DPOConfig
+    from .dpo_trainer import DPOTrainer
+    from .grpo_config import GRPOConfig
+    from .grpo_trainer import GRPOTrainer
+    from .judges import (
+        AllTrueJudge,
+        BaseBinaryJudge,
+        BaseJudge,
+        BasePairwiseJudge,
+        BaseRankJudge,
+        HfPairwiseJudge,
+        OpenAIPairwiseJudge,
+        PairRMJudge,
+    )
+    from .kto_config import KTOConfig
+    from .kto_trainer import KTOTrainer
     from .model_config import ModelConfig
+    from .reward_config import RewardConfig
+    from .reward_trainer import RewardTrainer
+    from .rloo_config import RLOOConfig
+    from .rloo_trainer import RLOOTrainer
     from .sft_config import SFTConfig
     from .sft_trainer import SFTTrainer
     from .utils import (

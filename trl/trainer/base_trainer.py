@@ -479,3 +479,208 @@ class _BaseTrainer(Trainer):
 
         model, tokenizer, added_tokens = clone_chat_template(model, tokenizer, path)
         return model, tokenizer, added_tokens
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Offline preference trainers (DPO, KTO, BCO, ...): MoE loss, adapters, batch layout, reference log-probs
+    # computed on the fly or once before training, and batch metrics gathered in one collective
+    # ------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _resolve_aux_loss(model: nn.Module, args: TrainingArguments) -> tuple[bool, float]:
+        """Whether to add the mixture-of-experts router loss, and its weight.
+
+        `args.router_aux_loss_coef=None` uses the model config's coefficient when the config asks for router logits
+        (`output_router_logits=True`); a number turns the loss on with that weight (0.0 turns it off). Setting it on a
+        model without a router is an error.
+        """
+        model_config = getattr(model, "config", None)
+        requested = getattr(args, "router_aux_loss_coef", None)
+        if requested is None and not getattr(model_config, "output_router_logits", False):
+            return False, 0.0
+        is_moe = model_config is not None and hasattr(model_config, "router_aux_loss_coef")
+        if requested is not None and not is_moe:
+            raise ValueError(
+                f"router_aux_loss_coef={requested} was set, but {type(model).__name__} has no mixture-of-experts "
+                "router. Leave router_aux_loss_coef=None for dense models."
+            )
+        coef = requested if requested is not None else model_config.router_aux_loss_coef
+        if is_moe and coef:
+            model_config.output_router_logits = True
+            return True, float(coef)
+        return False, 0.0
+
+    @staticmethod
+    def _check_adapter_names(model: nn.Module, model_adapter_name: str | None, ref_adapter_name: str | None) -> None:
+        """Validate the adapters named for training and as the reference in a multi-adapter PEFT model."""
+        available = list(getattr(model, "peft_config", {}) or {})
+        for option, name in (("model_adapter_name", model_adapter_name), ("ref_adapter_name", ref_adapter_name)):
+            if name is not None and name not in available:
+                raise ValueError(
+                    f"{option}={name!r} is not an adapter of the PEFT model; it has {available}. Load it first (e.g. "
+                    f"PeftModel.load_adapter(path, adapter_name={name!r})) or fix the name."
+                )
+        if model_adapter_name is not None and model_adapter_name == ref_adapter_name:
+            raise ValueError(
+                f"model_adapter_name and ref_adapter_name are both {model_adapter_name!r}; the reference adapter must "
+                "differ from the trained one."
+            )
+
+    @staticmethod
+    def _choose_layout(model: nn.Module | None, padding_free: bool, warn: bool = False) -> str:
+        """Batch layout of a forward pass: `padding_free` (one row), `packed` (short rows) or `padded`.
+
+        See `trl.trainer.utils.compute_sequence_token_logps`. Packing is used whenever the model's attention can keep
+        packed sequences apart; `padding_free=True` asks for a single row (a warning falls back to padded batches
+        when the attention cannot handle it).
+        """
+        from .utils import packed_attention_kind
+
+        kind = packed_attention_kind(model) if model is not None else None
+        if kind is None:
+            if padding_free and warn:
+                implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+                warnings.warn(
+                    f"padding_free=True, but the model ({type(model).__name__}, attention {implementation!r}) cannot "
+                    "attend within packed sequences; falling back to padded batches.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return "padded"
+        if padding_free or kind == "varlen":
+            return "padding_free"
+        return "packed"
+
+    @contextlib.contextmanager
+    def _reference_module(self, model: nn.Module, ref_adapter_name: str | None = None):
+        """Yield the module that computes reference log-probs for a batch, under no_grad.
+
+        While reference log-probs are being precomputed without a separate reference model
+        (`self._policy_is_reference`), the untrained policy itself; otherwise `_reference_context` (the reference
+        model, or the PEFT policy with its adapters disabled / `ref_adapter_name` active). When the reference model
+        was released after precomputation and the batch carries no precomputed values, a clear error.
+        """
+        with torch.no_grad():
+            ref_model = getattr(self, "ref_model", None)
+            if ref_model is None and getattr(self, "_policy_is_reference", False):
+                yield model
+                return
+            if ref_model is None and not self._is_peft_model(self.accelerator.unwrap_model(model)):
+                raise ValueError(
+                    "This batch has no precomputed reference log-probs and the trainer holds no reference model (it "
+                    "was released after precompute_ref_log_probs). Evaluate on the datasets given to the trainer, "
+                    "whose reference log-probs were precomputed, or create the trainer with "
+                    "precompute_ref_log_probs=False."
+                )
+            with self._reference_context(model, ref_model, ref_adapter_name) as reference:
+                yield reference
+
+    def _precompute_reference_columns(
+        self,
+        compute_fn: Any,
+        columns: tuple[str, ...],
+        batch_size: int | None = None,
+        eval_batch_size: int | None = None,
+    ) -> None:
+        """Score the train and eval datasets with the reference once, store the values as columns, drop the ref model.
+
+        Args:
+            compute_fn: `f(model, batch) -> {column: (n,) tensor}` computing the reference values of a collated batch
+                (it receives the policy, which serves as the reference while `self._policy_is_reference` is set).
+            columns: Names of the columns `compute_fn` returns; datasets that already have them are left as they are.
+            batch_size: Examples per pre-pass batch for the train dataset (default: `per_device_train_batch_size`).
+            eval_batch_size: Same for evaluation datasets (default: `per_device_eval_batch_size`).
+        """
+        import gc
+
+        from datasets import Dataset
+
+        from .utils import precompute_reference_logps
+
+        args = self.args
+        was_training = self.model.training
+        self.model.eval()
+        self._policy_is_reference = getattr(self, "ref_model", None) is None
+        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
+        model = self.model if sharded else self.model.to(args.device)
+
+        def compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            with self.compute_loss_context_manager():
+                return compute_fn(model, batch)
+
+        def score(dataset: Any, size: int, name: str) -> Any:
+            if isinstance(dataset, Dataset) and all(c in dataset.column_names for c in columns):
+                return dataset  # already scored (e.g. by the user)
+            return precompute_reference_logps(
+                dataset,
+                self.data_collator,
+                compute,
+                batch_size=size,
+                accelerator=self.accelerator,
+                num_workers=args.dataloader_num_workers,
+                desc=f"Computing reference log-probs of the {name} dataset",
+            )
+
+        try:
+            self.train_dataset = score(self.train_dataset, batch_size or args.per_device_train_batch_size, "train")
+            if self.eval_dataset is not None:
+                size = eval_batch_size or args.per_device_eval_batch_size
+                if isinstance(self.eval_dataset, dict):
+                    self.eval_dataset = {
+                        key: score(ds, size, f"eval ({key})") for key, ds in self.eval_dataset.items()
+                    }
+                else:
+                    self.eval_dataset = score(self.eval_dataset, size, "eval")
+        finally:
+            self._policy_is_reference = False
+            self.model.train(was_training)
+        # The values are stored with the data: the reference model is no longer needed.
+        self.ref_model = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _record_batch_metrics(
+        self,
+        mode: str,
+        means: dict[str, torch.Tensor] | None = None,
+        ratios: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        sums: dict[str, torch.Tensor] | None = None,
+        num_tokens: torch.Tensor | None = None,
+    ) -> None:
+        """Gather every metric of a batch across processes in one collective and store it for logging.
+
+        Args:
+            mode: `"train"` or `"eval"`.
+            means: Scalars averaged over processes.
+            ratios: `(numerator, denominator)` pairs, each summed over processes, stored as their ratio (NaN when the
+                denominator is 0, e.g. token-level means over an empty selection).
+            sums: Scalars summed over processes.
+            num_tokens: Tokens of this batch; in training they are added to the running `num_tokens` metric.
+        """
+        means, ratios, sums = means or {}, ratios or {}, sums or {}
+        values = [torch.as_tensor(v).detach().float().reshape(()) for v in means.values()]
+        for numerator, denominator in ratios.values():
+            values.append(torch.as_tensor(numerator).detach().float().reshape(()))
+            values.append(torch.as_tensor(denominator).detach().float().reshape(()))
+        values.extend(torch.as_tensor(v).detach().float().reshape(()) for v in sums.values())
+        if num_tokens is not None:
+            values.append(torch.as_tensor(num_tokens).detach().float().reshape(()))
+        if not values:
+            return
+        stacked = torch.stack([v.to(self.accelerator.device) for v in values])
+        gathered = self.accelerator.gather(stacked.unsqueeze(0)).reshape(-1, stacked.numel())
+        averaged = gathered.mean(dim=0).tolist()
+        summed = gathered.sum(dim=0).tolist()
+        index = 0
+        for name in means:
+            self._metrics[mode][name].append(averaged[index])
+            index += 1
+        for name in ratios:
+            numerator, denominator = summed[index], summed[index + 1]
+            self._metrics[mode][name].append(numerator / denominator if denominator > 0 else float("nan"))
+            index += 2
+        for name in sums:
+            self._metrics[mode][name].append(summed[index])
+            index += 1
+        if num_tokens is not None and mode == "train":
+            self._total_train_tokens = getattr(self, "_total_train_tokens", 0) + int(summed[index])
+            self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]

@@ -2,8 +2,6 @@
 
 import contextlib
 import dataclasses
-import gc
-import json
 import logging
 import math
 import warnings
@@ -27,15 +25,18 @@ from transformers import (
 )
 from transformers.trainer_utils import EvalPrediction
 
-from ..data_utils import common_prefix_length, get_dataset_column_names, is_conversational, maybe_extract_prompt
+from ..data_utils import get_dataset_column_names, is_conversational, maybe_extract_prompt
 from .base_trainer import _BaseTrainer
 from .dpo_config import DPOConfig
 from .utils import (
+    PromptCompletionTokenizer,
     compute_sequence_token_logps,
     disable_dropout_in_model,
-    packed_attention_kind,
+    logits_statistics,
+    map_kwargs_with_desc,
     pad,
-    precompute_reference_logps,
+    scored_completion_tokens,
+    uses_sharding_engine,
 )
 
 
@@ -54,8 +55,6 @@ _LEGACY_TOKENIZED_COLUMNS = {
 _F_DIVERGENCE_LOSSES = ("sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft")
 # Losses computed on per-token mean log-probs instead of sums.
 _LENGTH_NORMALIZED_LOSSES = ("ipo", "sigmoid_norm")
-# Bytes of float32 logits processed at once when computing per-token statistics of the full distribution.
-_STATS_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -411,7 +410,7 @@ class DPOTrainer(_BaseTrainer):
         # ---- PEFT and adapters ---------------------------------------------------------------------------------
         model = self._wrap_peft(model, peft_config, args)
         if self._is_peft_model(model):
-            self._check_adapters(model, args)
+            self._check_adapter_names(model, args.model_adapter_name, args.ref_adapter_name)
             if args.model_adapter_name is not None:
                 model.set_adapter(args.model_adapter_name)
 
@@ -419,7 +418,7 @@ class DPOTrainer(_BaseTrainer):
         self._needs_reference = any(loss != "sft" for loss in args.loss_type)
         # With precomputed log-probs the untrained policy scores the data itself: no copy is needed, except under
         # DeepSpeed/FSDP where the policy is sharded later and a prepared reference is simpler.
-        distributed_engine = _uses_sharding_engine(args)
+        distributed_engine = uses_sharding_engine(args)
         build_ref = self._needs_reference and (not args.precompute_ref_log_probs or distributed_engine)
         ref_model = self._build_ref_model(model_arg, model, ref_model, args, needed=build_ref)
         if args.disable_dropout:
@@ -478,7 +477,12 @@ class DPOTrainer(_BaseTrainer):
             self.maybe_activation_offload_context = contextlib.nullcontext()
 
         if args.precompute_ref_log_probs and self._needs_reference:
-            self._precompute_all_reference_logps()
+            self._precompute_reference_columns(
+                self.compute_ref_log_probs,
+                _REF_COLUMNS,
+                args.precompute_ref_batch_size,
+                args.precompute_ref_batch_size,
+            )
         self._add_model_tags(self.model)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -531,59 +535,6 @@ class DPOTrainer(_BaseTrainer):
                 "GPU."
             )
 
-    @staticmethod
-    def _resolve_aux_loss(model: nn.Module, args: DPOConfig) -> tuple[bool, float]:
-        model_config = getattr(model, "config", None)
-        if args.router_aux_loss_coef is None and not getattr(model_config, "output_router_logits", False):
-            return False, 0.0
-        is_moe = model_config is not None and hasattr(model_config, "router_aux_loss_coef")
-        if args.router_aux_loss_coef is not None and not is_moe:
-            raise ValueError(
-                f"router_aux_loss_coef={args.router_aux_loss_coef} was set, but {type(model).__name__} has no "
-                "mixture-of-experts router. Leave router_aux_loss_coef=None for dense models."
-            )
-        coef = (
-            args.router_aux_loss_coef if args.router_aux_loss_coef is not None else model_config.router_aux_loss_coef
-        )
-        if is_moe and coef:
-            model_config.output_router_logits = True
-            return True, float(coef)
-        return False, 0.0
-
-    @staticmethod
-    def _check_adapters(model: nn.Module, args: DPOConfig) -> None:
-        available = list(getattr(model, "peft_config", {}) or {})
-        for option in ("model_adapter_name", "ref_adapter_name"):
-            name = getattr(args, option)
-            if name is not None and name not in available:
-                raise ValueError(
-                    f"{option}={name!r} is not an adapter of the PEFT model; it has {available}. Load it first (e.g. "
-                    f"PeftModel.load_adapter(path, adapter_name={name!r})) or fix the name."
-                )
-        if args.model_adapter_name is not None and args.model_adapter_name == args.ref_adapter_name:
-            raise ValueError(
-                f"model_adapter_name and ref_adapter_name are both {args.model_adapter_name!r}; the reference adapter "
-                "must differ from the trained one."
-            )
-
-    @staticmethod
-    def _choose_layout(model: nn.Module | None, padding_free: bool, warn: bool = False) -> str:
-        """Batch layout of the forward pass: `padding_free` (one row), `packed` (short rows) or `padded`."""
-        kind = packed_attention_kind(model) if model is not None else None
-        if kind is None:
-            if padding_free and warn:
-                implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-                warnings.warn(
-                    f"padding_free=True, but the model ({type(model).__name__}, attention {implementation!r}) cannot "
-                    "attend within packed sequences; falling back to padded batches.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            return "padded"
-        if padding_free or kind == "varlen":
-            return "padding_free"
-        return "packed"
-
     # ------------------------------------------------------------------------------------------------------------
     # Dataset preparation
     # ------------------------------------------------------------------------------------------------------------
@@ -627,11 +578,15 @@ class DPOTrainer(_BaseTrainer):
                     "template. Assign tokenizer.chat_template (or use trl.clone_chat_template) before creating the "
                     "trainer."
                 )
-            dataset = dataset.map(maybe_extract_prompt, **_desc(map_kwargs, f"Extracting prompt in {dataset_name}"))
+            dataset = dataset.map(
+                maybe_extract_prompt, **map_kwargs_with_desc(map_kwargs, f"Extracting prompt in {dataset_name}")
+            )
             tokenize = _PreferenceTokenizer(processing_class, conversational)
             keep = set(_REF_COLUMNS)
             remove = [c for c in get_dataset_column_names(dataset) or columns if c not in keep]
-            tokenized = dataset.map(tokenize, remove_columns=remove, **_desc(map_kwargs, f"Tokenizing {dataset_name}"))
+            tokenized = dataset.map(
+                tokenize, remove_columns=remove, **map_kwargs_with_desc(map_kwargs, f"Tokenizing {dataset_name}")
+            )
 
         # Drop pairs where truncation would leave the chosen or the rejected completion without a scored token.
         max_length, mode = args.max_length, args.truncation_mode
@@ -688,26 +643,8 @@ class DPOTrainer(_BaseTrainer):
         return (token_logps * mask * weights).sum(dim=1), counts
 
     def _logits_stats(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-token statistics of the full distribution, computed chunk by chunk (never a full-vocab log-softmax)."""
-        vocab = logits.shape[-1]
-        flat_logits = logits.reshape(-1, vocab)
-        flat_targets = targets.reshape(-1)
-        rows = max(1, _STATS_CHUNK_BYTES // (4 * vocab))
-        mean_logit, correct, sharpness = [], [], []
-        for start in range(0, flat_logits.shape[0], rows):
-            chunk = flat_logits[start : start + rows].float()
-            mean_logit.append(chunk.mean(dim=-1))
-            correct.append((chunk.argmax(dim=-1) == flat_targets[start : start + rows]).float())
-            if self.args.use_weighting:
-                # WPO: log sum_v p_v^2 = logsumexp(2 z) - 2 logsumexp(z).
-                sharpness.append(torch.logsumexp(2 * chunk, dim=-1) - 2 * torch.logsumexp(chunk, dim=-1))
-        stats = {
-            "mean_logit": torch.cat(mean_logit).reshape(targets.shape),
-            "correct": torch.cat(correct).reshape(targets.shape),
-        }
-        if sharpness:
-            stats["log_sum_sq_probs"] = torch.cat(sharpness).reshape(targets.shape)
-        return stats
+        """Per-token statistics of the full distribution (WPO's sharpness only when `use_weighting`)."""
+        return logits_statistics(logits, targets, sharpness=self.args.use_weighting)
 
     def _token_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor], layout: str, with_stats: bool):
         return compute_sequence_token_logps(
@@ -736,70 +673,12 @@ class DPOTrainer(_BaseTrainer):
             `{"ref_chosen_logps": (n,), "ref_rejected_logps": (n,)}` summed log-probabilities.
         """
         target_mask = self._target_mask(inputs)
-        with torch.no_grad():
-            if self.ref_model is None and self._policy_is_reference:
-                result = self._token_logps(model, inputs, self._layout, with_stats=False)
-            else:
-                if self.ref_model is None and not self._is_peft_model(self.accelerator.unwrap_model(model)):
-                    raise ValueError(
-                        "This batch has no precomputed reference log-probs (ref_chosen_logps / ref_rejected_logps) "
-                        "and the trainer holds no reference model (it was released after precompute_ref_log_probs). "
-                        "Evaluate on the datasets given to the trainer, whose reference log-probs were precomputed, "
-                        "or create the trainer with precompute_ref_log_probs=False."
-                    )
-                layout = self._ref_layout if self.ref_model is not None else self._layout
-                with self._reference_context(model, self.ref_model, self.args.ref_adapter_name) as reference:
-                    result = self._token_logps(reference, inputs, layout, with_stats=False)
+        layout = self._ref_layout if self.ref_model is not None else self._layout
+        with self._reference_module(model, self.args.ref_adapter_name) as reference:
+            result = self._token_logps(reference, inputs, layout, with_stats=False)
         sums, _ = self._sequence_logps(result.logps.float(), target_mask)
         num_pairs = sums.shape[0] // 2
         return {"ref_chosen_logps": sums[:num_pairs], "ref_rejected_logps": sums[num_pairs:]}
-
-    def _precompute_all_reference_logps(self) -> None:
-        """Score the train and eval datasets with the reference once, then release the reference model."""
-        args = self.args
-        was_training = self.model.training
-        self.model.eval()
-        self._policy_is_reference = self.ref_model is None
-        try:
-            self.train_dataset = self._precompute_dataset(
-                self.train_dataset, args.precompute_ref_batch_size or args.per_device_train_batch_size, "train"
-            )
-            if self.eval_dataset is not None:
-                batch_size = args.precompute_ref_batch_size or args.per_device_eval_batch_size
-                if isinstance(self.eval_dataset, dict):
-                    self.eval_dataset = {
-                        key: self._precompute_dataset(ds, batch_size, f"eval ({key})")
-                        for key, ds in self.eval_dataset.items()
-                    }
-                else:
-                    self.eval_dataset = self._precompute_dataset(self.eval_dataset, batch_size, "eval")
-        finally:
-            self._policy_is_reference = False
-            self.model.train(was_training)
-        # The log-probs are stored with the data: the reference model is no longer needed.
-        self.ref_model = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-    def _precompute_dataset(self, dataset: Dataset, batch_size: int, name: str) -> Dataset:
-        if isinstance(dataset, Dataset) and all(c in dataset.column_names for c in _REF_COLUMNS):
-            return dataset  # already scored (e.g. by the user)
-        model = self.model if self.is_deepspeed_enabled or self.is_fsdp_enabled else self.model.to(self.args.device)
-
-        def compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            with self.compute_loss_context_manager():
-                return self.compute_ref_log_probs(model, batch)
-
-        return precompute_reference_logps(
-            dataset,
-            self.data_collator,
-            compute,
-            batch_size=batch_size,
-            accelerator=self.accelerator,
-            num_workers=self.args.dataloader_num_workers,
-            desc=f"Computing reference log-probs of the {name} dataset",
-        )
 
     # ------------------------------------------------------------------------------------------------------------
     # Loss
@@ -899,7 +778,7 @@ class DPOTrainer(_BaseTrainer):
         policy: Any,
         aux_loss: torch.Tensor | None,
     ) -> None:
-        """Gather every metric of the batch across processes in one collective and store it for logging."""
+        """Store the batch's metrics (gathered across processes in one collective by `_record_batch_metrics`)."""
         mask = target_mask.float()
         chosen_mask, rejected_mask = mask[:num_pairs], mask[num_pairs:]
         mean_logit = policy.stats["mean_logit"]
@@ -920,23 +799,9 @@ class DPOTrainer(_BaseTrainer):
             "entropy": ((policy.entropy.float() * mask).sum(), mask.sum()),
             "mean_token_accuracy": ((policy.stats["correct"][:num_pairs] * chosen_mask).sum(), chosen_mask.sum()),
         }
-        values = [v.float().reshape(()) for v in pair_level.values()]
-        for numerator, denominator in token_level.values():
-            values.extend([numerator.float().reshape(()), denominator.float().reshape(())])
-        values.append(inputs["attention_mask"].sum().float())
-        stacked = torch.stack(values).to(self.accelerator.device)
-        gathered = self.accelerator.gather(stacked.unsqueeze(0)).reshape(-1, stacked.numel())
-        means = gathered.mean(dim=0).tolist()
-        sums = gathered.sum(dim=0).tolist()
-        for index, name in enumerate(pair_level):
-            self._metrics[mode][name].append(means[index])
-        offset = len(pair_level)
-        for index, name in enumerate(token_level):
-            numerator, denominator = sums[offset + 2 * index], sums[offset + 2 * index + 1]
-            self._metrics[mode][name].append(numerator / denominator if denominator > 0 else float("nan"))
-        if mode == "train":
-            self._total_train_tokens += int(sums[-1])
-            self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]
+        self._record_batch_metrics(
+            mode, means=pair_level, ratios=token_level, num_tokens=inputs["attention_mask"].sum()
+        )
 
     def prediction_step(
         self,
@@ -960,94 +825,21 @@ class DPOTrainer(_BaseTrainer):
 # ----------------------------------------------------------------------------------------------------------------
 # Dataset-map helpers (picklable, so that `dataset_num_proc` works)
 # ----------------------------------------------------------------------------------------------------------------
-def _desc(map_kwargs: dict[str, Any], text: str) -> dict[str, Any]:
-    return {**map_kwargs, "desc": text} if "num_proc" in map_kwargs else dict(map_kwargs)
-
-
-def _as_list(value: Any) -> list[int]:
-    if torch.is_tensor(value):
-        value = value.tolist()
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
-        return value[0]
-    return list(value)
-
-
-def _parse_tools(tools: Any) -> Any:
-    if isinstance(tools, str):
-        try:
-            return json.loads(tools)
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"The `tools` column must hold a list of JSON schemas or a JSON string; got {tools!r}."
-            ) from error
-    return tools
-
-
 class _PreferenceTokenizer:
     """Turns one `{prompt, chosen, rejected}` example into `prompt_ids`, `chosen_ids`, `rejected_ids`.
 
-    Both `prompt + chosen` and `prompt + rejected` are tokenized in full, and the prompt is taken as their shared
-    token prefix with the separately tokenized prompt, so a tokenizer that merges characters across the junction
-    cannot make the prompt differ between the two sequences.
+    See `trl.trainer.utils.PromptCompletionTokenizer`: both sequences are tokenized in full and split at their shared
+    prefix with the tokenized prompt.
     """
 
     def __init__(self, processing_class: Any, conversational: bool):
-        self.processing_class = processing_class
-        self.tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        self.conversational = conversational
-
-    def _chat(self, messages: list[dict[str, Any]], example: dict[str, Any], **kwargs: Any) -> list[int]:
-        template_kwargs = {k: v for k, v in (example.get("chat_template_kwargs") or {}).items() if v is not None}
-        try:
-            out = self.processing_class.apply_chat_template(
-                messages,
-                tools=_parse_tools(example.get("tools")),
-                tokenize=True,
-                return_dict=True,
-                **kwargs,
-                **template_kwargs,
-            )
-        except Exception as error:  # surface template errors with the offending example
-            raise ValueError(
-                f"Applying the chat template failed on the example {str(messages)[:300]}: {error}"
-            ) from error
-        return _as_list(out["input_ids"])
+        self.tokenize = PromptCompletionTokenizer(processing_class, conversational)
 
     def __call__(self, example: dict[str, Any]) -> dict[str, list[int]]:
-        prompt, chosen, rejected = example.get("prompt"), example["chosen"], example["rejected"]
-        if self.conversational:
-            prompt = list(prompt or [])
-            if prompt:
-                last_role = prompt[-1].get("role")
-                prompt_kwargs = (
-                    {"continue_final_message": True} if last_role == "assistant" else {"add_generation_prompt": True}
-                )
-                prompt_ids = self._chat(prompt, example, **prompt_kwargs)
-            else:
-                prompt_ids = []
-            full_chosen = self._chat(prompt + list(chosen), example)
-            full_rejected = self._chat(prompt + list(rejected), example)
-        else:
-            prompt = prompt or ""
-            if not all(isinstance(value, str) for value in (prompt, chosen, rejected)):
-                raise ValueError(
-                    "Standard preference data needs string 'prompt', 'chosen' and 'rejected' values; got "
-                    f"{type(prompt).__name__}, {type(chosen).__name__} and {type(rejected).__name__}. Conversational "
-                    "data must be lists of {'role', 'content'} messages in every column."
-                )
-            eos = self.tokenizer.eos_token
-            if eos:
-                chosen = chosen if chosen.endswith(eos) else chosen + eos
-                rejected = rejected if rejected.endswith(eos) else rejected + eos
-            prompt_ids = _as_list(self.tokenizer(prompt)["input_ids"]) if prompt else []
-            full_chosen = _as_list(self.tokenizer(prompt + chosen)["input_ids"])
-            full_rejected = _as_list(self.tokenizer(prompt + rejected)["input_ids"])
-        split = min(common_prefix_length(prompt_ids, full_chosen), common_prefix_length(prompt_ids, full_rejected))
-        return {
-            "prompt_ids": full_chosen[:split],
-            "chosen_ids": full_chosen[split:],
-            "rejected_ids": full_rejected[split:],
-        }
+        prompt_ids, (chosen_ids, rejected_ids) = self.tokenize(
+            example, example.get("prompt"), [example["chosen"], example["rejected"]], ("prompt", "chosen", "rejected")
+        )
+        return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
 
 
 class _HasTargets:
@@ -1058,28 +850,13 @@ class _HasTargets:
         self.mode = mode
 
     def _targets(self, prompt_len: int, completion_len: int) -> int:
-        total = prompt_len + completion_len
-        if self.max_length is None or total <= self.max_length:
-            kept_prompt, kept_completion = prompt_len, completion_len
-        elif self.mode == "keep_start":
-            kept_prompt = min(prompt_len, self.max_length)
-            kept_completion = self.max_length - kept_prompt
-        else:
-            kept_completion = min(completion_len, self.max_length)
-            kept_prompt = self.max_length - kept_completion
-        # The first token of a sequence has nothing before it and cannot be scored.
-        return kept_completion - (1 if kept_prompt == 0 and kept_completion > 0 else 0)
+        return scored_completion_tokens(prompt_len, completion_len, self.max_length, self.mode)
 
     def check(self, prompt_len: int, chosen_len: int, rejected_len: int) -> bool:
         return self._targets(prompt_len, chosen_len) > 0 and self._targets(prompt_len, rejected_len) > 0
 
     def __call__(self, example: dict[str, Any]) -> bool:
         return self.check(len(example["prompt_ids"]), len(example["chosen_ids"]), len(example["rejected_ids"]))
-
-
-def _uses_sharding_engine(args: TrainingArguments) -> bool:
-    """Whether DeepSpeed or FSDP will wrap the model (the policy cannot then double as an unsharded reference)."""
-    return bool(getattr(args, "deepspeed", None)) or bool(getattr(args, "fsdp", None))
 
 
 def _to_dpo_config(args: TrainingArguments) -> DPOConfig:

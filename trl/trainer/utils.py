@@ -1794,3 +1794,200 @@ def precompute_reference_logps(
             dataset = dataset.remove_columns(name)
         dataset = dataset.add_column(name, column)
     return dataset
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tokenizing prompt/completion data for offline preference trainers (DPO, KTO, BCO, ...)
+#
+# These trainers tokenize a prompt together with one completion (KTO, BCO) or two (DPO), standard text or
+# conversational messages rendered by the chat template, and split each sequence into its prompt part and its
+# completion part. They also share a few bookkeeping helpers: the number of completion tokens that survive truncation,
+# per-token statistics of the full output distribution for metrics, and `Dataset.map` keyword handling.
+# ---------------------------------------------------------------------------------------------------------------------
+def map_kwargs_with_desc(map_kwargs: dict[str, Any], text: str) -> dict[str, Any]:
+    """`map_kwargs` plus a progress description (map-style datasets only: `IterableDataset.map` takes no `desc`)."""
+    return {**map_kwargs, "desc": text} if "num_proc" in map_kwargs else dict(map_kwargs)
+
+
+def as_token_list(value: Any) -> list[int]:
+    """Token ids from a tokenizer or `apply_chat_template` as a flat list (a `[[...]]` batch of one is unwrapped)."""
+    if torch.is_tensor(value):
+        value = value.tolist()
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
+        return value[0]
+    return list(value)
+
+
+def parse_tools_column(tools: Any) -> Any:
+    """Value of a `tools` dataset column: a list of JSON schemas, or a JSON string holding one."""
+    import json
+
+    if isinstance(tools, str):
+        try:
+            return json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"The `tools` column must hold a list of JSON schemas or a JSON string; got {tools!r}."
+            ) from error
+    return tools
+
+
+class PromptCompletionTokenizer:
+    """Tokenize a prompt followed by one or more alternative completions, splitting each sequence at the prompt.
+
+    Every `prompt + completion` sequence is tokenized in full and the prompt is taken as the shared token prefix of
+    all of them and of the separately tokenized prompt, so a tokenizer that merges characters across the junction
+    cannot make the prompt differ between the sequences. Standard (text) completions get the EOS token appended;
+    conversational rows are rendered with the chat template (the prompt with the generation prompt, or as a
+    continuation when it ends with an assistant message), with the row's optional `tools` and `chat_template_kwargs`.
+
+    Args:
+        processing_class: Tokenizer or processor (conversational data needs a chat template).
+        conversational: Whether the rows hold message lists.
+
+    Example:
+    ```python
+    >>> tokenize = PromptCompletionTokenizer(tokenizer, conversational=False)
+    >>> prompt_ids, (completion_ids,) = tokenize({}, "The sky is", [" blue"])
+    ```
+    """
+
+    def __init__(self, processing_class: Any, conversational: bool):
+        self.processing_class = processing_class
+        self.tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        self.conversational = conversational
+
+    def _chat(self, messages: list[dict[str, Any]], example: dict[str, Any], **kwargs: Any) -> list[int]:
+        template_kwargs = {k: v for k, v in (example.get("chat_template_kwargs") or {}).items() if v is not None}
+        try:
+            out = self.processing_class.apply_chat_template(
+                messages,
+                tools=parse_tools_column(example.get("tools")),
+                tokenize=True,
+                return_dict=True,
+                **kwargs,
+                **template_kwargs,
+            )
+        except Exception as error:  # surface template errors with the offending example
+            raise ValueError(
+                f"Applying the chat template failed on the example {str(messages)[:300]}: {error}"
+            ) from error
+        return as_token_list(out["input_ids"])
+
+    def __call__(
+        self,
+        example: dict[str, Any],
+        prompt: Any,
+        completions: Sequence[Any],
+        column_names: Sequence[str] = ("prompt", "completion"),
+    ) -> tuple[list[int], list[list[int]]]:
+        """Return `(prompt_ids, [completion_ids, ...])`, one completion list per entry of `completions`.
+
+        Args:
+            example: The dataset row (for its optional `tools` and `chat_template_kwargs`).
+            prompt: Prompt text or messages (None or empty for no prompt).
+            completions: Completion texts or message lists.
+            column_names: Names of the prompt and completion columns, used in error messages.
+        """
+        if self.conversational:
+            prompt = list(prompt or [])
+            if prompt:
+                last_role = prompt[-1].get("role")
+                prompt_kwargs = (
+                    {"continue_final_message": True} if last_role == "assistant" else {"add_generation_prompt": True}
+                )
+                prompt_ids = self._chat(prompt, example, **prompt_kwargs)
+            else:
+                prompt_ids = []
+            full = [self._chat(prompt + list(completion), example) for completion in completions]
+        else:
+            prompt = prompt or ""
+            if not all(isinstance(value, str) for value in (prompt, *completions)):
+                found = ", ".join(type(value).__name__ for value in (prompt, *completions))
+                raise ValueError(
+                    f"Standard (text) data needs string values in the columns {list(column_names)}; got {found}. "
+                    "Conversational data must be lists of {'role', 'content'} messages in every column."
+                )
+            eos = self.tokenizer.eos_token
+            if eos:
+                completions = [c if c.endswith(eos) else c + eos for c in completions]
+            prompt_ids = as_token_list(self.tokenizer(prompt)["input_ids"]) if prompt else []
+            full = [as_token_list(self.tokenizer(prompt + completion)["input_ids"]) for completion in completions]
+        from ..data_utils import common_prefix_length
+
+        split = min(common_prefix_length(prompt_ids, ids) for ids in full)
+        return full[0][:split], [ids[split:] for ids in full]
+
+
+def scored_completion_tokens(
+    prompt_length: int, completion_length: int, max_length: int | None, truncation_mode: str = "keep_start"
+) -> int:
+    """Completion tokens of a `prompt + completion` sequence still scored after truncation to `max_length`.
+
+    `keep_start` keeps the first `max_length` tokens, `keep_end` the last ones. The first token of a sequence has
+    nothing before it, so it is never scored.
+    """
+    total = prompt_length + completion_length
+    if max_length is None or total <= max_length:
+        kept_prompt, kept_completion = prompt_length, completion_length
+    elif truncation_mode == "keep_start":
+        kept_prompt = min(prompt_length, max_length)
+        kept_completion = max_length - kept_prompt
+    else:
+        kept_completion = min(completion_length, max_length)
+        kept_prompt = max_length - kept_completion
+    return kept_completion - (1 if kept_prompt == 0 and kept_completion > 0 else 0)
+
+
+# Bytes of float32 logits processed at once by `logits_statistics`.
+_STATS_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def logits_statistics(logits: torch.Tensor, targets: torch.Tensor, sharpness: bool = False) -> dict[str, torch.Tensor]:
+    """Per-token statistics of the full output distribution, computed chunk by chunk (never a full log-softmax).
+
+    Meant as the `logits_stats_fn` of [`compute_sequence_token_logps`] (metrics only, no gradient).
+
+    Args:
+        logits: `(rows, positions, vocab)` logits.
+        targets: `(rows, positions)` target token ids.
+        sharpness: Also return `log_sum_sq_probs = log sum_v p_v^2` (used by WPO weighting).
+
+    Returns:
+        `{"mean_logit", "correct"}` (and `"log_sum_sq_probs"`), each of the shape of `targets`: the mean logit over
+        the vocabulary and whether the argmax is the target token.
+    """
+    vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab)
+    flat_targets = targets.reshape(-1)
+    rows = max(1, _STATS_CHUNK_BYTES // (4 * vocab))
+    mean_logit, correct, sharp = [], [], []
+    for start in range(0, flat_logits.shape[0], rows):
+        chunk = flat_logits[start : start + rows].float()
+        mean_logit.append(chunk.mean(dim=-1))
+        correct.append((chunk.argmax(dim=-1) == flat_targets[start : start + rows]).float())
+        if sharpness:
+            # log sum_v p_v^2 = logsumexp(2 z) - 2 logsumexp(z)
+            sharp.append(torch.logsumexp(2 * chunk, dim=-1) - 2 * torch.logsumexp(chunk, dim=-1))
+    stats = {
+        "mean_logit": torch.cat(mean_logit).reshape(targets.shape),
+        "correct": torch.cat(correct).reshape(targets.shape),
+    }
+    if sharp:
+        stats["log_sum_sq_probs"] = torch.cat(sharp).reshape(targets.shape)
+    return stats
+
+
+def uses_sharding_engine(args: Any) -> bool:
+    """Whether DeepSpeed or FSDP will wrap the model (the policy cannot then double as an unsharded reference).
+
+    Both ways of asking count: the training arguments (`deepspeed=`, `fsdp=`) and an `accelerate launch` config,
+    which reaches the process as `ACCELERATE_USE_DEEPSPEED` / `ACCELERATE_USE_FSDP` (and gives the arguments a
+    `deepspeed_plugin`).
+    """
+    if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+        return True
+    if getattr(args, "deepspeed_plugin", None) is not None:
+        return True
+    flags = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
+    return any(os.environ.get(flag, "false").lower() == "true" for flag in flags)

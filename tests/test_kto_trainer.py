@@ -1,0 +1,482 @@
+"""KTOTrainer: data preparation (unpairing, KL completions), losses, reference handling, metrics, saving, resuming."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from datasets import Dataset, IterableDataset, Value
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl import KTOConfig, KTOTrainer
+from trl.assets import get_model_path, load_test_dataset
+from trl.trainer.kto_trainer import (
+    DataCollatorForUnpairedPreference,
+    _KLCompletions,
+    _UnpairedPreferenceTrainer,
+    kto_kl_reference_point,
+    kto_loss,
+)
+
+
+MODEL = "tiny-Qwen2ForCausalLM"
+METRICS = [
+    "kl",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+    "rewards/chosen_sum",
+    "rewards/rejected_sum",
+    "logps/chosen_sum",
+    "logps/rejected_sum",
+    "logits/chosen_sum",
+    "logits/rejected_sum",
+    "count/chosen",
+    "count/rejected",
+    "entropy",
+]
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return get_model_path(MODEL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="module")
+def unpaired():
+    return load_test_dataset("standard_unpaired_preference")
+
+
+def make_args(tmp_path, **kwargs):
+    defaults = dict(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        learning_rate=1e-2,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+    )
+    defaults.update(kwargs)
+    return KTOConfig(**defaults)
+
+
+def snapshot(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def changed_params(before, model):
+    return [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(before[n], p.detach())]
+
+
+def perturb(model, seed=0, scale=0.05, all_params=False):
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad or all_params:
+                p.add_(torch.randn(p.shape, generator=generator) * scale)
+
+
+def oracle_logps(model, batch):
+    """Summed completion log-probs with a full log-softmax on the padded batch (the tests' oracle)."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    token_logps = torch.log_softmax(logits, dim=-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    mask = (batch["completion_mask"][:, 1:] * batch["attention_mask"][:, 1:]).float()
+    return (token_logps * mask).sum(1), logits, mask
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------------------
+def test_config_defaults_match_contract():
+    args = KTOConfig("out")
+    assert args.learning_rate == 1e-6 and args.train_sampling_strategy == "sequential"
+    assert (args.loss_type, args.beta, args.desirable_weight, args.undesirable_weight) == ("kto", 0.1, 1.0, 1.0)
+    assert (args.max_length, args.pad_to_multiple_of, args.dataset_num_proc) == (1024, None, None)
+    assert (args.precompute_ref_log_probs, args.precompute_ref_batch_size) == (False, None)
+    assert (args.sync_ref_model, args.ref_model_mixup_alpha, args.ref_model_sync_steps) == (False, 0.6, 512)
+    assert args.disable_dropout is True and args.router_aux_loss_coef is None and args.activation_offloading is False
+    assert args.model_init_kwargs is None and args.trust_remote_code is False
+    assert args.logging_steps == 10 and args.gradient_checkpointing is True
+    assert KTOConfig("out", model_init_kwargs='{"dtype": "float32"}').model_init_kwargs == {"dtype": "float32"}
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        KTOConfig("out", loss_type="sigmoid")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        KTOConfig("out", undesirable_weight=-1.0)
+
+
+def test_experimental_aliases_warn(tmp_path):
+    from trl.experimental.kto import KTOConfig as OldConfig
+    from trl.experimental.kto import KTOTrainer as OldTrainer
+
+    with pytest.warns(FutureWarning, match="use trl.KTOConfig"):
+        args = OldConfig(str(tmp_path))
+    assert isinstance(args, KTOConfig) and issubclass(OldTrainer, KTOTrainer)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Collator and KL completions
+# ---------------------------------------------------------------------------------------------------------------------
+def test_collator_puts_kl_rows_after_the_main_rows():
+    collator = DataCollatorForUnpairedPreference(pad_token_id=0)
+    examples = [
+        {"prompt_ids": [1, 2], "completion_ids": [3], "label": True, "kl_completion_ids": [7, 8, 9],
+         "ref_logps": -1.0, "ref_kl_logps": -5.0},
+        {"prompt_ids": [6], "completion_ids": [7, 8, 9], "label": False, "kl_completion_ids": [3],
+         "ref_logps": -2.0, "ref_kl_logps": -6.0},
+    ]  # fmt: skip
+    batch = collator(examples)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0], [6, 7, 8, 9, 0], [1, 2, 7, 8, 9], [6, 3, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert batch["completion_mask"].tolist() == [[0, 0, 1, 0, 0], [0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]
+    assert batch["label"].tolist() == [True, False]
+    assert batch["ref_logps"].tolist() == [-1.0, -2.0] and batch["ref_kl_logps"].tolist() == [-5.0, -6.0]
+    # Without KL completions: main rows only; max_length keeps the start; pad_to_multiple_of rounds the width up.
+    plain = [{k: v for k, v in ex.items() if k in ("prompt_ids", "completion_ids", "label")} for ex in examples]
+    batch = DataCollatorForUnpairedPreference(pad_token_id=0, max_length=3, pad_to_multiple_of=4)(plain)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0], [6, 7, 8, 0]]
+    assert batch["completion_mask"].tolist() == [[0, 0, 1, 0], [0, 1, 1, 0]]
+    assert set(batch) == {"input_ids", "attention_mask", "completion_mask", "label"}
+
+
+def test_kl_completions_come_from_another_prompt_of_the_chunk():
+    batch = {"prompt_ids": [[1], [1], [2], [3]], "completion_ids": [[10], [11], [12], [13]]}
+    # Example 0's next neighbour has the same prompt, so the one after it is used; the chunk wraps around.
+    assert _KLCompletions()(batch)["kl_completion_ids"] == [[12], [12], [13], [10]]
+    same = {"prompt_ids": [[1], [1]], "completion_ids": [[10], [11]]}
+    assert _KLCompletions()(same)["kl_completion_ids"] == [[11], [10]]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loss formulas against hand-written ones on fixed log-probs
+# ---------------------------------------------------------------------------------------------------------------------
+POLICY = [-5.0, -8.0, -3.5, -6.0]
+REF = [-5.5, -7.5, -4.0, -5.0]
+LABEL = [True, False, True, False]
+POLICY_KL = [-9.0, -7.0, -8.5, -6.0]
+REF_KL = [-10.0, -7.5, -8.0, -7.3]
+
+
+def sig(x):
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def test_kl_reference_point_formula():
+    t = lambda values: torch.tensor(values, dtype=torch.float64)  # noqa: E731
+    expected = sum(p - r for p, r in zip(POLICY_KL, REF_KL)) / 4  # (1 + 0.5 - 0.5 + 1.3) / 4 = 0.575
+    assert kto_kl_reference_point(t(POLICY_KL), t(REF_KL)).item() == pytest.approx(expected, abs=1e-12)
+    # A negative estimate is clamped to 0 (KL is never negative).
+    assert kto_kl_reference_point(t(REF_KL), t(POLICY_KL)).item() == 0.0
+    assert kto_kl_reference_point(t([]), t([])).item() == 0.0
+
+
+@pytest.mark.parametrize("beta, dw, uw", [(0.1, 1.0, 1.0), (0.5, 1.3, 0.7)])
+def test_kto_loss_formula(beta, dw, uw):
+    t = lambda values: torch.tensor(values, dtype=torch.float64)  # noqa: E731
+    kl = max(0.0, sum(p - r for p, r in zip(POLICY_KL, REF_KL)) / 4)
+    expected = []
+    for p, r, label in zip(POLICY, REF, LABEL):
+        if label:
+            expected.append(dw * (1 - sig(beta * ((p - r) - kl))))
+        else:
+            expected.append(uw * (1 - sig(beta * (kl - (p - r)))))
+    kl_t = kto_kl_reference_point(t(POLICY_KL), t(REF_KL))
+    losses = kto_loss(t(POLICY), t(REF), torch.tensor(LABEL), kl_t, beta=beta, desirable_weight=dw,
+                      undesirable_weight=uw)  # fmt: skip
+    assert torch.allclose(losses, t(expected), rtol=1e-12, atol=1e-12)
+
+
+def test_apo_zero_unpaired_loss_formula():
+    t = lambda values: torch.tensor(values, dtype=torch.float64)  # noqa: E731
+    expected = [
+        (1 - sig(0.2 * (p - r))) if label else 0.5 * sig(0.2 * (p - r)) for p, r, label in zip(POLICY, REF, LABEL)
+    ]
+    losses = kto_loss(t(POLICY), t(REF), torch.tensor(LABEL), kl=123.0, beta=0.2, undesirable_weight=0.5,
+                      loss_type="apo_zero_unpaired")  # fmt: skip
+    assert torch.allclose(losses, t(expected), rtol=1e-12, atol=1e-12)  # the KL plays no part
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The trainer's loss on a real batch, against an independent computation
+# ---------------------------------------------------------------------------------------------------------------------
+def test_compute_loss_with_kl_term_and_metrics(tmp_path, model_path, unpaired):
+    args = make_args(tmp_path, beta=0.3, desirable_weight=1.2, undesirable_weight=0.8)
+    trainer = KTOTrainer(model_path, args=args, train_dataset=unpaired["train"].select(range(8)))
+    trainer.model.train()
+    examples = [trainer.train_dataset[i] for i in range(4)]
+    assert all(ex["kl_completion_ids"] != ex["completion_ids"] for ex in examples)
+    batch = trainer.data_collator(examples)
+    assert batch["input_ids"].shape[0] == 8  # 4 main rows + 4 KL rows
+
+    # Random noise on the reference makes it less likely than the policy on any given text: the KL estimate of the
+    # policy to the reference is then positive (not clamped to 0).
+    perturb(trainer.model, seed=0, scale=0.02)
+    perturb(trainer.ref_model, seed=1, scale=0.1, all_params=True)
+    pol, logits, mask = oracle_logps(trainer.model, batch)
+    ref, _, _ = oracle_logps(trainer.ref_model, batch)
+    kl = (pol[4:] - ref[4:]).mean().item()
+    assert kl > 0
+    label = batch["label"]
+    logratio = pol[:4] - ref[:4]
+    chosen = 1.2 * (1 - torch.sigmoid(0.3 * (logratio - kl)))
+    rejected = 0.8 * (1 - torch.sigmoid(0.3 * (kl - logratio)))
+    expected = torch.where(label, chosen, rejected).mean()
+
+    grads = {}
+    for batched in (False, True):  # KL rows in their own no-grad forward, or in the policy's gradient forward
+        trainer._kl_in_policy_forward = batched
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, batch)
+        assert loss.item() == pytest.approx(expected.item(), abs=1e-5)
+        loss.backward()
+        grads[batched] = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads[True]))
+
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    rewards = 0.3 * logratio
+    assert metrics["kl"] == pytest.approx(kl, abs=1e-5)
+    assert metrics["count/chosen"] == label.sum().item() and metrics["count/rejected"] == (~label).sum().item()
+    assert metrics["rewards/chosen_sum"] == pytest.approx(rewards[label].sum().item(), abs=1e-5)
+    assert metrics["rewards/rejected_sum"] == pytest.approx(rewards[~label].sum().item(), abs=1e-5)
+    assert metrics["logps/chosen_sum"] == pytest.approx(pol[:4][label].sum().item(), abs=1e-4)
+    assert metrics["logps/rejected_sum"] == pytest.approx(pol[:4][~label].sum().item(), abs=1e-4)
+    main_mask = mask[:4].bool()
+    example_logit = torch.stack([logits[i][main_mask[i]].mean() for i in range(4)])
+    assert metrics["logits/chosen_sum"] == pytest.approx(example_logit[label].sum().item(), abs=1e-5)
+    probs = torch.softmax(logits[:4], -1)
+    entropy = -(probs * torch.log_softmax(logits[:4], -1)).sum(-1)
+    assert metrics["entropy"] == pytest.approx(entropy[main_mask].mean().item(), abs=1e-4)
+    assert metrics["num_tokens"] == 2 * batch["attention_mask"][:4].sum().item()  # a running total over 2 calls
+
+    # At log time the per-class sums become means over the interval's examples of that class.
+    trainer.log({})
+    log = trainer.state.log_history[-1]
+    assert log["rewards/chosen"] == pytest.approx(rewards[label].mean().item(), abs=1e-5)
+    assert log["logps/rejected"] == pytest.approx(pol[:4][~label].mean().item(), abs=1e-4)
+    assert log["rewards/margins"] == pytest.approx(log["rewards/chosen"] - log["rewards/rejected"], abs=1e-9)
+
+
+def test_moe_aux_loss(tmp_path, unpaired):
+    args = make_args(tmp_path, router_aux_loss_coef=0.01, max_steps=1)
+    trainer = KTOTrainer(get_model_path("tiny-Qwen2MoeForCausalLM"), args=args, train_dataset=unpaired["train"])
+    trainer.train()
+    assert trainer.state.log_history[0]["aux_loss"] > 0
+    with pytest.raises(ValueError, match="no mixture-of-experts router"):
+        KTOTrainer(get_model_path(MODEL), args=args, train_dataset=unpaired["train"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Data preparation
+# ---------------------------------------------------------------------------------------------------------------------
+def test_paired_data_is_unpaired(tmp_path, model_path, tokenizer):
+    paired = load_test_dataset("standard_preference", split="train").select(range(6))
+    trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=paired)
+    prepared = trainer.train_dataset
+    assert len(prepared) == 12
+    # chosen (label True) and rejected (False) of each pair follow each other, so batches mix both labels
+    assert prepared["label"] == [True, False] * 6
+    for i, row in enumerate(paired):
+        for offset, key in ((0, "chosen"), (1, "rejected")):
+            ids = prepared[2 * i + offset]
+            full = tokenizer(row["prompt"] + row[key] + tokenizer.eos_token)["input_ids"]
+            assert ids["prompt_ids"] + ids["completion_ids"] == full
+            assert tokenizer.decode(ids["prompt_ids"]) == row["prompt"]
+    # The implicit-prompt variant gives the same unpaired data (its prompt is extracted first).
+    implicit = load_test_dataset("conversational_implicit_prompt_preference", split="train").select(range(3))
+    explicit = load_test_dataset("conversational_preference", split="train").select(range(3))
+    a = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=implicit, processing_class=tokenizer)
+    b = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=explicit, processing_class=tokenizer)
+    assert a.train_dataset["prompt_ids"] == b.train_dataset["prompt_ids"]
+    assert a.train_dataset["completion_ids"] == b.train_dataset["completion_ids"]
+
+
+def test_unbalanced_data_warns_with_suggested_weights():
+    data = Dataset.from_dict({"label": [True] * 30 + [False] * 10})
+    with pytest.warns(UserWarning, match=r"ratio is 3\.000.*undesirable_weight between 2\.250 and 3\.000"):
+        _UnpairedPreferenceTrainer._warn_if_unbalanced(data, 1.0, 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _UnpairedPreferenceTrainer._warn_if_unbalanced(data, 1.0, 2.5)  # 30 : 25 = 1.2, inside [1, 4/3]
+        _UnpairedPreferenceTrainer._warn_if_unbalanced(Dataset.from_dict({"label": [True] * 5}), 1.0, 1.0)
+    with pytest.warns(UserWarning, match=r"desirable_weight between 2\.000 and 2\.667"):
+        _UnpairedPreferenceTrainer._warn_if_unbalanced(Dataset.from_dict({"label": [True] * 5 + [False] * 10}), 1, 1)
+
+
+def test_truncation_drops_examples_without_completion(tmp_path, model_path):
+    rows = [{"prompt": "word " * 30, "completion": " a", "label": True},
+            {"prompt": "1 + 1 =", "completion": " 2", "label": False}]  # fmt: skip
+    trainer = KTOTrainer(model_path, args=make_args(tmp_path, max_length=12), train_dataset=Dataset.from_list(rows))
+    assert len(trainer.train_dataset) == 1
+    assert trainer.data_collator([trainer.train_dataset[0]])["input_ids"].shape[1] <= 12
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("config_name", ["standard_unpaired_preference", "conversational_unpaired_preference"])
+def test_train_and_evaluate(tmp_path, model_path, config_name):
+    dataset = load_test_dataset(config_name)
+    args = make_args(tmp_path, eval_strategy="steps", eval_steps=2)
+    trainer = KTOTrainer(model_path, args=args, train_dataset=dataset["train"], eval_dataset=dataset["test"])
+    before, ref_before = snapshot(trainer.model), snapshot(trainer.ref_model)
+    trainer.train()
+    assert changed_params(before, trainer.model)
+    assert all(torch.equal(ref_before[n], p) for n, p in trainer.ref_model.named_parameters())
+    train_logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(train_logs) == 2
+    assert train_logs[0]["loss"] == pytest.approx(0.5, abs=1e-6)  # policy == reference: 1 - sigmoid(0)
+    assert train_logs[0]["kl"] == 0.0
+    for key in [*METRICS, "num_tokens"]:
+        assert key in train_logs[-1] and math.isfinite(train_logs[-1][key]), key
+    assert train_logs[-1]["num_tokens"] > train_logs[0]["num_tokens"] > 0
+    eval_log = next(log for log in trainer.state.log_history if "eval_loss" in log)
+    for key in METRICS:
+        assert f"eval_{key}" in eval_log, key
+
+
+def test_only_desirable_examples(tmp_path, model_path, unpaired):
+    desirable = unpaired["train"].filter(lambda ex: ex["label"])
+    trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=desirable)
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert changed_params(before, trainer.model)
+    log = trainer.state.log_history[-2]
+    assert log["count/rejected"] == 0 and log["count/chosen"] == 4
+    assert math.isfinite(log["rewards/chosen"]) and "rewards/rejected" not in log and "rewards/margins" not in log
+
+
+def test_apo_zero_unpaired_streaming_and_gradient_accumulation(tmp_path, model_path, unpaired):
+    data = unpaired["train"].select(range(8))
+    stream = IterableDataset.from_generator(lambda: iter(data))
+    trainer = KTOTrainer(model_path, args=make_args(tmp_path, loss_type="apo_zero_unpaired"), train_dataset=stream)
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.state.log_history[0]["kl"] == 0.0
+    # The per-example mean makes equal-size micro-batches accumulate to the full batch's gradient.
+    results = []
+    for batch_size, accumulation in ((4, 1), (2, 2)):
+        args = make_args(tmp_path / str(batch_size), loss_type="apo_zero_unpaired", optim="sgd", learning_rate=0.5,
+                         per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation)  # fmt: skip
+        trainer = KTOTrainer(model_path, args=args, train_dataset=data)
+        assert "kl_completion_ids" not in trainer.train_dataset.column_names
+        perturb(trainer.model)
+        trainer.train()
+        results.append(snapshot(trainer.model))
+    for name, value in results[0].items():
+        assert torch.allclose(value, results[1][name], atol=1e-6), name
+
+
+def test_default_config_and_gradient_checkpointing(tmp_path, model_path, unpaired, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trainer = KTOTrainer(model_path, train_dataset=unpaired["train"].select(range(8)))
+    assert trainer.args.output_dir.endswith(f"{MODEL}-KTO") and trainer.args.gradient_checkpointing is True
+    trainer.args.max_steps, trainer.args.report_to = 1, []
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reference model
+# ---------------------------------------------------------------------------------------------------------------------
+def test_peft_reference_and_precomputed_reference(tmp_path, model_path, unpaired):
+    from peft import LoraConfig
+
+    data = unpaired["train"].select(range(8))
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    trainer = KTOTrainer(model_path, args=make_args(tmp_path, max_steps=1), train_dataset=data, peft_config=lora)
+    assert trainer.ref_model is None
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    ref = trainer.compute_ref_log_probs(trainer.model, batch)
+    base = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    expected, _, _ = oracle_logps(base, batch)
+    assert torch.allclose(ref["ref_logps"], expected[:4], atol=1e-5)
+    assert torch.allclose(ref["ref_kl_logps"], expected[4:], atol=1e-5)
+    before = snapshot(trainer.model)
+    trainer.train()
+    changed = changed_params(before, trainer.model)
+    assert changed and all("lora" in name for name in changed)
+
+    args = make_args(tmp_path, precompute_ref_log_probs=True, precompute_ref_batch_size=3)
+    trainer = KTOTrainer(model_path, args=args, train_dataset=data)
+    assert trainer.ref_model is None
+    columns = trainer.train_dataset.column_names
+    assert {"ref_logps", "ref_kl_logps"} <= set(columns)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
+    expected, _, _ = oracle_logps(base, batch)
+    assert torch.allclose(torch.tensor(trainer.train_dataset["ref_logps"]), expected[:8], atol=1e-5)
+    assert torch.allclose(torch.tensor(trainer.train_dataset["ref_kl_logps"]), expected[8:], atol=1e-5)
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert changed_params(before, trainer.model)
+
+
+def test_sync_ref_model(tmp_path, model_path, unpaired):
+    args = make_args(tmp_path, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
+    trainer = KTOTrainer(model_path, args=args, train_dataset=unpaired["train"].select(range(8)))
+    before = snapshot(trainer.ref_model)
+    trainer.train()
+    assert any(not torch.equal(before[n], p) for n, p in trainer.ref_model.named_parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Saving and resuming
+# ---------------------------------------------------------------------------------------------------------------------
+def test_save_reload_and_resume(tmp_path, model_path, unpaired):
+    data = unpaired["train"].select(range(16))
+    args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    trainer = KTOTrainer(model_path, args=args, train_dataset=data)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param, reloaded.get_parameter(name)), name
+    with open(tmp_path / "README.md") as f:
+        card = f.read()
+    assert "kto" in card and "2402.01306" in card
+
+    resumed = KTOTrainer(model_path, args=args, train_dataset=data)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    for name, param in trainer.model.named_parameters():
+        assert torch.allclose(param, resumed.model.get_parameter(name), atol=1e-6), name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input: each a clear error before training
+# ---------------------------------------------------------------------------------------------------------------------
+def test_bad_inputs(tmp_path, model_path, unpaired):
+    train = unpaired["train"]
+    with pytest.raises(ValueError, match=r"'label' column of the train dataset must hold booleans.*found int64"):
+        KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=train.cast_column("label", Value("int64")))
+    with pytest.raises(ValueError, match=r"missing: \['prompt'\].*needs an explicit prompt"):
+        KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=train.remove_columns("prompt"))
+    with pytest.raises(ValueError, match=r"missing: \['label'\]"):
+        KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=train.remove_columns("label"))
+    with pytest.raises(ValueError, match="DatasetDict with splits"):
+        KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=unpaired)
+    with pytest.raises(ValueError, match="needs a `train_dataset`"):
+        KTOTrainer(model_path, args=make_args(tmp_path))
+    rows = [{"prompt": "word " * 30, "completion": " a", "label": True}] * 2
+    with pytest.raises(ValueError, match=r"shortest prompt is \d+ tokens, expected fewer than max_length"):
+        KTOTrainer(model_path, args=make_args(tmp_path, max_length=8), train_dataset=Dataset.from_list(rows))
+    with pytest.raises(ValueError, match="Use one of the two"):
+        KTOTrainer(model_path, args=make_args(tmp_path, sync_ref_model=True, precompute_ref_log_probs=True),
+                   train_dataset=train)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    with pytest.raises(ValueError, match="same object as `model`"):
+        KTOTrainer(model, ref_model=model, args=make_args(tmp_path), train_dataset=train)
+    stream = IterableDataset.from_generator(lambda: iter(train))
+    with pytest.raises(ValueError, match="set args.max_steps"):
+        KTOTrainer(model_path, args=make_args(tmp_path, max_steps=-1), train_dataset=stream)

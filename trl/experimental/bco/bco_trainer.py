@@ -1,0 +1,850 @@
+"""Binary Classifier Optimization (BCO) trainer, with optional Underlying Distribution Matching (UDM).
+
+BCO treats alignment as binary classification: the implied reward `r = beta * log(pi / pi_ref)` is the logit of a
+classifier that maps (prompt, desirable completion) to 1 and (prompt, undesirable completion) to 0, shifted by the
+running mean `delta` of all rewards seen so far. UDM reweights undesirable examples by the density ratio
+`p(prompt | desirable) / p(prompt | undesirable)`, estimated with a logistic-regression classifier on prompt
+embeddings, so that differing prompt distributions of the two classes do not bias training.
+
+The data preparation, collator, policy and reference passes and metrics are shared with the KTO trainer.
+"""
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import random
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from datasets import Dataset, IterableDataset
+from transformers import (
+    AutoModelForCausalLM,
+    BaseImageProcessor,
+    FeatureExtractionMixin,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    ProcessorMixin,
+    TrainerCallback,
+)
+from transformers.trainer_utils import EvalLoopOutput
+
+from ...import_utils import is_comet_available, is_sklearn_available, is_wandb_available
+from ...trainer.kto_trainer import DataCollatorForUnpairedPreference, _UnpairedPreferenceTrainer
+from ...trainer.utils import (
+    disable_dropout_in_model,
+    log_table_to_comet_experiment,
+    selective_log_softmax,
+    use_adapter,
+    uses_sharding_engine,
+)
+from .bco_config import BCOConfig
+
+
+logger = logging.getLogger(__name__)
+
+RUNNING_NAME = "running.json"
+CLF_NAME = "clf.pkl"
+# Per-example weight column added by UDM (1.0 for desirable examples).
+_UDM_COLUMN = "udm_weight"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Running reward moments (the delta of BCO)
+# ----------------------------------------------------------------------------------------------------------------
+class RunningMoments:
+    """Running mean and variance of every value passed to `update`, pooled across processes.
+
+    Args:
+        accelerator: Optional `accelerate.Accelerator`; values of all processes are combined at each update.
+    """
+
+    def __init__(self, accelerator: Any = None):
+        self.accelerator = accelerator
+        self.mean = 0.0
+        self.var = 1.0
+        self.std = 1.0
+        self.count = 1e-24
+
+    @torch.no_grad()
+    def update(self, xs: torch.Tensor) -> tuple[float, float]:
+        """Fold the values `xs` (of every process) into the moments; return the batch's mean and std."""
+        xs = xs.detach().double().reshape(-1)
+        stats = torch.stack([xs.sum(), (xs**2).sum(), xs.new_tensor(float(xs.numel()))])
+        if self.accelerator is not None and self.accelerator.num_processes > 1:
+            stats = self.accelerator.reduce(stats.to(self.accelerator.device), reduction="sum")
+        total, total_sq, count = (float(v) for v in stats.tolist())
+        if count == 0:
+            return self.mean, self.std
+        batch_mean = total / count
+        batch_var = max(total_sq / count - batch_mean**2, 0.0)
+        # Parallel (Chan et al.) combination of the two sets of moments.
+        delta = batch_mean - self.mean
+        tot_count = self.count + count
+        m2 = self.var * self.count + batch_var * count + delta**2 * self.count * count / tot_count
+        self.mean += delta * count / tot_count
+        self.var = m2 / tot_count
+        self.std = (self.var * tot_count / max(tot_count - 1, 1)) ** 0.5
+        self.count = tot_count
+        return batch_mean, (batch_var * count / max(count - 1, 1)) ** 0.5
+
+    def save_to_json(self, json_path: str) -> None:
+        """Write the moments to `json_path` (main process only when an accelerator is set)."""
+        if self.accelerator is None or self.accelerator.is_main_process:
+            with open(json_path, "w", encoding="utf-8") as f:
+                json.dump({"mean": self.mean, "var": self.var, "std": self.std, "count": self.count}, f, indent=2)
+
+    @classmethod
+    def load_from_json(cls, accelerator: Any, json_path: str) -> "RunningMoments":
+        """Moments saved by [`save_to_json`]."""
+        with open(json_path, encoding="utf-8") as f:
+            values = json.load(f)
+        moments = cls(accelerator)
+        for key in ("mean", "var", "std", "count"):
+            setattr(moments, key, float(values[key]))
+        return moments
+
+
+class _TruncateCompletion:
+    """Keep the first `limit` completion tokens of an example (a picklable `Dataset.map` function)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def __call__(self, example: dict[str, Any]) -> dict[str, list[int]]:
+        return {"completion_ids": list(example["completion_ids"])[: self.limit]}
+
+
+class _WithUDMWeights:
+    """Collator wrapper that adds the per-example `udm_weight` column to the batch."""
+
+    def __init__(self, collator: Callable):
+        self.collator = collator
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        batch = self.collator(examples)
+        if examples and all(example.get(_UDM_COLUMN) is not None for example in examples):
+            batch[_UDM_COLUMN] = torch.tensor([float(example[_UDM_COLUMN]) for example in examples])
+        return batch
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Trainer
+# ----------------------------------------------------------------------------------------------------------------
+class BCOTrainer(_UnpairedPreferenceTrainer):
+    """Trainer for Binary Classifier Optimization (BCO), with optional Underlying Distribution Matching (UDM).
+
+    Each example is a prompt, a completion and a boolean label. Desirable completions lose
+    `-log sigmoid(r - delta)` and undesirable ones `-log sigmoid(-(r - delta))`, with `r = beta * log(pi / pi_ref)`
+    and `delta` the running mean of every reward seen in training (pooled across processes; it includes the current
+    batch and is frozen during evaluation). With UDM, undesirable losses are weighted by the density ratio of their
+    prompt, clamped to `[min_density_ratio, max_density_ratio]`.
+
+    Example:
+
+    ```python
+    from trl.experimental.bco import BCOConfig, BCOTrainer
+    from trl.assets import get_model_path, load_test_dataset
+
+    trainer = BCOTrainer(
+        model=get_model_path("tiny-Qwen2ForCausalLM"),
+        args=BCOConfig(output_dir="bco-out", max_steps=5),
+        train_dataset=load_test_dataset("standard_unpaired_preference", split="train"),
+    )
+    trainer.train()
+    ```
+
+    Args:
+        model (`PreTrainedModel`, `torch.nn.Module` or `str`):
+            Causal language model to train, or a path / hub id loaded with `AutoModelForCausalLM.from_pretrained` and
+            `args.model_init_kwargs`.
+        ref_model (`PreTrainedModel`, `torch.nn.Module`, `str` or `None`, defaults to `None`):
+            Reference model. `None` uses a frozen copy of `model`, or, with a PEFT model, the model with its adapters
+            disabled (or `ref_adapter_name`), and none at all with `precompute_ref_log_probs=True`.
+        args (`BCOConfig` or `None`, defaults to `None`):
+            Training configuration. `None` builds `BCOConfig(f"{model_name}-BCO")`.
+        train_dataset (`Dataset`):
+            Unpaired preference data (`prompt`, `completion`, boolean `label`), standard or conversational (paired
+            `chosen` / `rejected` data is unpaired automatically), or pre-tokenized `prompt_ids`, `completion_ids`,
+            `label`.
+        eval_dataset (`Dataset`, dict of them or `None`, defaults to `None`):
+            Evaluation data in the same formats.
+        processing_class (`PreTrainedTokenizerBase` or `ProcessorMixin` or `None`, defaults to `None`):
+            Tokenizer; loaded from the model's path when omitted.
+        data_collator (`DataCollator` or `None`, defaults to `None`):
+            Batch collator; defaults to `trl.trainer.kto_trainer.DataCollatorForUnpairedPreference`.
+        model_init (`Callable[[], PreTrainedModel]` or `None`, defaults to `None`):
+            Builds the model when `model` is None (called once, when the trainer is created).
+        callbacks (`list[TrainerCallback]` or `None`, defaults to `None`):
+            Extra callbacks.
+        optimizers (`tuple`, defaults to `(None, None)`):
+            Optimizer and scheduler to use instead of the defaults.
+        preprocess_logits_for_metrics (`Callable` or `None`, defaults to `None`):
+            Passed to [`~transformers.Trainer`].
+        peft_config (`PeftConfig` or `None`, defaults to `None`):
+            Adapter configuration; the model is wrapped with `peft.get_peft_model`.
+        compute_metrics (`Callable` or `None`, defaults to `None`):
+            Metric function for evaluation; receives the implied rewards and the labels (1 = desirable).
+        model_adapter_name (`str` or `None`, defaults to `None`):
+            With a PEFT model holding several adapters: the adapter to train.
+        ref_adapter_name (`str` or `None`, defaults to `None`):
+            With a PEFT model holding several adapters: the adapter that acts as the reference.
+        embedding_func (`Callable` or `None`, defaults to `None`):
+            UDM: `embedding_func(input_ids=..., attention_mask=...)` returning a `(batch, dim)` tensor of prompt
+            embeddings. Enables UDM (needs `embedding_tokenizer` and scikit-learn, the `bco` extra).
+        embedding_tokenizer (`PreTrainedTokenizerBase` or `None`, defaults to `None`):
+            UDM: tokenizer of the embedding model (prompts are tokenized without special tokens).
+    """
+
+    _tag_names = ["trl", "bco"]
+    _name = "BCO"
+    _template_file = "lm_model_card.md"
+    _paper = {
+        "title": "Binary Classifier Optimization for Large Language Model Alignment",
+        "id": "2404.04656",
+        "citation": (
+            "@article{jung2024binary,\n"
+            "    title        = {{Binary Classifier Optimization for Large Language Model Alignment}},\n"
+            "    author       = {Seungjae Jung and Gunsoo Han and Daniel Wontae Nam and Kyoung-Woon On},\n"
+            "    year         = 2024,\n"
+            "    eprint       = {arXiv:2404.04656},\n"
+            "}"
+        ),
+    }
+
+    def __init__(
+        self,
+        model: "PreTrainedModel | nn.Module | str | None" = None,
+        ref_model: "PreTrainedModel | nn.Module | str | None" = None,
+        args: BCOConfig | None = None,
+        train_dataset: Dataset | None = None,
+        eval_dataset: Dataset | dict[str, Dataset] | None = None,
+        processing_class: PreTrainedTokenizerBase
+        | BaseImageProcessor
+        | FeatureExtractionMixin
+        | ProcessorMixin
+        | None = None,
+        data_collator: Callable[[list[Any]], dict[str, Any]] | None = None,
+        model_init: Callable[[], PreTrainedModel] | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        peft_config: Any = None,
+        compute_metrics: Callable[[EvalLoopOutput], dict] | None = None,
+        model_adapter_name: str | None = None,
+        ref_adapter_name: str | None = None,
+        embedding_func: Callable | None = None,
+        embedding_tokenizer: PreTrainedTokenizerBase | None = None,
+    ):
+        # ---- Config and inputs that cannot work ------------------------------------------------------------------
+        if model is None:
+            if model_init is None:
+                raise ValueError("BCOTrainer needs a `model` (a model or a path / hub id) or a `model_init` callable.")
+            model = model_init()
+        if args is None:
+            args = self._default_args(BCOConfig, model, "BCO")
+        self._check_train_dataset(train_dataset, "BCOTrainer")
+        self._check_udm_inputs(embedding_func, embedding_tokenizer)
+        if args.generate_during_eval and not (is_wandb_available() or is_comet_available()):
+            raise ValueError(
+                "generate_during_eval=True logs sampled completions to Weights & Biases or Comet, but neither wandb "
+                "nor comet_ml is installed. Install one (`pip install wandb`) or set generate_during_eval=False."
+            )
+
+        # ---- Model ---------------------------------------------------------------------------------------------
+        model_id = self._model_id(model)
+        model = self._load_causal_lm(model, args)
+        if self._is_peft_model(model) and peft_config is not None:
+            raise ValueError(
+                "You passed a PeftModel together with a peft_config. Pass either a base model with peft_config, or "
+                "the PeftModel alone."
+            )
+        is_encoder_decoder = args.is_encoder_decoder
+        if is_encoder_decoder is None:
+            is_encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+        if is_encoder_decoder:
+            raise ValueError(
+                f"BCOTrainer trains decoder-only causal language models, but {type(model).__name__} is an "
+                "encoder-decoder model. Use a causal LM (AutoModelForCausalLM)."
+            )
+
+        # ---- Processing class ----------------------------------------------------------------------------------
+        if processing_class is None:
+            processing_class = self._load_processing_class(model_id, args)
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        if getattr(tokenizer, "pad_token", None) is None:
+            if getattr(tokenizer, "eos_token", None) is None:
+                raise ValueError(
+                    "The processing class has neither a pad_token nor an eos_token; set tokenizer.pad_token before "
+                    "creating the trainer."
+                )
+            tokenizer.pad_token = tokenizer.eos_token
+
+        # ---- MoE router loss, PEFT and adapters ----------------------------------------------------------------
+        self._aux_loss_enabled, self._aux_loss_coef = self._resolve_aux_loss(model, args)
+        if getattr(getattr(model, "config", None), "output_router_logits", False) and not self._aux_loss_enabled:
+            warnings.warn(
+                "The model config sets output_router_logits=True but router_aux_loss_coef=0.0, so the router's "
+                "load-balancing loss is not added. Set model.config.router_aux_loss_coef to a positive value to use "
+                "it.",
+                UserWarning,
+                stacklevel=2,
+            )
+        model = self._wrap_peft(model, peft_config, args)
+        if (model_adapter_name or ref_adapter_name) and not self._is_peft_model(model):
+            raise ValueError(
+                "model_adapter_name / ref_adapter_name select adapters of a PeftModel holding several adapters, but "
+                f"the model is a {type(model).__name__}. Pass a PeftModel with those adapters loaded, or leave both "
+                "None."
+            )
+        if self._is_peft_model(model):
+            self._check_adapter_names(model, model_adapter_name, ref_adapter_name)
+            if model_adapter_name is not None:
+                model.set_adapter(model_adapter_name)
+        self.model_adapter_name = model_adapter_name
+        self.ref_adapter_name = ref_adapter_name
+        self._ref_adapter_name = ref_adapter_name
+
+        # ---- Reference model -----------------------------------------------------------------------------------
+        if isinstance(ref_model, str):
+            ref_model = self._load_causal_lm(ref_model, args)
+        build_ref = not args.precompute_ref_log_probs or uses_sharding_engine(args)
+        # An instance (not the path) is passed so that the default reference is a frozen copy of the model.
+        ref_model = self._build_ref_model(model, model, ref_model, args, needed=build_ref)
+        if args.disable_dropout:
+            disable_dropout_in_model(model)
+            if ref_model is not None:
+                disable_dropout_in_model(ref_model)
+
+        # ---- Collator, layout ----------------------------------------------------------------------------------
+        self.pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
+        self._layout = self._choose_layout(model, padding_free=False)
+        self._ref_layout = self._choose_layout(ref_model, padding_free=False) if ref_model is not None else None
+        self._needs_kl = False
+        if data_collator is None:
+            data_collator = DataCollatorForUnpairedPreference(
+                pad_token_id=self.pad_token_id, max_length=args.max_length
+            )
+        self.embedding_func = embedding_func
+        self.embedding_tokenizer = embedding_tokenizer
+        if self.match_underlying_distribution:
+            data_collator = _WithUDMWeights(data_collator)
+
+        # ---- Datasets ------------------------------------------------------------------------------------------
+        train_dataset = self._prepare_bco_dataset(train_dataset, processing_class, args, "train")
+        if eval_dataset is not None:
+            if isinstance(eval_dataset, dict) and not isinstance(eval_dataset, (Dataset, IterableDataset)):
+                eval_dataset = {
+                    key: self._prepare_bco_dataset(ds, processing_class, args, f"eval ({key})")
+                    for key, ds in eval_dataset.items()
+                }
+            else:
+                eval_dataset = self._prepare_bco_dataset(eval_dataset, processing_class, args, "eval")
+
+        # ---- Trainer -------------------------------------------------------------------------------------------
+        self._init_metrics()
+        self._total_train_tokens = 0
+        self._policy_is_reference = False
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+        )
+        self.model_accepts_loss_kwargs = False
+        self.ref_model = self._prepare_ref_model(ref_model)
+        self.maybe_activation_offload_context = contextlib.nullcontext()
+        self.running = RunningMoments(accelerator=self.accelerator)
+
+        if args.precompute_ref_log_probs:
+            self._precompute_reference_columns(self.compute_ref_log_probs, self._precompute_columns())
+        self.clf = None
+        if self.match_underlying_distribution:
+            self.clf = self._fit_density_ratio_classifier()
+            self._attach_udm_weights()
+        self._add_model_tags(self.model)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Setup helpers
+    # ------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_udm_inputs(embedding_func: Callable | None, embedding_tokenizer: Any) -> None:
+        if embedding_func is None and embedding_tokenizer is None:
+            return
+        if embedding_func is None:
+            raise ValueError(
+                "An embedding_tokenizer was given, which requests Underlying Distribution Matching (UDM), but no "
+                "embedding_func: pass embedding_func(input_ids=..., attention_mask=...) -> (batch, dim) tensor that "
+                "embeds prompts, or drop embedding_tokenizer to train without UDM."
+            )
+        if not callable(embedding_func):
+            raise ValueError(f"embedding_func must be callable; got {type(embedding_func).__name__}.")
+        if embedding_tokenizer is None:
+            raise ValueError(
+                "An embedding_func was given, which requests Underlying Distribution Matching (UDM), but no "
+                "embedding_tokenizer to turn prompts into its input_ids. Pass the embedding model's tokenizer as "
+                "embedding_tokenizer."
+            )
+        if not (is_sklearn_available() and importlib.util.find_spec("joblib") is not None):
+            raise ImportError(
+                "Underlying Distribution Matching (embedding_func) fits a scikit-learn logistic regression and saves "
+                "it with joblib, which are not installed. Run `pip install trl[bco]` (or `pip install scikit-learn "
+                "joblib`)."
+            )
+
+    @staticmethod
+    def _load_causal_lm(model: Any, args: BCOConfig) -> nn.Module:
+        """Load a string `model` with `AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs)`."""
+        init_kwargs = dict(args.model_init_kwargs or {})
+        if not isinstance(model, str):
+            if init_kwargs:
+                warnings.warn(
+                    "args.model_init_kwargs is only used when `model` is a string; the model you passed is already "
+                    "instantiated, so these kwargs are ignored.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return model
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(
+            model, revision=init_kwargs.get("revision"), trust_remote_code=args.trust_remote_code
+        )
+        if getattr(config, "is_encoder_decoder", False):
+            raise ValueError(
+                f"BCOTrainer trains decoder-only causal language models, but {model!r} is an encoder-decoder model "
+                f"({type(config).__name__}). Use a causal LM."
+            )
+        dtype = init_kwargs.get("dtype")
+        if isinstance(dtype, str) and dtype != "auto":
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                raise ValueError(
+                    f"model_init_kwargs['dtype']={dtype!r} is not a torch dtype; use e.g. 'bfloat16', 'float16', "
+                    "'float32' or 'auto'."
+                )
+            init_kwargs["dtype"] = getattr(torch, dtype)
+        if args.trust_remote_code:
+            init_kwargs.setdefault("trust_remote_code", True)
+        return AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+
+    def _prepare_bco_dataset(self, dataset: Any, processing_class: Any, args: BCOConfig, name: str) -> Any:
+        dataset = self._prepare_dataset(dataset, processing_class, args, name, kl_chunk_size=1)
+        if args.max_completion_length is not None:
+            limit = args.max_completion_length
+            kwargs = {} if isinstance(dataset, IterableDataset) else {"desc": f"Truncating completions of {name}"}
+            dataset = dataset.map(_TruncateCompletion(limit), **kwargs)
+        return dataset
+
+    def _extra_signature_columns(self) -> list[str]:
+        return [_UDM_COLUMN]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Underlying distribution matching
+    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def match_underlying_distribution(self) -> bool:
+        """Whether UDM is on (an `embedding_func` and an `embedding_tokenizer` were given)."""
+        return self.embedding_func is not None and self.embedding_tokenizer is not None
+
+    @torch.no_grad()
+    def _vectorize_prompt(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Embeddings `(batch, dim)` of tokenized prompts (embedding-tokenizer ids), as float32 on the CPU."""
+        embeddings = self.embedding_func(
+            input_ids=input_ids.to(self.accelerator.device), attention_mask=attention_mask.to(self.accelerator.device)
+        )
+        if not torch.is_tensor(embeddings) or embeddings.dim() != 2 or embeddings.shape[0] != input_ids.shape[0]:
+            shape = tuple(embeddings.shape) if torch.is_tensor(embeddings) else type(embeddings).__name__
+            raise ValueError(
+                f"embedding_func must return a (batch, dim) tensor with one row per prompt; got {shape} for "
+                f"{input_ids.shape[0]} prompts."
+            )
+        return embeddings.detach().float().cpu()
+
+    def _embed_prompt_ids(self, prompt_ids: list[list[int]], batch_size: int | None = None) -> torch.Tensor:
+        """Embed prompts given as token ids of the trained model's tokenizer (decoded, then re-tokenized)."""
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        texts = [tokenizer.decode(list(ids), skip_special_tokens=True) for ids in prompt_ids]
+        embedding_tokenizer = self.embedding_tokenizer
+        pad_id = embedding_tokenizer.pad_token_id
+        if pad_id is None:
+            pad_id = embedding_tokenizer.eos_token_id if embedding_tokenizer.eos_token_id is not None else 0
+        batch_size = batch_size or self.args.per_device_eval_batch_size
+        chunks = []
+        for start in range(0, len(texts), batch_size):
+            encoded = [
+                list(embedding_tokenizer(text, add_special_tokens=False)["input_ids"])
+                for text in texts[start : start + batch_size]
+            ]
+            width = max(1, max(len(ids) for ids in encoded))
+            input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
+            attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
+            for row, ids in enumerate(encoded):
+                input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                attention_mask[row, : len(ids)] = 1
+            chunks.append(self._vectorize_prompt(input_ids, attention_mask))
+        return torch.cat(chunks) if chunks else torch.zeros(0, 0)
+
+    def _fit_density_ratio_classifier(self) -> Any:
+        """Fit a logistic regression separating desirable from undesirable prompts on `prompt_sample_size` each."""
+        from sklearn.linear_model import LogisticRegression
+
+        dataset = self.train_dataset
+        if not isinstance(dataset, Dataset):
+            raise ValueError(
+                "Underlying Distribution Matching samples prompts from the training dataset, which must be a "
+                f"map-style datasets.Dataset; got {type(dataset).__name__}."
+            )
+        labels = dataset["label"]
+        desirable = [i for i, label in enumerate(labels) if label]
+        undesirable = [i for i, label in enumerate(labels) if not label]
+        if not desirable or not undesirable:
+            raise ValueError(
+                "Underlying Distribution Matching compares the prompts of desirable and undesirable examples, but the "
+                f"training data has {len(desirable)} desirable and {len(undesirable)} undesirable examples. Train "
+                "without embedding_func, or add examples of the missing class."
+            )
+        rng = random.Random(self.args.seed)
+        size = self.args.prompt_sample_size
+        desirable = sorted(rng.sample(desirable, min(size, len(desirable))))
+        undesirable = sorted(rng.sample(undesirable, min(size, len(undesirable))))
+        desirable_embeddings = self._embed_prompt_ids(dataset.select(desirable)["prompt_ids"])
+        undesirable_embeddings = self._embed_prompt_ids(dataset.select(undesirable)["prompt_ids"])
+        features = torch.cat([desirable_embeddings, undesirable_embeddings]).numpy()
+        targets = [1] * len(desirable) + [0] * len(undesirable)
+        # Balanced classes: the classifier's odds then estimate p(x | desirable) / p(x | undesirable).
+        clf = LogisticRegression(class_weight="balanced").fit(features, targets)
+        logger.info(
+            "UDM classifier accuracy on its training prompts: desirable %.3f, undesirable %.3f",
+            clf.score(desirable_embeddings.numpy(), [1] * len(desirable)),
+            clf.score(undesirable_embeddings.numpy(), [0] * len(undesirable)),
+        )
+        return clf
+
+    def _get_chosen_prob(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Classifier probability that each prompt comes from the desirable examples."""
+        if embeddings.shape[0] == 0:
+            return torch.zeros(0)
+        prob = self.clf.predict_proba(embeddings.float().cpu().numpy())[:, 1]
+        return torch.as_tensor(prob, dtype=torch.float64)
+
+    def _get_udm_weight(self, rejected_embeddings: torch.Tensor) -> torch.Tensor:
+        """Clamped density ratio `p / (1 - p)` of undesirable examples' prompt embeddings."""
+        prob = self._get_chosen_prob(rejected_embeddings).clamp(1e-12, 1 - 1e-12)
+        ratio = prob / (1 - prob)
+        return ratio.clamp(min=self.args.min_density_ratio, max=self.args.max_density_ratio).float()
+
+    def _udm_weights_of(self, dataset: Any) -> list[float]:
+        """Weight of every example: 1.0 when desirable, the clamped density ratio of its prompt otherwise."""
+        labels = dataset["label"]
+        undesirable = [i for i, label in enumerate(labels) if not label]
+        weights = [1.0] * len(labels)
+        if undesirable:
+            embeddings = self._embed_prompt_ids(dataset.select(undesirable)["prompt_ids"])
+            for index, weight in zip(undesirable, self._get_udm_weight(embeddings).tolist()):
+                weights[index] = weight
+        return weights
+
+    def _attach_udm_weights(self) -> None:
+        """Store the UDM weight of every example as a dataset column (the classifier is fixed after fitting)."""
+
+        def attach(dataset: Any) -> Any:
+            if not isinstance(dataset, Dataset):
+                raise ValueError(
+                    "Underlying Distribution Matching stores a weight per example, so it needs map-style "
+                    f"datasets.Dataset inputs; got {type(dataset).__name__}."
+                )
+            weights = self._udm_weights_of(dataset)
+            if _UDM_COLUMN in dataset.column_names:
+                dataset = dataset.remove_columns(_UDM_COLUMN)
+            return dataset.add_column(_UDM_COLUMN, weights)
+
+        self.train_dataset = attach(self.train_dataset)
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {key: attach(ds) for key, ds in self.eval_dataset.items()}
+        elif self.eval_dataset is not None:
+            self.eval_dataset = attach(self.eval_dataset)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Reference model and log-probabilities
+    # ------------------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def null_ref_context(self):
+        """With a PEFT model and no reference model: the model with its adapters disabled (or `ref_adapter_name`)."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if self.ref_model is None and self._is_peft_model(unwrapped):
+            with use_adapter(unwrapped, self.ref_adapter_name):
+                yield
+        else:
+            yield
+
+    def compute_reference_log_probs(self, padded_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`(n,)` summed reference log-probs of the completions of a collated batch."""
+        return self.compute_ref_log_probs(self.model, padded_batch)["ref_logps"]
+
+    @staticmethod
+    def get_batch_logps(
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        average_log_prob: bool = False,
+        label_pad_token_id: int = -100,
+        is_encoder_decoder: bool = False,
+    ) -> torch.Tensor:
+        """Summed (or averaged) log-probability of the labels under the logits, ignoring `label_pad_token_id`.
+
+        Args:
+            logits: `(batch, seq_len, vocab)` logits.
+            labels: `(batch, seq_len)` target ids; positions equal to `label_pad_token_id` are not scored.
+            average_log_prob: Average over the scored tokens instead of summing.
+            label_pad_token_id: Label value of unscored positions.
+            is_encoder_decoder: Labels are aligned with the logits (no next-token shift).
+
+        Returns:
+            `(batch,)` log-probabilities.
+        """
+        if logits.shape[:-1] != labels.shape:
+            raise ValueError(
+                f"logits {tuple(logits.shape[:-1])} and labels {tuple(labels.shape)} must have the same batch and "
+                "sequence dimensions."
+            )
+        if not is_encoder_decoder:
+            labels, logits = labels[:, 1:], logits[:, :-1]
+        mask = labels != label_pad_token_id
+        per_token = selective_log_softmax(logits, labels.masked_fill(~mask, 0)) * mask
+        if average_log_prob:
+            return per_token.sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_token.sum(-1)
+
+    def forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Policy pass over a collated batch.
+
+        Returns:
+            `(chosen_logps, rejected_logps, chosen_logits, rejected_logits)`: summed completion log-probs and the
+            mean completion logit of the desirable and of the undesirable examples, plus the router `aux_loss` as a
+            fifth element when the MoE loss is on.
+        """
+        policy = self._policy_pass(model, batch)
+        label = batch["label"].bool()
+        mask = policy.target_mask.float()
+        mean_logits = (policy.mean_logit.float() * mask).sum(1) / mask.sum(1).clamp(min=1)
+        out = (policy.logps[label], policy.logps[~label], mean_logits[label], mean_logits[~label])
+        if self._aux_loss_enabled:
+            out = (*out, getattr(policy.outputs, "aux_loss", None))
+        return out
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Loss
+    # ------------------------------------------------------------------------------------------------------------
+    def bco_loss(
+        self,
+        chosen_logps: torch.Tensor,
+        rejected_logps: torch.Tensor,
+        reference_chosen_logps: torch.Tensor,
+        reference_rejected_logps: torch.Tensor,
+        chosen_embeddings: torch.Tensor | None = None,
+        rejected_embeddings: torch.Tensor | None = None,
+        do_train: bool = True,
+        rejected_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """BCO losses of the desirable and undesirable examples of a batch.
+
+        Args:
+            chosen_logps: `(c,)` summed log-probs of the desirable completions under the policy.
+            rejected_logps: `(r,)` same for the undesirable completions.
+            reference_chosen_logps: `(c,)` desirable completions under the reference.
+            reference_rejected_logps: `(r,)` undesirable completions under the reference.
+            chosen_embeddings: Unused (kept for signature compatibility); desirable examples have weight 1.
+            rejected_embeddings: `(r, dim)` prompt embeddings of the undesirable examples; with UDM their clamped
+                density ratio weights the undesirable losses.
+            do_train: Fold this batch's rewards into the running mean `delta` first (training); False keeps it.
+            rejected_weights: `(r,)` precomputed weights of the undesirable losses (used when no embeddings are
+                given).
+
+        Returns:
+            `(losses, chosen_rewards, rejected_rewards, delta)`: `(c + r,)` losses (desirable first), the rewards
+            (detached) and the scalar `delta` used.
+        """
+        chosen_rewards = self.args.beta * (chosen_logps - reference_chosen_logps)
+        rejected_rewards = self.args.beta * (rejected_logps - reference_rejected_logps)
+        if do_train:
+            self.running.update(torch.cat([chosen_rewards, rejected_rewards]).detach())
+        delta = torch.tensor(self.running.mean, dtype=chosen_rewards.dtype, device=chosen_rewards.device)
+        chosen_losses = -F.logsigmoid(chosen_rewards - delta)
+        rejected_losses = -F.logsigmoid(-(rejected_rewards - delta))
+        if rejected_embeddings is not None and self.match_underlying_distribution:
+            rejected_weights = self._get_udm_weight(rejected_embeddings)
+        if rejected_weights is not None:
+            rejected_losses = rejected_weights.to(rejected_losses) * rejected_losses
+        losses = torch.cat([chosen_losses, rejected_losses])
+        return losses, chosen_rewards.detach(), rejected_rewards.detach(), delta
+
+    def get_batch_loss_metrics(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], train_eval: str = "train"
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss of a collated batch; its metrics are stored for logging (gathered across processes).
+
+        Returns:
+            `(loss, outputs)` with `outputs = {"rewards": (n,), "label": (n,)}` in batch order.
+        """
+        label = batch["label"].bool()
+        policy = self._policy_pass(model, batch)
+        ref_logps = self._reference_logps(model, batch)["ref_logps"].to(policy.logps)
+        weights = batch.get(_UDM_COLUMN)
+        losses, chosen_rewards, rejected_rewards, delta = self.bco_loss(
+            policy.logps[label],
+            policy.logps[~label],
+            ref_logps[label],
+            ref_logps[~label],
+            do_train=train_eval == "train",
+            rejected_weights=weights[~label] if weights is not None else None,
+        )
+        loss = losses.mean()
+        aux_loss = getattr(policy.outputs, "aux_loss", None) if self._aux_loss_enabled else None
+        if aux_loss is not None:
+            loss = loss + self._aux_loss_coef * aux_loss
+        rewards = torch.empty_like(policy.logps)
+        rewards[label], rewards[~label] = chosen_rewards, rejected_rewards
+        with torch.no_grad():
+            means = {"delta": delta}
+            if aux_loss is not None:
+                means["aux_loss"] = aux_loss.detach().float()
+            self._record_unpaired_metrics(
+                train_eval, label, policy.logps.detach(), rewards.detach(), policy, means=means, token_metrics=False
+            )
+        return loss, {"rewards": rewards.detach(), "label": label}
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        mode = "train" if self.model.training else "eval"
+        loss, outputs = self.get_batch_loss_metrics(model, inputs, train_eval=mode)
+        if return_outputs:
+            return loss, outputs
+        return loss
+
+    def store_metrics(self, metrics: dict[str, float], train_eval: str = "train") -> None:
+        """Store already-reduced metric values for the next log."""
+        for key, value in metrics.items():
+            self._metrics[train_eval][key].append(float(value))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Generation during evaluation
+    # ------------------------------------------------------------------------------------------------------------
+    def generate_from_model_and_ref(
+        self, model: nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[list[str], list[str]]:
+        """Sample one completion per prompt of a collated batch from the model and from the reference model.
+
+        Returns:
+            `(policy_texts, reference_texts)`: decoded prompt + completion strings.
+        """
+        from ...models.utils import unwrap_model_for_generation
+
+        n = batch["label"].shape[0]
+        prompt_mask = (batch["attention_mask"][:n] * (1 - batch["completion_mask"][:n])).bool()
+        prompts = [row[mask] for row, mask in zip(batch["input_ids"][:n], prompt_mask)]
+        width = max(1, max(len(p) for p in prompts))
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long, device=batch["input_ids"].device)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, prompt in enumerate(prompts):  # left padding for generation
+            if len(prompt):
+                input_ids[row, width - len(prompt) :] = prompt
+                attention_mask[row, width - len(prompt) :] = 1
+        max_new_tokens = self.args.max_completion_length or max(1, (self.args.max_length or 1024) - width)
+        kwargs = dict(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            pad_token_id=self.pad_token_id,
+        )
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        with torch.no_grad():
+            with unwrap_model_for_generation(model, self.accelerator) as unwrapped:
+                policy_output = unwrapped.generate(**kwargs)
+            if self.ref_model is None:
+                with self.null_ref_context(), unwrap_model_for_generation(model, self.accelerator) as unwrapped:
+                    ref_output = unwrapped.generate(**kwargs)
+            else:
+                with unwrap_model_for_generation(self.ref_model, self.accelerator) as unwrapped:
+                    ref_output = unwrapped.generate(**kwargs)
+        return (
+            [tokenizer.decode(ids.tolist(), skip_special_tokens=True) for ids in policy_output],
+            [tokenizer.decode(ids.tolist(), skip_special_tokens=True) for ids in ref_output],
+        )
+
+    def evaluation_loop(
+        self,
+        dataloader: torch.utils.data.DataLoader,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> EvalLoopOutput:
+        """Evaluation as usual; with `generate_during_eval`, also log a table of sampled completions first."""
+        if self.args.generate_during_eval:
+            dataset = dataloader.dataset
+            size = min(len(dataset), self.args.eval_batch_size)
+            indices = random.Random(self.state.global_step).sample(range(len(dataset)), k=size)
+            batch = self._prepare_inputs(self.data_collator([dataset[i] for i in indices]))
+            policy_texts, ref_texts = self.generate_from_model_and_ref(self.model, batch)
+            rows = [[p, r] for p, r in zip(policy_texts, ref_texts)]
+            if "wandb" in self.args.report_to and is_wandb_available():
+                import wandb
+
+                if wandb.run is not None:
+                    wandb.log({"game_log": wandb.Table(columns=["Policy", "Ref Model"], data=rows)})
+            if "comet_ml" in self.args.report_to and is_comet_available():
+                import pandas as pd
+
+                log_table_to_comet_experiment(
+                    name="game_log.csv", table=pd.DataFrame(rows, columns=["Policy", "Ref Model"])
+                )
+        return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Checkpoints: running moments and the UDM classifier
+    # ------------------------------------------------------------------------------------------------------------
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        output_dir = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        if self.accelerator.is_main_process and os.path.isdir(output_dir):
+            self.running.save_to_json(os.path.join(output_dir, RUNNING_NAME))
+            if self.clf is not None:
+                import joblib
+
+                joblib.dump(self.clf, os.path.join(output_dir, CLF_NAME), compress=True)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        running_file = os.path.join(resume_from_checkpoint, RUNNING_NAME)
+        if os.path.isfile(running_file):
+            self.running = RunningMoments.load_from_json(self.accelerator, running_file)
+        clf_file = os.path.join(resume_from_checkpoint, CLF_NAME)
+        if self.match_underlying_distribution and os.path.isfile(clf_file):
+            import joblib
+            import numpy as np
+
+            loaded = joblib.load(clf_file)
+            same = (
+                self.clf is not None
+                and np.array_equal(getattr(loaded, "coef_", None), getattr(self.clf, "coef_", None))
+                and np.array_equal(getattr(loaded, "intercept_", None), getattr(self.clf, "intercept_", None))
+            )
+            self.clf = loaded
+            if not same:  # weights were computed with another classifier: recompute them with the saved one
+                self._attach_udm_weights()
