@@ -523,6 +523,7 @@ def read_offline_wandb_tables(wandb_dir, key: str) -> list[dict]:
     return sorted(tables, key=lambda table: len(table["data"]))
 
 
+@pytest.mark.xdist_group("wandb")
 def test_log_completions_to_wandb_offline(lm_path, tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -536,6 +537,7 @@ def test_log_completions_to_wandb_offline(lm_path, tmp_path, monkeypatch):
         trainer.train()
     finally:
         wandb.finish()
+        wandb.teardown()  # wandb caches its settings (WANDB_DIR) per process; the next run must read them anew
 
     tables = read_offline_wandb_tables(tmp_path, "completions")
     assert [len(table["data"]) for table in tables] == [3, 6]  # the table is cumulative

@@ -217,6 +217,7 @@ def test_conversational_prompts_reach_the_judge_as_text(lm_path, tmp_path):
     assert callback.ref_completions[0] == expected
 
 
+@pytest.mark.xdist_group("wandb")
 def test_completions_table_to_wandb_offline(lm_path, tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -230,6 +231,7 @@ def test_completions_table_to_wandb_offline(lm_path, tmp_path, monkeypatch):
         trainer.train()
     finally:
         wandb.finish()
+        wandb.teardown()  # wandb caches its settings (WANDB_DIR) per process; the next run must read them anew
 
     pattern = os.path.join(
         str(tmp_path), "wandb", "offline-run-*", "files", "media", "table", "win_rate_completions_*"
