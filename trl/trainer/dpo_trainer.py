@@ -1,6 +1,5 @@
 """Direct Preference Optimization (DPO) trainer and its loss variants."""
 
-import contextlib
 import dataclasses
 import logging
 import math
@@ -12,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+from datasets import Dataset, IterableDataset
 from transformers import (
     BaseImageProcessor,
     DataCollator,
@@ -26,17 +25,14 @@ from transformers import (
 from transformers.trainer_utils import EvalPrediction
 
 from ..data_utils import get_dataset_column_names, is_conversational, maybe_extract_prompt
-from .base_trainer import _BaseTrainer
+from .base_trainer import _PreferenceTrainer
 from .dpo_config import DPOConfig
 from .utils import (
     PromptCompletionTokenizer,
-    compute_sequence_token_logps,
-    disable_dropout_in_model,
+    collate_prompt_completions,
     logits_statistics,
     map_kwargs_with_desc,
-    pad,
     scored_completion_tokens,
-    uses_sharding_engine,
 )
 
 
@@ -103,30 +99,18 @@ class DataCollatorForPreference:
     pad_to_multiple_of: int | None = None
     return_tensors: str = "pt"
 
-    def _truncate(self, ids: list[int], mask: list[int]) -> tuple[list[int], list[int]]:
-        if self.max_length is None or len(ids) <= self.max_length:
-            return ids, mask
-        if self.truncation_mode == "keep_start":
-            return ids[: self.max_length], mask[: self.max_length]
-        if self.truncation_mode == "keep_end":
-            return ids[-self.max_length :], mask[-self.max_length :]
-        raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end'; got {self.truncation_mode!r}.")
-
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if self.return_tensors != "pt":
             raise ValueError(f"Only return_tensors='pt' is supported; got {self.return_tensors!r}.")
-        sequences, masks = [], []
-        for key in ("chosen_ids", "rejected_ids"):
-            for example in examples:
-                prompt, completion = list(example["prompt_ids"]), list(example[key])
-                ids, mask = self._truncate(prompt + completion, [0] * len(prompt) + [1] * len(completion))
-                sequences.append(torch.tensor(ids, dtype=torch.long))
-                masks.append(torch.tensor(mask, dtype=torch.long))
-        batch = {
-            "input_ids": pad(sequences, self.pad_token_id, "right", self.pad_to_multiple_of),
-            "attention_mask": pad([torch.ones_like(s) for s in sequences], 0, "right", self.pad_to_multiple_of),
-            "completion_mask": pad(masks, 0, "right", self.pad_to_multiple_of),
-        }
+        # chosen sequences first, then rejected ones (one forward pass over both)
+        batch = collate_prompt_completions(
+            [example["prompt_ids"] for example in examples] * 2,
+            [example[key] for key in ("chosen_ids", "rejected_ids") for example in examples],
+            self.pad_token_id,
+            self.max_length,
+            self.truncation_mode,
+            self.pad_to_multiple_of,
+        )
         for key in _REF_COLUMNS:
             if examples and examples[0].get(key) is not None:
                 batch[key] = torch.tensor([float(example[key]) for example in examples], dtype=torch.float32)
@@ -262,7 +246,7 @@ def dpo_loss(
 # ----------------------------------------------------------------------------------------------------------------
 # Trainer
 # ----------------------------------------------------------------------------------------------------------------
-class DPOTrainer(_BaseTrainer):
+class DPOTrainer(_PreferenceTrainer):
     """Trainer for Direct Preference Optimization (DPO) and its variants.
 
     DPO fits the policy directly on preference pairs: it raises the log-probability of the chosen completion relative
@@ -361,70 +345,19 @@ class DPOTrainer(_BaseTrainer):
         self._check_train_dataset(train_dataset, "DPOTrainer")
         self._prepare_iterable_args(args, train_dataset)
         self._check_dpo_args(args)
-        if args.use_liger_kernel:
-            warnings.warn(
-                "use_liger_kernel is deprecated in DPOTrainer and has no effect: pass "
-                "model_init_kwargs={'use_kernels': True} to use hub kernels instead.",
-                FutureWarning,
-                stacklevel=2,
-            )
+        self._check_reference_options(args, "DPOTrainer")
+        self._warn_liger_kernel_deprecated(args, "DPOTrainer")
 
-        # ---- Model ---------------------------------------------------------------------------------------------
-        model_id = self._model_id(model)
+        # ---- Model, processing class, MoE router loss, PEFT ----------------------------------------------------
         model_arg = model
-        model = self._load_model(model, args, quantization_config=quantization_config)
-        if self._is_peft_model(model) and peft_config is not None:
-            raise ValueError(
-                "You passed a PeftModel together with a peft_config. Pass either a base model with peft_config, or "
-                "the PeftModel alone."
-            )
-        will_be_peft = self._is_peft_model(model) or peft_config is not None
-        if args.sync_ref_model and will_be_peft and ref_model is None:
-            raise ValueError(
-                "sync_ref_model=True needs a separate reference model, but with PEFT and ref_model=None the reference "
-                "is the model with its adapters disabled, which cannot be blended. Pass a ref_model or set "
-                "sync_ref_model=False."
-            )
-        if (args.model_adapter_name or args.ref_adapter_name) and not self._is_peft_model(model):
-            raise ValueError(
-                "model_adapter_name / ref_adapter_name select adapters of a PeftModel holding several adapters, but "
-                f"the model is a {type(model).__name__}. Pass a PeftModel with those adapters loaded, or leave both "
-                "options None."
-            )
-
-        # ---- Processing class ----------------------------------------------------------------------------------
-        if processing_class is None:
-            processing_class = self._load_processing_class(model_id, args)
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if getattr(tokenizer, "pad_token", None) is None:
-            if getattr(tokenizer, "eos_token", None) is None:
-                raise ValueError(
-                    "The processing class has neither a pad_token nor an eos_token; set tokenizer.pad_token before "
-                    "creating the trainer."
-                )
-            tokenizer.pad_token = tokenizer.eos_token
-
-        # ---- MoE router loss -----------------------------------------------------------------------------------
-        self._aux_loss_enabled, self._aux_loss_coef = self._resolve_aux_loss(model, args)
-
-        # ---- PEFT and adapters ---------------------------------------------------------------------------------
-        model = self._wrap_peft(model, peft_config, args)
-        if self._is_peft_model(model):
-            self._check_adapter_names(model, args.model_adapter_name, args.ref_adapter_name)
-            if args.model_adapter_name is not None:
-                model.set_adapter(args.model_adapter_name)
+        model, processing_class, tokenizer = self._load_policy(
+            model, ref_model, processing_class, args, peft_config, quantization_config
+        )
+        self._select_adapters(model, args.model_adapter_name, args.ref_adapter_name)
 
         # ---- Reference model -----------------------------------------------------------------------------------
         self._needs_reference = any(loss != "sft" for loss in args.loss_type)
-        # With precomputed log-probs the untrained policy scores the data itself: no copy is needed, except under
-        # DeepSpeed/FSDP where the policy is sharded later and a prepared reference is simpler.
-        distributed_engine = uses_sharding_engine(args)
-        build_ref = self._needs_reference and (not args.precompute_ref_log_probs or distributed_engine)
-        ref_model = self._build_ref_model(model_arg, model, ref_model, args, needed=build_ref)
-        if args.disable_dropout:
-            disable_dropout_in_model(model)
-            if ref_model is not None:
-                disable_dropout_in_model(ref_model)
+        ref_model = self._build_preference_ref_model(model_arg, model, ref_model, args, needed=self._needs_reference)
 
         # ---- Collator and layout -------------------------------------------------------------------------------
         self.pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
@@ -440,20 +373,13 @@ class DPOTrainer(_BaseTrainer):
 
         # ---- Datasets ------------------------------------------------------------------------------------------
         train_dataset = self._prepare_dataset(train_dataset, processing_class, args, "train")
-        if eval_dataset is not None:
-            if isinstance(eval_dataset, dict) and not isinstance(eval_dataset, (Dataset, IterableDataset)):
-                eval_dataset = {
-                    key: self._prepare_dataset(ds, processing_class, args, f"eval ({key})")
-                    for key, ds in eval_dataset.items()
-                }
-            else:
-                eval_dataset = self._prepare_dataset(eval_dataset, processing_class, args, "eval")
+        eval_dataset = self._prepare_eval_datasets(
+            eval_dataset, lambda dataset, name: self._prepare_dataset(dataset, processing_class, args, name)
+        )
 
         # ---- Trainer -------------------------------------------------------------------------------------------
-        self._init_metrics()
-        self._total_train_tokens = 0
-        self._policy_is_reference = False
-        super().__init__(
+        self._init_trainer(
+            ref_model,
             model=model,
             args=args,
             data_collator=data_collator,
@@ -464,18 +390,6 @@ class DPOTrainer(_BaseTrainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        # DPO losses are averaged per pair: the Trainer scales them for gradient accumulation itself.
-        self.model_accepts_loss_kwargs = False
-        self.ref_model = self._prepare_ref_model(ref_model)
-        self._add_sync_ref_model_callback(self.ref_model)
-
-        if args.activation_offloading:
-            from ..models.activation_offloading import get_act_offloading_ctx_manager
-
-            self.maybe_activation_offload_context = get_act_offloading_ctx_manager(self.model)
-        else:
-            self.maybe_activation_offload_context = contextlib.nullcontext()
-
         if args.precompute_ref_log_probs and self._needs_reference:
             self._precompute_reference_columns(
                 self.compute_ref_log_probs,
@@ -523,17 +437,6 @@ class DPOTrainer(_BaseTrainer):
             raise ValueError(f"label_smoothing must be in [0, 1); got {args.label_smoothing}.")
         if args.beta <= 0 and any(loss in ("ipo", "sppo_hard") for loss in losses):
             raise ValueError(f"loss_type 'ipo' / 'sppo_hard' divide by beta, which must be > 0; got {args.beta}.")
-        if args.sync_ref_model and args.precompute_ref_log_probs:
-            raise ValueError(
-                "sync_ref_model=True updates the reference model during training, but precompute_ref_log_probs=True "
-                "fixes the reference log-probs before training (and drops the reference model). Use one of the two."
-            )
-        if args.n_gpu > 1:
-            raise ValueError(
-                f"DPOTrainer does not support torch.nn.DataParallel over {args.n_gpu} GPUs in one process. Launch "
-                "one process per GPU with `accelerate launch` (or torchrun), or restrict CUDA_VISIBLE_DEVICES to one "
-                "GPU."
-            )
 
     # ------------------------------------------------------------------------------------------------------------
     # Dataset preparation
@@ -541,23 +444,13 @@ class DPOTrainer(_BaseTrainer):
     def _prepare_dataset(
         self, dataset: Dataset | IterableDataset, processing_class: Any, args: DPOConfig, dataset_name: str
     ) -> Dataset | IterableDataset:
-        if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
-            raise ValueError(
-                f"The {dataset_name} dataset is a DatasetDict with splits {list(dataset.keys())}; pass one split, for "
-                f"example dataset['train']."
-            )
-        is_iterable = isinstance(dataset, IterableDataset)
-        map_kwargs: dict[str, Any] = {} if is_iterable else {"num_proc": args.dataset_num_proc}
-        first = next(iter(dataset), None)
-        if first is None:
-            raise ValueError(f"The {dataset_name} dataset is empty; DPOTrainer needs at least one preference pair.")
-        columns = list(get_dataset_column_names(dataset) or first.keys())
-
-        legacy = {old: new for old, new in _LEGACY_TOKENIZED_COLUMNS.items() if old in columns and new not in columns}
-        if legacy:
-            dataset = dataset.rename_columns(legacy)
-            columns = [legacy.get(c, c) for c in columns]
-
+        dataset, first, columns, map_kwargs, is_iterable = self._open_dataset(
+            dataset,
+            args,
+            dataset_name,
+            _LEGACY_TOKENIZED_COLUMNS,
+            f"The {dataset_name} dataset is empty; DPOTrainer needs at least one preference pair.",
+        )
         if all(c in columns for c in _TOKENIZED_COLUMNS):
             tokenized = dataset
         else:
@@ -570,14 +463,8 @@ class DPOTrainer(_BaseTrainer):
                     "'chosen_ids' and 'rejected_ids'. Rename your columns (dataset.rename_column(old, new))."
                 )
             conversational = is_conversational(first)
-            tokenizer = getattr(processing_class, "tokenizer", processing_class)
-            if conversational and getattr(processing_class, "chat_template", None) is None:
-                raise ValueError(
-                    f"The {dataset_name} dataset is conversational but the processing class "
-                    f"({type(processing_class).__name__}, {getattr(tokenizer, 'name_or_path', '')!r}) has no chat "
-                    "template. Assign tokenizer.chat_template (or use trl.clone_chat_template) before creating the "
-                    "trainer."
-                )
+            if conversational:
+                self._check_chat_template(processing_class, dataset_name)
             dataset = dataset.map(
                 maybe_extract_prompt, **map_kwargs_with_desc(map_kwargs, f"Extracting prompt in {dataset_name}")
             )
@@ -596,24 +483,14 @@ class DPOTrainer(_BaseTrainer):
                 keep_fn.check(len(p), len(c), len(r))
                 for p, c, r in zip(tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"])
             ]
-            n_drop = flags.count(False)
-            if n_drop == len(flags):
-                shortest = min(len(p) for p in tokenized["prompt_ids"])
-                raise ValueError(
-                    f"No {dataset_name} pair has a completion token left to train on: with max_length={max_length} "
-                    f"and truncation_mode={mode!r}, every prompt fills the whole length (the shortest prompt is "
-                    f"{shortest} tokens, expected fewer than max_length) or a completion is empty. Raise max_length, "
-                    "shorten the prompts, or use truncation_mode='keep_end'."
-                )
-            if n_drop:
-                logger.warning(
-                    "Dropping %d of %d %s pairs whose prompt leaves no completion token within max_length=%s.",
-                    n_drop,
-                    len(flags),
-                    dataset_name,
-                    max_length,
-                )
-                tokenized = tokenized.select([i for i, keep in enumerate(flags) if keep])
+            shortest = min(len(p) for p in tokenized["prompt_ids"])
+            none_left = (
+                f"No {dataset_name} pair has a completion token left to train on: with max_length={max_length} and "
+                f"truncation_mode={mode!r}, every prompt fills the whole length (the shortest prompt is {shortest} "
+                "tokens, expected fewer than max_length) or a completion is empty. Raise max_length, shorten the "
+                "prompts, or use truncation_mode='keep_end'."
+            )
+            tokenized = self._keep_flagged(tokenized, flags, dataset_name, "pairs", max_length, none_left)
         else:
             tokenized = tokenized.filter(keep_fn)
         return tokenized
@@ -624,11 +501,6 @@ class DPOTrainer(_BaseTrainer):
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
             self._signature_columns = [*_TOKENIZED_COLUMNS, *_REF_COLUMNS]
-
-    @staticmethod
-    def _target_mask(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Next-token positions to score: the target token is a real completion token."""
-        return (inputs["completion_mask"][:, 1:] * inputs["attention_mask"][:, 1:]).bool()
 
     def _sequence_logps(self, token_logps: torch.Tensor, target_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Summed log-prob and scored-token count of each sequence (LD-DPO down-weights the longer tail)."""
@@ -645,19 +517,6 @@ class DPOTrainer(_BaseTrainer):
     def _logits_stats(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token statistics of the full distribution (WPO's sharpness only when `use_weighting`)."""
         return logits_statistics(logits, targets, sharpness=self.args.use_weighting)
-
-    def _token_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor], layout: str, with_stats: bool):
-        return compute_sequence_token_logps(
-            model,
-            inputs["input_ids"],
-            inputs["attention_mask"],
-            self._target_mask(inputs),
-            layout=layout,
-            pad_token_id=self.pad_token_id,
-            pad_to_multiple_of=self.args.pad_to_multiple_of,
-            compute_entropy=with_stats,
-            logits_stats_fn=self._logits_stats if with_stats else None,
-        )
 
     def compute_ref_log_probs(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Reference log-probabilities of the chosen and rejected completions of a collated batch.
@@ -683,10 +542,6 @@ class DPOTrainer(_BaseTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Loss
     # ------------------------------------------------------------------------------------------------------------
-    def training_step(self, *args, **kwargs):
-        with self.maybe_activation_offload_context:
-            return super().training_step(*args, **kwargs)
-
     def compute_loss(
         self,
         model: nn.Module,
@@ -803,23 +658,11 @@ class DPOTrainer(_BaseTrainer):
             mode, means=pair_level, ratios=token_level, num_tokens=inputs["attention_mask"].sum()
         )
 
-    def prediction_step(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor | Any],
-        prediction_loss_only: bool,
-        ignore_keys: list[str] | None = None,
-    ):
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-        loss = loss.detach()
-        if prediction_loss_only:
-            return loss, None, None
+    def _prediction_logits_and_labels(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         # Predictions: the chosen and rejected rewards of every pair; labels: index 0 (the chosen one is preferred).
         logits = torch.stack([outputs["chosen_rewards"], outputs["rejected_rewards"]], dim=1)
         labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-        return loss, logits, labels
+        return logits, labels
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ it): dataset preparation (unpairing of paired data, tokenization, label checks, 
 collator, the policy / reference log-probability passes and the sum-and-count metrics.
 """
 
-import contextlib
 import logging
 import warnings
 from collections.abc import Callable
@@ -14,7 +13,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
-from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict, Value
+from datasets import Dataset, IterableDataset, Value
 from transformers import (
     BaseImageProcessor,
     DataCollator,
@@ -27,17 +26,13 @@ from transformers import (
 from transformers.trainer_utils import EvalPrediction
 
 from ..data_utils import get_dataset_column_names, is_conversational, maybe_extract_prompt, unpair_preference_dataset
-from .base_trainer import _BaseTrainer
+from .base_trainer import _PreferenceTrainer
 from .kto_config import KTOConfig
 from .utils import (
     PromptCompletionTokenizer,
-    compute_sequence_token_logps,
-    disable_dropout_in_model,
-    logits_statistics,
+    collate_prompt_completions,
     map_kwargs_with_desc,
-    pad,
     scored_completion_tokens,
-    uses_sharding_engine,
 )
 
 
@@ -112,21 +107,14 @@ class DataCollatorForUnpairedPreference:
             raise ValueError(f"Only return_tensors='pt' is supported; got {self.return_tensors!r}.")
         with_kl = bool(examples) and all(example.get(_KL_COLUMN) is not None for example in examples)
         keys = ("completion_ids", _KL_COLUMN) if with_kl else ("completion_ids",)
-        sequences, masks = [], []
-        for key in keys:
-            for example in examples:
-                prompt, completion = list(example["prompt_ids"]), list(example[key])
-                ids, mask = prompt + completion, [0] * len(prompt) + [1] * len(completion)
-                if self.max_length is not None:
-                    ids, mask = ids[: self.max_length], mask[: self.max_length]
-                sequences.append(torch.tensor(ids, dtype=torch.long))
-                masks.append(torch.tensor(mask, dtype=torch.long))
-        batch = {
-            "input_ids": pad(sequences, self.pad_token_id, "right", self.pad_to_multiple_of),
-            "attention_mask": pad([torch.ones_like(s) for s in sequences], 0, "right", self.pad_to_multiple_of),
-            "completion_mask": pad(masks, 0, "right", self.pad_to_multiple_of),
-            "label": torch.tensor([bool(example["label"]) for example in examples], dtype=torch.bool),
-        }
+        batch = collate_prompt_completions(
+            [example["prompt_ids"] for example in examples] * len(keys),
+            [example[key] for key in keys for example in examples],
+            self.pad_token_id,
+            self.max_length,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        )
+        batch["label"] = torch.tensor([bool(example["label"]) for example in examples], dtype=torch.bool)
         for key in _REF_COLUMNS if with_kl else _REF_COLUMNS[:1]:
             if examples and all(example.get(key) is not None for example in examples):
                 batch[key] = torch.tensor([float(example[key]) for example in examples], dtype=torch.float32)
@@ -219,7 +207,7 @@ def _select_rows(inputs: dict[str, torch.Tensor], start: int, end: int) -> dict[
     return {key: inputs[key][start:end, :width] for key in ("input_ids", "attention_mask", "completion_mask")}
 
 
-class _UnpairedPreferenceTrainer(_BaseTrainer):
+class _UnpairedPreferenceTrainer(_PreferenceTrainer):
     """Private base of [`KTOTrainer`] and the experimental `BCOTrainer`: unpaired data, log-probs, metrics.
 
     A subclass sets, before `Trainer.__init__`: `pad_token_id`, `_layout`, `_ref_layout`, `_needs_kl`,
@@ -251,23 +239,13 @@ class _UnpairedPreferenceTrainer(_BaseTrainer):
     ) -> Dataset | IterableDataset:
         """Tokenize an unpaired (or paired, then unpaired) dataset and attach the KL completions when needed."""
         trainer_name = type(self).__name__
-        if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
-            raise ValueError(
-                f"The {dataset_name} dataset is a DatasetDict with splits {list(dataset.keys())}; pass one split, for "
-                f"example dataset['train']."
-            )
-        is_iterable = isinstance(dataset, IterableDataset)
-        map_kwargs: dict[str, Any] = {} if is_iterable else {"num_proc": args.dataset_num_proc}
-        first = next(iter(dataset), None)
-        if first is None:
-            raise ValueError(f"The {dataset_name} dataset is empty; {trainer_name} needs at least one example.")
-        columns = list(get_dataset_column_names(dataset) or first.keys())
-
-        legacy = {old: new for old, new in _LEGACY_TOKENIZED_COLUMNS.items() if old in columns and new not in columns}
-        if legacy:
-            dataset = dataset.rename_columns(legacy)
-            columns = [legacy.get(c, c) for c in columns]
-
+        dataset, first, columns, map_kwargs, is_iterable = self._open_dataset(
+            dataset,
+            args,
+            dataset_name,
+            _LEGACY_TOKENIZED_COLUMNS,
+            f"The {dataset_name} dataset is empty; {trainer_name} needs at least one example.",
+        )
         if all(c in columns for c in _TOKENIZED_COLUMNS):
             self._check_labels(dataset, first, dataset_name)
             tokenized = dataset
@@ -291,14 +269,8 @@ class _UnpairedPreferenceTrainer(_BaseTrainer):
                 )
             self._check_labels(dataset, first, dataset_name)
             conversational = is_conversational(first)
-            tokenizer = getattr(processing_class, "tokenizer", processing_class)
-            if conversational and getattr(processing_class, "chat_template", None) is None:
-                raise ValueError(
-                    f"The {dataset_name} dataset is conversational but the processing class "
-                    f"({type(processing_class).__name__}, {getattr(tokenizer, 'name_or_path', '')!r}) has no chat "
-                    "template. Assign tokenizer.chat_template (or use trl.clone_chat_template) before creating the "
-                    "trainer."
-                )
+            if conversational:
+                self._check_chat_template(processing_class, dataset_name)
             keep = {"label", *_REF_COLUMNS}
             remove = [c for c in columns if c not in keep]
             tokenized = dataset.map(
@@ -370,24 +342,13 @@ class _UnpairedPreferenceTrainer(_BaseTrainer):
             scored_completion_tokens(len(p), len(c), max_length) > 0
             for p, c in zip(dataset["prompt_ids"], dataset["completion_ids"])
         ]
-        n_drop = flags.count(False)
-        if n_drop == len(flags):
-            shortest = min(len(p) for p in dataset["prompt_ids"])
-            raise ValueError(
-                f"No {dataset_name} example has a completion token left to train on: with max_length={max_length}, "
-                f"every prompt fills the whole length (the shortest prompt is {shortest} tokens, expected fewer than "
-                "max_length) or a completion is empty. Raise max_length or shorten the prompts."
-            )
-        if n_drop:
-            logger.warning(
-                "Dropping %d of %d %s examples whose prompt leaves no completion token within max_length=%s.",
-                n_drop,
-                len(flags),
-                dataset_name,
-                max_length,
-            )
-            dataset = dataset.select([i for i, keep in enumerate(flags) if keep])
-        return dataset
+        shortest = min(len(p) for p in dataset["prompt_ids"])
+        none_left = (
+            f"No {dataset_name} example has a completion token left to train on: with max_length={max_length}, every "
+            f"prompt fills the whole length (the shortest prompt is {shortest} tokens, expected fewer than "
+            "max_length) or a completion is empty. Raise max_length or shorten the prompts."
+        )
+        return self._keep_flagged(dataset, flags, dataset_name, "examples", max_length, none_left)
 
     @staticmethod
     def _warn_if_unbalanced(dataset: Any, desirable_weight: float, undesirable_weight: float) -> None:
@@ -445,27 +406,6 @@ class _UnpairedPreferenceTrainer(_BaseTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Log-probabilities
     # ------------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _target_mask(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Next-token positions to score: the target token is a real completion token."""
-        return (inputs["completion_mask"][:, 1:] * inputs["attention_mask"][:, 1:]).bool()
-
-    def _logits_stats(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        return logits_statistics(logits, targets)
-
-    def _token_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor], layout: str, with_stats: bool):
-        return compute_sequence_token_logps(
-            model,
-            inputs["input_ids"],
-            inputs["attention_mask"],
-            self._target_mask(inputs),
-            layout=layout,
-            pad_token_id=self.pad_token_id,
-            pad_to_multiple_of=getattr(self.args, "pad_to_multiple_of", None),
-            compute_entropy=with_stats,
-            logits_stats_fn=self._logits_stats if with_stats else None,
-        )
-
     @staticmethod
     def _sums(token_logps: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
         return (token_logps.float() * target_mask).sum(dim=1)
@@ -612,27 +552,11 @@ class _UnpairedPreferenceTrainer(_BaseTrainer):
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------------------------------------------------
-    # Training and evaluation steps
+    # Evaluation
     # ------------------------------------------------------------------------------------------------------------
-    def training_step(self, *args, **kwargs):
-        with self.maybe_activation_offload_context:
-            return super().training_step(*args, **kwargs)
-
-    def prediction_step(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor | Any],
-        prediction_loss_only: bool,
-        ignore_keys: list[str] | None = None,
-    ):
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-        loss = loss.detach()
-        if prediction_loss_only:
-            return loss, None, None
+    def _prediction_logits_and_labels(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         # Predictions: the implied reward of every example; labels: 1 for desirable, 0 for undesirable.
-        return loss, outputs["rewards"], outputs["label"].long()
+        return outputs["rewards"], outputs["label"].long()
 
 
 class _UnpairedTokenizer:
@@ -772,57 +696,17 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
             args = self._default_args(KTOConfig, model, "KTO")
         self._check_train_dataset(train_dataset, "KTOTrainer")
         self._prepare_iterable_args(args, train_dataset)
-        self._check_kto_args(args)
-        if args.use_liger_kernel:
-            warnings.warn(
-                "use_liger_kernel is deprecated in KTOTrainer and has no effect: pass "
-                "model_init_kwargs={'use_kernels': True} to use hub kernels instead.",
-                FutureWarning,
-                stacklevel=2,
-            )
+        self._check_reference_options(args, "KTOTrainer")
+        self._warn_liger_kernel_deprecated(args, "KTOTrainer")
 
-        # ---- Model ---------------------------------------------------------------------------------------------
-        model_id = self._model_id(model)
+        # ---- Model, processing class, MoE router loss, PEFT ----------------------------------------------------
         model_arg = model
-        model = self._load_model(model, args, quantization_config=quantization_config)
-        if self._is_peft_model(model) and peft_config is not None:
-            raise ValueError(
-                "You passed a PeftModel together with a peft_config. Pass either a base model with peft_config, or "
-                "the PeftModel alone."
-            )
-        will_be_peft = self._is_peft_model(model) or peft_config is not None
-        if args.sync_ref_model and will_be_peft and ref_model is None:
-            raise ValueError(
-                "sync_ref_model=True needs a separate reference model, but with PEFT and ref_model=None the reference "
-                "is the model with its adapters disabled, which cannot be blended. Pass a ref_model or set "
-                "sync_ref_model=False."
-            )
-
-        # ---- Processing class ----------------------------------------------------------------------------------
-        if processing_class is None:
-            processing_class = self._load_processing_class(model_id, args)
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if getattr(tokenizer, "pad_token", None) is None:
-            if getattr(tokenizer, "eos_token", None) is None:
-                raise ValueError(
-                    "The processing class has neither a pad_token nor an eos_token; set tokenizer.pad_token before "
-                    "creating the trainer."
-                )
-            tokenizer.pad_token = tokenizer.eos_token
-
-        # ---- MoE router loss, PEFT -----------------------------------------------------------------------------
-        self._aux_loss_enabled, self._aux_loss_coef = self._resolve_aux_loss(model, args)
-        model = self._wrap_peft(model, peft_config, args)
+        model, processing_class, tokenizer = self._load_policy(
+            model, ref_model, processing_class, args, peft_config, quantization_config
+        )
 
         # ---- Reference model -----------------------------------------------------------------------------------
-        # With precomputed log-probs the untrained policy scores the data itself: no copy is needed, except under
-        # DeepSpeed/FSDP where the policy is sharded later and a prepared reference is simpler.
-        build_ref = not args.precompute_ref_log_probs or uses_sharding_engine(args)
-        ref_model = self._build_ref_model(model_arg, model, ref_model, args, needed=build_ref)
-        if args.disable_dropout:
-            disable_dropout_in_model(model)
-            if ref_model is not None:
-                disable_dropout_in_model(ref_model)
+        ref_model = self._build_preference_ref_model(model_arg, model, ref_model, args)
 
         # ---- Collator, layout, KL ------------------------------------------------------------------------------
         self.pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
@@ -850,24 +734,16 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
             train_dataset, processing_class, args, "train", args.per_device_train_batch_size
         )
         self._warn_if_unbalanced(train_dataset, args.desirable_weight, args.undesirable_weight)
-        if eval_dataset is not None:
-            if isinstance(eval_dataset, dict) and not isinstance(eval_dataset, (Dataset, IterableDataset)):
-                eval_dataset = {
-                    key: self._prepare_dataset(
-                        ds, processing_class, args, f"eval ({key})", args.per_device_eval_batch_size
-                    )
-                    for key, ds in eval_dataset.items()
-                }
-            else:
-                eval_dataset = self._prepare_dataset(
-                    eval_dataset, processing_class, args, "eval", args.per_device_eval_batch_size
-                )
+        eval_dataset = self._prepare_eval_datasets(
+            eval_dataset,
+            lambda dataset, name: self._prepare_dataset(
+                dataset, processing_class, args, name, args.per_device_eval_batch_size
+            ),
+        )
 
         # ---- Trainer -------------------------------------------------------------------------------------------
-        self._init_metrics()
-        self._total_train_tokens = 0
-        self._policy_is_reference = False
-        super().__init__(
+        self._init_trainer(
+            ref_model,
             model=model,
             args=args,
             data_collator=data_collator,
@@ -878,18 +754,6 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        # KTO losses are averaged per example: the Trainer scales them for gradient accumulation itself.
-        self.model_accepts_loss_kwargs = False
-        self.ref_model = self._prepare_ref_model(ref_model)
-        self._add_sync_ref_model_callback(self.ref_model)
-
-        if args.activation_offloading:
-            from ..models.activation_offloading import get_act_offloading_ctx_manager
-
-            self.maybe_activation_offload_context = get_act_offloading_ctx_manager(self.model)
-        else:
-            self.maybe_activation_offload_context = contextlib.nullcontext()
-
         if args.precompute_ref_log_probs:
             self._precompute_reference_columns(
                 self.compute_ref_log_probs,
@@ -898,21 +762,6 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
                 args.precompute_ref_batch_size,
             )
         self._add_model_tags(self.model)
-
-    @staticmethod
-    def _check_kto_args(args: KTOConfig) -> None:
-        """Combinations of options that cannot work, rejected before anything is loaded."""
-        if args.sync_ref_model and args.precompute_ref_log_probs:
-            raise ValueError(
-                "sync_ref_model=True updates the reference model during training, but precompute_ref_log_probs=True "
-                "fixes the reference log-probs before training (and drops the reference model). Use one of the two."
-            )
-        if args.n_gpu > 1:
-            raise ValueError(
-                f"KTOTrainer does not support torch.nn.DataParallel over {args.n_gpu} GPUs in one process. Launch "
-                "one process per GPU with `accelerate launch` (or torchrun), or restrict CUDA_VISIBLE_DEVICES to one "
-                "GPU."
-            )
 
     # ------------------------------------------------------------------------------------------------------------
     # Loss

@@ -357,6 +357,7 @@ class _OnlineTrainer(_BaseTrainer):
         quantization_config: Any = None,
         peft_config: Any = None,
         rollout_func: Callable | None = None,
+        ref_model: "str | PreTrainedModel | nn.Module | None" = None,
     ):
         trainer_name = type(self).__name__
         user_model = model  # a path (the reference is reloaded from it) or an instance (the reference is a copy)
@@ -424,7 +425,7 @@ class _OnlineTrainer(_BaseTrainer):
 
         # ---- PEFT and reference model --------------------------------------------------------------------------
         model = self._wrap_peft(model, peft_config, args)
-        ref_model = self._build_ref_model(user_model, model, None, args, needed=self._needs_ref_model(args))
+        ref_model = self._build_ref_model(user_model, model, ref_model, args, needed=self._needs_ref_model(args))
         if ref_model is not None:
             if args.disable_dropout:
                 disable_dropout_in_model(ref_model)
@@ -433,10 +434,11 @@ class _OnlineTrainer(_BaseTrainer):
 
         # ---- Generation ----------------------------------------------------------------------------------------
         self.rollout_func = rollout_func
-        self.num_generations = args.num_generations
-        self.num_generations_eval = args.num_generations_eval or args.num_generations
-        self.max_completion_length = args.max_completion_length
-        self.chat_template_kwargs = dict(args.chat_template_kwargs or {})
+        settings = self._rollout_settings(args)
+        self.num_generations = settings["num_generations"]
+        self.num_generations_eval = settings["num_generations_eval"]
+        self.max_completion_length = settings["max_completion_length"]
+        self.chat_template_kwargs = settings["chat_template_kwargs"]
         self.eos_token_ids = self._eos_token_ids(model, tokenizer)
         self.pad_token_id = tokenizer.pad_token_id
         self.generation_config = self._build_generation_config(args, tokenizer)
@@ -471,10 +473,33 @@ class _OnlineTrainer(_BaseTrainer):
         self._add_sync_ref_model_callback(self.ref_model)
         self.add_callback(_OnlineStateCallback(self))
         self._add_model_tags(self.model)
+        # vLLM generation (server client or in-process engine); built last since it needs the accelerator.
+        self.vllm_generation = self._create_vllm_generation(args, rollout_func)
 
     # ------------------------------------------------------------------------------------------------------------
     # Hooks for subclasses
     # ------------------------------------------------------------------------------------------------------------
+    @classmethod
+    def _rollout_settings(cls, args: Any) -> dict[str, Any]:
+        """Rollout settings the core reads from the config, by name.
+
+        Returns a dict with `num_generations` (completions `_generate` receives per prompt in training),
+        `num_generations_eval` (same in evaluation), `max_completion_length` (generation cap) and
+        `chat_template_kwargs` (dict). Trainers whose config names these differently or lacks them (Online DPO:
+        `max_new_tokens`, a fixed pair of completions) override this.
+        """
+        return {
+            "num_generations": args.num_generations,
+            "num_generations_eval": args.num_generations_eval or args.num_generations,
+            "max_completion_length": args.max_completion_length,
+            "chat_template_kwargs": dict(args.chat_template_kwargs or {}),
+        }
+
+    def _logprob_temperature(self) -> float:
+        """Temperature dividing the logits in log-probability passes: the sampling temperature, so that the
+        log-probabilities are the sampler's. Methods that score the model itself (Online DPO) override it with 1.0."""
+        return self.args.temperature
+
     @staticmethod
     def _needs_ref_model(args: Any) -> bool:
         """Whether a reference model is needed (a separate copy unless the policy is a PEFT model)."""
@@ -534,29 +559,11 @@ class _OnlineTrainer(_BaseTrainer):
                     "use_vllm=True needs vLLM, which is not installed. Install it with `pip install trl[vllm]`, or "
                     "set use_vllm=False to generate with transformers."
                 )
-            raise NotImplementedError(
-                "vLLM generation is not available in this build of the trainer yet; set use_vllm=False to generate "
-                "with transformers `generate`."
-            )
 
     def _setup_aux_loss(self, model: nn.Module, args: Any) -> None:
         """Enable the mixture-of-experts load-balancing loss when the model has a router (see router_aux_loss_coef)."""
-        self._aux_loss_enabled = False
-        self._aux_loss_coef = 0.0
-        config = getattr(model, "config", None)
-        if args.router_aux_loss_coef is None and not getattr(config, "output_router_logits", False):
-            return
-        is_moe = config is not None and hasattr(config, "router_aux_loss_coef")
-        if args.router_aux_loss_coef is not None and not is_moe:
-            raise ValueError(
-                f"router_aux_loss_coef={args.router_aux_loss_coef} was set, but {type(model).__name__} has no "
-                "mixture-of-experts router. Leave router_aux_loss_coef=None for dense models."
-            )
-        coef = args.router_aux_loss_coef if args.router_aux_loss_coef is not None else config.router_aux_loss_coef
-        if is_moe and coef:
-            self._aux_loss_enabled = True
-            self._aux_loss_coef = float(coef)
-            config.output_router_logits = True
+        # Shared with the offline trainers; configs without `router_aux_loss_coef` use the model config's setting.
+        self._aux_loss_enabled, self._aux_loss_coef = self._resolve_aux_loss(model, args)
 
     @staticmethod
     def _cast_lm_head_to_fp32(model: nn.Module) -> None:
@@ -586,7 +593,7 @@ class _OnlineTrainer(_BaseTrainer):
 
     def _build_generation_config(self, args: Any, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
         kwargs = {
-            "max_new_tokens": args.max_completion_length,
+            "max_new_tokens": self.max_completion_length,
             "do_sample": True,
             "pad_token_id": tokenizer.pad_token_id,
             "bos_token_id": tokenizer.bos_token_id,
@@ -790,6 +797,8 @@ class _OnlineTrainer(_BaseTrainer):
         """
         if self.rollout_func is not None:
             return self._generate_with_rollout_func(prompts)
+        if getattr(self, "vllm_generation", None) is not None:
+            return self._generate_with_vllm(inputs)
         texts, conversational = self._render_prompts(inputs)
         tokenizer = self.processing_class
         # Tokenize each distinct prompt once; rows of the same group share it.
@@ -816,7 +825,7 @@ class _OnlineTrainer(_BaseTrainer):
             _router_logits_off(unwrapped),
         ):
             try:
-                if args.use_transformers_continuous_batching:
+                if getattr(args, "use_transformers_continuous_batching", False):
                     rows = [encoded[i] for i in row_to_prompt.tolist()]
                     completion_lists = self._generate_continuous_batching(unwrapped, rows)
                 else:
@@ -843,6 +852,49 @@ class _OnlineTrainer(_BaseTrainer):
             "sampling_logps": None,
             "extra_fields": {},
         }
+
+    def _create_vllm_generation(self, args: Any, rollout_func: Callable | None) -> Any:
+        """The vLLM back-end when `use_vllm=True` (and no `rollout_func` replaces generation), else None."""
+        if not getattr(args, "use_vllm", False) or rollout_func is not None:
+            return None
+        from ..generation.vllm_generation import VLLMGeneration
+
+        return VLLMGeneration(
+            self.model,
+            self.accelerator,
+            args,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=self.max_completion_length,
+        )
+
+    def _uses_sampling_logps(self) -> bool:
+        """Whether the sampler's per-token log-probabilities are used (vLLM importance-sampling correction): only
+        then does `_generate` return them, since they cost an extra log-probability pass over the batch."""
+        return bool(getattr(self.args, "vllm_importance_sampling_correction", False))
+
+    def _generate_with_vllm(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """`_generate` through vLLM: the trainer tokenizes (so prompt ids are the same as with transformers), vLLM
+        samples one completion per row and returns the sampled tokens' log-probabilities."""
+        texts, conversational = self._render_prompts(inputs)
+        prompt_ids = self.processing_class(text=texts, add_special_tokens=not conversational)["input_ids"]
+        start = time.perf_counter()
+        # The trainer's step counter versions the weights: a new optimizer step makes vLLM's copy stale.
+        output = self.vllm_generation.generate(
+            prompt_ids, model=self.model_wrapped, weights_version=self.state.global_step
+        )
+        self._timing["generation"] += time.perf_counter() - start
+        return {
+            "prompt_ids": output["prompt_ids"],
+            "completion_ids": output["completion_ids"],
+            "sampling_logps": output["logprobs"] if self._uses_sampling_logps() else None,
+            "extra_fields": {},
+        }
+
+    def end(self) -> None:
+        # Release vLLM first: its in-process engine tears down the process groups it joined, which must still exist.
+        if getattr(self, "vllm_generation", None) is not None:
+            self.vllm_generation.close()
+        super().end()
 
     def _generate_continuous_batching(self, model: nn.Module, prompt_lists: list[list[int]]) -> list[list[int]]:
         from transformers import ContinuousBatchingConfig
@@ -1090,7 +1142,7 @@ class _OnlineTrainer(_BaseTrainer):
             attention_mask=attention_mask,
             position_ids=position_ids,
             target_mask=target_mask,
-            temperature=self.args.temperature,
+            temperature=self._logprob_temperature(),
             compute_entropy=compute_entropy,
         )
         logps = result.logps[:, prompt_length - 1 :]
@@ -1251,7 +1303,7 @@ class _OnlineTrainer(_BaseTrainer):
         mode = self._mode
         super().log(logs, start_time)
         rows = self._completion_logs[mode]
-        if not (self.args.log_completions and rows):
+        if not (getattr(self.args, "log_completions", False) and rows):
             return
         self._completion_logs[mode] = []
         if not self.accelerator.is_main_process:

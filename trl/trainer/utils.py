@@ -1939,6 +1939,52 @@ def scored_completion_tokens(
     return kept_completion - (1 if kept_prompt == 0 and kept_completion > 0 else 0)
 
 
+def collate_prompt_completions(
+    prompts: list[list[int]],
+    completions: list[list[int]],
+    pad_token_id: int,
+    max_length: int | None = None,
+    truncation_mode: str = "keep_start",
+    pad_to_multiple_of: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Right-padded batch of the token sequences `prompt + completion` (the core of the preference collators).
+
+    Args:
+        prompts: Prompt token ids, one list per sequence.
+        completions: Completion token ids, aligned with `prompts`.
+        pad_token_id: Token used to pad `input_ids`.
+        max_length: Keep at most this many tokens of each sequence (`None`: no truncation).
+        truncation_mode: `"keep_start"` keeps the first `max_length` tokens, `"keep_end"` the last ones.
+        pad_to_multiple_of: Pad the sequence length to a multiple of this value.
+
+    Returns:
+        `input_ids`, `attention_mask` and `completion_mask` (1 on completion tokens), each `(n, T)`.
+
+    Example:
+    ```python
+    >>> collate_prompt_completions([[1, 2], [1]], [[3], [4, 5]], pad_token_id=0)["completion_mask"]
+    tensor([[0, 0, 1],
+            [0, 1, 1]])
+    ```
+    """
+    if truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end'; got {truncation_mode!r}.")
+    sequences, masks = [], []
+    for prompt, completion in zip(prompts, completions):
+        ids = list(prompt) + list(completion)
+        mask = [0] * len(prompt) + [1] * len(completion)
+        if max_length is not None and len(ids) > max_length:
+            kept = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+            ids, mask = ids[kept], mask[kept]
+        sequences.append(torch.tensor(ids, dtype=torch.long))
+        masks.append(torch.tensor(mask, dtype=torch.long))
+    return {
+        "input_ids": pad(sequences, pad_token_id, "right", pad_to_multiple_of),
+        "attention_mask": pad([torch.ones_like(s) for s in sequences], 0, "right", pad_to_multiple_of),
+        "completion_mask": pad(masks, 0, "right", pad_to_multiple_of),
+    }
+
+
 # Bytes of float32 logits processed at once by `logits_statistics`.
 _STATS_CHUNK_BYTES = 64 * 1024 * 1024
 

@@ -37,11 +37,9 @@ from transformers.trainer_utils import EvalLoopOutput
 from ...import_utils import is_comet_available, is_sklearn_available, is_wandb_available
 from ...trainer.kto_trainer import DataCollatorForUnpairedPreference, _UnpairedPreferenceTrainer
 from ...trainer.utils import (
-    disable_dropout_in_model,
     log_table_to_comet_experiment,
     selective_log_softmax,
     use_adapter,
-    uses_sharding_engine,
 )
 from .bco_config import BCOConfig
 
@@ -259,11 +257,7 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
         # ---- Model ---------------------------------------------------------------------------------------------
         model_id = self._model_id(model)
         model = self._load_causal_lm(model, args)
-        if self._is_peft_model(model) and peft_config is not None:
-            raise ValueError(
-                "You passed a PeftModel together with a peft_config. Pass either a base model with peft_config, or "
-                "the PeftModel alone."
-            )
+        self._check_peft_arguments(model, peft_config, ref_model, args)
         is_encoder_decoder = args.is_encoder_decoder
         if is_encoder_decoder is None:
             is_encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
@@ -276,14 +270,7 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
         # ---- Processing class ----------------------------------------------------------------------------------
         if processing_class is None:
             processing_class = self._load_processing_class(model_id, args)
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if getattr(tokenizer, "pad_token", None) is None:
-            if getattr(tokenizer, "eos_token", None) is None:
-                raise ValueError(
-                    "The processing class has neither a pad_token nor an eos_token; set tokenizer.pad_token before "
-                    "creating the trainer."
-                )
-            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = self._ensure_pad_token(processing_class)
 
         # ---- MoE router loss, PEFT and adapters ----------------------------------------------------------------
         self._aux_loss_enabled, self._aux_loss_coef = self._resolve_aux_loss(model, args)
@@ -296,16 +283,7 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
                 stacklevel=2,
             )
         model = self._wrap_peft(model, peft_config, args)
-        if (model_adapter_name or ref_adapter_name) and not self._is_peft_model(model):
-            raise ValueError(
-                "model_adapter_name / ref_adapter_name select adapters of a PeftModel holding several adapters, but "
-                f"the model is a {type(model).__name__}. Pass a PeftModel with those adapters loaded, or leave both "
-                "None."
-            )
-        if self._is_peft_model(model):
-            self._check_adapter_names(model, model_adapter_name, ref_adapter_name)
-            if model_adapter_name is not None:
-                model.set_adapter(model_adapter_name)
+        self._select_adapters(model, model_adapter_name, ref_adapter_name)
         self.model_adapter_name = model_adapter_name
         self.ref_adapter_name = ref_adapter_name
         self._ref_adapter_name = ref_adapter_name
@@ -313,13 +291,8 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
         # ---- Reference model -----------------------------------------------------------------------------------
         if isinstance(ref_model, str):
             ref_model = self._load_causal_lm(ref_model, args)
-        build_ref = not args.precompute_ref_log_probs or uses_sharding_engine(args)
         # An instance (not the path) is passed so that the default reference is a frozen copy of the model.
-        ref_model = self._build_ref_model(model, model, ref_model, args, needed=build_ref)
-        if args.disable_dropout:
-            disable_dropout_in_model(model)
-            if ref_model is not None:
-                disable_dropout_in_model(ref_model)
+        ref_model = self._build_preference_ref_model(model, model, ref_model, args)
 
         # ---- Collator, layout ----------------------------------------------------------------------------------
         self.pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
@@ -337,20 +310,13 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
 
         # ---- Datasets ------------------------------------------------------------------------------------------
         train_dataset = self._prepare_bco_dataset(train_dataset, processing_class, args, "train")
-        if eval_dataset is not None:
-            if isinstance(eval_dataset, dict) and not isinstance(eval_dataset, (Dataset, IterableDataset)):
-                eval_dataset = {
-                    key: self._prepare_bco_dataset(ds, processing_class, args, f"eval ({key})")
-                    for key, ds in eval_dataset.items()
-                }
-            else:
-                eval_dataset = self._prepare_bco_dataset(eval_dataset, processing_class, args, "eval")
+        eval_dataset = self._prepare_eval_datasets(
+            eval_dataset, lambda dataset, name: self._prepare_bco_dataset(dataset, processing_class, args, name)
+        )
 
         # ---- Trainer -------------------------------------------------------------------------------------------
-        self._init_metrics()
-        self._total_train_tokens = 0
-        self._policy_is_reference = False
-        super().__init__(
+        self._init_trainer(
+            ref_model,
             model=model,
             args=args,
             data_collator=data_collator,
@@ -362,9 +328,6 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
             optimizers=optimizers,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
-        self.model_accepts_loss_kwargs = False
-        self.ref_model = self._prepare_ref_model(ref_model)
-        self.maybe_activation_offload_context = contextlib.nullcontext()
         self.running = RunningMoments(accelerator=self.accelerator)
 
         if args.precompute_ref_log_probs:

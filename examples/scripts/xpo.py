@@ -1,0 +1,27 @@
+"""XPO (Exploratory Preference Optimization) example.
+
+Runs offline on the embedded tiny assets when no model, dataset or ranking is given (a tiny random reward model scores
+the completions, so the run shows the mechanics, not a meaningful improvement):
+
+```bash
+python examples/scripts/xpo.py --output_dir xpo-example --max_steps 5 --per_device_train_batch_size 2 \
+    --max_new_tokens 16 --alpha 1e-5
+accelerate launch examples/scripts/xpo.py --output_dir xpo-example --max_steps 5
+# with your own model, prompts and reward model (same tokenizer/chat template as the policy), LoRA
+python examples/scripts/xpo.py --model_name_or_path <model> --dataset_name <prompt-only dataset> \
+    --reward_model_path <sequence-classification model> --missing_eos_penalty 1.0 --output_dir xpo-out \
+    --use_peft
+# or rank the pairs with a judge (pair_rm needs llm-blender, openai needs OPENAI_API_KEY, hf an inference token)
+python examples/scripts/xpo.py --model_name_or_path <model> --dataset_name <prompt-only dataset> \
+    --judge pair_rm --output_dir xpo-out
+```
+
+The arguments are those of the config plus `--judge`; see `trl/experimental/online_dpo/_script.py`.
+"""
+
+from trl.experimental.online_dpo._script import run_online_preference_script
+from trl.experimental.xpo import XPOConfig, XPOTrainer
+
+
+if __name__ == "__main__":
+    run_online_preference_script(XPOTrainer, XPOConfig)

@@ -1,0 +1,293 @@
+"""XPOTrainer: the loss, (policy, reference) pairs, the exploration term, alpha schedules, PEFT, resuming and bad
+input."""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from trl.assets import get_model_path, load_test_dataset
+from trl.experimental.judges import BasePairwiseJudge
+from trl.experimental.online_dpo import OnlineDPOConfig
+from trl.experimental.xpo import XPOConfig, XPOTrainer
+from trl.experimental.xpo.xpo_trainer import xpo_loss
+
+
+MODEL = "tiny-Qwen2ForCausalLM"
+REWARD_MODEL = "tiny-Qwen2ForSequenceClassification"
+REF_TOKEN = 42  # the token the "always the same token" reference model emits
+
+XPO_METRICS = [
+    "loss/dpo",
+    "loss/xpo",
+    "objective/kl",
+    "objective/entropy",
+    "objective/model_scores",
+    "objective/ref_scores",
+    "objective/scores_margin",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "val/model_contain_eos_token",
+    "val/ref_contain_eos_token",
+    "alpha",
+    "beta",
+]
+SCORE_METRICS = ("objective/model_scores", "objective/ref_scores", "objective/scores_margin")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    return get_model_path(MODEL)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return load_test_dataset("standard_prompt_only", split="train")
+
+
+def make_args(tmp_path, **kwargs):
+    defaults = dict(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        max_new_tokens=8,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        seed=0,
+    )
+    defaults.update(kwargs)
+    return XPOConfig(**defaults)
+
+
+def single_token_reference(model_path):
+    """A reference model that (practically) always samples REF_TOKEN: its LM head gets a huge bias on that token."""
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    head = model.lm_head
+    biased = nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[REF_TOKEN] = 1e4
+    model.lm_head = biased
+    return model
+
+
+def length_reward(completion_ids, **kwargs):
+    return [float(len(set(ids))) for ids in completion_ids]
+
+
+class ShorterJudge(BasePairwiseJudge):
+    def judge(self, prompts, completions, shuffle_order=True):
+        return [0 if len(first) <= len(second) else 1 for first, second in completions]
+
+
+def snapshot(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def changed_params(before, model):
+    return [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(before[n], p.detach())]
+
+
+def train_logs(trainer):
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+def row_logp(model, prompt_ids, completion_ids):
+    ids = torch.cat([prompt_ids, completion_ids]).unsqueeze(0)
+    with torch.no_grad():
+        logps = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+    token_logps = logps.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+    return token_logps[len(prompt_ids) - 1 :].sum()
+
+
+def batch_rows(batch):
+    rows = []
+    for i in range(batch["prompt_ids"].shape[0]):
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
+        completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()]
+        rows.append((prompt, completion))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Formulas
+# ---------------------------------------------------------------------------------------------------------------------
+def test_xpo_loss_matches_formula():
+    chosen, rejected = [-3.0, -7.0], [-4.0, -6.5]
+    ref_chosen, ref_rejected = [-3.2, -6.0], [-3.9, -6.0]
+    ref_samples = [-5.0, -2.0]
+    beta, alpha = 0.2, 0.05
+    dpo, xpo = xpo_loss(
+        *(torch.tensor(v) for v in (chosen, rejected, ref_chosen, ref_rejected, ref_samples)), beta=beta, alpha=alpha
+    )
+    expected_dpo = [
+        math.log(1 + math.exp(-beta * ((c - rc) - (r - rr))))
+        for c, r, rc, rr in zip(chosen, rejected, ref_chosen, ref_rejected)
+    ]
+    torch.testing.assert_close(dpo, torch.tensor(expected_dpo))
+    torch.testing.assert_close(xpo, torch.tensor([alpha * v for v in ref_samples]))
+    dpo_ipo, _ = xpo_loss(
+        *(torch.tensor(v) for v in (chosen, rejected, ref_chosen, ref_rejected, ref_samples)),
+        beta=beta,
+        alpha=alpha,
+        loss_type="ipo",
+    )
+    expected_ipo = [
+        ((c - rc) - (r - rr) - 1 / (2 * beta)) ** 2 for c, r, rc, rr in zip(chosen, rejected, ref_chosen, ref_rejected)
+    ]
+    torch.testing.assert_close(dpo_ipo, torch.tensor(expected_ipo))
+
+
+def test_config(tmp_path):
+    args = XPOConfig(output_dir=str(tmp_path))
+    assert args.alpha == 1e-5 and args.beta == 0.1 and args.learning_rate == 5e-7
+    assert XPOConfig(output_dir=str(tmp_path), alpha=[1e-5, 1e-4]).alpha == [1e-5, 1e-4]
+    with pytest.raises(ValueError, match="alpha is an empty list"):
+        XPOConfig(output_dir=str(tmp_path), alpha=[])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------------------------------
+def test_pairs_are_policy_vs_reference_and_loss_against_plain_forward(tmp_path, model_path, prompts):
+    ref_model = single_token_reference(model_path)
+    trainer = XPOTrainer(
+        model=model_path,
+        ref_model=ref_model,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path, alpha=0.1, beta=0.5),
+        train_dataset=prompts,
+    )
+    batch = trainer._prepare_inputs([prompts[i] for i in range(3)])
+    rows = batch_rows(batch)
+    for _, completion in rows[3:]:  # the second completion of each pair is the reference's
+        assert completion.tolist() == [REF_TOKEN] * 8
+    assert any(completion.tolist() != [REF_TOKEN] * 8 for _, completion in rows[:3])
+    scores = torch.tensor([float(len(set(c.tolist()))) for _, c in rows])
+    torch.testing.assert_close(batch["scores"], scores)
+    torch.testing.assert_close(batch["first_win_prob"], (scores[:3] >= scores[3:]).float())
+
+    policy = [row_logp(trainer.model, p, c) for p, c in rows]
+    reference = [row_logp(ref_model, p, c) for p, c in rows]
+    dpo_terms, xpo_terms = [], []
+    for i in range(3):
+        c, r = (i, i + 3) if scores[i] >= scores[i + 3] else (i + 3, i)
+        h = (policy[c] - reference[c]) - (policy[r] - reference[r])
+        dpo_terms.append(-F.logsigmoid(0.5 * h))
+        xpo_terms.append(0.1 * policy[i + 3])
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch)
+    expected = torch.stack(dpo_terms).mean() + torch.stack(xpo_terms).mean()
+    torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_train_with_reward_model_logs_every_metric_and_saves(tmp_path, model_path, prompts):
+    trainer = XPOTrainer(
+        model=model_path,
+        reward_funcs=get_model_path(REWARD_MODEL),
+        args=make_args(tmp_path),
+        train_dataset=prompts,
+    )
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert changed_params(before, trainer.model)
+    logs = train_logs(trainer)
+    for log in logs:
+        missing = [m for m in XPO_METRICS if m not in log]
+        assert not missing, missing
+        assert log["alpha"] == pytest.approx(1e-5) and log["beta"] == pytest.approx(0.1)
+        assert log["loss"] == pytest.approx(log["loss/dpo"] + log["loss/xpo"], abs=1e-4)
+    assert logs[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)  # the policy starts as the reference
+    trainer.save_model(str(tmp_path / "saved"))
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    for (name, p), (_, q) in zip(trainer.model.named_parameters(), reloaded.named_parameters()):
+        assert torch.equal(p.detach().cpu(), q), name
+
+
+def test_train_with_judge_and_alpha_schedule(tmp_path, model_path, prompts):
+    trainer = XPOTrainer(
+        model=model_path,
+        judge=ShorterJudge(),
+        args=make_args(tmp_path, max_steps=-1, num_train_epochs=2, alpha=[1e-5, 1e-3]),
+        train_dataset=prompts.select(range(4)),
+    )
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert changed_params(before, trainer.model)
+    logs = train_logs(trainer)
+    assert [log["alpha"] for log in logs] == pytest.approx([1e-5, 1e-5, 1e-3, 1e-3])
+    for log in logs:
+        assert all(m in log for m in XPO_METRICS if m not in SCORE_METRICS)
+        assert not any(m in log for m in SCORE_METRICS)
+
+
+def test_peft_reference_is_the_adapter_free_model(tmp_path, model_path, prompts):
+    from peft import LoraConfig
+
+    trainer = XPOTrainer(
+        model=model_path,
+        reward_funcs=length_reward,
+        args=make_args(tmp_path),
+        train_dataset=prompts,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    )
+    assert trainer.ref_model is None
+    before = snapshot(trainer.model)
+    trainer.train()
+    changed = changed_params(before, trainer.model)
+    assert changed and all("lora" in name for name in changed)
+    assert all(m in train_logs(trainer)[-1] for m in XPO_METRICS)
+
+
+def test_resume_from_checkpoint(tmp_path, model_path, prompts):
+    args = make_args(tmp_path, save_strategy="steps", save_steps=1)
+    trainer = XPOTrainer(model=model_path, reward_funcs=length_reward, args=args, train_dataset=prompts)
+    trainer.train()
+    resumed = XPOTrainer(model=model_path, reward_funcs=length_reward, args=args, train_dataset=prompts)
+    resumed.train(resume_from_checkpoint=os.path.join(str(tmp_path), "checkpoint-1"))
+    assert resumed.state.global_step == 2
+    assert train_logs(resumed)[-1]["loss"] == pytest.approx(train_logs(trainer)[-1]["loss"], abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------------------------------------------------
+def test_bad_input(tmp_path, model_path, prompts):
+    with pytest.raises(ValueError, match="either a judge or reward models"):
+        XPOTrainer(
+            model=model_path,
+            reward_funcs=length_reward,
+            judge=ShorterJudge(),
+            args=make_args(tmp_path),
+            train_dataset=prompts,
+        )
+    with pytest.raises(TypeError, match="XPOConfig"):
+        XPOTrainer(
+            model=model_path,
+            reward_funcs=length_reward,
+            args=OnlineDPOConfig(output_dir=str(tmp_path)),
+            train_dataset=prompts,
+        )
+    with pytest.raises(ValueError, match="needs a way to rank"):
+        XPOTrainer(model=model_path, args=make_args(tmp_path), train_dataset=prompts)

@@ -1,0 +1,315 @@
+"""Nash-MD: the policy plays against a geometric mixture of itself and the reference model.
+
+For each prompt one completion `y` is sampled from the policy and one `y'` from the mixture
+`pi_mix ∝ pi^(1 - c) * pi_ref^c` (`c = mixture_coef`). A reward model / reward functions give the probability that
+`y` beats `y'` as `sigmoid(score(y) - score(y'))`; a judge gives a hard verdict (or a probability when it supports
+`return_scores`). The policy then takes a regularised policy-gradient step (Munos et al., 2023, Nash-MD-PG):
+
+    loss(y) = beta * KL(y) * log pi(y) - (P(y > y') - 1/2) * log pi(y)
+
+where `log pi(y)` is summed over the completion tokens and `KL(y) = log pi(y) - log pi_ref(y)` is a constant
+(no gradient): both terms are REINFORCE estimators, the first of the KL divergence to the reference, the second of
+the preference against the mixture with baseline 1/2.
+
+The mixture is sampled with transformers `generate` on the policy and [`GeometricMixtureLogitsProcessor`], which runs
+the reference model alongside (with its own KV cache) and mixes the two next-token distributions at every step.
+"""
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from datasets import Dataset, IterableDataset
+from transformers import (
+    DynamicCache,
+    LogitsProcessor,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    ProcessorMixin,
+    TrainerCallback,
+)
+
+from ...trainer.online_base import RewardFunc
+from ...trainer.utils import use_adapter
+from ..online_dpo.online_dpo_config import _schedule_values
+from ..online_dpo.online_dpo_trainer import OnlineDPOTrainer
+from .nash_md_config import NashMDConfig
+
+
+def nash_md_loss(
+    policy_logps: torch.Tensor, ref_logps: torch.Tensor, probability: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample Nash-MD policy-gradient loss on completions sampled from the policy.
+
+    Args:
+        policy_logps: `(n,)` policy log-probabilities of the policy's completions, summed over tokens (with gradient).
+        ref_logps: `(n,)` reference log-probabilities of the same completions.
+        probability: `(n,)` probability that each completion beats the mixture's completion of the same prompt.
+        beta: Weight of the KL regulariser.
+
+    Returns:
+        `(losses, scores, kl)`, all `(n,)`: `losses = beta * kl * policy_logps - scores` with
+        `scores = (probability - 0.5) * policy_logps` and `kl = policy_logps - ref_logps` (detached).
+    """
+    kl = (policy_logps - ref_logps).detach()
+    scores = (probability - 0.5) * policy_logps
+    return beta * kl * policy_logps - scores, scores, kl
+
+
+class GeometricMixtureLogitsProcessor(LogitsProcessor):
+    """Turns the policy's next-token scores into those of the geometric mixture with a reference model.
+
+    At each generation step the reference model is run on the tokens added since the previous step (its KV cache is
+    kept here) and the processor returns `log_softmax(c * log p_ref + (1 - c) * log p_policy)`, the log-probabilities
+    of `pi_mix ∝ pi_policy^(1 - c) * pi_ref^c`. Temperature and top-k / top-p warpers of `generate` apply after it.
+
+    Args:
+        ref_model: Unwrapped reference model (for a PEFT policy, the policy itself used inside `ref_context`).
+        mixture_coef: Weight `c` of the reference, in [0, 1].
+        prompt_mask: `(N, L)` attention mask of the left-padded prompts given to `generate`.
+        ref_context: Factory of the context inside which `ref_model` acts as the reference (PEFT: adapters
+            disabled). Defaults to no context.
+    """
+
+    def __init__(
+        self,
+        ref_model: nn.Module,
+        mixture_coef: float,
+        prompt_mask: torch.Tensor,
+        ref_context: Callable[[], Any] | None = None,
+    ):
+        if not 0.0 <= mixture_coef <= 1.0:
+            raise ValueError(f"mixture_coef must lie in [0, 1]; got {mixture_coef}.")
+        self.ref_model = ref_model
+        self.mixture_coef = float(mixture_coef)
+        self.attention_mask = prompt_mask
+        self.ref_context = ref_context or contextlib.nullcontext
+        self.cache: DynamicCache | None = None
+        self.num_seen = 0
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.ref_model.config)
+            new_ids = input_ids
+            attention_mask = self.attention_mask
+        else:
+            new_ids = input_ids[:, self.num_seen :]
+            extension = torch.ones_like(new_ids, dtype=self.attention_mask.dtype)
+            attention_mask = torch.cat([self.attention_mask, extension], dim=1)
+        # Positions count from each prompt's first real token, as `generate` numbers them.
+        position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, -new_ids.shape[1] :]
+        with self.ref_context():
+            outputs = self.ref_model(
+                input_ids=new_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=self.cache,
+                use_cache=True,
+            )
+        self.attention_mask = attention_mask
+        self.num_seen = input_ids.shape[1]
+        ref_logps = F.log_softmax(outputs.logits[:, -1].float(), dim=-1)
+        policy_logps = F.log_softmax(scores.float(), dim=-1)
+        # Only terms with a non-zero weight: 0 * (-inf) of a token masked by one model would give NaN.
+        mixed = 0.0
+        if self.mixture_coef > 0.0:
+            mixed = mixed + self.mixture_coef * ref_logps
+        if self.mixture_coef < 1.0:
+            mixed = mixed + (1.0 - self.mixture_coef) * policy_logps
+        return F.log_softmax(mixed, dim=-1).to(scores.dtype)
+
+
+class NashMDTrainer(OnlineDPOTrainer):
+    """Trainer for Nash-MD (Nash learning from human feedback, mirror descent), a small extension of
+    [`OnlineDPOTrainer`].
+
+    Example:
+
+    ```python
+    from trl.assets import get_model_path, load_test_dataset
+    from trl.experimental.nash_md import NashMDConfig, NashMDTrainer
+
+    trainer = NashMDTrainer(
+        model=get_model_path("tiny-Qwen2ForCausalLM"),
+        reward_funcs=get_model_path("tiny-Qwen2ForSequenceClassification"),
+        args=NashMDConfig(output_dir="nash-md-out", per_device_train_batch_size=2, max_new_tokens=16, max_steps=5),
+        train_dataset=load_test_dataset("standard_prompt_only", split="train"),
+    )
+    trainer.train()
+    ```
+
+    Args:
+        model (`str`, `PreTrainedModel` or `PeftModel`):
+            Policy to train (path / hub id or instance).
+        ref_model (`str`, `PreTrainedModel` or `None`, defaults to `None`):
+            Reference model: part of the opponent mixture and anchor of the KL regulariser. `None` copies the initial
+            policy (PEFT policy: the policy with its adapters disabled).
+        reward_funcs (`RewardFunc`, `list[RewardFunc]` or `None`, defaults to `None`):
+            Reward models and/or functions, as in [`OnlineDPOTrainer`]; the preference probability is the sigmoid of
+            the score difference. Exclusive with `judge`.
+        args (`NashMDConfig` or `None`, defaults to `None`):
+            Training configuration. `None` builds `NashMDConfig(f"{model_name}-NashMD")`.
+        data_collator (`Callable` or `None`, defaults to `None`):
+            Must be None (see [`OnlineDPOTrainer`]).
+        train_dataset (`Dataset` or `IterableDataset`):
+            Prompt-only data with a `prompt` column.
+        eval_dataset (`Dataset`, `IterableDataset`, dict of them or `None`, defaults to `None`):
+            Evaluation prompts.
+        processing_class (`PreTrainedTokenizerBase` or `None`, defaults to `None`):
+            Tokenizer of the policy (and of the reference).
+        peft_config (`PeftConfig` or `None`, defaults to `None`):
+            Adapter configuration.
+        compute_metrics (`Callable` or `None`, defaults to `None`):
+            Accepted for compatibility; unused.
+        callbacks (`list[TrainerCallback]` or `None`, defaults to `None`):
+            Extra callbacks.
+        optimizers (`tuple`, defaults to `(None, None)`):
+            Optimizer and scheduler to use instead of the defaults.
+        preprocess_logits_for_metrics (`Callable` or `None`, defaults to `None`):
+            Accepted for compatibility; unused.
+        judge (`BasePairwiseJudge` or `None`, defaults to `None`):
+            Pairwise judge comparing the policy's and the mixture's completions: a hard verdict, or the probability
+            that the first wins when its `judge` method accepts `return_scores` (as `PairRMJudge` does). Exclusive
+            with `reward_funcs`.
+        reward_processing_classes (`PreTrainedTokenizerBase`, a list of them or `None`, defaults to `None`):
+            Tokenizers of the reward models (keyword only here, as in TRL's signature).
+    """
+
+    _tag_names = ["trl", "nash-md"]
+    _name = "Nash-MD"
+    _paper = {
+        "title": "Nash Learning from Human Feedback",
+        "id": "2312.00886",
+        "citation": (
+            "@inproceedings{munos2024nash,\n"
+            "    title        = {{Nash Learning from Human Feedback}},\n"
+            "    author       = {R{\\'{e}}mi Munos and Michal Valko and Daniele Calandriello and Mohammad Gheshlaghi "
+            "Azar and Mark Rowland and Zhaohan Daniel Guo and Yunhao Tang and Matthieu Geist and Thomas Mesnard and "
+            'C{\\"{o}}me Fiegel and Andrea Michi and Marco Selvi and Sertan Girgin and Nikola Momchev and Olivier '
+            "Bachem and Daniel J. Mankowitz and Doina Precup and Bilal Piot},\n"
+            "    year         = 2024,\n"
+            "    booktitle    = {Forty-first International Conference on Machine Learning, {ICML} 2024},\n"
+            "}"
+        ),
+    }
+    _config_class = NashMDConfig
+    _default_suffix = "NashMD"
+    _policy_samples_per_prompt = 1
+    _soft_preferences = True
+
+    def __init__(
+        self,
+        model: "str | PreTrainedModel | nn.Module" = None,
+        ref_model: "str | PreTrainedModel | nn.Module | None" = None,
+        reward_funcs: RewardFunc | list[RewardFunc] | None = None,
+        args: NashMDConfig | None = None,
+        data_collator: Callable | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | dict[str, Dataset] | None = None,
+        processing_class: PreTrainedTokenizerBase | ProcessorMixin | None = None,
+        peft_config: Any = None,
+        compute_metrics: Callable | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        preprocess_logits_for_metrics: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        judge: Any = None,
+        reward_processing_classes: PreTrainedTokenizerBase | list[PreTrainedTokenizerBase] | None = None,
+    ):
+        super().__init__(
+            model=model,
+            ref_model=ref_model,
+            reward_funcs=reward_funcs,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            peft_config=peft_config,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            judge=judge,
+        )
+        self._mixture_coef_schedule = _schedule_values(self.args.mixture_coef)
+
+    @property
+    def mixture_coef(self) -> float:
+        """The mixture coefficient of the current epoch (`args.mixture_coef` may hold one value per epoch)."""
+        return self._epoch_value(self._mixture_coef_schedule)
+
+    def _generate_pairs(self, rows: list[dict[str, Any]]) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+        # First completion: the policy (through the core's backend); second: the geometric mixture, with transformers.
+        output = self._generate([row["prompt"] for row in rows], rows)
+        prompt_lists = output["prompt_ids"]
+        coef = self.mixture_coef
+        with self._unwrapped_for_generation(self.model_wrapped) as policy, contextlib.ExitStack() as stack:
+            if self.ref_model is not None:
+                reference = stack.enter_context(self._unwrapped_for_generation(self.ref_model))
+                ref_context = None
+            else:  # PEFT policy: the reference is the same model with its adapters disabled during its forward
+                reference = policy
+
+                def ref_context():
+                    return use_adapter(policy, None)
+
+            mixture_completions = self._generate_with(
+                policy,
+                prompt_lists,
+                lambda prompt_mask: GeometricMixtureLogitsProcessor(reference, coef, prompt_mask, ref_context),
+            )
+        return prompt_lists, output["completion_ids"], mixture_completions
+
+    def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        beta = self.beta
+        num_pairs = inputs["first_win_prob"].shape[0]
+        # Gradient only through the policy's own completions; the mixture's are scored without it (metrics).
+        first = {key: value[:num_pairs] for key, value in inputs.items() if key != "first_win_prob"}
+        second = {key: value[num_pairs:] for key, value in inputs.items() if key != "first_win_prob"}
+        policy_logps, ref_logps, outputs = self._sequence_logps(model, first)
+        with torch.no_grad():
+            mixture_logps, ref_mixture_logps, _ = self._sequence_logps(model, second)
+
+        probability = inputs["first_win_prob"].to(policy_logps.dtype)
+        valid = ~torch.isnan(probability)
+        # No verdict carries no preference signal: probability 1/2 zeroes the score term, the KL term stays.
+        probability = torch.where(valid, probability, torch.full_like(probability, 0.5))
+        losses, scores, kl = nash_md_loss(policy_logps, ref_logps, probability, beta)
+        loss = losses.mean() / self._gradient_accumulation_divisor()
+        loss = self._add_aux_loss(loss, outputs)
+
+        with torch.no_grad():
+            policy_logps = policy_logps.detach()
+            valid_f = valid.float()
+            count = valid_f.sum()
+            implicit_margin = beta * ((policy_logps - ref_logps) - (mixture_logps - ref_mixture_logps))
+            agrees = torch.where(probability >= 0.5, implicit_margin > 0, implicit_margin < 0)
+            contains_eos = inputs["contains_eos"].float()
+            means = {
+                "loss/kl": kl.mean(),
+                "loss/score": scores.detach().mean(),
+                "objective/entropy": -policy_logps.mean(),
+                "logps/chosen": policy_logps.mean(),
+                "logps/rejected": mixture_logps.mean(),
+                "val/model_contain_eos_token": contains_eos[:num_pairs].mean(),
+                "val/ref_contain_eos_token": contains_eos[num_pairs:].mean(),
+                "non_score_reward": (beta * kl).mean(),
+                "mixture_coef": self.mixture_coef,
+                "beta": beta,
+            }
+            ratios = {
+                "rewards/probabilities": ((probability * valid_f).sum(), count),
+                "rewards/accuracies": ((agrees.float() * valid_f).sum(), count),
+            }
+            if "scores" in inputs:
+                model_scores, mixture_scores = inputs["scores"][:num_pairs], inputs["scores"][num_pairs:]
+                means["rewards/chosen"] = model_scores.mean()
+                means["rewards/rejected"] = mixture_scores.mean()
+                means["rewards/margins"] = (model_scores - mixture_scores).mean()
+            self._record_batch_metrics(self._mode, means=means, ratios=ratios)
+        return loss
