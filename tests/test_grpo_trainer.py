@@ -701,6 +701,42 @@ def test_rollout_func_and_importance_sampling_correction(tmp_path, model_path, p
     assert log["sampling/importance_sampling_ratio/max"] <= 3.0
 
 
+def test_importance_sampling_correction_on_policy_matches_rollout_pass(tmp_path, model_path, prompts):
+    """On-policy the IS weights come from the loss pass's detached log-probs; off-policy (num_iterations=2) from a
+    separate pass after generation. The first step sees the same weights, loss and update either way."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def rollout(prompts, trainer):
+        prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+        completion_ids = [[10 + i, 20 + i, 30] for i in range(len(prompts))]
+        logprobs = [[-8.3 + 0.1 * i, -8.2, -8.4] for i in range(len(prompts))]
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    def reward(completion_ids, **kwargs):
+        return [float(ids[0]) for ids in completion_ids]
+
+    results = []
+    for num_iterations in (1, 2):
+        args = make_args(
+            tmp_path / str(num_iterations),
+            max_steps=1,
+            num_iterations=num_iterations,
+            vllm_importance_sampling_mode="token_truncate",
+            vllm_importance_sampling_clip_max=1.5,
+        )
+        trainer = GRPOTrainer(model_path, reward_funcs=reward, args=args, train_dataset=prompts, rollout_func=rollout)
+        assert trainer._needs_rollout_logps() == (num_iterations == 2)
+        trainer.train()
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        results.append((train_logs(trainer)[-1], params))
+    (on_log, on_params), (off_log, off_params) = results
+    for key in ("loss", "sampling/sampling_logp_difference/mean", "sampling/importance_sampling_ratio/mean"):
+        assert on_log[key] == pytest.approx(off_log[key], rel=1e-4, abs=1e-6), key
+    assert on_log["sampling/importance_sampling_ratio/max"] <= 1.5
+    for name in on_params:
+        torch.testing.assert_close(on_params[name], off_params[name], rtol=1e-4, atol=1e-6)
+
+
 def test_mask_truncated_completions(tmp_path, model_path, prompts):
     args = make_args(tmp_path, max_steps=1, max_completion_length=3, mask_truncated_completions=True)
     trainer = GRPOTrainer(model_path, reward_funcs=low_id_reward, args=args, train_dataset=prompts)

@@ -27,6 +27,7 @@ from .online_base import (
     k3_kl,
     masked_mean,
 )
+from .tool_calling import _ToolCallingMixin
 from .utils import nanstd
 
 
@@ -250,7 +251,7 @@ def importance_sampling_correction(
 # ---------------------------------------------------------------------------------------------------------------------
 # Trainer
 # ---------------------------------------------------------------------------------------------------------------------
-class GRPOTrainer(_OnlineTrainer):
+class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
     """Trainer for Group Relative Policy Optimization (GRPO) and its variants (DAPO, Dr. GRPO, GSPO, CISPO, ...).
 
     Example:
@@ -304,13 +305,24 @@ class GRPOTrainer(_OnlineTrainer):
         peft_config (`PeftConfig` or `None`, defaults to `None`):
             Adapter configuration; the reference model is then the policy with adapters disabled.
         tools (`list[Callable]` or `None`, defaults to `None`):
-            Tool functions for multi-turn tool calling (not supported in this version; must be None).
+            Functions the model may call (sync or `async def`), each with type hints and a Google-style docstring;
+            their schemas are rendered by the chat template. Tool calls are parsed from every finished turn, executed,
+            and their results appended as `tool` messages before the row is generated again, up to
+            `args.max_tool_calling_iterations` rounds. Tool-result tokens are excluded from the loss. Needs
+            conversational prompts and a chat template that supports tool calling; not combinable with
+            `rollout_func`.
         rollout_func (`Callable` or `None`, defaults to `None`):
             Replaces generation: `rollout_func(prompts, trainer)` receives the (repeated) prompts and returns a dict
             with `prompt_ids`, `completion_ids` and optionally `logprobs` (per-token sampling log-probabilities, used
             for importance-sampling correction); other keys are passed to the reward functions.
-        environment_factory (`Callable` or `None`, defaults to `None`):
-            Environments for agentic training (not supported in this version; must be None).
+        environment_factory (`Callable`, `dict[str, Callable]` or `None`, defaults to `None`):
+            Builds an environment per generated row (a dict maps names to factories, chosen by the dataset column
+            `environment`). Before each rollout `env.reset(**row)` is called (keyword arguments it accepts, from the
+            row's columns); a non-None return value is appended to the last user message. The environment's public
+            methods (other than `reset` and `get_reward`) become that row's tools. If it defines `get_reward()`, a
+            reward function named after the environment class is added. Reward functions also receive
+            `environments` (one instance per completion). Without `train_dataset`, every prompt comes from `reset()`
+            and `args.max_steps` must be set.
     """
 
     _tag_names = ["trl", "grpo"]
@@ -349,18 +361,17 @@ class GRPOTrainer(_OnlineTrainer):
         rollout_func: Callable[[list[str], "GRPOTrainer"], dict[str, Any]] | None = None,
         environment_factory: Callable | dict[str, Callable] | None = None,
     ):
-        if tools is not None or environment_factory is not None:
-            raise NotImplementedError(
-                "Tool calling (`tools`) and environments (`environment_factory`) are not supported by this version "
-                "of GRPOTrainer; leave them None."
-            )
         if args is not None and isinstance(args, GRPOConfig):
             self._warn_loss_setup(args)
+        # Tools and environments: validated (and the environments' rewards added) before anything is loaded.
+        tool_setup = self._prepare_tool_setup(
+            tools, environment_factory, reward_funcs, args, train_dataset, rollout_func
+        )
         super().__init__(
             model=model,
-            reward_funcs=reward_funcs,
+            reward_funcs=tool_setup["reward_funcs"],
             args=args,
-            train_dataset=train_dataset,
+            train_dataset=tool_setup["train_dataset"],
             eval_dataset=eval_dataset,
             processing_class=processing_class,
             reward_processing_classes=reward_processing_classes,
@@ -370,6 +381,7 @@ class GRPOTrainer(_OnlineTrainer):
             peft_config=peft_config,
             rollout_func=rollout_func,
         )
+        self._init_tools(tool_setup)
         self.beta = self.args.beta
         self.epsilon_low = self.args.epsilon
         self.epsilon_high = self.args.epsilon_high if self.args.epsilon_high is not None else self.args.epsilon
@@ -435,11 +447,18 @@ class GRPOTrainer(_OnlineTrainer):
     # ------------------------------------------------------------------------------------------------------------
     def _compute_rollout_logps(self, batch: dict[str, Any]) -> None:
         super()._compute_rollout_logps(batch)
-        if "sampling_per_token_logps" not in batch:
-            return
+        # Off-policy data has its old log-probs now; on-policy, the loss pass compares its own detached ones.
+        if "sampling_per_token_logps" in batch and "old_per_token_logps" in batch:
+            weights = self._sampling_correction(batch["old_per_token_logps"], batch)
+            if weights is not None:
+                batch["importance_sampling_ratio"] = weights
+
+    def _sampling_correction(self, old: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor | None:
+        """Compare the trainer's log-probs of the sampled tokens with the sampler's (vLLM) and log the gap; returns
+        the `(B, T)` truncated/masked importance weights when `vllm_importance_sampling_correction` is on."""
         args = self.args
         mask = batch["completion_mask"].float()
-        old, sampling = batch["old_per_token_logps"], batch["sampling_per_token_logps"]
+        sampling = batch["sampling_per_token_logps"]
         difference = (old - sampling).abs()
         self._record_reduced("sampling/sampling_logp_difference/mean", masked_mean(difference, mask), "mean")
         self._record_reduced(
@@ -448,7 +467,7 @@ class GRPOTrainer(_OnlineTrainer):
             "max",
         )
         if not args.vllm_importance_sampling_correction:
-            return
+            return None
         weights = importance_sampling_correction(
             old,
             sampling,
@@ -458,12 +477,12 @@ class GRPOTrainer(_OnlineTrainer):
             args.vllm_importance_sampling_clip_max,
         )
         full = weights.expand_as(mask)
-        batch["importance_sampling_ratio"] = full
         valid = mask > 0
         values = full[valid] if bool(valid.any()) else full.new_zeros(1)
         self._record_reduced("sampling/importance_sampling_ratio/min", values.min(), "min")
         self._record_reduced("sampling/importance_sampling_ratio/mean", values.mean(), "mean")
         self._record_reduced("sampling/importance_sampling_ratio/max", values.max(), "max")
+        return full
 
     # ------------------------------------------------------------------------------------------------------------
     # Loss
@@ -503,8 +522,12 @@ class GRPOTrainer(_OnlineTrainer):
             sapo_temperature_neg=args.sapo_temperature_neg,
             vespo_params=(args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
         )
-        if "importance_sampling_ratio" in inputs:
-            per_token_loss = per_token_loss * inputs["importance_sampling_ratio"]
+        is_ratio = inputs.get("importance_sampling_ratio")
+        if is_ratio is None and "sampling_per_token_logps" in inputs and "old_per_token_logps" not in inputs:
+            # On-policy: this pass's detached log-probs are the old policy's, so no separate rollout pass is needed.
+            is_ratio = self._sampling_correction(old, inputs)
+        if is_ratio is not None:
+            per_token_loss = per_token_loss * is_ratio.to(per_token_loss.dtype)
         if args.off_policy_mask_threshold is not None:
             reference = inputs.get("sampling_per_token_logps", old)
             sampling_kl = masked_mean(reference - logps.detach(), mask, dim=1)

@@ -75,6 +75,9 @@ logger = logging.getLogger(__name__)
 
 RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
 
+# Row key holding exact prompt token ids for `_generate` (multi-turn continuation; see `_tokenize_prompts`).
+CONTINUATION_IDS_KEY = "_continuation_prompt_ids"
+
 # Added to a standard deviation before dividing by it, so that groups with identical rewards give 0, not NaN.
 ADVANTAGE_EPS = 1e-4
 
@@ -787,6 +790,34 @@ class _OnlineTrainer(_BaseTrainer):
             texts.append(apply_chat_template(row, self.processing_class, **template_kwargs)["prompt"])
         return texts, True
 
+    def _tokenize_prompts(self, inputs: list[dict[str, Any]]) -> list[list[int]]:
+        """Prompt token ids of each row, as every generation backend receives them.
+
+        A row carrying `CONTINUATION_IDS_KEY` (a multi-turn rollout continuing after a tool result) is used as is, so
+        the next turn is generated from exactly the tokens trained on; other rows are rendered with
+        `_render_prompts` and tokenized (each distinct text once).
+        """
+        ids: list[list[int] | None] = [example.get(CONTINUATION_IDS_KEY) for example in inputs]
+        missing = [i for i, row_ids in enumerate(ids) if row_ids is None]
+        if missing:
+            texts, conversational = self._render_prompts([inputs[i] for i in missing])
+            unique_texts = list(dict.fromkeys(texts))
+            encoded = self.processing_class(text=unique_texts, add_special_tokens=not conversational)["input_ids"]
+            by_text = dict(zip(unique_texts, encoded))
+            for i, text in zip(missing, texts):
+                ids[i] = list(by_text[text])
+        return [list(row_ids) for row_ids in ids]
+
+    def _rollout(self, prompts: list[Any], inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Produce the completions of one round: `_generate` by default; multi-turn rollouts (tool calling) wrap it.
+
+        Besides the keys of `_generate`, the result may hold `prompts` (prompts changed during the rollout, e.g. by an
+        environment's `reset()`), `completions` (already-structured completions given to the reward functions, e.g.
+        conversations with tool messages) and `tool_mask` (per completion token, 0 for tokens not produced by the
+        policy, such as tool results: they are attended to but excluded from the loss).
+        """
+        return self._generate(prompts, inputs)
+
     def _generate(self, prompts: list[Any], inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """Generate one completion per entry of `prompts` (which repeat in groups).
 
@@ -799,17 +830,16 @@ class _OnlineTrainer(_BaseTrainer):
             return self._generate_with_rollout_func(prompts)
         if getattr(self, "vllm_generation", None) is not None:
             return self._generate_with_vllm(inputs)
-        texts, conversational = self._render_prompts(inputs)
-        tokenizer = self.processing_class
-        # Tokenize each distinct prompt once; rows of the same group share it.
-        unique_texts = list(dict.fromkeys(texts))
-        position = {text: i for i, text in enumerate(unique_texts)}
-        encoded = tokenizer(text=unique_texts, add_special_tokens=not conversational)["input_ids"]
+        row_ids = self._tokenize_prompts(inputs)
+        # Each distinct prompt is prefilled once; rows of the same group share it.
+        unique = list(dict.fromkeys(tuple(ids) for ids in row_ids))
+        position = {ids: i for i, ids in enumerate(unique)}
+        encoded = [list(ids) for ids in unique]
         device = self.accelerator.device
         prompt_tensors = [torch.tensor(ids, dtype=torch.long, device=device) for ids in encoded]
         prompt_ids = pad(prompt_tensors, padding_value=self.pad_token_id, padding_side="left")
         prompt_mask = pad([torch.ones_like(t) for t in prompt_tensors], padding_value=0, padding_side="left")
-        row_to_prompt = torch.tensor([position[text] for text in texts], device=device)
+        row_to_prompt = torch.tensor([position[tuple(ids)] for ids in row_ids], device=device)
 
         start = time.perf_counter()
         args = self.args
@@ -875,8 +905,7 @@ class _OnlineTrainer(_BaseTrainer):
     def _generate_with_vllm(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """`_generate` through vLLM: the trainer tokenizes (so prompt ids are the same as with transformers), vLLM
         samples one completion per row and returns the sampled tokens' log-probabilities."""
-        texts, conversational = self._render_prompts(inputs)
-        prompt_ids = self.processing_class(text=texts, add_special_tokens=not conversational)["input_ids"]
+        prompt_ids = self._tokenize_prompts(inputs)
         start = time.perf_counter()
         # The trainer's step counter versions the weights: a new optimizer step makes vLLM's copy stale.
         output = self.vllm_generation.generate(
@@ -961,7 +990,10 @@ class _OnlineTrainer(_BaseTrainer):
         device = self.accelerator.device
         prompts = [example["prompt"] for example in inputs]
 
-        rollout = self._generate(prompts, inputs)
+        rollout = self._rollout(prompts, inputs)
+        if rollout.get("prompts") is not None:  # e.g. an environment's reset() extended the prompts
+            prompts = list(rollout["prompts"])
+            inputs = [{**example, "prompt": prompt} for example, prompt in zip(inputs, prompts)]
         prompt_lists, completion_lists = rollout["prompt_ids"], rollout["completion_ids"]
         prompt_tensors = [torch.tensor(ids, dtype=torch.long, device=device) for ids in prompt_lists]
         completion_tensors = [torch.tensor(ids, dtype=torch.long, device=device) for ids in completion_lists]
@@ -977,20 +1009,30 @@ class _OnlineTrainer(_BaseTrainer):
         terminated = torch.tensor([bool(ids) and ids[-1] in eos for ids in completion_lists], device=device)
         lengths = completion_mask.sum(dim=1)
 
-        completions = self._decode_completions(inputs, completion_lists)
+        completions = rollout.get("completions")
+        if completions is None:
+            completions = self._decode_completions(inputs, completion_lists)
         rewards_per_func = self._compute_rewards(
             inputs, prompts, completions, completion_lists, rollout.get("extra_fields") or {}
         )
 
         loss_mask = completion_mask
+        if rollout.get("tool_mask") is not None:
+            tool_masks = [torch.tensor(m, dtype=completion_mask.dtype, device=device) for m in rollout["tool_mask"]]
+            tool_mask = pad(tool_masks, 0, "right", multiple)[:, : completion_mask.shape[1]]
+            tool_mask = torch.nn.functional.pad(tool_mask, (0, completion_mask.shape[1] - tool_mask.shape[1]))
+            loss_mask = completion_mask * tool_mask
         if self.args.mask_truncated_completions:
-            loss_mask = completion_mask * terminated.unsqueeze(1).int()
+            loss_mask = loss_mask * terminated.unsqueeze(1).int()
         batch: dict[str, Any] = {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
             "completion_ids": completion_ids,
             "completion_mask": loss_mask,
         }
+        if rollout.get("tool_mask") is not None:
+            # Tool results are context for the next turn: attended to, but outside the loss.
+            batch["completion_attention_mask"] = completion_mask
         if rollout.get("sampling_logps") is not None:
             sampling = [torch.tensor(lp, dtype=torch.float32, device=device) for lp in rollout["sampling_logps"]]
             batch["sampling_per_token_logps"] = pad(sampling, 0.0, "right", multiple)[:, : completion_ids.shape[1]]
@@ -1128,8 +1170,11 @@ class _OnlineTrainer(_BaseTrainer):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         # Completion tokens outside the loss mask (padding, masked truncated rows) are not attended to either; they
-        # are never scored, so this changes no log-probability that is used.
-        attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
+        # are never scored, so this changes no log-probability that is used. Multi-turn rollouts give the tokens to
+        # attend to separately: tool results are context, yet outside the loss.
+        attended = inputs.get("completion_attention_mask")
+        attended = completion_mask if attended is None else attended
+        attention_mask = torch.cat([prompt_mask, attended.long()], dim=1)
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         prompt_length = prompt_ids.shape[1]
         target_mask = torch.zeros(
@@ -1153,18 +1198,18 @@ class _OnlineTrainer(_BaseTrainer):
     def _batched_logps(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """Log-probabilities of a whole rollout batch without gradients, in micro-batch-sized pieces."""
         size = self.args.per_device_train_batch_size if self._mode == "train" else self.args.per_device_eval_batch_size
-        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "completion_attention_mask")
         pieces = []
         for start in range(0, batch["prompt_ids"].shape[0], size):
-            piece = {key: batch[key][start : start + size] for key in keys}
+            piece = {key: batch[key][start : start + size] for key in keys if key in batch}
             pieces.append(self._forward_logps(model, piece)[0])
         return torch.cat(pieces, dim=0)
 
     def _compute_rollout_logps(self, batch: dict[str, Any]) -> None:
         """Add `old_per_token_logps` (when the data will be off-policy) and `ref_per_token_logps` (when a reference
-        is used) to a rollout batch, and the importance-sampling correction inputs when the sampler is external."""
-        needs_old = self._needs_rollout_logps() or "sampling_per_token_logps" in batch
-        if needs_old:
+        is used) to a rollout batch. On-policy, the loss pass's detached log-probabilities are the old ones (a trainer
+        that compares them with an external sampler's, like GRPO, does so in its loss)."""
+        if self._needs_rollout_logps():
             batch["old_per_token_logps"] = self._batched_logps(self.model, batch)
         if self._needs_ref_model(self.args):
             with self._reference_context(self.model, self.ref_model) as reference:
