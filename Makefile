@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: install torch deepspeed test test-slow test-distributed vllm-env test-vllm demo bench lint format clean
+.PHONY: install torch assets deepspeed test test-slow test-distributed vllm-env test-vllm demo bench lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
@@ -58,6 +58,10 @@ vllm-env:
 
 test-vllm: vllm-env
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PYTHON) -m pytest -m "vllm" -q -p no:cacheprovider tests
+
+# The example YAMLs (examples/cli_configs/*.yaml) point at .trl-assets/v1/...: build the offline assets there once.
+assets: install
+	TRL_ASSETS_CACHE=.trl-assets $(PYTHON) -m trl.assets
 
 demo: install
 	$(PYTHON) -m trl.demo

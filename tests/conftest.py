@@ -15,7 +15,7 @@ os.environ.setdefault("WANDB_MODE", "offline")
 
 import pytest  # noqa: E402
 
-from trl.assets import get_model_path, get_tokenizer_path  # noqa: E402
+from trl.assets import get_model_path, get_tokenizer_path, load_test_dataset  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +38,50 @@ def llama_tokenizer():
 def tiny_qwen_path() -> str:
     """Directory of the tiny random-weight Qwen2 causal LM (model and tokenizer files)."""
     return get_model_path("tiny-Qwen2ForCausalLM")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trainer test fixtures (plain helpers are in tests/trainer_utils.py)
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def single_thread():
+    """One torch thread while a module runs (opt in with `pytestmark = pytest.mark.usefixtures("single_thread")`).
+
+    Tiny models are faster on one thread, and on a busy machine extra intra-op threads only add contention. Under
+    xdist `pytest_configure` already does this; the fixture covers a module run on its own.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    """Directory of the model a trainer test module trains: the tiny Qwen2 causal LM unless the module overrides it."""
+    return get_model_path("tiny-Qwen2ForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    """Tokenizer saved with the module's `model_path`."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Prompt-only training split of the offline test dataset."""
+    return load_test_dataset("standard_prompt_only", split="train")
+
+
+@pytest.fixture(scope="module")
+def unpaired():
+    """Unpaired preference test dataset (train and test splits)."""
+    return load_test_dataset("standard_unpaired_preference")
 
 
 def pytest_configure(config):

@@ -8,16 +8,24 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset, Value
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from trainer_utils import (
+    PREFERENCE_ARGS,
+    args_builder,
+    assert_same_params,
+    assert_saved_model_reloads,
+    changed_params,
+    read_model_card,
+    snapshot,
+)
+from transformers import AutoModelForCausalLM
 
-from trl.assets import get_model_path, load_test_dataset
+from trl.assets import get_model_path
 from trl.experimental.bco import BCOConfig, BCOTrainer
 from trl.experimental.bco.bco_trainer import RunningMoments
 
 
 pytest.importorskip("sklearn")
 
-MODEL = "tiny-Qwen2ForCausalLM"
 METRICS = [
     "delta",
     "rewards/chosen",
@@ -34,44 +42,7 @@ METRICS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model_path():
-    return get_model_path(MODEL)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    return AutoTokenizer.from_pretrained(model_path)
-
-
-@pytest.fixture(scope="module")
-def unpaired():
-    return load_test_dataset("standard_unpaired_preference")
-
-
-def make_args(tmp_path, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        per_device_eval_batch_size=4,
-        learning_rate=1e-2,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-    )
-    defaults.update(kwargs)
-    return BCOConfig(**defaults)
-
-
-def snapshot(model):
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def changed_params(before, model):
-    return [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(before[n], p.detach())]
+make_args = args_builder(BCOConfig, **PREFERENCE_ARGS)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -227,12 +198,8 @@ def test_train_with_udm_save_and_resume(tmp_path, model_path, tokenizer):
     assert (checkpoint / "running.json").is_file() and (checkpoint / "clf.pkl").is_file()
     with open(checkpoint / "running.json") as f:
         saved = json.load(f)
-    trainer.save_model(str(tmp_path / "final"))
-    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
-    for name, param in trainer.model.named_parameters():
-        assert torch.equal(param, reloaded.get_parameter(name)), name
-    with open(tmp_path / "README.md") as f:
-        assert "2404.04656" in f.read()
+    assert_saved_model_reloads(trainer, tmp_path / "final")
+    assert "2404.04656" in read_model_card(tmp_path)
 
     resumed = BCOTrainer(model_path, args=args, train_dataset=data, eval_dataset=data.select(range(8)), **kwargs)
     loaded = {}
@@ -247,8 +214,7 @@ def test_train_with_udm_save_and_resume(tmp_path, model_path, tokenizer):
     assert loaded["mean"] == pytest.approx(saved["mean"])  # delta continues from the checkpoint
     assert resumed.state.global_step == 4
     assert resumed.running.mean == pytest.approx(trainer.running.mean, abs=1e-6)
-    for name, param in trainer.model.named_parameters():
-        assert torch.allclose(param, resumed.model.get_parameter(name), atol=1e-6), name
+    assert_same_params(trainer.model, resumed.model, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

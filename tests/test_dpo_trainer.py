@@ -7,7 +7,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset, IterableDataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from trainer_utils import (
+    PREFERENCE_ARGS,
+    args_builder,
+    assert_same_params,
+    assert_saved_model_reloads,
+    changed_params,
+    padded_completion_logps,
+    perturb,
+    read_model_card,
+    snapshot,
+)
+from transformers import AutoModelForCausalLM
 
 from trl import DPOConfig, DPOTrainer
 from trl.assets import get_model_path, load_test_dataset
@@ -30,14 +41,7 @@ PAIR_METRICS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model_path():
-    return get_model_path(MODEL)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    return AutoTokenizer.from_pretrained(model_path)
+make_args = args_builder(DPOConfig, **PREFERENCE_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -45,46 +49,10 @@ def preference():
     return load_test_dataset("standard_preference")
 
 
-def make_args(tmp_path, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        per_device_eval_batch_size=4,
-        learning_rate=1e-2,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-    )
-    defaults.update(kwargs)
-    return DPOConfig(**defaults)
-
-
-def snapshot(model):
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def changed_params(before, model):
-    return [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(before[n], p.detach())]
-
-
 def plain_sequence_logps(model, batch):
     """Summed completion log-probs and lengths with a full log-softmax on the padded batch (the test's oracle)."""
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-    token_logps = torch.log_softmax(logits, dim=-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
-    mask = (batch["completion_mask"][:, 1:] * batch["attention_mask"][:, 1:]).float()
+    token_logps, mask, logits = padded_completion_logps(model, batch)
     return (token_logps * mask).sum(1), mask.sum(1), token_logps, mask, logits
-
-
-def perturb(model, seed=0, scale=0.05):
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=generator) * scale)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -659,20 +627,15 @@ def test_save_reload_and_resume(tmp_path, model_path, preference):
     args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
     trainer = DPOTrainer(model_path, args=args, train_dataset=data)
     trainer.train()
-    trainer.save_model(str(tmp_path / "final"))
-    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
-    for name, param in trainer.model.named_parameters():
-        assert torch.equal(param, reloaded.get_parameter(name)), name
+    assert_saved_model_reloads(trainer, tmp_path / "final")
     assert os.path.isfile(tmp_path / "README.md")
-    with open(tmp_path / "README.md") as f:
-        card = f.read()
+    card = read_model_card(tmp_path)
     assert "dpo" in card and "2305.18290" in card
 
     resumed = DPOTrainer(model_path, args=args, train_dataset=data)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert resumed.state.global_step == 4
-    for name, param in trainer.model.named_parameters():
-        assert torch.allclose(param, resumed.model.get_parameter(name), atol=1e-6), name
+    assert_same_params(trainer.model, resumed.model, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -13,28 +13,17 @@ import re
 import pytest
 import torch
 from datasets import Dataset
+from trainer_utils import GROUP_ARGS, args_builder, train_logs
 from transformers import AutoTokenizer
 
 from trl import GRPOConfig, GRPOTrainer
-from trl.assets import get_model_path
 from trl.import_utils import is_vllm_available
 
 
-MODEL = "tiny-Qwen2ForCausalLM"
 TOOL_CALL = '<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_path():
-    return get_model_path(MODEL)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def tool_call(name, **arguments):
@@ -94,23 +83,7 @@ class ScriptedReplies:
         return output
 
 
-def make_args(tmp_path, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        max_steps=1,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=64,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-        seed=0,
-    )
-    defaults.update(kwargs)
-    return GRPOConfig(**defaults)
+make_args = args_builder(GRPOConfig, **{**GROUP_ARGS, "max_steps": 1, "max_completion_length": 64})
 
 
 def chat_dataset(*questions, **columns):
@@ -118,7 +91,7 @@ def chat_dataset(*questions, **columns):
 
 
 def train_log(trainer):
-    return [log for log in trainer.state.log_history if "loss" in log][-1]
+    return train_logs(trainer)[-1]
 
 
 class Recorder:

@@ -7,6 +7,15 @@ import os
 import pytest
 import torch
 from datasets import Dataset
+from trainer_utils import (
+    GROUP_ARGS,
+    args_builder,
+    changed_params,
+    low_id_reward,
+    prefer_token_rewards,
+    snapshot,
+    train_logs,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from trl import GRPOConfig, GRPOTrainer
@@ -55,59 +64,9 @@ GRPO_METRICS = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny models are faster on one thread, and on a busy machine extra intra-op threads only add contention."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
-
-@pytest.fixture(scope="module")
-def model_path():
-    return get_model_path(MODEL)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return load_test_dataset("standard_prompt_only", split="train")
-
-
-def low_id_reward(completion_ids, **kwargs):
-    """Share of completion tokens in the lower half of the vocabulary: varies between samples."""
-    return [sum(t < 2048 for t in ids) / max(len(ids), 1) for ids in completion_ids]
-
-
-def make_args(tmp_path, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=6,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-        seed=0,
-    )
-    defaults.update(kwargs)
-    return GRPOConfig(**defaults)
-
-
-def snapshot(model):
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def changed_params(before, model):
-    return [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(before[n], p.detach())]
-
-
-def train_logs(trainer):
-    return [log for log in trainer.state.log_history if "loss" in log]
+make_args = args_builder(GRPOConfig, **GROUP_ARGS)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -460,23 +419,7 @@ def test_gradient_accumulation_invariance(rollout_trainer, loss_type):
 
 def test_toy_task_reward_rises(tmp_path, model_path, prompts):
     """A reward that prefers one token id: 40 GRPO steps make the policy emit it much more often."""
-    target = 100
-
-    def prefer_token(completion_ids, **kwargs):
-        return [sum(t == target for t in ids) / len(ids) for ids in completion_ids]
-
-    args = make_args(
-        tmp_path,
-        per_device_train_batch_size=16,
-        num_generations=8,
-        max_completion_length=8,
-        learning_rate=3e-2,
-        max_steps=40,
-        logging_steps=5,
-    )
-    trainer = GRPOTrainer(model_path, reward_funcs=prefer_token, args=args, train_dataset=prompts)
-    trainer.train()
-    rewards = [log["reward"] for log in train_logs(trainer)]
+    rewards = prefer_token_rewards(GRPOTrainer, make_args, tmp_path, model_path, prompts)
     assert rewards[0] < 0.05
     assert max(rewards[-2:]) > 0.2
 

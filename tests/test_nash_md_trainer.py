@@ -1,23 +1,38 @@
 """NashMDTrainer: the loss, the geometric-mixture logits processor, preference probabilities (reward models, hard and
 soft judges), mixture_coef schedules, PEFT, resuming and bad input."""
 
-import os
-
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from trainer_utils import (
+    ONLINE_PAIR_ARGS,
+    REF_TOKEN,
+    ShorterJudge,
+    args_builder,
+    batch_rows,
+    changed_params,
+    resume_from_first_checkpoint,
+    row_logp,
+    single_token_reference,
+    snapshot,
+    token_sum_reward,
+    train_logs,
+    train_peft_adapters_only,
+)
 from transformers import AutoModelForCausalLM
 
-from trl.assets import get_model_path, load_test_dataset
+from trl.assets import get_model_path
 from trl.experimental.judges import BasePairwiseJudge
 from trl.experimental.nash_md import NashMDConfig, NashMDTrainer
 from trl.experimental.nash_md.nash_md_trainer import GeometricMixtureLogitsProcessor, nash_md_loss
 
 
-MODEL = "tiny-Qwen2ForCausalLM"
 REWARD_MODEL = "tiny-Qwen2ForSequenceClassification"
-REF_TOKEN = 42
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+make_args = args_builder(NashMDConfig, **ONLINE_PAIR_ARGS)
+
 
 NASH_MD_METRICS = [
     "loss/kl",
@@ -39,66 +54,8 @@ NASH_MD_METRICS = [
 SCORE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_path():
-    return get_model_path(MODEL)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return load_test_dataset("standard_prompt_only", split="train")
-
-
-def make_args(tmp_path, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        max_new_tokens=8,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-        seed=0,
-    )
-    defaults.update(kwargs)
-    return NashMDConfig(**defaults)
-
-
-def single_token_reference(model_path):
-    """A reference model that (practically) always samples REF_TOKEN: its LM head gets a huge bias on that token."""
-    model = AutoModelForCausalLM.from_pretrained(model_path)
-    head = model.lm_head
-    biased = nn.Linear(head.in_features, head.out_features, bias=True)
-    with torch.no_grad():
-        biased.weight.copy_(head.weight)
-        biased.bias.zero_()
-        biased.bias[REF_TOKEN] = 1e4
-    model.lm_head = biased
-    return model
-
-
 def distinct_reward(completion_ids, **kwargs):
     return [float(len(set(ids))) / 4 for ids in completion_ids]
-
-
-def token_sum_reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 13) / 4 for ids in completion_ids]
-
-
-class ShorterJudge(BasePairwiseJudge):
-    def judge(self, prompts, completions, shuffle_order=True):
-        return [0 if len(first) <= len(second) else 1 for first, second in completions]
 
 
 class PatternJudge(BasePairwiseJudge):
@@ -110,35 +67,6 @@ class PatternJudge(BasePairwiseJudge):
         if return_scores:
             return [self.probabilities[i % 3] for i in range(len(prompts))]
         return [(0, -1, 1)[i % 3] for i in range(len(prompts))]
-
-
-def snapshot(model):
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def changed_params(before, model):
-    return [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(before[n], p.detach())]
-
-
-def train_logs(trainer):
-    return [log for log in trainer.state.log_history if "loss" in log]
-
-
-def row_logp(model, prompt_ids, completion_ids):
-    ids = torch.cat([prompt_ids, completion_ids]).unsqueeze(0)
-    with torch.no_grad():
-        logps = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
-    token_logps = logps.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
-    return token_logps[len(prompt_ids) - 1 :].sum()
-
-
-def batch_rows(batch):
-    rows = []
-    for i in range(batch["prompt_ids"].shape[0]):
-        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
-        completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()]
-        rows.append((prompt, completion))
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -301,31 +229,17 @@ def test_mixture_coef_schedule_with_judge(tmp_path, model_path, prompts):
 
 
 def test_peft_mixture_with_adapter_free_reference(tmp_path, model_path, prompts):
-    from peft import LoraConfig
-
-    trainer = NashMDTrainer(
-        model=model_path,
-        reward_funcs=token_sum_reward,
-        args=make_args(tmp_path),
-        train_dataset=prompts,
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    trainer, _ = train_peft_adapters_only(
+        NashMDTrainer, model=model_path, reward_funcs=token_sum_reward, args=make_args(tmp_path), train_dataset=prompts
     )
-    assert trainer.ref_model is None
-    before = snapshot(trainer.model)
-    trainer.train()
-    changed = changed_params(before, trainer.model)
-    assert changed and all("lora" in name for name in changed)
     assert all(m in train_logs(trainer)[-1] for m in NASH_MD_METRICS)
 
 
 def test_resume_from_checkpoint(tmp_path, model_path, prompts):
     args = make_args(tmp_path, save_strategy="steps", save_steps=1)
-    trainer = NashMDTrainer(model=model_path, reward_funcs=distinct_reward, args=args, train_dataset=prompts)
-    trainer.train()
-    resumed = NashMDTrainer(model=model_path, reward_funcs=distinct_reward, args=args, train_dataset=prompts)
-    resumed.train(resume_from_checkpoint=os.path.join(str(tmp_path), "checkpoint-1"))
-    assert resumed.state.global_step == 2
-    assert train_logs(resumed)[-1]["loss"] == pytest.approx(train_logs(trainer)[-1]["loss"], abs=1e-4)
+    resume_from_first_checkpoint(
+        NashMDTrainer, args, tmp_path, abs=1e-4, model=model_path, reward_funcs=distinct_reward, train_dataset=prompts
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
+from trainer_utils import (
+    ONLINE_PAIR_ARGS,
+    ShorterJudge,
+    args_builder,
+    batch_rows,
+    changed_params,
+    resume_from_first_checkpoint,
+    row_logp,
+    snapshot,
+    token_sum_reward,
+    train_logs,
+    train_peft_adapters_only,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl.assets import get_model_path, load_test_dataset
@@ -40,48 +53,13 @@ JUDGE_METRICS = [m for m in ONLINE_DPO_METRICS if m not in ("objective/rlhf_rewa
 JUDGE_METRICS.remove("objective/scores_margin")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
-
-@pytest.fixture(scope="module")
-def model_path():
-    return get_model_path(MODEL)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return load_test_dataset("standard_prompt_only", split="train")
-
-
-def make_args(tmp_path, config_class=OnlineDPOConfig, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        max_new_tokens=8,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-        seed=0,
-    )
-    defaults.update(kwargs)
-    return config_class(**defaults)
+make_args = args_builder(OnlineDPOConfig, **ONLINE_PAIR_ARGS)
 
 
 def length_reward(completion_ids, **kwargs):
     return [float(len(ids)) for ids in completion_ids]
-
-
-def token_sum_reward(completion_ids, **kwargs):
-    return [float(sum(ids) % 13) / 4 for ids in completion_ids]
 
 
 def even_token_reward(completion_ids, **kwargs):
@@ -95,43 +73,6 @@ class FirstHalfJudge(BasePairwiseJudge):
 
     def judge(self, prompts, completions, shuffle_order=True):
         return [self.pattern[i % len(self.pattern)] for i in range(len(prompts))]
-
-
-class ShorterJudge(BasePairwiseJudge):
-    def judge(self, prompts, completions, shuffle_order=True):
-        return [0 if len(first) <= len(second) else 1 for first, second in completions]
-
-
-def snapshot(model):
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def changed_params(before, model):
-    return [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(before[n], p.detach())]
-
-
-def train_logs(trainer):
-    return [log for log in trainer.state.log_history if "loss" in log]
-
-
-def row_logp(model, prompt_ids, completion_ids):
-    """Summed log-probability of a completion after its prompt, from a plain forward pass on the unpadded tokens."""
-    ids = torch.cat([prompt_ids, completion_ids]).unsqueeze(0)
-    with torch.no_grad():
-        logps = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
-    targets = ids[0, 1:]
-    token_logps = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return token_logps[len(prompt_ids) - 1 :].sum()
-
-
-def batch_rows(batch):
-    """Unpadded (prompt, completion) token tensors of every row of a batch."""
-    rows = []
-    for i in range(batch["prompt_ids"].shape[0]):
-        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
-        completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()]
-        rows.append((prompt, completion))
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -358,20 +299,9 @@ def test_beta_schedule_per_epoch(tmp_path, model_path, prompts):
 
 
 def test_peft_trains_adapters_only_and_uses_disabled_adapters_as_reference(tmp_path, model_path, prompts):
-    from peft import LoraConfig
-
-    trainer = OnlineDPOTrainer(
-        model=model_path,
-        reward_funcs=length_reward,
-        args=make_args(tmp_path),
-        train_dataset=prompts,
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    trainer, before = train_peft_adapters_only(
+        OnlineDPOTrainer, model=model_path, reward_funcs=length_reward, args=make_args(tmp_path), train_dataset=prompts
     )
-    assert trainer.ref_model is None
-    before = snapshot(trainer.model)
-    trainer.train()
-    changed = changed_params(before, trainer.model)
-    assert changed and all("lora" in name for name in changed)
     frozen = [n for n, p in trainer.model.named_parameters() if "lora" not in n]
     assert all(torch.equal(before[n], dict(trainer.model.named_parameters())[n].detach()) for n in frozen)
     assert all(m in train_logs(trainer)[-1] for m in ONLINE_DPO_METRICS)
@@ -379,16 +309,11 @@ def test_peft_trains_adapters_only_and_uses_disabled_adapters_as_reference(tmp_p
 
 def test_resume_from_checkpoint(tmp_path, model_path, prompts):
     args = make_args(tmp_path, save_strategy="steps", save_steps=1)
-    trainer = OnlineDPOTrainer(model=model_path, reward_funcs=length_reward, args=args, train_dataset=prompts)
-    trainer.train()
-    checkpoint = os.path.join(str(tmp_path), "checkpoint-1")
-    assert os.path.isdir(checkpoint)
-    resumed = OnlineDPOTrainer(model=model_path, reward_funcs=length_reward, args=args, train_dataset=prompts)
-    resumed.train(resume_from_checkpoint=checkpoint)
-    assert resumed.state.global_step == 2
     # the resumed step reproduces the uninterrupted run's step (same data order, weights and sampling)
+    _, resumed = resume_from_first_checkpoint(
+        OnlineDPOTrainer, args, tmp_path, model=model_path, reward_funcs=length_reward, train_dataset=prompts
+    )
     assert train_logs(resumed)[-1]["step"] == 2
-    assert train_logs(resumed)[-1]["loss"] == pytest.approx(train_logs(trainer)[-1]["loss"], abs=1e-5)
 
 
 def test_reward_model_path_from_config_and_default_output_dir(tmp_path, monkeypatch, model_path, prompts):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
+from trainer_utils import SGD_STEP_ARGS, args_builder, sgd_step_update, snapshot
 from transformers import AutoModelForTokenClassification, AutoTokenizer, EvalPrediction
 
 from trl.assets import get_model_path, load_test_dataset
@@ -25,39 +26,19 @@ STEP2_IDS = [259, 646, 608]
 
 @pytest.fixture(scope="module")
 def model_path():
+    """Overrides the conftest fixture (and so the `tokenizer` fixture): this module trains the token-classification model."""
     return get_model_path(MODEL)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    return AutoTokenizer.from_pretrained(model_path)
-
-
-def make_args(tmp_path, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        per_device_train_batch_size=4,
-        per_device_eval_batch_size=4,
-        learning_rate=1e-3,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-    )
-    defaults.update(kwargs)
-    return PRMConfig(**defaults)
+make_args = args_builder(
+    PRMConfig, max_steps=3, per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=1e-3
+)
 
 
 def tokenize(tokenizer, example=EXAMPLE, separator="\n", max_length=None, max_completion_length=None, **kwargs):
     options = dict(train_on_last_step_only=False, is_eval=False)
     options.update(kwargs)
     return PRMTrainer.tokenize_row(example, tokenizer, separator, max_length, max_completion_length, **options)
-
-
-def snapshot(model):
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -208,19 +189,9 @@ def test_gradient_accumulation_invariance(tmp_path, model_path):
 
     def one_step(out, batch_size, accumulation):
         args = make_args(
-            out,
-            max_steps=1,
-            per_device_train_batch_size=batch_size,
-            gradient_accumulation_steps=accumulation,
-            optim="sgd",
-            learning_rate=1.0,
-            max_grad_norm=1e9,
-            lr_scheduler_type="constant",
+            out, per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation, **SGD_STEP_ARGS
         )
-        trainer = PRMTrainer(model=model_path, args=args, train_dataset=dataset)
-        before = snapshot(trainer.model)
-        trainer.train()
-        return {name: before[name] - p.detach() for name, p in trainer.model.named_parameters()}
+        return sgd_step_update(PRMTrainer(model=model_path, args=args, train_dataset=dataset))
 
     full = one_step(tmp_path / "a", 8, 1)
     accumulated = one_step(tmp_path / "b", 4, 2)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset, IterableDataset
+from trainer_utils import SGD_STEP_ARGS, args_builder, changed_params, sgd_step_update, snapshot
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from trl import RewardConfig, RewardTrainer
@@ -20,37 +21,13 @@ REWARD_METRICS = ("accuracy", "margin", "min_reward", "mean_reward", "max_reward
 
 @pytest.fixture(scope="module")
 def model_path():
+    """Overrides the conftest fixture (and so the `tokenizer` fixture): this module trains the sequence-classification model."""
     return get_model_path(MODEL)
 
 
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    return AutoTokenizer.from_pretrained(model_path)
-
-
-def make_args(tmp_path, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=16,
-        learning_rate=1e-3,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-    )
-    defaults.update(kwargs)
-    return RewardConfig(**defaults)
-
-
-def snapshot(model):
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def changed_params(before, model):
-    return [name for name, p in model.named_parameters() if not torch.equal(before[name], p.detach())]
+make_args = args_builder(
+    RewardConfig, max_steps=3, per_device_train_batch_size=2, per_device_eval_batch_size=16, learning_rate=1e-3
+)
 
 
 def reward_alone(model, ids):
@@ -78,7 +55,7 @@ def test_train_each_format(tmp_path, model_path, config_name):
     assert trainer.train_dataset.column_names == ["chosen_input_ids", "rejected_input_ids"]
     before = snapshot(trainer.model)
     trainer.train()
-    changed = changed_params(before, trainer.model)
+    changed = changed_params(before, trainer.model, trainable_only=False)
     assert any(name.startswith("score.") for name in changed) and len(changed) > 1
     train_logs = [log for log in trainer.state.log_history if "loss" in log]
     assert len(train_logs) == 3
@@ -342,19 +319,12 @@ def test_gradient_accumulation_invariance(tmp_path, model_path):
     def one_step(out, batch_size, accumulation):
         args = make_args(
             out,
-            max_steps=1,
             per_device_train_batch_size=batch_size,
             gradient_accumulation_steps=accumulation,
-            optim="sgd",
-            learning_rate=1.0,
-            max_grad_norm=1e9,
-            lr_scheduler_type="constant",
             center_rewards_coefficient=0.1,
+            **SGD_STEP_ARGS,
         )
-        trainer = RewardTrainer(model=model_path, args=args, train_dataset=dataset)
-        before = snapshot(trainer.model)
-        trainer.train()
-        return {name: before[name] - p.detach() for name, p in trainer.model.named_parameters()}
+        return sgd_step_update(RewardTrainer(model=model_path, args=args, train_dataset=dataset))
 
     full = one_step(tmp_path / "a", 8, 1)
     accumulated = one_step(tmp_path / "b", 4, 2)
@@ -408,7 +378,7 @@ def test_peft_trains_and_saves_the_score_head(tmp_path, model_path):
     assert any("score" in name for name in trainable) and any("lora_" in name for name in trainable)
     before = snapshot(trainer.model)
     trainer.train()
-    changed = changed_params(before, trainer.model)
+    changed = changed_params(before, trainer.model, trainable_only=False)
     assert any("score" in name for name in changed)
     assert all("lora_" in name or "score" in name for name in changed)
 

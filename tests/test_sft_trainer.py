@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset, IterableDataset
+from trainer_utils import SGD_STEP_ARGS, args_builder, changed_params, sgd_step_update, snapshot
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainingArguments
 
 from trl import SFTConfig, SFTTrainer
@@ -18,43 +19,13 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 MODEL = "tiny-Qwen2ForCausalLM"
 
 
-@pytest.fixture(scope="module")
-def model_path():
-    return get_model_path(MODEL)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    return AutoTokenizer.from_pretrained(model_path)
-
-
-def make_args(tmp_path, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=2,
-        learning_rate=1e-2,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-    )
-    defaults.update(kwargs)
-    return SFTConfig(**defaults)
-
-
-def snapshot(model):
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+make_args = args_builder(
+    SFTConfig, max_steps=3, per_device_train_batch_size=2, per_device_eval_batch_size=2, learning_rate=1e-2
+)
 
 
 def assert_params_changed(before, model, only_trainable=True):
-    changed = [
-        name
-        for name, p in model.named_parameters()
-        if (p.requires_grad or not only_trainable) and not torch.equal(before[name], p.detach())
-    ]
+    changed = changed_params(before, model, trainable_only=only_trainable)
     assert changed, "no parameter changed during training"
     return changed
 
@@ -411,19 +382,12 @@ def _one_sgd_step(tmp_path, model_path, batch_size, accumulation):
     dataset = Dataset.from_dict({"text": rows})
     args = make_args(
         tmp_path,
-        max_steps=1,
         per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=accumulation,
-        optim="sgd",
-        learning_rate=1.0,
-        max_grad_norm=1e9,
-        lr_scheduler_type="constant",
         seed=7,
+        **SGD_STEP_ARGS,
     )
-    trainer = SFTTrainer(model=model_path, args=args, train_dataset=dataset)
-    before = snapshot(trainer.model)
-    trainer.train()
-    return {name: before[name] - p.detach() for name, p in trainer.model.named_parameters()}
+    return sgd_step_update(SFTTrainer(model=model_path, args=args, train_dataset=dataset))
 
 
 def test_gradient_accumulation_invariance(tmp_path, model_path):

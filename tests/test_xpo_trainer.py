@@ -2,24 +2,38 @@
 input."""
 
 import math
-import os
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from trainer_utils import (
+    ONLINE_PAIR_ARGS,
+    REF_TOKEN,
+    ShorterJudge,
+    args_builder,
+    batch_rows,
+    changed_params,
+    resume_from_first_checkpoint,
+    row_logp,
+    single_token_reference,
+    snapshot,
+    train_logs,
+    train_peft_adapters_only,
+)
 from transformers import AutoModelForCausalLM
 
-from trl.assets import get_model_path, load_test_dataset
-from trl.experimental.judges import BasePairwiseJudge
+from trl.assets import get_model_path
 from trl.experimental.online_dpo import OnlineDPOConfig
 from trl.experimental.xpo import XPOConfig, XPOTrainer
 from trl.experimental.xpo.xpo_trainer import xpo_loss
 
 
-MODEL = "tiny-Qwen2ForCausalLM"
 REWARD_MODEL = "tiny-Qwen2ForSequenceClassification"
-REF_TOKEN = 42  # the token the "always the same token" reference model emits
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+make_args = args_builder(XPOConfig, **ONLINE_PAIR_ARGS)
+
 
 XPO_METRICS = [
     "loss/dpo",
@@ -43,91 +57,8 @@ XPO_METRICS = [
 SCORE_METRICS = ("objective/model_scores", "objective/ref_scores", "objective/scores_margin")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_path():
-    return get_model_path(MODEL)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    return load_test_dataset("standard_prompt_only", split="train")
-
-
-def make_args(tmp_path, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        max_new_tokens=8,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-        seed=0,
-    )
-    defaults.update(kwargs)
-    return XPOConfig(**defaults)
-
-
-def single_token_reference(model_path):
-    """A reference model that (practically) always samples REF_TOKEN: its LM head gets a huge bias on that token."""
-    model = AutoModelForCausalLM.from_pretrained(model_path)
-    head = model.lm_head
-    biased = nn.Linear(head.in_features, head.out_features, bias=True)
-    with torch.no_grad():
-        biased.weight.copy_(head.weight)
-        biased.bias.zero_()
-        biased.bias[REF_TOKEN] = 1e4
-    model.lm_head = biased
-    return model
-
-
 def length_reward(completion_ids, **kwargs):
     return [float(len(set(ids))) for ids in completion_ids]
-
-
-class ShorterJudge(BasePairwiseJudge):
-    def judge(self, prompts, completions, shuffle_order=True):
-        return [0 if len(first) <= len(second) else 1 for first, second in completions]
-
-
-def snapshot(model):
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def changed_params(before, model):
-    return [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(before[n], p.detach())]
-
-
-def train_logs(trainer):
-    return [log for log in trainer.state.log_history if "loss" in log]
-
-
-def row_logp(model, prompt_ids, completion_ids):
-    ids = torch.cat([prompt_ids, completion_ids]).unsqueeze(0)
-    with torch.no_grad():
-        logps = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
-    token_logps = logps.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
-    return token_logps[len(prompt_ids) - 1 :].sum()
-
-
-def batch_rows(batch):
-    rows = []
-    for i in range(batch["prompt_ids"].shape[0]):
-        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
-        completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()]
-        rows.append((prompt, completion))
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -243,31 +174,17 @@ def test_train_with_judge_and_alpha_schedule(tmp_path, model_path, prompts):
 
 
 def test_peft_reference_is_the_adapter_free_model(tmp_path, model_path, prompts):
-    from peft import LoraConfig
-
-    trainer = XPOTrainer(
-        model=model_path,
-        reward_funcs=length_reward,
-        args=make_args(tmp_path),
-        train_dataset=prompts,
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"),
+    trainer, _ = train_peft_adapters_only(
+        XPOTrainer, model=model_path, reward_funcs=length_reward, args=make_args(tmp_path), train_dataset=prompts
     )
-    assert trainer.ref_model is None
-    before = snapshot(trainer.model)
-    trainer.train()
-    changed = changed_params(before, trainer.model)
-    assert changed and all("lora" in name for name in changed)
     assert all(m in train_logs(trainer)[-1] for m in XPO_METRICS)
 
 
 def test_resume_from_checkpoint(tmp_path, model_path, prompts):
     args = make_args(tmp_path, save_strategy="steps", save_steps=1)
-    trainer = XPOTrainer(model=model_path, reward_funcs=length_reward, args=args, train_dataset=prompts)
-    trainer.train()
-    resumed = XPOTrainer(model=model_path, reward_funcs=length_reward, args=args, train_dataset=prompts)
-    resumed.train(resume_from_checkpoint=os.path.join(str(tmp_path), "checkpoint-1"))
-    assert resumed.state.global_step == 2
-    assert train_logs(resumed)[-1]["loss"] == pytest.approx(train_logs(trainer)[-1]["loss"], abs=1e-5)
+    resume_from_first_checkpoint(
+        XPOTrainer, args, tmp_path, model=model_path, reward_funcs=length_reward, train_dataset=prompts
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,9 +1,16 @@
-"""Steps every training script shares: model init kwargs from ModelConfig, dataset loading, and finishing a run."""
+"""Steps every training script shares: model init kwargs from ModelConfig, dataset loading, and finishing a run.
 
+The scripts `trl/scripts/{sft,dpo,kto,reward,grpo,rloo}.py` keep only what is their own (trainer class, config,
+extra trainer arguments) and hand the rest to `train_with_trainer`, `make_script_parser` and `run_script`.
+"""
+
+import argparse
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from .utils import DatasetMixtureConfig, ScriptArguments, get_dataset
+from ..trainer.utils import get_peft_config
+from .utils import DatasetMixtureConfig, ScriptArguments, TrlParser, get_dataset
 
 
 logger = logging.getLogger(__name__)
@@ -76,3 +83,89 @@ def finish_training(trainer: Any, training_args: Any, script_args: ScriptArgumen
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     if hasattr(trainer, "end"):
         trainer.end()
+
+
+def train_with_trainer(
+    trainer_class: type,
+    script_args: ScriptArguments,
+    training_args: Any,
+    model_args: Any,
+    dataset_args: DatasetMixtureConfig | None = None,
+    **trainer_kwargs: Any,
+) -> None:
+    """The whole `main` of a training script: build the trainer from the parsed arguments, train, save.
+
+    Sets `training_args.model_init_kwargs` from `model_args`, loads and splits the dataset, builds
+    `trainer_class(model=model_args.model_name_or_path, args=..., train_dataset=..., eval_dataset=...,
+    peft_config=get_peft_config(model_args), **trainer_kwargs)` and runs `finish_training`.
+
+    Args:
+        trainer_class (`type`):
+            The trainer to build, e.g. `SFTTrainer`.
+        script_args (`ScriptArguments`):
+            Dataset selection (name, config, splits, streaming).
+        training_args:
+            The trainer config; its `model_init_kwargs` is replaced by the merged kwargs.
+        model_args (`ModelConfig`):
+            Model path and loading / PEFT options.
+        dataset_args (`DatasetMixtureConfig` or `None`, defaults to `None`):
+            A dataset mixture, used instead of `script_args.dataset_name` when it lists datasets.
+        **trainer_kwargs:
+            Extra keyword arguments of the trainer that only this script passes (e.g. GRPO's `reward_funcs`).
+    """
+    training_args.model_init_kwargs = build_model_init_kwargs(model_args, training_args)
+    dataset = load_script_dataset(script_args, dataset_args)
+    train_dataset, eval_dataset = split_datasets(dataset, script_args, training_args)
+    trainer = trainer_class(
+        model=model_args.model_name_or_path,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        peft_config=get_peft_config(model_args),
+        **trainer_kwargs,
+    )
+    finish_training(trainer, training_args, script_args)
+
+
+def make_script_parser(
+    name: str,
+    help: str,
+    dataclass_types: tuple[type, ...],
+    subparsers: argparse._SubParsersAction | None = None,
+    prog: str | None = None,
+) -> TrlParser:
+    """The `TrlParser` of a script, or its sub-command `name` registered on `subparsers` when given.
+
+    Args:
+        name (`str`):
+            Sub-command name, e.g. `"sft"`.
+        help (`str`):
+            Help line of the sub-command, e.g. `"Run the SFT training script"`.
+        dataclass_types (`tuple[type, ...]`):
+            The dataclasses the parser fills, in the order `main` receives them.
+        subparsers (`argparse._SubParsersAction` or `None`, defaults to `None`):
+            Where to register the sub-command; a standalone parser is returned when `None`.
+        prog (`str` or `None`, defaults to `None`):
+            Program name of the standalone parser.
+    """
+    if subparsers is not None:
+        return subparsers.add_parser(name, help=help, dataclass_types=dataclass_types)
+    return TrlParser(dataclass_types, prog=prog)
+
+
+def run_script(make_parser: Callable[[], TrlParser], main: Callable[..., None]) -> None:
+    """Parse the command line (and `--config` YAML) with the script's parser and call its `main`.
+
+    Args:
+        make_parser (`Callable`):
+            The script's `make_parser`; its parser must yield `(script_args, training_args, model_args,
+            dataset_args)`.
+        main (`Callable`):
+            The script's `main(script_args, training_args, model_args, dataset_args)`.
+    """
+    parser = make_parser()
+    # `dataset_args` is last so that dataclasses without `datasets` in the YAML still parse.
+    script_args, training_args, model_args, dataset_args, _ = parser.parse_args_and_config(
+        return_remaining_strings=True
+    )
+    main(script_args, training_args, model_args, dataset_args)

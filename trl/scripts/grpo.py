@@ -22,8 +22,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from trl import DatasetMixtureConfig, GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser, get_peft_config
-from trl.scripts._training import build_model_init_kwargs, finish_training, load_script_dataset, split_datasets
+from trl import DatasetMixtureConfig, GRPOConfig, GRPOTrainer, ModelConfig, ScriptArguments, TrlParser
+from trl.scripts._training import make_script_parser, run_script, train_with_trainer
 
 
 # Settings of `get_soft_overlong_punishment` when it is selected by name.
@@ -121,33 +121,16 @@ def main(
     dataset_args: DatasetMixtureConfig | None = None,
 ) -> None:
     """Train `model_args.model_name_or_path` with [`GRPOTrainer`] on the selected prompts."""
-    training_args.model_init_kwargs = build_model_init_kwargs(model_args, training_args)
+    # Built before the dataset so that a bad reward name fails fast.
     reward_funcs = build_reward_funcs(script_args)
-    dataset = load_script_dataset(script_args, dataset_args)
-    train_dataset, eval_dataset = split_datasets(dataset, script_args, training_args)
-    trainer = GRPOTrainer(
-        model=model_args.model_name_or_path,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        peft_config=get_peft_config(model_args),
-    )
-    finish_training(trainer, training_args, script_args)
+    train_with_trainer(GRPOTrainer, script_args, training_args, model_args, dataset_args, reward_funcs=reward_funcs)
 
 
 def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = None) -> TrlParser:
     """Parser for the script's dataclasses (registered as the `grpo` sub-command when `subparsers` is given)."""
     dataclass_types = (GRPOScriptArguments, GRPOConfig, ModelConfig, DatasetMixtureConfig)
-    if subparsers is not None:
-        return subparsers.add_parser("grpo", help="Run the GRPO training script", dataclass_types=dataclass_types)
-    return TrlParser(dataclass_types, prog=prog)
+    return make_script_parser("grpo", "Run the GRPO training script", dataclass_types, subparsers, prog)
 
 
 if __name__ == "__main__":
-    parser = make_parser()
-    # `dataset_args` is last so that dataclasses without `datasets` in the YAML still parse.
-    script_args, training_args, model_args, dataset_args, _ = parser.parse_args_and_config(
-        return_remaining_strings=True
-    )
-    main(script_args, training_args, model_args, dataset_args)
+    run_script(make_parser, main)

@@ -13,16 +13,16 @@ trl rloo --config examples/cli_configs/rloo.yaml --reward_funcs think_format_rew
 """
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from trl import DatasetMixtureConfig, ModelConfig, RLOOConfig, RLOOTrainer, ScriptArguments, TrlParser, get_peft_config
-from trl.scripts._training import build_model_init_kwargs, finish_training, load_script_dataset, split_datasets
-from trl.scripts.grpo import build_reward_funcs
+from trl import DatasetMixtureConfig, ModelConfig, RLOOConfig, RLOOTrainer, TrlParser
+from trl.scripts._training import make_script_parser, run_script, train_with_trainer
+from trl.scripts.grpo import GRPOScriptArguments, build_reward_funcs
 
 
 @dataclass
-class RLOOScriptArguments(ScriptArguments):
-    """Dataset selection plus the reward sources of the RLOO script (same fields as `GRPOScriptArguments`).
+class RLOOScriptArguments(GRPOScriptArguments):
+    """Dataset selection plus the reward sources of the RLOO script (the fields of `GRPOScriptArguments`).
 
     Args:
         reward_model_name_or_path (`str` or `None`, defaults to `None`):
@@ -33,17 +33,6 @@ class RLOOScriptArguments(ScriptArguments):
             `package.module.function` (the current directory is importable).
     """
 
-    reward_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "Reward model (path or hub id) added to the reward functions."}
-    )
-    reward_funcs: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Reward functions: accuracy_reward, reasoning_accuracy_reward, think_format_reward, "
-            "get_soft_overlong_punishment, or dotted import paths such as my_module.my_reward."
-        },
-    )
-
 
 def main(
     script_args: RLOOScriptArguments,
@@ -52,33 +41,16 @@ def main(
     dataset_args: DatasetMixtureConfig | None = None,
 ) -> None:
     """Train `model_args.model_name_or_path` with [`RLOOTrainer`] on the selected prompts."""
-    training_args.model_init_kwargs = build_model_init_kwargs(model_args, training_args)
+    # Built before the dataset so that a bad reward name fails fast.
     reward_funcs = build_reward_funcs(script_args)
-    dataset = load_script_dataset(script_args, dataset_args)
-    train_dataset, eval_dataset = split_datasets(dataset, script_args, training_args)
-    trainer = RLOOTrainer(
-        model=model_args.model_name_or_path,
-        reward_funcs=reward_funcs,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        peft_config=get_peft_config(model_args),
-    )
-    finish_training(trainer, training_args, script_args)
+    train_with_trainer(RLOOTrainer, script_args, training_args, model_args, dataset_args, reward_funcs=reward_funcs)
 
 
 def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = None) -> TrlParser:
     """Parser for the script's dataclasses (registered as the `rloo` sub-command when `subparsers` is given)."""
     dataclass_types = (RLOOScriptArguments, RLOOConfig, ModelConfig, DatasetMixtureConfig)
-    if subparsers is not None:
-        return subparsers.add_parser("rloo", help="Run the RLOO training script", dataclass_types=dataclass_types)
-    return TrlParser(dataclass_types, prog=prog)
+    return make_script_parser("rloo", "Run the RLOO training script", dataclass_types, subparsers, prog)
 
 
 if __name__ == "__main__":
-    parser = make_parser()
-    # `dataset_args` is last so that dataclasses without `datasets` in the YAML still parse.
-    script_args, training_args, model_args, dataset_args, _ = parser.parse_args_and_config(
-        return_remaining_strings=True
-    )
-    main(script_args, training_args, model_args, dataset_args)
+    run_script(make_parser, main)

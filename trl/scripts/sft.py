@@ -16,8 +16,8 @@ trl sft --model_name_or_path <model> --dataset_name <dataset> --use_peft --lora_
 
 import argparse
 
-from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser, get_peft_config
-from trl.scripts._training import build_model_init_kwargs, finish_training, load_script_dataset, split_datasets
+from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser
+from trl.scripts._training import make_script_parser, run_script, train_with_trainer
 
 
 def main(
@@ -27,31 +27,14 @@ def main(
     dataset_args: DatasetMixtureConfig | None = None,
 ) -> None:
     """Fine-tune `model_args.model_name_or_path` on the selected dataset with [`SFTTrainer`]."""
-    training_args.model_init_kwargs = build_model_init_kwargs(model_args, training_args)
-    dataset = load_script_dataset(script_args, dataset_args)
-    train_dataset, eval_dataset = split_datasets(dataset, script_args, training_args)
-    trainer = SFTTrainer(
-        model=model_args.model_name_or_path,
-        args=training_args,
-        train_dataset=train_dataset,
-        eval_dataset=eval_dataset,
-        peft_config=get_peft_config(model_args),
-    )
-    finish_training(trainer, training_args, script_args)
+    train_with_trainer(SFTTrainer, script_args, training_args, model_args, dataset_args)
 
 
 def make_parser(subparsers: argparse._SubParsersAction | None = None, prog: str | None = None) -> TrlParser:
     """Parser for the script's dataclasses (registered as the `sft` sub-command when `subparsers` is given)."""
     dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig)
-    if subparsers is not None:
-        return subparsers.add_parser("sft", help="Run the SFT training script", dataclass_types=dataclass_types)
-    return TrlParser(dataclass_types, prog=prog)
+    return make_script_parser("sft", "Run the SFT training script", dataclass_types, subparsers, prog)
 
 
 if __name__ == "__main__":
-    parser = make_parser()
-    # `dataset_args` is last so that dataclasses without `datasets` in the YAML still parse.
-    script_args, training_args, model_args, dataset_args, _ = parser.parse_args_and_config(
-        return_remaining_strings=True
-    )
-    main(script_args, training_args, model_args, dataset_args)
+    run_script(make_parser, main)

@@ -1,0 +1,239 @@
+"""Plain helpers shared by the trainer test files: argument builders, parameter snapshots, log filters, toy rewards and
+judges, and independent log-probability oracles. Fixtures live in tests/conftest.py."""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from transformers import AutoModelForCausalLM
+
+from trl.experimental.judges import BasePairwiseJudge
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training arguments
+# ---------------------------------------------------------------------------------------------------------------------
+# Every trainer test logs each step, saves nothing unless asked and skips gradient checkpointing (tiny models, speed).
+COMMON_ARGS = dict(
+    logging_steps=1,
+    report_to="none",
+    save_strategy="no",
+    gradient_checkpointing=False,
+    disable_tqdm=True,
+)
+# Online pairwise trainers (Online DPO, XPO, Nash-MD): two prompts a step, short generations.
+ONLINE_PAIR_ARGS = dict(max_steps=2, per_device_train_batch_size=2, max_new_tokens=8, learning_rate=1e-2, seed=0)
+# Group-sampling trainers (GRPO, RLOO): two groups of two completions a step.
+GROUP_ARGS = dict(
+    max_steps=2,
+    per_device_train_batch_size=4,
+    num_generations=2,
+    max_completion_length=6,
+    learning_rate=1e-2,
+    seed=0,
+)
+# Offline preference trainers (DPO, KTO, BCO).
+PREFERENCE_ARGS = dict(max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=1e-2)
+
+
+def args_builder(config_class, **defaults):
+    """Return `make_args(tmp_path, config_class=config_class, **overrides)` building a config for a test.
+
+    The config gets `output_dir=tmp_path`, then `COMMON_ARGS`, then `defaults`, then the call's overrides (later ones
+    win).
+    """
+
+    def make_args(tmp_path, config_class=config_class, **overrides):
+        return config_class(**{"output_dir": str(tmp_path), **COMMON_ARGS, **defaults, **overrides})
+
+    return make_args
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Parameters and logs
+# ---------------------------------------------------------------------------------------------------------------------
+def snapshot(model):
+    """Detached copies of every parameter, by name."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def changed_params(before, model, trainable_only=True):
+    """Names of the parameters that differ from the `snapshot` `before` (only trainable ones unless told otherwise)."""
+    return [
+        name
+        for name, p in model.named_parameters()
+        if (p.requires_grad or not trainable_only) and not torch.equal(before[name], p.detach())
+    ]
+
+
+def train_logs(trainer):
+    """The training-step entries of the trainer's log history (those with a loss)."""
+    return [log for log in trainer.state.log_history if "loss" in log]
+
+
+# One plain-SGD step at learning rate 1 without clipping: the parameter change is exactly minus the gradient.
+SGD_STEP_ARGS = dict(max_steps=1, optim="sgd", learning_rate=1.0, max_grad_norm=1e9, lr_scheduler_type="constant")
+
+
+def sgd_step_update(trainer):
+    """Train `trainer` (built with `SGD_STEP_ARGS`) and return each parameter's value before minus after."""
+    before = snapshot(trainer.model)
+    trainer.train()
+    return {name: before[name] - p.detach() for name, p in trainer.model.named_parameters()}
+
+
+def perturb(model, seed=0, scale=0.05, all_params=False):
+    """Add seeded Gaussian noise to the trainable parameters (to all of them with `all_params`), in place."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad or all_params:
+                p.add_(torch.randn(p.shape, generator=generator) * scale)
+
+
+def assert_saved_model_reloads(trainer, directory, model_class=AutoModelForCausalLM):
+    """Save the trainer's model to `directory` and check that it reloads with exactly the same parameters."""
+    trainer.save_model(str(directory))
+    reloaded = model_class.from_pretrained(str(directory))
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(param, reloaded.get_parameter(name)), name
+
+
+def assert_same_params(model, other, atol=1e-6):
+    """Check that every parameter of `model` is close to the parameter of the same name in `other`."""
+    for name, param in model.named_parameters():
+        assert torch.allclose(param, other.get_parameter(name), atol=atol), name
+
+
+def read_model_card(output_dir):
+    """Text of the model card (README.md) a trainer wrote in `output_dir`."""
+    with open(os.path.join(str(output_dir), "README.md")) as f:
+        return f.read()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared training scenarios (each test keeps its own trainer-specific assertions)
+# ---------------------------------------------------------------------------------------------------------------------
+TINY_LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+def train_peft_adapters_only(trainer_class, **trainer_kwargs):
+    """Train a LoRA policy (`TINY_LORA`) with `trainer_class(**trainer_kwargs)` and check that there is no separate
+    reference model and that only adapter weights changed. Returns the trainer and the pre-training `snapshot`."""
+    from peft import LoraConfig
+
+    trainer = trainer_class(peft_config=LoraConfig(**TINY_LORA), **trainer_kwargs)
+    assert trainer.ref_model is None
+    before = snapshot(trainer.model)
+    trainer.train()
+    changed = changed_params(before, trainer.model)
+    assert changed and all("lora" in name for name in changed)
+    return trainer, before
+
+
+def resume_from_first_checkpoint(trainer_class, args, output_dir, abs=1e-5, **trainer_kwargs):
+    """Train two steps saving every step, resume a fresh trainer from `checkpoint-1` and check that its second step
+    reproduces the uninterrupted run's loss. Returns the uninterrupted and the resumed trainers."""
+    trainer = trainer_class(args=args, **trainer_kwargs)
+    trainer.train()
+    checkpoint = os.path.join(str(output_dir), "checkpoint-1")
+    assert os.path.isdir(checkpoint)
+    resumed = trainer_class(args=args, **trainer_kwargs)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert resumed.state.global_step == 2
+    assert train_logs(resumed)[-1]["loss"] == pytest.approx(train_logs(trainer)[-1]["loss"], abs=abs)
+    return trainer, resumed
+
+
+def prefer_token_rewards(trainer_class, make_args, tmp_path, model_path, prompts, target=100, **overrides):
+    """Train `trainer_class` 40 steps (groups of 8) on a reward for emitting token `target`; return the logged mean
+    rewards (one every 5 steps)."""
+
+    def prefer_token(completion_ids, **kwargs):
+        return [sum(t == target for t in ids) / len(ids) for ids in completion_ids]
+
+    args = make_args(
+        tmp_path,
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=8,
+        learning_rate=3e-2,
+        max_steps=40,
+        logging_steps=5,
+        **overrides,
+    )
+    trainer = trainer_class(model_path, reward_funcs=prefer_token, args=args, train_dataset=prompts)
+    trainer.train()
+    return [log["reward"] for log in train_logs(trainer)]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Toy rewards and judges
+# ---------------------------------------------------------------------------------------------------------------------
+def low_id_reward(completion_ids, **kwargs):
+    """Share of completion tokens in the lower half of the vocabulary: varies between samples."""
+    return [sum(t < 2048 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def token_sum_reward(completion_ids, **kwargs):
+    return [float(sum(ids) % 13) / 4 for ids in completion_ids]
+
+
+class ShorterJudge(BasePairwiseJudge):
+    """Prefers the shorter completion of each pair (the first one on ties)."""
+
+    def judge(self, prompts, completions, shuffle_order=True):
+        return [0 if len(first) <= len(second) else 1 for first, second in completions]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models and log-probability oracles
+# ---------------------------------------------------------------------------------------------------------------------
+REF_TOKEN = 42  # the token the "always the same token" reference model emits
+
+
+def single_token_reference(model_path, token=REF_TOKEN):
+    """A reference model that (practically) always samples `token`: its LM head gets a huge bias on that token."""
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    head = model.lm_head
+    biased = nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[token] = 1e4
+    model.lm_head = biased
+    return model
+
+
+def row_logp(model, prompt_ids, completion_ids):
+    """Summed log-probability of a completion after its prompt, from a plain forward pass on the unpadded tokens."""
+    ids = torch.cat([prompt_ids, completion_ids]).unsqueeze(0)
+    with torch.no_grad():
+        logps = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+    targets = ids[0, 1:]
+    token_logps = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return token_logps[len(prompt_ids) - 1 :].sum()
+
+
+def batch_rows(batch):
+    """Unpadded (prompt, completion) token tensors of every row of a batch."""
+    rows = []
+    for i in range(batch["prompt_ids"].shape[0]):
+        prompt = batch["prompt_ids"][i][batch["prompt_mask"][i].bool()]
+        completion = batch["completion_ids"][i][batch["completion_mask"][i].bool()]
+        rows.append((prompt, completion))
+    return rows
+
+
+def padded_completion_logps(model, batch):
+    """Per-token log-probs of a padded batch with a full log-softmax (the tests' oracle).
+
+    Returns `(token_logps, mask, logits)`: log-probs of each next token `(B, T-1)`, the float mask of completion tokens
+    that are not padding `(B, T-1)` and the float logits `(B, T-1, V)`.
+    """
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    token_logps = torch.log_softmax(logits, dim=-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    mask = (batch["completion_mask"][:, 1:] * batch["attention_mask"][:, 1:]).float()
+    return token_logps, mask, logits
