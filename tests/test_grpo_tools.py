@@ -555,3 +555,25 @@ def test_rloo_has_no_tools_argument():
     from trl import RLOOTrainer
 
     assert "tools" not in inspect.signature(RLOOTrainer.__init__).parameters
+
+
+def test_tools_need_a_prefix_preserving_template(tmp_path, model_path):
+    """A template that renders tools but rewrites earlier turns when a message is appended is refused before training."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.chat_template = (
+        "{{ messages | length }} messages\n"
+        "{% if tools %}{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+        "{% for call in m.tool_calls or [] %}<tool_call>{{ call.function | tojson }}</tool_call>{% endfor %}"
+        "<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with pytest.raises(ValueError, match="not prefix-preserving"):
+        GRPOTrainer(
+            model_path,
+            reward_funcs=Recorder(),
+            args=make_args(tmp_path),
+            train_dataset=chat_dataset("q"),
+            processing_class=tokenizer,
+            tools=[divide],
+        )

@@ -31,7 +31,12 @@ from typing import Any
 import torch
 from datasets import Dataset
 
-from ..chat_template_utils import add_response_schema, parse_response, supports_tool_calling
+from ..chat_template_utils import (
+    add_response_schema,
+    is_chat_template_prefix_preserving,
+    parse_response,
+    supports_tool_calling,
+)
 from ..data_utils import is_conversational
 from .online_base import CONTINUATION_IDS_KEY, _run_coroutines
 from .utils import get_callable_name, is_async_callable
@@ -266,6 +271,14 @@ class _ToolCallingMixin:
                 f"The chat template of the {type(tokenizer).__name__} cannot render tools, tool calls and tool "
                 "results, which tools/environment_factory need. Use a tokenizer whose template supports tool calling "
                 "(e.g. `tokenizer.chat_template = trl.chat_template_utils.qwen2_5_chat_template`)."
+            )
+        if not is_chat_template_prefix_preserving(tokenizer):
+            # Checked again per rollout (`_tool_glue_text`) for the real conversations; this catches it before training.
+            raise ValueError(
+                f"The chat template of the {type(tokenizer).__name__} is not prefix-preserving: appending a tool result "
+                "to a conversation changes the tokens of its earlier turns, so a multi-turn completion cannot be "
+                "extended turn by turn. Use a template where appending messages only appends text (the qwen2_5 and "
+                "llama3 templates in trl/chat_templates are), or drop tools/environment_factory."
             )
         has_parser = any(getattr(tokenizer, attr, None) for attr in ("response_template", "response_schema"))
         if not has_parser:
