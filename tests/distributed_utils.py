@@ -517,6 +517,9 @@ def _main(argv: list[str]) -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     getattr(module, function)(out_dir, **kwargs)
+    from trl.scripts._training import release_process_group
+
+    release_process_group()
 
 
 if __name__ == "__main__":

@@ -459,6 +459,8 @@ dist.all_reduce(value)
 with open(os.path.join(sys.argv[1], f"rank{args.process_index}.json"), "w") as f:
     json.dump({"world": args.world_size, "backend": dist.get_backend(), "sum": value.item(),
                "device": str(args.device), "args": sys.argv[2:]}, f)
+dist.barrier()
+dist.destroy_process_group()
 """
 
 

@@ -318,8 +318,24 @@ def test_tool_loop_with_vllm_colocate(tmp_path, model_path):
         train_dataset=chat_dataset("What is 3 times 4?", "Compute 3*4."),
         tools=[make_multiply(calls)],
     )
+    limits, generate = [], trainer.vllm_generation.generate
+
+    def generate_recording_limit(*args, **kwargs):
+        limits.append(trainer.vllm_generation.max_tokens)
+        return generate(*args, **kwargs)
+
+    trainer.vllm_generation.generate = generate_recording_limit
     trainer.train()
     assert calls == [(3, 4)] * 4
+    # The second turn may only use what the first turn and the tool result left of the 192-token budget (of the
+    # row with most room left), and the engine's own limit is restored after it.
+    prefixes = []  # first turn + tool result: up to the last masked-out token of each row
+    for batch in trainer._buffered_inputs:
+        for loss_mask, attended in zip(batch["completion_mask"], batch["completion_attention_mask"]):
+            mask = loss_mask[: int(attended.sum())].tolist()
+            prefixes.append(len(mask) - mask[::-1].index(0))
+    assert len(prefixes) == 4 and limits[:2] == [192, 192 - min(prefixes)]
+    assert trainer.vllm_generation.max_tokens == 192
     for completion in recorder.calls[0]["completions"]:
         assert [m["role"] for m in completion] == ["assistant", "tool", "assistant"]
         assert completion[1]["content"] == "12"

@@ -270,6 +270,7 @@ from transformers import Trainer, TrainingArguments
 from trl.assets import get_model_path, load_test_dataset
 from trl.experimental.judges import BasePairwiseJudge
 from trl.experimental.winrate_callback import WinRateCallback
+from trl.scripts._training import release_process_group
 
 
 class CountingJudge(BasePairwiseJudge):
@@ -303,6 +304,7 @@ trainer.train()
 rates = [(e["step"], e["eval_win_rate"]) for e in trainer.state.log_history if "eval_win_rate" in e]
 with open(os.path.join(out, f"rank{args.process_index}.json"), "w") as f:
     json.dump({"world": args.world_size, "judge_calls": judge.calls, "rates": rates, "refs": callback.ref_completions}, f)
+release_process_group()
 """
 
 

@@ -76,13 +76,14 @@ def split_datasets(dataset: Any, script_args: ScriptArguments, training_args: An
 
 
 def finish_training(trainer: Any, training_args: Any, script_args: ScriptArguments) -> None:
-    """Train (resuming when asked), save the model, push when asked, and release the trainer's resources."""
+    """Train (resuming when asked), save, push when asked, then release the trainer's resources and process group."""
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     if hasattr(trainer, "end"):
         trainer.end()
+    release_process_group()
 
 
 def train_with_trainer(
@@ -169,3 +170,16 @@ def run_script(make_parser: Callable[[], TrlParser], main: Callable[..., None]) 
         return_remaining_strings=True
     )
     main(script_args, training_args, model_args, dataset_args)
+
+
+def release_process_group() -> None:
+    """Wait for every rank, then destroy the default process group if one was created.
+
+    Without this, a rank that finishes first can exit while gloo's worker threads of the process group are still
+    alive, and the C++ runtime aborts it ("terminate called without an active exception"), failing the launch.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

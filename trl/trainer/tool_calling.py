@@ -442,15 +442,23 @@ class _ToolCallingMixin:
         }
 
     def _generate_limited(self, prompts: list[Any], inputs: list[dict[str, Any]], max_new_tokens: int) -> dict:
-        """`_generate` with at most `max_new_tokens` new tokens (transformers back-end; others are truncated)."""
+        """`_generate` with at most `max_new_tokens` new tokens (transformers and vLLM back-ends; a `rollout_func`
+        is not limited, its turns are truncated afterwards)."""
         original = self.generation_config
         limited = copy.deepcopy(original)
         limited.max_new_tokens = max(1, min(max_new_tokens, original.max_new_tokens or max_new_tokens))
         self.generation_config = limited
+        vllm_generation = getattr(self, "vllm_generation", None)
+        if vllm_generation is not None:
+            original_max_tokens = vllm_generation.max_tokens
+            # vLLM's server mode samples every process's rows with one limit: the largest one asked for.
+            vllm_generation.max_tokens = min(self._max_over_processes(limited.max_new_tokens), original_max_tokens)
         try:
             return self._generate(prompts, inputs)
         finally:
             self.generation_config = original
+            if vllm_generation is not None:
+                vllm_generation.max_tokens = original_max_tokens
 
     @staticmethod
     def _append_to_last_user_message(prompt: list[dict[str, Any]], text: str) -> None:
@@ -566,10 +574,14 @@ class _ToolCallingMixin:
 
     def _any_process(self, flag: bool) -> bool:
         """Whether `flag` holds on any process (the flag itself on a single process)."""
+        return self._max_over_processes(int(flag)) > 0
+
+    def _max_over_processes(self, value: int) -> int:
+        """The largest of every process's `value` (the value itself on a single process)."""
         if self.accelerator.num_processes == 1:
-            return flag
-        value = torch.tensor([int(flag)], device=self.accelerator.device)
-        return bool(self.accelerator.gather(value).sum().item() > 0)
+            return value
+        tensor = torch.tensor([value], device=self.accelerator.device)
+        return int(self.accelerator.gather(tensor).max().item())
 
     def _record_tool_metrics(self, calls: int, failures: int, completions: int) -> None:
         device = self.accelerator.device
