@@ -402,9 +402,9 @@ def test_server_mode_fails_clearly_when_the_server_is_down(tmp_path, model_path,
 # ---------------------------------------------------------------------------------------------------------------------
 # Two processes, one colocated engine each (external_launcher)
 # ---------------------------------------------------------------------------------------------------------------------
-def train_grpo_colocate(out_dir: str, model: str = MODEL, tensor_parallel_size: int = 1):
+def train_grpo_colocate(out_dir: str, model: str = MODEL, tensor_parallel_size: int = 1, peft: bool = False):
     """Worker: 2 GRPO steps with colocated vLLM in 2 processes (an engine per process, or one engine sharded over
-    both with `tensor_parallel_size=2`); writes this rank's report."""
+    both with `tensor_parallel_size=2`; LoRA adapters on the policy with `peft=True`); writes this rank's report."""
     from distributed_utils import digest, full_numel, full_state, local_numel, write_report
 
     from trl import GRPOConfig, GRPOTrainer
@@ -423,11 +423,17 @@ def train_grpo_colocate(out_dir: str, model: str = MODEL, tensor_parallel_size: 
         use_cpu=True,
         vllm_tensor_parallel_size=tensor_parallel_size,
     )
+    peft_config = None
+    if peft:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
     trainer = GRPOTrainer(
         get_model_path(model),
         reward_funcs=recording_reward,
         args=args,
         train_dataset=load_test_dataset("standard_prompt_only", split="train"),
+        peft_config=peft_config,
     )
     trainer.train()
     llm_config = trainer.vllm_generation.llm.llm_engine.vllm_config.parallel_config
@@ -442,6 +448,7 @@ def train_grpo_colocate(out_dir: str, model: str = MODEL, tensor_parallel_size: 
             "executor": llm_config.distributed_executor_backend,
             "engine_tensor_parallel_size": llm_config.tensor_parallel_size,
             "weights_digest": digest(full_state(trainer)),
+            "merged_after_training": any(getattr(module, "merged", False) for module in policy.modules()),
             "logs": train_logs(trainer),
             "completions": completions,
         },
@@ -467,6 +474,24 @@ def test_two_process_colocate_training(tmp_path, engine):
         assert len(report["logs"]) == 2
         for log in report["logs"]:
             # Each process's engine received the trained weights after every step.
+            assert log["sampling/sampling_logp_difference/max"] < 1e-4
+
+
+@pytest.mark.vllm
+@requires_vllm
+@pytest.mark.parametrize("engine", engine_params(["zero3", "fsdp2"]))
+def test_two_process_colocate_training_with_peft(tmp_path, engine):
+    """LoRA on a sharded policy: the adapters are merged into the gathered weights for every push (the engine's
+    log-probs then equal the trainer's, which see the adapters) and unmerged afterwards."""
+    from distributed_utils import launch
+
+    reports = launch(f"{__file__}:train_grpo_colocate", tmp_path, engine, timeout=600, peft=True)
+    assert {r["world_size"] for r in reports} == {2} and {r["sharded"] for r in reports} == {True}
+    assert len({r["weights_digest"] for r in reports}) == 1
+    assert {r["merged_after_training"] for r in reports} == {False}
+    for report in reports:
+        assert len(report["logs"]) == 2
+        for log in report["logs"]:
             assert log["sampling/sampling_logp_difference/max"] < 1e-4
 
 
