@@ -2,7 +2,6 @@
 schedules, PEFT, saving, resuming and bad input."""
 
 import math
-import os
 
 import pytest
 import torch
@@ -453,18 +452,3 @@ def test_vllm_colocate_generates_the_policy_completions(tmp_path, model_path, pr
     logs = train_logs(trainer)
     assert len(logs) == 2 and all(math.isfinite(log["loss"]) and "beta" in log for log in logs)
     trainer.end()
-
-
-@pytest.mark.parametrize("script", ["online_dpo.py", "xpo.py", "nash_md.py"])
-def test_example_scripts_train_offline(script, tmp_path, monkeypatch):
-    """The example scripts run with no model, dataset or reward model given (embedded tiny assets) and save."""
-    import runpy
-    import sys
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "scripts", script)
-    argv = [path, "--output_dir", str(tmp_path), "--max_steps", "1", "--per_device_train_batch_size", "2"]
-    argv += ["--max_new_tokens", "4", "--report_to", "none", "--gradient_checkpointing", "false"]
-    monkeypatch.setattr(sys, "argv", argv)
-    runpy.run_path(path, run_name="__main__")
-    assert os.path.isfile(os.path.join(tmp_path, "model.safetensors"))
-    assert os.path.isdir(os.path.join(tmp_path, "checkpoint-1"))

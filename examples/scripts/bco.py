@@ -23,7 +23,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl.experimental.bco import BCOConfig, BCOTrainer
-from trl.scripts._training import load_script_dataset, split_datasets
+from trl.scripts._training import finish_training, load_script_dataset, split_datasets
 
 
 @dataclass
@@ -92,7 +92,4 @@ if __name__ == "__main__":
         embedding_func=embedding_func,
         embedding_tokenizer=embedding_tokenizer,
     )
-    trainer.train()
-    trainer.save_model(training_args.output_dir)
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    finish_training(trainer, training_args, script_args)
