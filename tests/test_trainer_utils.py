@@ -712,3 +712,51 @@ def test_profiling_context_and_decorator():
     assert context.duration >= 0
     assert trainer.compute(4) == 8
     assert DummyTrainer.compute.__name__ == "compute"
+
+
+# --- shared trainer construction ---------------------------------------------------------------------------------
+
+
+def _trainer_with_tokenizer(name: str, tmp_path, tokenizer):
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+    from trl.assets import get_model_path, load_test_dataset
+
+    common = {"output_dir": str(tmp_path), "report_to": "none"}
+    causal = get_model_path("tiny-Qwen2ForCausalLM")
+    if name == "sft":
+        data = load_test_dataset("standard_language_modeling", split="train")
+        return SFTTrainer(causal, args=SFTConfig(**common), train_dataset=data, processing_class=tokenizer)
+    if name == "dpo":
+        data = load_test_dataset("standard_preference", split="train")
+        return DPOTrainer(causal, args=DPOConfig(**common), train_dataset=data, processing_class=tokenizer)
+    if name == "reward":
+        data = load_test_dataset("standard_preference", split="train")
+        model = get_model_path("tiny-Qwen2ForSequenceClassification")
+        return RewardTrainer(model, args=RewardConfig(**common), train_dataset=data, processing_class=tokenizer)
+    data = load_test_dataset("standard_prompt_only", split="train")
+    args = GRPOConfig(**common, per_device_train_batch_size=2, num_generations=2)
+    return GRPOTrainer(
+        causal,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=args,
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "reward", "grpo"])
+def test_trainers_need_a_pad_or_eos_token(name, tmp_path):
+    """A tokenizer without pad token gets its eos token as pad token; with neither, every trainer says how to fix it
+    before anything is tokenized."""
+    from transformers import AutoTokenizer
+
+    from trl.assets import get_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(get_model_path("tiny-Qwen2ForCausalLM"))
+    tokenizer.pad_token = None
+    trainer = _trainer_with_tokenizer(name, tmp_path / "with_eos", tokenizer)
+    assert trainer.processing_class.pad_token == tokenizer.eos_token is not None
+    tokenizer.pad_token = None
+    tokenizer.eos_token = None
+    with pytest.raises(ValueError, match="neither a pad_token nor an eos_token; set tokenizer.pad_token"):
+        _trainer_with_tokenizer(name, tmp_path / "without", tokenizer)

@@ -104,6 +104,29 @@ class _BaseTrainer(Trainer):
         return model
 
     @staticmethod
+    def _ensure_pad_token(processing_class: Any) -> Any:
+        """The tokenizer of `processing_class`, given the eos token as pad token when it has none."""
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        if getattr(tokenizer, "pad_token", None) is None:
+            if getattr(tokenizer, "eos_token", None) is None:
+                raise ValueError(
+                    "The processing class has neither a pad_token nor an eos_token; set tokenizer.pad_token before "
+                    "creating the trainer."
+                )
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+
+    def _init_activation_offloading(self) -> None:
+        """Set `maybe_activation_offload_context`, entered around the forward/backward of each training step: it
+        moves saved activations to CPU when `args.activation_offloading` is on, and does nothing otherwise."""
+        if getattr(self.args, "activation_offloading", False):
+            from ..models.activation_offloading import get_act_offloading_ctx_manager
+
+            self.maybe_activation_offload_context = get_act_offloading_ctx_manager(self.model)
+        else:
+            self.maybe_activation_offload_context = contextlib.nullcontext()
+
+    @staticmethod
     def _load_processing_class(
         model_id: str, args: TrainingArguments, padding_side: str | None = None, tokenizer_only: bool = False
     ):
@@ -769,19 +792,6 @@ class _PreferenceTrainer(_BaseTrainer):
         policy = self._wrap_peft(policy, peft_config, args)
         return policy, processing_class, tokenizer
 
-    @staticmethod
-    def _ensure_pad_token(processing_class: Any) -> Any:
-        """The tokenizer of `processing_class`, given the eos token as pad token when it has none."""
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if getattr(tokenizer, "pad_token", None) is None:
-            if getattr(tokenizer, "eos_token", None) is None:
-                raise ValueError(
-                    "The processing class has neither a pad_token nor an eos_token; set tokenizer.pad_token before "
-                    "creating the trainer."
-                )
-            tokenizer.pad_token = tokenizer.eos_token
-        return tokenizer
-
     def _select_adapters(self, model: nn.Module, model_adapter_name: str | None, ref_adapter_name: str | None) -> None:
         """Check the adapters named for training / as the reference (PEFT only) and activate the trained one."""
         if not self._is_peft_model(model):
@@ -838,12 +848,7 @@ class _PreferenceTrainer(_BaseTrainer):
         self.model_accepts_loss_kwargs = False
         self.ref_model = self._prepare_ref_model(ref_model)
         self._add_sync_ref_model_callback(self.ref_model)
-        if getattr(self.args, "activation_offloading", False):
-            from ..models.activation_offloading import get_act_offloading_ctx_manager
-
-            self.maybe_activation_offload_context = get_act_offloading_ctx_manager(self.model)
-        else:
-            self.maybe_activation_offload_context = contextlib.nullcontext()
+        self._init_activation_offloading()
 
     # ------------------------------------------------------------------------------------------------------------
     # Dataset preparation

@@ -397,14 +397,7 @@ class _OnlineTrainer(_BaseTrainer):
                 f"{trainer_name} currently trains text-only causal LMs; a {type(processing_class).__name__} "
                 "(vision-language processor) was given. Pass the model's tokenizer as processing_class."
             )
-        tokenizer = processing_class
-        if tokenizer.pad_token is None:
-            if tokenizer.eos_token is None:
-                raise ValueError(
-                    "The tokenizer has neither a pad_token nor an eos_token; set tokenizer.pad_token before creating "
-                    "the trainer."
-                )
-            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = self._ensure_pad_token(processing_class)
         self._setup_aux_loss(model, args)
         if args.disable_dropout:
             disable_dropout_in_model(model)

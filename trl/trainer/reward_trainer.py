@@ -1,6 +1,5 @@
 """Reward (outcome reward model) trainer: a Bradley-Terry model trained on pairwise preferences."""
 
-import contextlib
 import copy
 import json
 import logging
@@ -198,13 +197,7 @@ class RewardTrainer(_BaseTrainer):
         if args.pad_token is not None:
             self._check_in_vocab(tokenizer, args.pad_token, "pad_token")
             tokenizer.pad_token = args.pad_token
-        if getattr(tokenizer, "pad_token", None) is None:
-            if getattr(tokenizer, "eos_token", None) is None:
-                raise ValueError(
-                    "The tokenizer has neither a pad_token nor an eos_token; set tokenizer.pad_token before creating "
-                    "the trainer."
-                )
-            tokenizer.pad_token = tokenizer.eos_token
+        self._ensure_pad_token(tokenizer)
         if args.eos_token is not None:
             self._check_in_vocab(tokenizer, args.eos_token, "eos_token")
             tokenizer.eos_token = args.eos_token
@@ -265,12 +258,7 @@ class RewardTrainer(_BaseTrainer):
         self.model_accepts_loss_kwargs = False
         self._forward_accepts_use_cache = model_accepts_argument(self.model, "use_cache")
 
-        if args.activation_offloading:
-            from ..models.activation_offloading import get_act_offloading_ctx_manager
-
-            self.maybe_activation_offload_context = get_act_offloading_ctx_manager(self.model)
-        else:
-            self.maybe_activation_offload_context = contextlib.nullcontext()
+        self._init_activation_offloading()
         self._add_model_tags(self.model)
 
     @staticmethod

@@ -1,6 +1,5 @@
 """Supervised fine-tuning (SFT) trainer."""
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -306,14 +305,7 @@ class SFTTrainer(_BaseTrainer):
         # ---- Processing class ----------------------------------------------------------------------------------
         if processing_class is None:
             processing_class = self._load_processing_class(model_id, args)
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if getattr(tokenizer, "pad_token", None) is None:
-            if getattr(tokenizer, "eos_token", None) is None:
-                raise ValueError(
-                    "The processing class has neither a pad_token nor an eos_token; set tokenizer.pad_token before "
-                    "creating the trainer."
-                )
-            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = self._ensure_pad_token(processing_class)
         if args.eos_token is not None:
             eos_id = tokenizer.convert_tokens_to_ids(args.eos_token)
             if eos_id is None or eos_id == tokenizer.unk_token_id:
@@ -432,12 +424,7 @@ class SFTTrainer(_BaseTrainer):
         self._loss_shifts_labels = not getattr(getattr(self.model, "config", None), "is_encoder_decoder", False)
         self._forward_accepts_logits_to_keep = model_accepts_argument(self.model, "logits_to_keep")
 
-        if args.activation_offloading:
-            from ..models.activation_offloading import get_act_offloading_ctx_manager
-
-            self.maybe_activation_offload_context = get_act_offloading_ctx_manager(self.model)
-        else:
-            self.maybe_activation_offload_context = contextlib.nullcontext()
+        self._init_activation_offloading()
         self._add_model_tags(self.model)
 
     # ------------------------------------------------------------------------------------------------------------

@@ -201,14 +201,7 @@ class PRMTrainer(_BaseTrainer):
             if model is None:
                 raise ValueError("With model_init, pass the tokenizer explicitly as `processing_class`.")
             processing_class = self._load_processing_class(model_id, args, tokenizer_only=True)
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if getattr(tokenizer, "pad_token", None) is None:
-            if getattr(tokenizer, "eos_token", None) is None:
-                raise ValueError(
-                    "The tokenizer has neither a pad_token nor an eos_token; set tokenizer.pad_token before creating "
-                    "the trainer."
-                )
-            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = self._ensure_pad_token(processing_class)
 
         # ---- Datasets ------------------------------------------------------------------------------------------
         train_dataset = self._prepare_dataset(train_dataset, tokenizer, args, "train", is_eval=False)
