@@ -23,16 +23,10 @@ pre-pass for `precompute`) and the parameter memory of the reference model kept 
 """
 
 import argparse
-import json
-import os
-import resource
-import statistics
-import subprocess
-import sys
-import time
+
+import _harness
 
 
-MODELS = {"tiny": "tiny-Qwen2ForCausalLM", "small": "small-Qwen2ForCausalLM"}
 CONFIGS = {
     "padded": {"layout": "padded"},
     "packed": {},
@@ -46,9 +40,7 @@ CONFIGS = {
 def build_dataset(num_pairs: int):
     from datasets import Dataset
 
-    from trl.assets import load_test_dataset
-
-    texts = load_test_dataset("length_skewed_language_modeling", split="train")["text"]
+    texts = _harness.skewed_texts()
     rows = []
     for i in range(num_pairs):
         words, other = texts[i % len(texts)].split(), texts[(i * 7 + 3) % len(texts)].split()
@@ -63,63 +55,18 @@ def build_dataset(num_pairs: int):
     return Dataset.from_list(rows)
 
 
-def run_one(model_key: str, config_name: str, steps: int, batch_size: int, max_length: int) -> dict:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def run_one(model_key: str, config_name: str, args: argparse.Namespace) -> dict:
+    steps, batch_size, max_length = args.steps, args.batch_size, args.max_length
+    _harness.setup_offline()
     import torch
-    from transformers import TrainerCallback
-    from transformers.utils import logging as hf_logging
 
     from trl import DPOConfig, DPOTrainer
-    from trl.assets import get_model_path
 
-    hf_logging.set_verbosity_error()
     torch.manual_seed(0)
-    options = dict(CONFIGS[config_name])
-    layout = options.pop("layout", None)
-    use_peft = options.pop("peft", False)
     dataset = build_dataset(batch_size * steps)
-
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.times, self._start = [], None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self._start)
-
-    peft_config = None
-    if use_peft:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")
-    timer = Timer()
-    config = DPOConfig(
-        output_dir=f"/tmp/bench-dpo-{model_key}",
-        max_steps=steps,
-        per_device_train_batch_size=batch_size,
-        max_length=max_length,
-        learning_rate=1e-5,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=steps,
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-        **options,
+    trainer, timer, init_s = _harness.build_preference_trainer(
+        DPOTrainer, DPOConfig, model_key, CONFIGS[config_name], dataset, steps, batch_size, max_length
     )
-    start = time.perf_counter()
-    trainer = DPOTrainer(
-        model=get_model_path(MODELS[model_key]),
-        args=config,
-        train_dataset=dataset,
-        callbacks=[timer],
-        peft_config=peft_config,
-    )
-    init_s = time.perf_counter() - start
-    if layout is not None:
-        trainer._layout = layout
-        trainer._ref_layout = layout if trainer._ref_layout is not None else None
 
     # Padding share of the computed positions, per layout (the reference pass has the same share).
     real, computed = 0, 0
@@ -138,53 +85,20 @@ def run_one(model_key: str, config_name: str, steps: int, batch_size: int, max_l
             packed = pack_padded_sequences(batch["input_ids"], batch["attention_mask"], int(lengths.max()))
             computed += packed.input_ids.numel()
     trainer.train()
-    step_times = timer.times[1:] or timer.times  # the first step includes warm-up
-    ref_params = sum(p.numel() * p.element_size() for p in trainer.ref_model.parameters()) if trainer.ref_model else 0
-    return {
-        "model": model_key,
-        "config": config_name,
-        "layout": trainer._layout,
-        "params_M": round(sum(p.numel() for p in trainer.model.parameters()) / 1e6, 1),
-        "step_s": round(statistics.median(step_times), 4),
-        "padding_fraction": round(1 - real / computed, 3) if computed else 0.0,
-        "peak_rss_MB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "init_s": round(init_s, 2),
-        "ref_model_MB": round(ref_params / 2**20, 1),
-    }
+    padding = round(1 - real / computed, 3) if computed else 0.0
+    return _harness.preference_row(trainer, timer, init_s, model_key, config_name, {"padding_fraction": padding})
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--batch_size", type=int, default=8)
+    parser = _harness.make_parser(__doc__)
+    _harness.add_grid_arguments(parser, CONFIGS, steps=8, batch_size=8)
     parser.add_argument("--max_length", type=int, default=512)
-    parser.add_argument("--_one", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    if args._one:
-        print(json.dumps(run_one(args._one[0], args._one[1], args.steps, args.batch_size, args.max_length)))
+    rows = _harness.drive_grid(__file__, args, run_one, ["steps", "batch_size", "max_length"], args.configs)
+    if rows is None:
         return
-
-    rows = []
-    for model_key in args.models:
-        for config_name in args.configs:
-            cmd = [sys.executable, __file__, "--_one", model_key, config_name, "--steps", str(args.steps)]
-            cmd += ["--batch_size", str(args.batch_size), "--max_length", str(args.max_length)]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-            rows.append(json.loads(out.strip().splitlines()[-1]))
-            print(json.dumps(rows[-1]), flush=True)
-
-    header = (
-        "| model | params (M) | config | layout | step (s) | padding | peak RSS (MB) | init (s) | ref model (MB) |"
-    )
-    print("\n" + header + "\n|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['model']} | {r['params_M']} | {r['config']} | {r['layout']} | {r['step_s']} | "
-            f"{r['padding_fraction']:.1%} | {r['peak_rss_MB']} | {r['init_s']} | {r['ref_model_MB']} |"
-        )
+    _harness.print_table(rows, _harness.preference_columns(("padding", _harness.percent("padding_fraction"))))
 
 
 if __name__ == "__main__":

@@ -22,15 +22,16 @@ Usage:
 """
 
 import argparse
-import json
 import os
 import socket
 import subprocess
 import sys
 import time
 
+import _harness
 
-MODELS = {"tiny": "tiny-Qwen2ForCausalLM", "small": "small-Qwen2ForCausalLM"}
+
+MODELS = _harness.MODELS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -144,39 +145,21 @@ def run_grpo(model_path: str, num_prompts: int, n: int, max_new_tokens: int, use
     # Every completion exactly max_new_tokens long, in both back-ends (their option names differ).
     forced_length = {"min_tokens": max_new_tokens} if use_vllm else {"min_new_tokens": max_new_tokens}
     args = GRPOConfig(
-        output_dir=os.path.join("/tmp", f"bench_generation_grpo_{os.getpid()}"),
-        max_steps=steps,
-        per_device_train_batch_size=num_prompts * n,
+        **_harness.training_kwargs(
+            os.path.join("/tmp", f"bench_generation_grpo_{os.getpid()}"), steps, num_prompts * n, logging_steps=1
+        ),
         num_generations=n,
         max_completion_length=max_new_tokens,
         generation_kwargs=forced_length,
         learning_rate=1e-6,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        gradient_checkpointing=False,
-        disable_tqdm=True,
         seed=0,
         use_vllm=use_vllm,
         vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.2,
         vllm_max_model_length=512,
     )
-    from transformers import TrainerCallback
-
-    class CpuClock(TrainerCallback):
-        """Process CPU time of each step (all threads, vLLM's included): steadier than wall time on a busy machine."""
-
-        def __init__(self):
-            self.start, self.steps = None, []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.process_time()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.steps.append(time.process_time() - self.start)
-
-    clock = CpuClock()
+    # Process CPU time of each step (all threads, vLLM's included): steadier than wall time on a busy machine.
+    clock = _harness.step_timer(time.process_time)
     dataset = load_test_dataset("standard_prompt_only", split="train")
     trainer = GRPOTrainer(model_path, reward_funcs=reward, args=args, train_dataset=dataset, callbacks=[clock])
     trainer.train()
@@ -186,7 +169,7 @@ def run_grpo(model_path: str, num_prompts: int, n: int, max_new_tokens: int, use
     completions = num_prompts * n
     result = {
         "seconds": seconds,
-        "cpu_seconds": sum(clock.steps[1:]) / len(clock.steps[1:]),
+        "cpu_seconds": sum(clock.times[1:]) / len(clock.times[1:]),
         "generation_seconds": generation,
         "completions": completions,
         "tokens": completions * max_new_tokens,
@@ -197,7 +180,7 @@ def run_grpo(model_path: str, num_prompts: int, n: int, max_new_tokens: int, use
 
 
 def worker(args: argparse.Namespace) -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _harness.setup_offline(quiet=False)
     from transformers import AutoConfig
 
     from trl.assets import get_model_path
@@ -214,11 +197,11 @@ def worker(args: argparse.Namespace) -> None:
         result = run_grpo(model_path, args.num_prompts, args.n, args.max_new_tokens, use_vllm, args.steps)
     else:
         result = run_vllm_serve(model_path, prompts, args.n, args.max_new_tokens)
-    print("RESULT " + json.dumps(result))
+    _harness.print_result(result, marker="RESULT ")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _harness.make_parser(__doc__)
     parser.add_argument("--model", choices=sorted(MODELS), default="small")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--n", type=int, default=4, help="completions per prompt")
@@ -237,11 +220,8 @@ def main() -> None:
         worker(args)
         return
 
-    forwarded = [
-        "--model", args.model, "--num-prompts", str(args.num_prompts), "--n", str(args.n),
-        "--prompt-length", str(args.prompt_length), "--max-new-tokens", str(args.max_new_tokens),
-        "--hf-batch-size", str(args.hf_batch_size), "--steps", str(args.steps),
-    ]  # fmt: skip
+    keys = ["model", "num_prompts", "n", "prompt_length", "max_new_tokens", "hf_batch_size", "steps"]
+    forwarded = _harness.forwarded_flags(args, keys, dashes=True)
     vllm_python = args.vllm_python if os.path.exists(args.vllm_python) else sys.executable
     configurations = [("hf", sys.executable), ("vllm", vllm_python)]
     if args.server:
@@ -254,14 +234,11 @@ def main() -> None:
     )
     print(f"{'backend':<12}{'seconds':>10}{'completions/s':>16}{'tokens/s':>12}{'RSS MB (all processes)':>24}")
     for name, python in configurations:
-        process = subprocess.run(
-            [python, os.path.abspath(__file__), "--worker", name, *forwarded], capture_output=True, text=True
-        )
-        lines = [line for line in process.stdout.splitlines() if line.startswith("RESULT ")]
-        if process.returncode != 0 or not lines:
-            print(f"{name:<12} failed:\n{process.stderr[-2000:]}")
+        try:
+            r = _harness.run_child(__file__, ["--worker", name, *forwarded], python=python, marker="RESULT ")
+        except _harness.ChildFailed as error:
+            print(f"{name:<12} failed:\n{error.stderr[-2000:]}")
             continue
-        r = json.loads(lines[-1][len("RESULT ") :])
         print(
             f"{name:<12}{r['seconds']:>10.2f}{r['completions'] / r['seconds']:>16.2f}"
             f"{r['tokens'] / r['seconds']:>12.1f}{r['rss_mb']:>24.0f}"

@@ -8,17 +8,10 @@ Usage:
 """
 
 import argparse
-import json
-import resource
 import statistics
-import subprocess
-import sys
 import time
 
-
-def _peak_rss_mib() -> float:
-    # Linux reports ru_maxrss in KiB.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+import _harness
 
 
 def _run_case(variant: str, mode: str, batch: int, seq: int, vocab: int, dtype_name: str, repeats: int) -> dict:
@@ -48,9 +41,9 @@ def _run_case(variant: str, mode: str, batch: int, seq: int, vocab: int, dtype_n
         logits.grad = None
         return grad
 
-    before = _peak_rss_mib()
+    before = _harness.peak_rss_mb(ndigits=None)
     step()  # first call: measures the memory peak
-    extra = _peak_rss_mib() - before
+    extra = _harness.peak_rss_mb(ndigits=None) - before
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -73,7 +66,7 @@ def main() -> None:
     if args._case is not None:  # child process: run one case and print JSON
         variant, mode = args._case.split(":")
         result = _run_case(variant, mode, args.batch, args.seq, args.vocab, args.dtype, args.repeats)
-        print(json.dumps(result))
+        _harness.print_result(result)
         return
 
     logits_mib = args.batch * args.seq * args.vocab * (4 if args.dtype == "float32" else 2) / 2**20
@@ -81,18 +74,8 @@ def main() -> None:
     print(f"{'mode':<8} {'variant':<8} {'extra peak MiB':>15} {'time s':>8}")
     for mode in args.modes.split(","):
         for variant in ("naive", "chunked"):
-            cmd = [
-                sys.executable,
-                __file__,
-                f"--batch={args.batch}",
-                f"--seq={args.seq}",
-                f"--vocab={args.vocab}",
-                f"--dtype={args.dtype}",
-                f"--repeats={args.repeats}",
-                f"--_case={variant}:{mode}",
-            ]
-            output = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-            result = json.loads(output)
+            flags = [f"--{key}={getattr(args, key)}" for key in ("batch", "seq", "vocab", "dtype", "repeats")]
+            result = _harness.run_child(__file__, [*flags, f"--_case={variant}:{mode}"])
             print(f"{mode:<8} {variant:<8} {result['extra_peak_mib']:>15.0f} {result['time_s']:>8.3f}")
 
 

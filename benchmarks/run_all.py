@@ -3,18 +3,16 @@
 Usage: `python benchmarks/run_all.py [name ...]` where a name is a file stem without `bench_` (e.g. `sft dpo`).
 """
 
-import glob
-import os
 import subprocess
 import sys
 
+import _harness
+
 
 def main() -> int:
-    here = os.path.dirname(os.path.abspath(__file__))
     wanted = set(sys.argv[1:])
     failures = 0
-    for path in sorted(glob.glob(os.path.join(here, "bench_*.py"))):
-        name = os.path.basename(path)[len("bench_") : -len(".py")]
+    for name, path in _harness.benchmark_scripts().items():
         if wanted and name not in wanted:
             continue
         print(f"\n=== {name} ===", flush=True)
