@@ -94,6 +94,17 @@ def train_log(trainer):
     return train_logs(trainer)[-1]
 
 
+def multiplication_trainer(model_path, reward, args, tool):
+    """A GRPO trainer on two "3 times 4" questions with one tool (the setting most tool-loop tests script)."""
+    return GRPOTrainer(
+        model_path,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=chat_dataset("What is 3 times 4?", "Compute 3*4."),
+        tools=[tool],
+    )
+
+
 class Recorder:
     """Reward function recording what the trainer passes to reward functions."""
 
@@ -137,13 +148,7 @@ def divide(a: int, b: int) -> float:
 def test_tool_call_loop_masks_tool_results(tmp_path, model_path):
     calls, recorder = [], Recorder()
     multiply = make_multiply(calls)
-    trainer = GRPOTrainer(
-        model_path,
-        reward_funcs=recorder,
-        args=make_args(tmp_path),
-        train_dataset=chat_dataset("What is 3 times 4?", "Compute 3*4."),
-        tools=[multiply],
-    )
+    trainer = multiplication_trainer(model_path, recorder, make_args(tmp_path), multiply)
     ScriptedReplies(trainer, lambda text, turn: tool_call("multiply", a=3, b=4) if turn == 0 else "It is 12.")
     trainer.train()
 
@@ -231,12 +236,11 @@ def test_max_tool_calling_iterations_and_budget(tmp_path, model_path, caplog):
     calls, recorder = [], Recorder()
     multiply = make_multiply(calls)
     always_call = lambda text, turn: tool_call("multiply", a=3, b=4)  # noqa: E731
-    trainer = GRPOTrainer(
+    trainer = multiplication_trainer(
         model_path,
-        reward_funcs=recorder,
-        args=make_args(tmp_path / "cap", max_completion_length=256, max_tool_calling_iterations=2),
-        train_dataset=chat_dataset("What is 3 times 4?", "Compute 3*4."),
-        tools=[multiply],
+        recorder,
+        make_args(tmp_path / "cap", max_completion_length=256, max_tool_calling_iterations=2),
+        multiply,
     )
     ScriptedReplies(trainer, always_call)
     trainer.train()
@@ -250,12 +254,8 @@ def test_max_tool_calling_iterations_and_budget(tmp_path, model_path, caplog):
 
     # A budget smaller than turn + tool result: the completion is cut at max_completion_length, no second turn.
     calls.clear()
-    trainer = GRPOTrainer(
-        model_path,
-        reward_funcs=Recorder(),
-        args=make_args(tmp_path / "budget", max_completion_length=36),
-        train_dataset=chat_dataset("What is 3 times 4?", "Compute 3*4."),
-        tools=[multiply],
+    trainer = multiplication_trainer(
+        model_path, Recorder(), make_args(tmp_path / "budget", max_completion_length=36), multiply
     )
     ScriptedReplies(trainer, always_call)
     with caplog.at_level(logging.WARNING, logger="trl.trainer.tool_calling"):
@@ -281,13 +281,7 @@ def test_async_tool(tmp_path, model_path):
         return a * b
 
     recorder = Recorder()
-    trainer = GRPOTrainer(
-        model_path,
-        reward_funcs=recorder,
-        args=make_args(tmp_path),
-        train_dataset=chat_dataset("What is 3 times 4?", "Compute 3*4."),
-        tools=[multiply],
-    )
+    trainer = multiplication_trainer(model_path, recorder, make_args(tmp_path), multiply)
     ScriptedReplies(trainer, lambda text, turn: tool_call("multiply", a=3, b=4) if turn == 0 else "12")
     trainer.train()
     assert calls == [(3, 4)] * 4
@@ -311,13 +305,7 @@ def test_tool_loop_with_vllm_colocate(tmp_path, model_path):
         vllm_max_model_length=1024,
         vllm_structured_outputs_regex=re.escape(tool_call("multiply", a=3, b=4)),
     )
-    trainer = GRPOTrainer(
-        model_path,
-        reward_funcs=recorder,
-        args=args,
-        train_dataset=chat_dataset("What is 3 times 4?", "Compute 3*4."),
-        tools=[make_multiply(calls)],
-    )
+    trainer = multiplication_trainer(model_path, recorder, args, make_multiply(calls))
     limits, generate = [], trainer.vllm_generation.generate
 
     def generate_recording_limit(*args, **kwargs):
