@@ -1,12 +1,14 @@
-"""Helpers around the models a trainer handles: frozen reference copies, unwrapping for generation, and preparing
-eval-only models (reference, reward, teacher) for DeepSpeed or FSDP."""
+"""Helpers around the models a trainer handles: frozen reference copies, unwrapping for generation, preparing
+eval-only models (reference, reward, teacher) for DeepSpeed or FSDP, turning dropout off, and hashing weights."""
 
 import copy
+import hashlib
 import itertools
 import warnings
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from ..import_utils import is_deepspeed_available
@@ -366,3 +368,22 @@ __all__ = [
     "prepare_fsdp",
     "unwrap_model_for_generation",
 ]
+
+
+def disable_dropout_in_model(model: nn.Module) -> None:
+    """Set the probability of every dropout layer of `model` to 0 (in place)."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+
+
+def hash_module(module: nn.Module) -> str:
+    """SHA-256 hex digest of a module's parameters and buffers (names, dtypes, shapes and values)."""
+    digest = hashlib.sha256()
+    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        digest.update(name.encode())
+        digest.update(str(tensor.dtype).encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() > 0 else b"")
+    return digest.hexdigest()

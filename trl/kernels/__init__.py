@@ -1,0 +1,17 @@
+"""Memory-efficient kernels for log-probabilities over large vocabularies (resolved lazily: importing the package does
+not import torch)."""
+
+import sys
+from typing import TYPE_CHECKING
+
+from .._lazy_module import _LazyModule
+
+
+_import_structure = {
+    "log_softmax": ["entropy_from_logits", "selective_log_softmax", "selective_log_softmax_and_entropy"],
+}
+
+if TYPE_CHECKING:
+    from .log_softmax import entropy_from_logits, selective_log_softmax, selective_log_softmax_and_entropy
+else:
+    sys.modules[__name__] = _LazyModule(__name__, globals()["__file__"], _import_structure, module_spec=__spec__)

@@ -1,0 +1,173 @@
+"""PEFT preparation of the trained model: the LoRA config from `ModelConfig`, wrapping a model with an adapter (k-bit
+preparation, gradient checkpointing, bf16 casting) and switching the active adapter."""
+
+import warnings
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers import PreTrainedModel
+
+from ..import_utils import is_peft_available
+from .utils import _is_deepspeed_zero3
+
+
+def get_peft_config(model_args: Any):
+    """Build a `peft.LoraConfig` from a [`ModelConfig`], or return None when `use_peft` is off.
+
+    Args:
+        model_args: Object with the LoRA fields of [`ModelConfig`] (`use_peft`, `lora_r`, `lora_alpha`, ...).
+
+    Returns:
+        `peft.LoraConfig | None`.
+    """
+    if not model_args.use_peft:
+        return None
+    if not is_peft_available():
+        raise ValueError(
+            "`use_peft=True` needs the PEFT library, which is not installed. Install it with `pip install trl[peft]`."
+        )
+    from peft import LoraConfig
+
+    kwargs = dict(
+        task_type=model_args.lora_task_type,
+        r=model_args.lora_r,
+        target_modules=model_args.lora_target_modules,
+        lora_alpha=model_args.lora_alpha,
+        lora_dropout=model_args.lora_dropout,
+        bias="none",
+        use_rslora=model_args.use_rslora,
+        use_dora=model_args.use_dora,
+        modules_to_save=model_args.lora_modules_to_save,
+    )
+    target_parameters = getattr(model_args, "lora_target_parameters", None)
+    if target_parameters is not None:
+        kwargs["target_parameters"] = target_parameters
+    return LoraConfig(**kwargs)
+
+
+def _is_kbit_model(model: nn.Module) -> bool:
+    return bool(getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False))
+
+
+def enable_gradient_checkpointing(model: nn.Module, gradient_checkpointing_kwargs: dict | None = None) -> None:
+    """Turn on gradient (activation) checkpointing and make the embedding outputs require grad.
+
+    The latter is what lets gradients reach adapters placed after frozen layers when checkpointing is on.
+
+    Args:
+        model: A transformers model (or a wrapper forwarding the checkpointing methods).
+        gradient_checkpointing_kwargs: Extra arguments for `torch.utils.checkpoint.checkpoint`.
+    """
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=gradient_checkpointing_kwargs)
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+
+
+def peft_module_casting_to_bf16(model: nn.Module) -> None:
+    """Cast a PEFT model for bf16 training on a quantized base: adapters and fp32 embeddings/heads to bf16, norms
+    to fp32 (in place)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            module.to(torch.bfloat16)
+        elif isinstance(module, nn.LayerNorm) or "norm" in name.split(".")[-1].lower():
+            module.to(torch.float32)
+        elif any(key in name for key in ("lm_head", "embed_tokens", "wte", "wpe")):
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+                module.to(torch.bfloat16)
+
+
+def prepare_peft_model(model: PreTrainedModel, peft_config: Any, args: Any) -> nn.Module:
+    """Wrap `model` with LoRA (or another PEFT method) the way every trainer does.
+
+    Steps: validate inputs; quantized (bitsandbytes) models go through `peft.prepare_model_for_kbit_training`;
+    otherwise, with `args.gradient_checkpointing`, checkpointing is enabled and the embedding outputs are made to
+    require grad (needed for adapters + checkpointing to train); the model is wrapped with `peft.get_peft_model`
+    (adapter dtype autocast disabled under ZeRO-3); finally 4-bit models trained in bf16 get their trainable modules
+    cast to bf16.
+
+    Args:
+        model: Model to wrap.
+        peft_config: A `peft.PeftConfig`; None returns `model` unchanged.
+        args: Training arguments (`gradient_checkpointing`, `gradient_checkpointing_kwargs` and `bf16` are read).
+
+    Returns:
+        The `peft.PeftModel`.
+    """
+    if peft_config is None:
+        return model
+    if not is_peft_available():
+        raise ImportError(
+            "Training with a `peft_config` needs the PEFT library, which is not installed. Install it with "
+            "`pip install trl[peft]`."
+        )
+    from peft import PeftConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+
+    if not isinstance(peft_config, PeftConfig):
+        raise TypeError(
+            f"`peft_config` must be a `peft.PeftConfig` (for example `peft.LoraConfig`), got "
+            f"{type(peft_config).__name__}."
+        )
+    if isinstance(model, PeftModel):
+        raise ValueError(
+            "The model is already a `PeftModel` and a `peft_config` was also given. Pass either the base model with "
+            "a `peft_config`, or the `PeftModel` without one."
+        )
+
+    gradient_checkpointing = bool(getattr(args, "gradient_checkpointing", False))
+    gc_kwargs = dict(getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    zero3 = _is_deepspeed_zero3()
+    if gradient_checkpointing and zero3:
+        # Non-reentrant checkpointing does not see the parameters DeepSpeed gathers lazily.
+        gc_kwargs["use_reentrant"] = True
+
+    if _is_kbit_model(model):
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=gradient_checkpointing, gradient_checkpointing_kwargs=gc_kwargs or None
+        )
+        if gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()
+    elif gradient_checkpointing:
+        enable_gradient_checkpointing(model, gc_kwargs or None)
+
+    with warnings.catch_warnings():
+        # peft reads the attribute transformers renamed; the deprecation is not actionable for users.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = get_peft_model(model, peft_config, autocast_adapter_dtype=not zero3)
+
+    if getattr(model, "is_loaded_in_4bit", False) and getattr(args, "bf16", False):
+        peft_module_casting_to_bf16(model)
+    return model
+
+
+@contextmanager
+def use_adapter(model: Any, adapter_name: str | None):
+    """Temporarily switch the active adapter of a PEFT model.
+
+    `adapter_name=None` disables all adapters inside the block (the base model is used, for example as a
+    reference). The previous active adapter and the `requires_grad` flags of all parameters are restored on exit.
+
+    Args:
+        model: A `peft.PeftModel`.
+        adapter_name: Adapter to activate, or None to disable adapters.
+    """
+    if adapter_name is None:
+        with model.disable_adapter():
+            yield model
+        return
+    previous = model.active_adapter
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    model.set_adapter(adapter_name)
+    try:
+        yield model
+    finally:
+        model.set_adapter(previous)
+        for param, flag in flags:  # set_adapter makes the activated adapter trainable: undo that
+            param.requires_grad_(flag)

@@ -1,0 +1,110 @@
+"""Building blocks shared by the trainers, one module per concern; this front re-exports them all so that every
+`from trl.trainer.utils import ...` keeps working.
+
+| module | concern |
+|---|---|
+| `tensors` | padding, flushing rows left/right, NaN-aware reductions |
+| `sampling` | repeated-index samplers, splitting and shuffling dictionaries of batch data |
+| `logprobs` | per-token log-probabilities of a causal LM, per-token statistics of the output distribution |
+| `packing` | packed sequences, sequence-level log-probabilities, precomputed reference log-probabilities |
+| `dataset_rows` | prompt/completion tokenisation and collation for the offline preference trainers |
+| `reporting` | console sample tables, tracker URLs and tables, model cards |
+| `flops` | FLOPs per token, accelerator peak FLOP/s, MFU |
+| `callables` | identity, callable names, async detection |
+| `distributed` | `MASTER_ADDR`/`MASTER_PORT`, whether DeepSpeed or FSDP shards the model |
+
+Chunked log-softmax kernels live in `trl.kernels.log_softmax`; model loading, PEFT preparation and model-level
+helpers in `trl.models.loading`, `trl.models.peft` and `trl.models.utils`. They are re-exported here.
+"""
+
+from ...kernels.log_softmax import (
+    _log_softmax_stats,
+    entropy_from_logits,
+    selective_log_softmax,
+    selective_log_softmax_and_entropy,
+)
+from ...models.loading import (
+    create_model_from_path,
+    get_config_model_id,
+    get_kbit_device_map,
+    get_quantization_config,
+)
+from ...models.peft import (
+    enable_gradient_checkpointing,
+    get_peft_config,
+    peft_module_casting_to_bf16,
+    prepare_peft_model,
+    use_adapter,
+)
+from ...models.utils import disable_dropout_in_model, hash_module
+from .callables import get_callable_name, identity, is_async_callable
+from .dataset_rows import (
+    PromptCompletionTokenizer,
+    as_token_list,
+    collate_prompt_completions,
+    map_kwargs_with_desc,
+    parse_tools_column,
+    remove_none_values,
+    scored_completion_tokens,
+)
+from .distributed import ensure_master_addr_port, uses_sharding_engine
+from .flops import compute_flops_per_token, compute_mfu, get_peak_flops
+from .logprobs import TokenLogps, compute_token_logps, logits_statistics, model_accepts_argument
+from .packing import (
+    PackedSequences,
+    SequenceTokenLogps,
+    compute_sequence_token_logps,
+    pack_padded_sequences,
+    packed_attention_kind,
+    precompute_reference_logps,
+)
+from .reporting import (
+    generate_model_card,
+    get_comet_experiment_url,
+    get_trackio_space_url,
+    log_table_to_comet_experiment,
+    print_prompt_completions_sample,
+)
+from .sampling import RepeatSampler, repeat_iterable_dataset, shuffle_sequence_dict, split_tensor_dict
+from .tensors import flush_left, flush_right, nanmax, nanmin, nanstd, pad
+
+
+__all__ = [
+    "RepeatSampler",
+    "compute_flops_per_token",
+    "compute_mfu",
+    "create_model_from_path",
+    "disable_dropout_in_model",
+    "enable_gradient_checkpointing",
+    "ensure_master_addr_port",
+    "entropy_from_logits",
+    "flush_left",
+    "flush_right",
+    "generate_model_card",
+    "get_callable_name",
+    "get_comet_experiment_url",
+    "get_config_model_id",
+    "get_kbit_device_map",
+    "get_peak_flops",
+    "get_peft_config",
+    "get_quantization_config",
+    "get_trackio_space_url",
+    "hash_module",
+    "identity",
+    "is_async_callable",
+    "log_table_to_comet_experiment",
+    "nanmax",
+    "nanmin",
+    "nanstd",
+    "pad",
+    "peft_module_casting_to_bf16",
+    "prepare_peft_model",
+    "print_prompt_completions_sample",
+    "remove_none_values",
+    "repeat_iterable_dataset",
+    "selective_log_softmax",
+    "selective_log_softmax_and_entropy",
+    "shuffle_sequence_dict",
+    "split_tensor_dict",
+    "use_adapter",
+]

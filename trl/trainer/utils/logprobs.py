@@ -1,0 +1,140 @@
+"""Per-token log-probabilities of a causal LM (shared by DPO, KTO, GRPO, RLOO, Online DPO, ...): one forward pass,
+LM-head work only where a target is scored, plus chunked per-token statistics of the output distribution."""
+
+import inspect
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+
+from ...kernels.log_softmax import selective_log_softmax, selective_log_softmax_and_entropy
+
+
+class TokenLogps(NamedTuple):
+    """Result of [`compute_token_logps`].
+
+    Attributes:
+        logps: `(batch, seq_len - 1)` log-probability of each next token (`input_ids[:, t + 1]` given the prefix up to
+            `t`); 0 where `target_mask` is False.
+        entropy: Same shape, entropy of the predicted distribution (None unless requested).
+        outputs: The model's raw outputs (for `aux_loss` of mixture-of-experts models, for example).
+    """
+
+    logps: torch.Tensor
+    entropy: torch.Tensor | None
+    outputs: Any
+
+
+def model_accepts_argument(model: nn.Module, name: str) -> bool:
+    """Whether the (possibly PEFT- or DDP-wrapped) model's `forward` takes an argument called `name`."""
+    target = getattr(model, "module", model)
+    # PeftModel.forward takes **kwargs and passes them to the wrapped transformers model.
+    while hasattr(target, "peft_config") and hasattr(target, "base_model"):
+        target = target.base_model
+        target = getattr(target, "model", target)
+    try:
+        return name in inspect.signature(target.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def compute_token_logps(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    target_mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    **forward_kwargs: Any,
+) -> TokenLogps:
+    """Log-probability of every next token under a causal LM, without a full-vocabulary log-softmax.
+
+    Only positions where `target_mask` is True in some row go through the output projection when the model supports
+    `logits_to_keep`, so prompts and padding cost no LM-head compute. Works for padded batches (`attention_mask`) and
+    padding-free ones (`position_ids` restarting at each packed sequence, no attention mask).
+
+    Args:
+        model: Causal LM (plain, PEFT or accelerate-wrapped).
+        input_ids: `(batch, seq_len)` token ids.
+        attention_mask: Optional `(batch, seq_len)` mask.
+        position_ids: Optional `(batch, seq_len)` positions (required for padding-free batches).
+        target_mask: Optional `(batch, seq_len - 1)` bool mask of the next-token positions to score.
+        temperature: Logits are divided by this value before the softmax.
+        compute_entropy: Also return the per-position entropy.
+        **forward_kwargs: Extra arguments for the model's forward (e.g. `pixel_values`).
+
+    Returns:
+        [`TokenLogps`] with `(batch, seq_len - 1)` tensors.
+    """
+    kwargs = dict(forward_kwargs)
+    kwargs["input_ids"] = input_ids
+    kwargs["use_cache"] = False
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    if position_ids is not None:
+        kwargs["position_ids"] = position_ids
+    targets = input_ids[:, 1:]
+    positions = None
+    if target_mask is not None and model_accepts_argument(model, "logits_to_keep"):
+        positions = target_mask.any(dim=0).nonzero().squeeze(-1)
+        kwargs["logits_to_keep"] = positions
+    outputs = model(**kwargs)
+    logits = outputs.logits
+    if positions is None:
+        logits = logits[:, :-1]
+    else:
+        targets = targets[:, positions]
+    if compute_entropy:
+        logps, entropy = selective_log_softmax_and_entropy(logits, targets, temperature=temperature)
+    else:
+        logps, entropy = selective_log_softmax(logits, targets, temperature=temperature), None
+    if positions is not None:
+        full = logps.new_zeros(input_ids.shape[0], input_ids.shape[1] - 1)
+        logps = full.index_copy(1, positions, logps)
+        if entropy is not None:
+            entropy = entropy.new_zeros(full.shape).index_copy(1, positions, entropy)
+    if target_mask is not None:
+        logps = logps.masked_fill(~target_mask, 0.0)
+        if entropy is not None:
+            entropy = entropy.masked_fill(~target_mask, 0.0)
+    return TokenLogps(logps=logps, entropy=entropy, outputs=outputs)
+
+
+# Bytes of float32 logits processed at once by `logits_statistics`.
+_STATS_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+def logits_statistics(logits: torch.Tensor, targets: torch.Tensor, sharpness: bool = False) -> dict[str, torch.Tensor]:
+    """Per-token statistics of the full output distribution, computed chunk by chunk (never a full log-softmax).
+
+    Meant as the `logits_stats_fn` of [`compute_sequence_token_logps`] (metrics only, no gradient).
+
+    Args:
+        logits: `(rows, positions, vocab)` logits.
+        targets: `(rows, positions)` target token ids.
+        sharpness: Also return `log_sum_sq_probs = log sum_v p_v^2` (used by WPO weighting).
+
+    Returns:
+        `{"mean_logit", "correct"}` (and `"log_sum_sq_probs"`), each of the shape of `targets`: the mean logit over
+        the vocabulary and whether the argmax is the target token.
+    """
+    vocab = logits.shape[-1]
+    flat_logits = logits.reshape(-1, vocab)
+    flat_targets = targets.reshape(-1)
+    rows = max(1, _STATS_CHUNK_BYTES // (4 * vocab))
+    mean_logit, correct, sharp = [], [], []
+    for start in range(0, flat_logits.shape[0], rows):
+        chunk = flat_logits[start : start + rows].float()
+        mean_logit.append(chunk.mean(dim=-1))
+        correct.append((chunk.argmax(dim=-1) == flat_targets[start : start + rows]).float())
+        if sharpness:
+            # log sum_v p_v^2 = logsumexp(2 z) - 2 logsumexp(z)
+            sharp.append(torch.logsumexp(2 * chunk, dim=-1) - 2 * torch.logsumexp(chunk, dim=-1))
+    stats = {
+        "mean_logit": torch.cat(mean_logit).reshape(targets.shape),
+        "correct": torch.cat(correct).reshape(targets.shape),
+    }
+    if sharp:
+        stats["log_sum_sq_probs"] = torch.cat(sharp).reshape(targets.shape)
+    return stats
