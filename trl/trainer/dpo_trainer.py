@@ -25,8 +25,8 @@ from transformers import (
 from transformers.trainer_utils import EvalPrediction
 
 from ..data_utils import get_dataset_column_names, is_conversational, maybe_extract_prompt
-from .base_trainer import _PreferenceTrainer
 from .dpo_config import DPOConfig
+from .preference_base import _PreferenceTrainer
 from .utils import (
     PromptCompletionTokenizer,
     collate_prompt_completions,
