@@ -330,7 +330,7 @@ class _BaseTrainer(Trainer):
         self._metrics[mode][name].append(float(value))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode
         if not hasattr(self, "_metrics"):
             self._init_metrics()
         metrics = {}

@@ -549,7 +549,7 @@ class DPOTrainer(_PreferenceTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode
         target_mask = self._target_mask(inputs)
         num_pairs = inputs["input_ids"].shape[0] // 2
 

@@ -274,7 +274,7 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode
         label = inputs["label"].bool()
         n = label.shape[0]
         policy = self._policy_pass(model, inputs)

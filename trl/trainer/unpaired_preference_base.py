@@ -461,7 +461,7 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         proportionally; a class absent from the whole interval is not logged. `rewards/margins` is
         `rewards/chosen - rewards/rejected`. The `*_sum` and `count/*` entries are logged as per-batch values.
         """
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode
         if not hasattr(self, "_metrics"):
             self._init_metrics()
         metrics = self._metrics[mode]

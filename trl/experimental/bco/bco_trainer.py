@@ -694,7 +694,7 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode
         loss, outputs = self.get_batch_loss_metrics(model, inputs, train_eval=mode)
         if return_outputs:
             return loss, outputs
