@@ -34,10 +34,10 @@ CONFIGS = ["baseline", "+shared prompt cache", "+skip old-logp pass"]
 def run_one(model_key: str, config_name: str, args: argparse.Namespace) -> dict:
     _harness.setup_offline()
     from trl import GRPOConfig, GRPOTrainer
-    from trl.trainer import online_base
+    from trl.trainer import online_base, online_generation
 
-    # The trainer's timers read `time.perf_counter` in online_base.
-    model_path, dataset = _harness.prepare_online_run(model_key, args, [online_base])
+    # The trainer's timers read `time.perf_counter` in online_base (rollout, step) and online_generation (generation).
+    model_path, dataset = _harness.prepare_online_run(model_key, args, [online_base, online_generation])
 
     class BaselineTrainer(GRPOTrainer):
         _share_prompt_cache = False

@@ -117,7 +117,7 @@ def run_ab(model_key: str, repeats: int, batch_size: int, max_length: int, num_b
 
     from trl import KTOConfig, KTOTrainer
     from trl.assets import get_model_path
-    from trl.trainer.kto_trainer import _select_rows
+    from trl.trainer.unpaired_preference_base import _select_rows
 
     torch.manual_seed(0)
     config = KTOConfig(

@@ -34,10 +34,12 @@ def run_one(model_key: str, config_name: str, args: argparse.Namespace) -> dict:
     from trl.experimental.nash_md import NashMDConfig, NashMDTrainer
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, online_dpo_trainer
     from trl.experimental.xpo import XPOConfig, XPOTrainer
-    from trl.trainer import online_base
+    from trl.trainer import online_base, online_generation
 
     # The trainers' timers read `time.perf_counter` in these modules.
-    model_path, dataset = _harness.prepare_online_run(model_key, args, [online_base, online_dpo_trainer])
+    model_path, dataset = _harness.prepare_online_run(
+        model_key, args, [online_base, online_generation, online_dpo_trainer]
+    )
 
     class NoSharedCacheTrainer(OnlineDPOTrainer):
         _share_prompt_cache = False

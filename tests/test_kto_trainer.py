@@ -21,13 +21,8 @@ from transformers import AutoModelForCausalLM
 
 from trl import KTOConfig, KTOTrainer
 from trl.assets import get_model_path, load_test_dataset
-from trl.trainer.kto_trainer import (
-    DataCollatorForUnpairedPreference,
-    _KLCompletions,
-    _UnpairedPreferenceTrainer,
-    kto_kl_reference_point,
-    kto_loss,
-)
+from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference, kto_kl_reference_point, kto_loss
+from trl.trainer.unpaired_preference_base import _KLCompletions, _UnpairedPreferenceTrainer
 
 
 MODEL = "tiny-Qwen2ForCausalLM"

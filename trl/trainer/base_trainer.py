@@ -3,11 +3,13 @@
 Mechanisms every trainer needs live here once: loading the model and processing class from a string, PEFT
 wrapping, metric accumulation and logging (averaged per logging interval, train and eval kept apart), the model card,
 and the default config when `args=None`. A trainer subclass adds only its data preparation and its loss.
+
+The families of trainers add their shared machinery in their own bases: `preference_base.py` (DPO, KTO, BCO; with
+`unpaired_preference_base.py` for KTO and BCO) and `online_base.py` (GRPO, RLOO, Online DPO, ...).
 """
 
 import contextlib
 import copy
-import logging
 import os
 import warnings
 from collections import defaultdict
@@ -21,9 +23,6 @@ from transformers.utils import is_peft_available
 
 if is_peft_available():
     from peft import PeftModel
-
-
-logger = logging.getLogger(__name__)
 
 
 class _BaseTrainer(Trainer):
@@ -331,7 +330,7 @@ class _BaseTrainer(Trainer):
         self._metrics[mode][name].append(float(value))
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode
         if not hasattr(self, "_metrics"):
             self._init_metrics()
         metrics = {}
@@ -504,8 +503,7 @@ class _BaseTrainer(Trainer):
         return model, tokenizer, added_tokens
 
     # ------------------------------------------------------------------------------------------------------------
-    # Offline preference trainers (DPO, KTO, BCO, ...): MoE loss, adapters, batch layout, reference log-probs
-    # computed on the fly or once before training, and batch metrics gathered in one collective
+    # Shared by offline and online trainers: the MoE router loss, and batch metrics gathered in one collective
     # ------------------------------------------------------------------------------------------------------------
     @staticmethod
     def _resolve_aux_loss(model: nn.Module, args: TrainingArguments) -> tuple[bool, float]:
@@ -530,136 +528,6 @@ class _BaseTrainer(Trainer):
             model_config.output_router_logits = True
             return True, float(coef)
         return False, 0.0
-
-    @staticmethod
-    def _check_adapter_names(model: nn.Module, model_adapter_name: str | None, ref_adapter_name: str | None) -> None:
-        """Validate the adapters named for training and as the reference in a multi-adapter PEFT model."""
-        available = list(getattr(model, "peft_config", {}) or {})
-        for option, name in (("model_adapter_name", model_adapter_name), ("ref_adapter_name", ref_adapter_name)):
-            if name is not None and name not in available:
-                raise ValueError(
-                    f"{option}={name!r} is not an adapter of the PEFT model; it has {available}. Load it first (e.g. "
-                    f"PeftModel.load_adapter(path, adapter_name={name!r})) or fix the name."
-                )
-        if model_adapter_name is not None and model_adapter_name == ref_adapter_name:
-            raise ValueError(
-                f"model_adapter_name and ref_adapter_name are both {model_adapter_name!r}; the reference adapter must "
-                "differ from the trained one."
-            )
-
-    @staticmethod
-    def _choose_layout(model: nn.Module | None, padding_free: bool, warn: bool = False) -> str:
-        """Batch layout of a forward pass: `padding_free` (one row), `packed` (short rows) or `padded`.
-
-        See `trl.trainer.utils.compute_sequence_token_logps`. Packing is used whenever the model's attention can keep
-        packed sequences apart; `padding_free=True` asks for a single row (a warning falls back to padded batches
-        when the attention cannot handle it).
-        """
-        from .utils import packed_attention_kind
-
-        kind = packed_attention_kind(model) if model is not None else None
-        if kind is None:
-            if padding_free and warn:
-                implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-                warnings.warn(
-                    f"padding_free=True, but the model ({type(model).__name__}, attention {implementation!r}) cannot "
-                    "attend within packed sequences; falling back to padded batches.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            return "padded"
-        if padding_free or kind == "varlen":
-            return "padding_free"
-        return "packed"
-
-    @contextlib.contextmanager
-    def _reference_module(self, model: nn.Module, ref_adapter_name: str | None = None):
-        """Yield the module that computes reference log-probs for a batch, under no_grad.
-
-        While reference log-probs are being precomputed without a separate reference model
-        (`self._policy_is_reference`), the untrained policy itself; otherwise `_reference_context` (the reference
-        model, or the PEFT policy with its adapters disabled / `ref_adapter_name` active). When the reference model
-        was released after precomputation and the batch carries no precomputed values, a clear error.
-        """
-        with torch.no_grad():
-            ref_model = getattr(self, "ref_model", None)
-            if ref_model is None and getattr(self, "_policy_is_reference", False):
-                yield model
-                return
-            if ref_model is None and not self._is_peft_model(self.accelerator.unwrap_model(model)):
-                raise ValueError(
-                    "This batch has no precomputed reference log-probs and the trainer holds no reference model (it "
-                    "was released after precompute_ref_log_probs). Evaluate on the datasets given to the trainer, "
-                    "whose reference log-probs were precomputed, or create the trainer with "
-                    "precompute_ref_log_probs=False."
-                )
-            with self._reference_context(model, ref_model, ref_adapter_name) as reference:
-                yield reference
-
-    def _precompute_reference_columns(
-        self,
-        compute_fn: Any,
-        columns: tuple[str, ...],
-        batch_size: int | None = None,
-        eval_batch_size: int | None = None,
-    ) -> None:
-        """Score the train and eval datasets with the reference once, store the values as columns, drop the ref model.
-
-        Args:
-            compute_fn: `f(model, batch) -> {column: (n,) tensor}` computing the reference values of a collated batch
-                (it receives the policy, which serves as the reference while `self._policy_is_reference` is set).
-            columns: Names of the columns `compute_fn` returns; datasets that already have them are left as they are.
-            batch_size: Examples per pre-pass batch for the train dataset (default: `per_device_train_batch_size`).
-            eval_batch_size: Same for evaluation datasets (default: `per_device_eval_batch_size`).
-        """
-        import gc
-
-        from datasets import Dataset
-
-        from .utils import precompute_reference_logps
-
-        args = self.args
-        was_training = self.model.training
-        self.model.eval()
-        self._policy_is_reference = getattr(self, "ref_model", None) is None
-        sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
-        model = self.model if sharded else self.model.to(args.device)
-
-        def compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            with self.compute_loss_context_manager():
-                return compute_fn(model, batch)
-
-        def score(dataset: Any, size: int, name: str) -> Any:
-            if isinstance(dataset, Dataset) and all(c in dataset.column_names for c in columns):
-                return dataset  # already scored (e.g. by the user)
-            return precompute_reference_logps(
-                dataset,
-                self.data_collator,
-                compute,
-                batch_size=size,
-                accelerator=self.accelerator,
-                num_workers=args.dataloader_num_workers,
-                desc=f"Computing reference log-probs of the {name} dataset",
-            )
-
-        try:
-            self.train_dataset = score(self.train_dataset, batch_size or args.per_device_train_batch_size, "train")
-            if self.eval_dataset is not None:
-                size = eval_batch_size or args.per_device_eval_batch_size
-                if isinstance(self.eval_dataset, dict):
-                    self.eval_dataset = {
-                        key: score(ds, size, f"eval ({key})") for key, ds in self.eval_dataset.items()
-                    }
-                else:
-                    self.eval_dataset = score(self.eval_dataset, size, "eval")
-        finally:
-            self._policy_is_reference = False
-            self.model.train(was_training)
-        # The values are stored with the data: the reference model is no longer needed.
-        self.ref_model = None
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 
     def _record_batch_metrics(
         self,
@@ -707,282 +575,3 @@ class _BaseTrainer(Trainer):
         if num_tokens is not None and mode == "train":
             self._total_train_tokens = getattr(self, "_total_train_tokens", 0) + int(summed[index])
             self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Offline preference trainers (DPO, KTO, experimental BCO): the construction steps, dataset checks, log-prob pass
-# and train / evaluation steps they have in common
-# ----------------------------------------------------------------------------------------------------------------
-class _PreferenceTrainer(_BaseTrainer):
-    """Private base of the trainers that learn from fixed preference data against a reference model.
-
-    [`DPOTrainer`], [`KTOTrainer`] and the experimental `BCOTrainer` build themselves in the same order: checks of the
-    options, the model, a tokenizer with a pad token, PEFT adapters, a reference model (unless the reference
-    log-probs are precomputed on a single device), the collator and datasets, `Trainer.__init__`, then the reference
-    prepared for the trainer's engine. The helpers of each step live here; a subclass keeps only what is its own.
-
-    A subclass sets `pad_token_id` and `_layout` (and `_ref_layout`) before using [`_token_logps`], implements
-    `compute_loss(..., return_outputs=True)` and [`_prediction_logits_and_labels`] for evaluation.
-    """
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Construction
-    # ------------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _check_reference_options(args: TrainingArguments, trainer_name: str) -> None:
-        """Reject options that cannot be combined, before anything is loaded."""
-        if getattr(args, "sync_ref_model", False) and getattr(args, "precompute_ref_log_probs", False):
-            raise ValueError(
-                "sync_ref_model=True updates the reference model during training, but precompute_ref_log_probs=True "
-                "fixes the reference log-probs before training (and drops the reference model). Use one of the two."
-            )
-        if args.n_gpu > 1:
-            raise ValueError(
-                f"{trainer_name} does not support torch.nn.DataParallel over {args.n_gpu} GPUs in one process. Launch "
-                "one process per GPU with `accelerate launch` (or torchrun), or restrict CUDA_VISIBLE_DEVICES to one "
-                "GPU."
-            )
-
-    @staticmethod
-    def _warn_liger_kernel_deprecated(args: TrainingArguments, trainer_name: str) -> None:
-        if getattr(args, "use_liger_kernel", False):
-            warnings.warn(
-                f"use_liger_kernel is deprecated in {trainer_name} and has no effect: pass "
-                "model_init_kwargs={'use_kernels': True} to use hub kernels instead.",
-                FutureWarning,
-                stacklevel=3,
-            )
-
-    def _check_peft_arguments(self, model: nn.Module, peft_config: Any, ref_model: Any, args: Any) -> None:
-        """A PeftModel cannot take a second `peft_config`; `sync_ref_model` needs a reference that can be blended."""
-        if self._is_peft_model(model) and peft_config is not None:
-            raise ValueError(
-                "You passed a PeftModel together with a peft_config. Pass either a base model with peft_config, or "
-                "the PeftModel alone."
-            )
-        will_be_peft = self._is_peft_model(model) or peft_config is not None
-        if getattr(args, "sync_ref_model", False) and will_be_peft and ref_model is None:
-            raise ValueError(
-                "sync_ref_model=True needs a separate reference model, but with PEFT and ref_model=None the reference "
-                "is the model with its adapters disabled, which cannot be blended. Pass a ref_model or set "
-                "sync_ref_model=False."
-            )
-
-    def _load_policy(
-        self,
-        model: Any,
-        ref_model: Any,
-        processing_class: Any,
-        args: Any,
-        peft_config: Any,
-        quantization_config: Any = None,
-    ) -> tuple[nn.Module, Any, Any]:
-        """Load the policy and its processing class (with a pad token), set up the MoE router loss, wrap PEFT.
-
-        Returns:
-            `(policy, processing_class, tokenizer)`.
-        """
-        model_id = self._model_id(model)
-        policy = self._load_model(model, args, quantization_config=quantization_config)
-        self._check_peft_arguments(policy, peft_config, ref_model, args)
-        if processing_class is None:
-            processing_class = self._load_processing_class(model_id, args)
-        tokenizer = self._ensure_pad_token(processing_class)
-        self._aux_loss_enabled, self._aux_loss_coef = self._resolve_aux_loss(policy, args)
-        policy = self._wrap_peft(policy, peft_config, args)
-        return policy, processing_class, tokenizer
-
-    def _select_adapters(self, model: nn.Module, model_adapter_name: str | None, ref_adapter_name: str | None) -> None:
-        """Check the adapters named for training / as the reference (PEFT only) and activate the trained one."""
-        if not self._is_peft_model(model):
-            if model_adapter_name or ref_adapter_name:
-                raise ValueError(
-                    "model_adapter_name / ref_adapter_name select adapters of a PeftModel holding several adapters, "
-                    f"but the model is a {type(model).__name__}. Pass a PeftModel with those adapters loaded, or "
-                    "leave both options None."
-                )
-            return
-        self._check_adapter_names(model, model_adapter_name, ref_adapter_name)
-        if model_adapter_name is not None:
-            model.set_adapter(model_adapter_name)
-
-    def _build_preference_ref_model(
-        self, model_arg: Any, model: nn.Module, ref_model: Any, args: Any, needed: bool = True
-    ) -> nn.Module | None:
-        """The reference model (see `_build_ref_model`), with dropout disabled in it and in the policy when asked.
-
-        With precomputed reference log-probs the untrained policy scores the data itself, so no copy is made, except
-        under DeepSpeed / FSDP, where the policy is sharded later and a prepared reference is simpler.
-        """
-        from .utils import disable_dropout_in_model, uses_sharding_engine
-
-        needed = needed and (not getattr(args, "precompute_ref_log_probs", False) or uses_sharding_engine(args))
-        ref_model = self._build_ref_model(model_arg, model, ref_model, args, needed=needed)
-        if getattr(args, "disable_dropout", False):
-            disable_dropout_in_model(model)
-            if ref_model is not None:
-                disable_dropout_in_model(ref_model)
-        return ref_model
-
-    @staticmethod
-    def _prepare_eval_datasets(eval_dataset: Any, prepare: Any) -> Any:
-        """Apply `prepare(dataset, name)` to an evaluation dataset or to each dataset of a dict of them."""
-        from datasets import Dataset, IterableDataset
-
-        if eval_dataset is None:
-            return None
-        if isinstance(eval_dataset, dict) and not isinstance(eval_dataset, (Dataset, IterableDataset)):
-            return {key: prepare(dataset, f"eval ({key})") for key, dataset in eval_dataset.items()}
-        return prepare(eval_dataset, "eval")
-
-    def _init_trainer(self, ref_model: nn.Module | None, **trainer_kwargs: Any) -> None:
-        """`Trainer.__init__`, then the reference model prepared for the engine and the options that need a trainer.
-
-        The losses are averaged per pair / example, so the Trainer scales them for gradient accumulation itself
-        (`model_accepts_loss_kwargs=False`).
-        """
-        self._init_metrics()
-        self._total_train_tokens = 0
-        self._policy_is_reference = False
-        super().__init__(**trainer_kwargs)
-        self.model_accepts_loss_kwargs = False
-        self.ref_model = self._prepare_ref_model(ref_model)
-        self._add_sync_ref_model_callback(self.ref_model)
-        self._init_activation_offloading()
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Dataset preparation
-    # ------------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _open_dataset(
-        dataset: Any, args: Any, dataset_name: str, legacy_columns: dict[str, str], empty_message: str
-    ) -> tuple[Any, dict[str, Any], list[str], dict[str, Any], bool]:
-        """First look at a dataset to prepare: one split, not empty, legacy tokenized column names renamed.
-
-        Args:
-            dataset: The dataset as given.
-            args: The trainer config (`dataset_num_proc`).
-            dataset_name: `"train"`, `"eval"`, ... for the messages.
-            legacy_columns: `{old: new}` column names of older TRL releases to rename (when `new` is absent).
-            empty_message: Error message for an empty dataset.
-
-        Returns:
-            `(dataset, first_example, column_names, map_kwargs, is_iterable)`.
-        """
-        from datasets import DatasetDict, IterableDataset, IterableDatasetDict
-
-        from ..data_utils import get_dataset_column_names
-
-        if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
-            raise ValueError(
-                f"The {dataset_name} dataset is a DatasetDict with splits {list(dataset.keys())}; pass one split, for "
-                f"example dataset['train']."
-            )
-        is_iterable = isinstance(dataset, IterableDataset)
-        map_kwargs: dict[str, Any] = {} if is_iterable else {"num_proc": args.dataset_num_proc}
-        first = next(iter(dataset), None)
-        if first is None:
-            raise ValueError(empty_message)
-        columns = list(get_dataset_column_names(dataset) or first.keys())
-        legacy = {old: new for old, new in legacy_columns.items() if old in columns and new not in columns}
-        if legacy:
-            dataset = dataset.rename_columns(legacy)
-            columns = [legacy.get(c, c) for c in columns]
-        return dataset, first, columns, map_kwargs, is_iterable
-
-    @staticmethod
-    def _check_chat_template(processing_class: Any, dataset_name: str) -> None:
-        """Conversational data needs a chat template on the processing class."""
-        if getattr(processing_class, "chat_template", None) is None:
-            tokenizer = getattr(processing_class, "tokenizer", processing_class)
-            raise ValueError(
-                f"The {dataset_name} dataset is conversational but the processing class "
-                f"({type(processing_class).__name__}, {getattr(tokenizer, 'name_or_path', '')!r}) has no chat "
-                "template. Assign tokenizer.chat_template (or use trl.clone_chat_template) before creating the "
-                "trainer."
-            )
-
-    @staticmethod
-    def _keep_flagged(
-        dataset: Any, flags: list[bool], dataset_name: str, unit: str, max_length: int | None, none_left: str
-    ) -> Any:
-        """Keep the rows whose flag is True, warning about the others; `none_left` is the error when none is.
-
-        Args:
-            dataset: A map-style dataset.
-            flags: One bool per row: whether the row has a completion token left to train on.
-            dataset_name: `"train"`, `"eval"`, ... for the messages.
-            unit: What a row is (`"pairs"`, `"examples"`), for the warning.
-            max_length: The length limit that left rows without completion tokens, for the warning.
-            none_left: Error message when no row is kept.
-        """
-        n_drop = flags.count(False)
-        if n_drop == len(flags):
-            raise ValueError(none_left)
-        if n_drop:
-            logger.warning(
-                "Dropping %d of %d %s %s whose prompt leaves no completion token within max_length=%s.",
-                n_drop,
-                len(flags),
-                dataset_name,
-                unit,
-                max_length,
-            )
-            dataset = dataset.select([i for i, keep in enumerate(flags) if keep])
-        return dataset
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Log-probabilities of a collated batch
-    # ------------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _target_mask(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Next-token positions to score: the target token is a real completion token."""
-        return (inputs["completion_mask"][:, 1:] * inputs["attention_mask"][:, 1:]).bool()
-
-    def _logits_stats(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per-token statistics of the full distribution, computed where the LM head runs."""
-        from .utils import logits_statistics
-
-        return logits_statistics(logits, targets)
-
-    def _token_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor], layout: str, with_stats: bool):
-        """Per-token log-probs of the completion tokens of `inputs` (see `compute_sequence_token_logps`)."""
-        from .utils import compute_sequence_token_logps
-
-        return compute_sequence_token_logps(
-            model,
-            inputs["input_ids"],
-            inputs["attention_mask"],
-            self._target_mask(inputs),
-            layout=layout,
-            pad_token_id=self.pad_token_id,
-            pad_to_multiple_of=getattr(self.args, "pad_to_multiple_of", None),
-            compute_entropy=with_stats,
-            logits_stats_fn=self._logits_stats if with_stats else None,
-        )
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Training and evaluation steps
-    # ------------------------------------------------------------------------------------------------------------
-    def training_step(self, *args, **kwargs):
-        with self.maybe_activation_offload_context:
-            return super().training_step(*args, **kwargs)
-
-    def prediction_step(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor | Any],
-        prediction_loss_only: bool,
-        ignore_keys: list[str] | None = None,
-    ):
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-        loss = loss.detach()
-        if prediction_loss_only:
-            return loss, None, None
-        return (loss, *self._prediction_logits_and_labels(outputs))
-
-    def _prediction_logits_and_labels(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Predictions and labels handed to `compute_metrics`, from the outputs of `compute_loss`."""
-        raise NotImplementedError

@@ -25,8 +25,8 @@ from transformers import (
 from transformers.trainer_utils import EvalPrediction
 
 from ..data_utils import get_dataset_column_names, is_conversational, maybe_extract_prompt
-from .base_trainer import _PreferenceTrainer
 from .dpo_config import DPOConfig
+from .preference_base import _PreferenceTrainer
 from .utils import (
     PromptCompletionTokenizer,
     collate_prompt_completions,
@@ -549,7 +549,7 @@ class DPOTrainer(_PreferenceTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode
         target_mask = self._target_mask(inputs)
         num_pairs = inputs["input_ids"].shape[0] // 2
 

@@ -18,15 +18,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixi
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .grpo_config import GRPOConfig
-from .online_base import (
-    ADVANTAGE_EPS,
-    RewardFunc,
-    _OnlineTrainer,
-    aggregate_rewards,
-    group_advantages,
-    k3_kl,
-    masked_mean,
-)
+from .online_base import _OnlineTrainer
+from .online_math import ADVANTAGE_EPS, aggregate_rewards, group_advantages, k3_kl, masked_mean
+from .online_rewards import RewardFunc
 from .tool_calling import _ToolCallingMixin
 from .utils import nanstd
 

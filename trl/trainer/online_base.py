@@ -23,296 +23,76 @@ steps_per_generation` completions in training):
 3. `_compute_rewards` calls every reward function / model and gathers the `(N_global, F)` rewards across processes;
 4. `_compute_advantages` returns the global advantages, of which each process keeps its slice;
 5. the batch is shuffled, split into `steps_per_generation` micro-batches and buffered; each micro-step pops one.
+
+Where each concern lives (this module is the front: it defines the trainer and re-exports the names below):
+
+- `online_math.py`: the pure tensor functions (`masked_mean`, `aggregate_rewards`, `group_advantages`,
+  `leave_one_out_advantages`, `k3_kl`, `completion_mask_from_ids`, `ADVANTAGE_EPS`);
+- `online_generation.py`: step 2, `_OnlineGenerationMixin` (prompt rendering, `_rollout`, `_generate` and its
+  back-ends) and `generate_with_shared_prompts`;
+- `online_rewards.py`: step 3, `_OnlineRewardsMixin` (`_prepare_reward_funcs`, `_compute_rewards`, reward models)
+  and the `RewardFunc` type;
+- `online_metrics.py`: `_OnlineMetricsMixin` (rollout metrics, completions table, `log`);
+- here: construction, data loading, the round itself (`_prepare_inputs`, `_generate_and_score`), log-probabilities
+  and the loss plumbing.
 """
 
-import asyncio
-import concurrent.futures
-import contextlib
-import inspect
-import json
-import logging
-import numbers
-import os
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
-from accelerate.utils import gather_object
 from datasets import Dataset, IterableDataset
-from transformers import (
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    GenerationConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    ProcessorMixin,
-    TrainerCallback,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 
-from ..data_utils import apply_chat_template, is_conversational
-from ..models.utils import unwrap_model_for_generation
 from .base_trainer import _BaseTrainer
+from .online_generation import (
+    CONTINUATION_IDS_KEY,
+    _OnlineGenerationMixin,
+    _router_logits_off,
+    generate_with_shared_prompts,
+)
+from .online_math import (
+    ADVANTAGE_EPS,
+    aggregate_rewards,
+    completion_mask_from_ids,
+    group_advantages,
+    k3_kl,
+    leave_one_out_advantages,
+    masked_mean,
+)
+from .online_metrics import _OnlineMetricsMixin
+from .online_rewards import RewardFunc, _accepts_keyword, _OnlineRewardsMixin, _run_coroutines
 from .utils import (
     RepeatSampler,
     compute_token_logps,
     disable_dropout_in_model,
-    get_callable_name,
     identity,
-    is_async_callable,
-    nanstd,
     pad,
-    print_prompt_completions_sample,
     repeat_iterable_dataset,
     shuffle_sequence_dict,
     split_tensor_dict,
 )
 
 
-logger = logging.getLogger(__name__)
-
-RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
-
-# Row key holding exact prompt token ids for `_generate` (multi-turn continuation; see `_tokenize_prompts`).
-CONTINUATION_IDS_KEY = "_continuation_prompt_ids"
-
-# Added to a standard deviation before dividing by it, so that groups with identical rewards give 0, not NaN.
-ADVANTAGE_EPS = 1e-4
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Pure functions (tested against hand-written formulas)
-# ---------------------------------------------------------------------------------------------------------------------
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of `values` where `mask` is non-zero (0 when the mask is empty), over `dim` or everything."""
-    mask = mask.to(values.dtype)
-    if dim is None:
-        return (values * mask).sum() / mask.sum().clamp(min=1.0)
-    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
-
-
-def aggregate_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted sum of the rewards of each completion, skipping NaN entries (a function that returned None).
-
-    Args:
-        rewards_per_func: `(N, F)` rewards, NaN where a function did not apply.
-        weights: `(F,)` reward weights.
-
-    Returns:
-        `(N,)` aggregated rewards (0 for a completion no function applied to).
-    """
-    return (rewards_per_func * weights.to(rewards_per_func).unsqueeze(0)).nansum(dim=1)
-
-
-def group_advantages(
-    rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group", eps: float = ADVANTAGE_EPS
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-relative advantages: each reward minus its group mean, optionally divided by a standard deviation.
-
-    Consecutive blocks of `num_generations` rewards form a group (the completions of one prompt).
-
-    Args:
-        rewards: `(N,)` rewards, `N` a multiple of `num_generations`.
-        num_generations: Group size G.
-        scale_rewards: `"group"` divides by `std(group) + eps`, `"batch"` by `std(all rewards) + eps`, `"none"` keeps
-            the centred rewards.
-        eps: Added to the standard deviation.
-
-    Returns:
-        `(advantages, group_std)`, both `(N,)`; `group_std` is the (unbiased) std of each completion's group.
-    """
-    if rewards.numel() % num_generations != 0:
-        raise ValueError(
-            f"The number of rewards ({rewards.numel()}) is not a multiple of the group size ({num_generations})."
-        )
-    grouped = rewards.view(-1, num_generations)
-    mean = grouped.mean(dim=1).repeat_interleave(num_generations)
-    group_std = grouped.std(dim=1).repeat_interleave(num_generations)
-    advantages = rewards - mean
-    if scale_rewards == "group":
-        advantages = advantages / (group_std + eps)
-    elif scale_rewards == "batch":
-        advantages = advantages / (rewards.std() + eps)
-    elif scale_rewards != "none":
-        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none'; got {scale_rewards!r}.")
-    return advantages, group_std
-
-
-def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """RLOO advantages: each reward minus the mean reward of the other completions of its prompt.
-
-    Args:
-        rewards: `(N,)` rewards, consecutive groups of `num_generations`.
-        num_generations: Group size G (at least 2).
-
-    Returns:
-        `(N,)` advantages `r_i - (sum_j r_j - r_i) / (G - 1)`.
-    """
-    if num_generations < 2:
-        raise ValueError(f"The leave-one-out baseline needs at least 2 completions per prompt; got {num_generations}.")
-    grouped = rewards.view(-1, num_generations)
-    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (num_generations - 1)
-    return (grouped - baseline).reshape(-1)
-
-
-def k3_kl(per_token_logps: torch.Tensor, ref_per_token_logps: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimator of KL(policy || reference) (Schulman): `exp(ref - logp) - (ref - logp) - 1 >= 0`."""
-    delta = ref_per_token_logps - per_token_logps
-    return torch.exp(delta) - delta - 1
-
-
-def completion_mask_from_ids(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, ...]:
-    """Mask of the tokens up to and including the first end-of-sequence token of each row.
-
-    Args:
-        completion_ids: `(N, T)` generated ids (anything after the first EOS is padding).
-        eos_token_ids: Ids that end a completion.
-
-    Returns:
-        `(mask, terminated)`: `(N, T)` int mask and `(N,)` bool, True where the row contains an EOS.
-    """
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_token_ids, device=completion_ids.device))
-    terminated = is_eos.any(dim=1)
-    first_eos = torch.where(terminated, is_eos.int().argmax(dim=1), completion_ids.shape[1])
-    positions = torch.arange(completion_ids.shape[1], device=completion_ids.device).unsqueeze(0)
-    mask = (positions <= first_eos.unsqueeze(1)).int()
-    return mask, terminated
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Generation with one prompt prefill per group
-# ---------------------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def generate_with_shared_prompts(
-    model: nn.Module,
-    prompt_ids: torch.Tensor,
-    prompt_mask: torch.Tensor,
-    row_to_prompt: torch.Tensor,
-    generation_config: GenerationConfig,
-    share_prompt_cache: bool = True,
-    **generate_kwargs: Any,
-) -> torch.Tensor:
-    """Sample one completion per row, computing each distinct prompt's KV cache only once.
-
-    `generate` on a batch where every prompt is repeated `G` times would run the prompt through the model `G` times.
-    Here the unique prompts (all tokens but the last) are prefilled once, the cache rows are copied to the rows that
-    share a prompt, and `generate` continues from that cache. The result is identical to calling `generate` on the
-    repeated prompts (same positions, same masks), only the redundant prefill is skipped.
-
-    Args:
-        model: Unwrapped causal LM.
-        prompt_ids: `(U, L)` left-padded ids of the distinct prompts.
-        prompt_mask: `(U, L)` attention mask.
-        row_to_prompt: `(N,)` index of the prompt of each output row.
-        generation_config: Sampling settings (`max_new_tokens`, eos/pad ids, ...).
-        share_prompt_cache: Prefill once per prompt. Falls back to plain `generate` when False, when a prompt has
-            fewer than 2 tokens, when no prompt is repeated, or with a non-default `cache_implementation`.
-        **generate_kwargs: Extra arguments for `generate`.
-
-    Returns:
-        `(N, L + T)` prompt and completion ids (completions right-padded with the pad id).
-    """
-    from transformers import DynamicCache
-
-    ids = prompt_ids[row_to_prompt]
-    mask = prompt_mask[row_to_prompt]
-    share = (
-        share_prompt_cache
-        and prompt_ids.shape[1] >= 2
-        and row_to_prompt.numel() > prompt_ids.shape[0]
-        and int(prompt_mask.sum(dim=1).min()) >= 2
-        and getattr(generation_config, "cache_implementation", None) in (None, "dynamic")
-        and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
-    )
-    if share:
-        # Same positions as `generate` uses for left-padded prompts: counted from the first real token.
-        positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache(config=model.config)
-        model(
-            input_ids=prompt_ids[:, :-1],
-            attention_mask=prompt_mask[:, :-1],
-            position_ids=positions[:, :-1],
-            past_key_values=cache,
-            use_cache=True,
-        )
-        cache.batch_select_indices(row_to_prompt)
-        generate_kwargs["past_key_values"] = cache
-    return model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **generate_kwargs)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Reward function plumbing
-# ---------------------------------------------------------------------------------------------------------------------
-def _to_float_list(values: Any, name: str, expected: int) -> list[float]:
-    """Validate a reward function's output: one number (or None) per completion. None becomes NaN."""
-    if isinstance(values, torch.Tensor):
-        values = values.detach().cpu().reshape(-1).tolist()
-    elif hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # numpy arrays
-        values = values.tolist()
-    if not isinstance(values, (list, tuple)):
-        raise ValueError(
-            f"Reward function {name!r} must return a list with one reward per completion ({expected} values); it "
-            f"returned {type(values).__name__}. Return e.g. `[1.0, 0.0, ...]` (None for completions it does not "
-            "score)."
-        )
-    if len(values) != expected:
-        raise ValueError(
-            f"Reward function {name!r} returned {len(values)} values, but {expected} completions were scored; it "
-            "must return exactly one reward (or None) per completion, in the order of `completions`."
-        )
-    out = []
-    for i, value in enumerate(values):
-        if value is None:
-            out.append(float("nan"))
-        elif isinstance(value, torch.Tensor) and value.numel() == 1:
-            out.append(float(value.item()))
-        elif isinstance(value, numbers.Real):
-            out.append(float(value))
-        else:
-            raise ValueError(
-                f"Reward function {name!r} returned a non-numeric value at position {i}: {value!r} "
-                f"({type(value).__name__}). Rewards must be numbers (int/float) or None."
-            )
-    return out
-
-
-def _run_coroutines(coroutines: list) -> list:
-    """Run coroutines concurrently and return their results, also when an event loop is already running here."""
-
-    async def gather_all():
-        return await asyncio.gather(*coroutines)
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(gather_all())
-    # Inside a running loop (e.g. a notebook): run on a fresh loop in a worker thread.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, gather_all()).result()
-
-
-def _accepts_keyword(func: Callable, name: str) -> bool:
-    try:
-        return name in inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-@contextlib.contextmanager
-def _router_logits_off(model: nn.Module):
-    """Mixture-of-experts models: no router logits / load-balancing loss while generating (they are not trained on
-    there, and the loss computation does not support cached decoding)."""
-    config = getattr(model, "config", None)
-    enabled = bool(getattr(config, "output_router_logits", False))
-    if enabled:
-        config.output_router_logits = False
-    try:
-        yield
-    finally:
-        if enabled:
-            config.output_router_logits = True
+# Names imported from this module before it was split (by trainers, tests and user code), kept importable here.
+__all__ = [
+    "ADVANTAGE_EPS",
+    "CONTINUATION_IDS_KEY",
+    "RewardFunc",
+    "_OnlineTrainer",
+    "_accepts_keyword",
+    "_router_logits_off",
+    "_run_coroutines",
+    "aggregate_rewards",
+    "completion_mask_from_ids",
+    "generate_with_shared_prompts",
+    "group_advantages",
+    "k3_kl",
+    "leave_one_out_advantages",
+    "masked_mean",
+]
 
 
 class _OnlineStateCallback(TrainerCallback):
@@ -332,7 +112,7 @@ class _OnlineStateCallback(TrainerCallback):
 # ---------------------------------------------------------------------------------------------------------------------
 # The trainer core
 # ---------------------------------------------------------------------------------------------------------------------
-class _OnlineTrainer(_BaseTrainer):
+class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetricsMixin, _BaseTrainer):
     """Base class of online RL trainers: prompt sampling, generation, rewards, advantages, metrics and logging.
 
     Subclasses set `_config_class` and `_default_suffix`, and implement `_compute_advantages` and `_compute_loss`.
@@ -343,8 +123,6 @@ class _OnlineTrainer(_BaseTrainer):
     _default_suffix: str = "Online"
     # `compute_loss` normalises for gradient accumulation itself; the Trainer must not divide again.
     loss_is_scaled_for_ga = True
-    # Prefill each distinct prompt once and share its KV cache across its group (see generate_with_shared_prompts).
-    _share_prompt_cache = True
 
     def __init__(
         self,
@@ -546,16 +324,6 @@ class _OnlineTrainer(_BaseTrainer):
                 f"columns {list(columns)}. Rename your prompt column with dataset.rename_column(<old>, 'prompt')."
             )
 
-    def _check_generation_backend(self, args: Any, rollout_func: Callable | None) -> None:
-        if args.use_vllm and rollout_func is None:
-            from ..import_utils import is_vllm_available
-
-            if not is_vllm_available():
-                raise ImportError(
-                    "use_vllm=True needs vLLM, which is not installed. Install it with `pip install trl[vllm]`, or "
-                    "set use_vllm=False to generate with transformers."
-                )
-
     def _setup_aux_loss(self, model: nn.Module, args: Any) -> None:
         """Enable the mixture-of-experts load-balancing loss when the model has a router (see router_aux_loss_coef)."""
         # Shared with the offline trainers; configs without `router_aux_loss_coef` use the model config's setting.
@@ -575,87 +343,6 @@ class _OnlineTrainer(_BaseTrainer):
             raise ValueError("cast_lm_head_to_fp32=True, but the model has no output embeddings (LM head).")
         head.float()
         head.register_forward_pre_hook(lambda module, inputs: tuple(x.float() for x in inputs))
-
-    @staticmethod
-    def _eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        ids = []
-        if tokenizer.eos_token_id is not None:
-            ids.append(tokenizer.eos_token_id)
-        generation_config = getattr(model, "generation_config", None)
-        extra = getattr(generation_config, "eos_token_id", None)
-        if extra is not None:
-            ids.extend([extra] if isinstance(extra, int) else list(extra))
-        return list(dict.fromkeys(ids))
-
-    def _build_generation_config(self, args: Any, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
-        kwargs = {
-            "max_new_tokens": self.max_completion_length,
-            "do_sample": True,
-            "pad_token_id": tokenizer.pad_token_id,
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": self.eos_token_ids,
-            "temperature": args.temperature,
-            "top_p": args.top_p,
-            "top_k": args.top_k if args.top_k else None,
-            "min_p": args.min_p,
-            "repetition_penalty": args.repetition_penalty,
-            "cache_implementation": args.cache_implementation,
-        }
-        kwargs.update(args.generation_kwargs or {})
-        return GenerationConfig(**kwargs)
-
-    def _prepare_reward_funcs(self, reward_funcs: Any, reward_processing_classes: Any, args: Any):
-        if reward_funcs is None:
-            raise ValueError(
-                f"{type(self).__name__} needs at least one reward function: pass reward_funcs=<callable>, a reward "
-                "model (a path/id or an AutoModelForSequenceClassification), or a list of them."
-            )
-        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        if not funcs:
-            raise ValueError("reward_funcs is an empty list; give at least one reward function or reward model.")
-        if reward_processing_classes is None:
-            processing = [None] * len(funcs)
-        elif isinstance(reward_processing_classes, (list, tuple)):
-            processing = list(reward_processing_classes)
-            if len(processing) != len(funcs):
-                raise ValueError(
-                    f"reward_processing_classes has {len(processing)} entries but there are {len(funcs)} reward "
-                    "functions; give one entry per reward function (None for plain callables)."
-                )
-        else:
-            processing = [reward_processing_classes] + [None] * (len(funcs) - 1)
-        init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
-        init_kwargs.pop("quantization_config", None)
-        names = []
-        for i, func in enumerate(funcs):
-            if isinstance(func, str):
-                from .utils import create_model_from_path
-
-                funcs[i] = create_model_from_path(
-                    func, architecture=AutoModelForSequenceClassification, num_labels=1, **init_kwargs
-                )
-                func = funcs[i]
-            if isinstance(func, nn.Module):
-                func.eval()
-                for param in func.parameters():
-                    param.requires_grad_(False)
-                name_or_path = getattr(getattr(func, "config", None), "_name_or_path", "") or type(func).__name__
-                names.append(name_or_path.rstrip("/").split("/")[-1])
-                if processing[i] is None:
-                    processing[i] = AutoTokenizer.from_pretrained(name_or_path)
-                reward_tokenizer = processing[i]
-                if reward_tokenizer.pad_token is None:
-                    reward_tokenizer.pad_token = reward_tokenizer.eos_token
-                if getattr(func.config, "pad_token_id", None) is None:
-                    func.config.pad_token_id = reward_tokenizer.pad_token_id
-            elif callable(func):
-                names.append(get_callable_name(func))
-            else:
-                raise ValueError(
-                    f"reward_funcs[{i}] is a {type(func).__name__}; expected a callable, a model path/id (str) or an "
-                    "AutoModelForSequenceClassification model."
-                )
-        return funcs, processing, names
 
     # ------------------------------------------------------------------------------------------------------------
     # Data loading: one dataloader batch = one generation round of this process
@@ -769,213 +456,6 @@ class _OnlineTrainer(_BaseTrainer):
             normalisers.append(counts[start : start + accumulation].sum())
         return normalisers
 
-    def _render_prompts(self, inputs: list[dict[str, Any]]) -> tuple[list[str], bool]:
-        """Prompt texts (chat template applied to conversational prompts) and whether the data is conversational."""
-        conversational = is_conversational({"prompt": inputs[0]["prompt"]})
-        if not conversational:
-            return [example["prompt"] for example in inputs], False
-        texts = []
-        for example in inputs:
-            row = {"prompt": example["prompt"]}
-            if example.get("tools") is not None:
-                row["tools"] = example["tools"]
-            template_kwargs = {**self.chat_template_kwargs, **(example.get("chat_template_kwargs") or {})}
-            texts.append(apply_chat_template(row, self.processing_class, **template_kwargs)["prompt"])
-        return texts, True
-
-    def _tokenize_prompts(self, inputs: list[dict[str, Any]]) -> list[list[int]]:
-        """Prompt token ids of each row, as every generation backend receives them.
-
-        A row carrying `CONTINUATION_IDS_KEY` (a multi-turn rollout continuing after a tool result) is used as is, so
-        the next turn is generated from exactly the tokens trained on; other rows are rendered with
-        `_render_prompts` and tokenized (each distinct text once).
-        """
-        ids: list[list[int] | None] = [example.get(CONTINUATION_IDS_KEY) for example in inputs]
-        missing = [i for i, row_ids in enumerate(ids) if row_ids is None]
-        if missing:
-            texts, conversational = self._render_prompts([inputs[i] for i in missing])
-            unique_texts = list(dict.fromkeys(texts))
-            encoded = self.processing_class(text=unique_texts, add_special_tokens=not conversational)["input_ids"]
-            by_text = dict(zip(unique_texts, encoded))
-            for i, text in zip(missing, texts):
-                ids[i] = list(by_text[text])
-        return [list(row_ids) for row_ids in ids]
-
-    def _rollout(self, prompts: list[Any], inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """Produce the completions of one round: `_generate` by default; multi-turn rollouts (tool calling) wrap it.
-
-        Besides the keys of `_generate`, the result may hold `prompts` (prompts changed during the rollout, e.g. by an
-        environment's `reset()`), `completions` (already-structured completions given to the reward functions, e.g.
-        conversations with tool messages) and `tool_mask` (per completion token, 0 for tokens not produced by the
-        policy, such as tool results: they are attended to but excluded from the loss).
-        """
-        return self._generate(prompts, inputs)
-
-    def _generate(self, prompts: list[Any], inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """Generate one completion per entry of `prompts` (which repeat in groups).
-
-        Returns a dict with `prompt_ids` and `completion_ids` (lists of token id lists; a completion ends at its first
-        end-of-sequence token, included), optionally `sampling_logps` (per-token log-probabilities under the sampler,
-        for importance-sampling correction) and `extra_fields` (name -> one value per completion, passed to the
-        reward functions). Override this to plug in another generation backend.
-        """
-        if self.rollout_func is not None:
-            return self._generate_with_rollout_func(prompts)
-        if getattr(self, "vllm_generation", None) is not None:
-            return self._generate_with_vllm(inputs)
-        row_ids = self._tokenize_prompts(inputs)
-        # Each distinct prompt is prefilled once; rows of the same group share it.
-        unique = list(dict.fromkeys(tuple(ids) for ids in row_ids))
-        position = {ids: i for i, ids in enumerate(unique)}
-        encoded = [list(ids) for ids in unique]
-        device = self.accelerator.device
-        prompt_tensors = [torch.tensor(ids, dtype=torch.long, device=device) for ids in encoded]
-        prompt_ids = pad(prompt_tensors, padding_value=self.pad_token_id, padding_side="left")
-        prompt_mask = pad([torch.ones_like(t) for t in prompt_tensors], padding_value=0, padding_side="left")
-        row_to_prompt = torch.tensor([position[tuple(ids)] for ids in row_ids], device=device)
-
-        start = time.perf_counter()
-        args = self.args
-        was_training = self.model.training
-        with (
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
-            ) as unwrapped,
-            torch.no_grad(),
-            _router_logits_off(unwrapped),
-        ):
-            try:
-                if getattr(args, "use_transformers_continuous_batching", False):
-                    rows = [encoded[i] for i in row_to_prompt.tolist()]
-                    completion_lists = self._generate_continuous_batching(unwrapped, rows)
-                else:
-                    output = generate_with_shared_prompts(
-                        unwrapped,
-                        prompt_ids,
-                        prompt_mask,
-                        row_to_prompt,
-                        self.generation_config,
-                        share_prompt_cache=self._share_prompt_cache,
-                        disable_compile=True,
-                    )
-                    completion_ids = output[:, prompt_ids.shape[1] :]
-                    completion_mask, _ = completion_mask_from_ids(completion_ids, self.eos_token_ids)
-                    completion_lists = [
-                        ids[: int(n)].tolist() for ids, n in zip(completion_ids, completion_mask.sum(dim=1))
-                    ]
-            finally:
-                self.model.train(was_training)  # some backends (continuous batching) switch to eval mode
-        self._timing["generation"] += time.perf_counter() - start
-        return {
-            "prompt_ids": [encoded[i] for i in row_to_prompt.tolist()],
-            "completion_ids": completion_lists,
-            "sampling_logps": None,
-            "extra_fields": {},
-        }
-
-    def _create_vllm_generation(self, args: Any, rollout_func: Callable | None) -> Any:
-        """The vLLM back-end when `use_vllm=True` (and no `rollout_func` replaces generation), else None."""
-        if not getattr(args, "use_vllm", False) or rollout_func is not None:
-            return None
-        from ..generation.vllm_generation import VLLMGeneration
-
-        return VLLMGeneration(
-            self.model,
-            self.accelerator,
-            args,
-            eos_token_ids=self.eos_token_ids,
-            max_tokens=self.max_completion_length,
-        )
-
-    def _uses_sampling_logps(self) -> bool:
-        """Whether the sampler's per-token log-probabilities are used (vLLM importance-sampling correction): only
-        then does `_generate` return them, since they cost an extra log-probability pass over the batch."""
-        return bool(getattr(self.args, "vllm_importance_sampling_correction", False))
-
-    def _generate_with_vllm(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """`_generate` through vLLM: the trainer tokenizes (so prompt ids are the same as with transformers), vLLM
-        samples one completion per row and returns the sampled tokens' log-probabilities."""
-        prompt_ids = self._tokenize_prompts(inputs)
-        start = time.perf_counter()
-        # The trainer's step counter versions the weights: a new optimizer step makes vLLM's copy stale.
-        output = self.vllm_generation.generate(
-            prompt_ids, model=self.model_wrapped, weights_version=self.state.global_step
-        )
-        self._timing["generation"] += time.perf_counter() - start
-        return {
-            "prompt_ids": output["prompt_ids"],
-            "completion_ids": output["completion_ids"],
-            "sampling_logps": output["logprobs"] if self._uses_sampling_logps() else None,
-            "extra_fields": {},
-        }
-
-    def end(self) -> None:
-        # Release vLLM first: its in-process engine tears down the process groups it joined, which must still exist.
-        if getattr(self, "vllm_generation", None) is not None:
-            self.vllm_generation.close()
-        super().end()
-
-    def _generate_continuous_batching(self, model: nn.Module, prompt_lists: list[list[int]]) -> list[list[int]]:
-        from transformers import ContinuousBatchingConfig
-
-        config = ContinuousBatchingConfig(**(self.args.transformers_continuous_batching_config or {}))
-        results = model.generate_batch(
-            inputs=prompt_lists, generation_config=self.generation_config, continuous_batching_config=config
-        )
-        # Request ids are assigned in input order.
-        ordered = sorted(results.values(), key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
-        completions = []
-        for result in ordered:
-            ids = list(result.generated_tokens)
-            for k, token in enumerate(ids):
-                if token in self.eos_token_ids:
-                    ids = ids[: k + 1]
-                    break
-            completions.append(ids)
-        return completions
-
-    def _generate_with_rollout_func(self, prompts: list[Any]) -> dict[str, Any]:
-        start = time.perf_counter()
-        output = self.rollout_func(prompts, self)
-        self._timing["generation"] += time.perf_counter() - start
-        if not isinstance(output, dict) or "prompt_ids" not in output or "completion_ids" not in output:
-            found = list(output) if isinstance(output, dict) else type(output).__name__
-            raise ValueError(
-                "rollout_func must return a dict with at least 'prompt_ids' and 'completion_ids' (and optionally "
-                f"'logprobs'); got {found}."
-            )
-        for key in ("prompt_ids", "completion_ids"):
-            if len(output[key]) != len(prompts):
-                raise ValueError(
-                    f"rollout_func returned {len(output[key])} {key} for {len(prompts)} prompts; it must return one "
-                    "entry per prompt (prompts are already repeated num_generations times)."
-                )
-        extra = {k: v for k, v in output.items() if k not in ("prompt_ids", "completion_ids", "logprobs")}
-        extra.pop("logprob_token_ids", None)
-        return {
-            "prompt_ids": [list(ids) for ids in output["prompt_ids"]],
-            "completion_ids": [list(ids) for ids in output["completion_ids"]],
-            "sampling_logps": output.get("logprobs"),
-            "extra_fields": extra,
-        }
-
-    def _decode_completions(self, inputs: list[dict[str, Any]], completion_ids: list[list[int]]) -> list[Any]:
-        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        if not is_conversational({"prompt": inputs[0]["prompt"]}):
-            return texts
-        completions = []
-        for example, text in zip(inputs, texts):
-            # A prompt ending with an assistant message is continued: the completion extends that message.
-            last = example["prompt"][-1]
-            bootstrap = last.get("content", "") if last.get("role") == "assistant" else ""
-            if not isinstance(bootstrap, str):
-                bootstrap = ""
-            completions.append([{"role": "assistant", "content": bootstrap + text}])
-        return completions
-
     def _generate_and_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """One rollout on this process's `inputs` (a list of dataset rows): returns the tensors of the batch."""
         start = time.perf_counter()
@@ -1043,107 +523,6 @@ class _OnlineTrainer(_BaseTrainer):
             self._store_completions(mode, prompts, completions, rewards_per_func, all_advantages)
         self._timing["rollout"] += time.perf_counter() - start
         return batch
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Rewards
-    # ------------------------------------------------------------------------------------------------------------
-    def _compute_rewards(
-        self,
-        inputs: list[dict[str, Any]],
-        prompts: list[Any],
-        completions: list[Any],
-        completion_ids: list[list[int]],
-        extra_fields: dict[str, list] | None = None,
-    ) -> torch.Tensor:
-        """Score every completion with every reward function; returns the `(N_global, F)` rewards of all processes.
-
-        Callables are called with keyword arguments `prompts`, `completions`, `completion_ids`, `trainer_state`,
-        `log_extra`, `log_metric` and every other dataset column (plus `extra_fields`). `async def` functions run
-        concurrently. A None reward becomes NaN (the function does not apply to that completion).
-        """
-        device = self.accelerator.device
-        mode = self._mode
-        num = len(prompts)
-        rewards = torch.full((num, len(self.reward_funcs)), float("nan"), dtype=torch.float32, device=device)
-
-        columns = {
-            key: [example.get(key) for example in inputs]
-            for key in inputs[0]
-            if key not in ("prompt", "completion", "completion_ids")
-        }
-        columns.update(extra_fields or {})
-
-        def log_extra(name: str, values: list) -> None:
-            self._logged_extra[name] = list(values)
-
-        def log_metric(name: str, value: float) -> None:
-            self._metrics[mode][name].append(float(value))
-
-        common = {
-            "prompts": prompts,
-            "completions": completions,
-            "completion_ids": completion_ids,
-            "trainer_state": self.state,
-            "log_extra": log_extra,
-            "log_metric": log_metric,
-            **columns,
-        }
-        pending: list[tuple[int, Any]] = []
-        for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names)):
-            if isinstance(func, nn.Module):
-                rewards[:, i] = self._score_with_reward_model(
-                    func, self.reward_processing_classes[i], prompts, completions
-                ).to(device)
-                continue
-            kwargs = common
-            if _accepts_keyword(func, "completions_ids"):  # spelling used in some older examples
-                kwargs = {**common, "completions_ids": completion_ids}
-            if is_async_callable(func):
-                pending.append((i, func(**kwargs)))
-            else:
-                values = func(**kwargs)
-                if inspect.iscoroutine(values):
-                    pending.append((i, values))
-                else:
-                    rewards[:, i] = torch.tensor(_to_float_list(values, name, num), device=device)
-        if pending:
-            results = _run_coroutines([coroutine for _, coroutine in pending])
-            for (i, _), values in zip(pending, results):
-                rewards[:, i] = torch.tensor(_to_float_list(values, self.reward_func_names[i], num), device=device)
-
-        all_nan = torch.isnan(rewards).all(dim=1)
-        if bool(all_nan.any()):
-            row = int(all_nan.nonzero()[0])
-            shown = {key: values[row] for key, values in columns.items()}
-            warnings.warn(
-                f"Every reward function returned None for completion {row} (prompt {str(prompts[row])[:200]!r}, "
-                f"columns {str(shown)[:200]}); its reward counts as 0. Make sure at least one reward function "
-                "applies to every sample.",
-                UserWarning,
-                stacklevel=2,
-            )
-        return self.accelerator.gather(rewards)
-
-    @torch.no_grad()
-    def _score_with_reward_model(
-        self, reward_model: nn.Module, tokenizer: Any, prompts: list[Any], completions: list[Any]
-    ) -> torch.Tensor:
-        if is_conversational({"prompt": prompts[0]}):
-            texts = [
-                apply_chat_template({"messages": prompt + completion}, tokenizer)["text"]
-                for prompt, completion in zip(prompts, completions)
-            ]
-        else:
-            texts = [prompt + completion for prompt, completion in zip(prompts, completions)]
-        encoded = tokenizer(
-            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
-        )
-        device = next(reward_model.parameters()).device
-        encoded = {key: value.to(device) for key, value in encoded.items()}
-        return reward_model(**encoded).logits[:, 0].float()
-
-    def _aggregated_rewards(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
-        return aggregate_rewards(rewards_per_func, self.reward_weights.to(rewards_per_func.device))
 
     def _group_size(self) -> int:
         return self.num_generations if self._mode == "train" else self.num_generations_eval
@@ -1251,146 +630,3 @@ class _OnlineTrainer(_BaseTrainer):
 
     def _on_optimizer_step(self) -> None:
         """Called after each optimizer step (adaptive controllers live here)."""
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Metrics and completion logs
-    # ------------------------------------------------------------------------------------------------------------
-    def _record_reduced(self, name: str, value: torch.Tensor, reduction: str) -> None:
-        """Record a local scalar reduced across processes with `min`, `max` or `mean` (NaN-aware)."""
-        gathered = self.accelerator.gather(value.detach().float().reshape(1))
-        finite = gathered[~torch.isnan(gathered)]
-        if finite.numel() == 0:
-            result = float("nan")
-        elif reduction == "min":
-            result = finite.min().item()
-        elif reduction == "max":
-            result = finite.max().item()
-        else:
-            result = finite.mean().item()
-        self._metrics[self._mode][name].append(result)
-
-    def _record_rollout_metrics(
-        self,
-        mode: str,
-        prompt_mask: torch.Tensor,
-        completion_mask: torch.Tensor,
-        terminated: torch.Tensor,
-        lengths: torch.Tensor,
-        rewards_per_func: torch.Tensor,
-    ) -> None:
-        gather = self.accelerator.gather
-        metrics = self._metrics[mode]
-        tokens = gather((prompt_mask.sum() + completion_mask.sum()).reshape(1)).sum().item()
-        if mode == "train":
-            self.state.num_input_tokens_seen += int(tokens)
-            metrics["num_tokens"] = [float(self.state.num_input_tokens_seen)]
-        else:
-            self._eval_num_tokens += int(tokens)
-            metrics["num_tokens"] = [float(self._eval_num_tokens)]
-
-        all_lengths = gather(lengths.float())
-        all_terminated = gather(terminated.long()).bool()
-        metrics["completions/mean_length"].append(all_lengths.mean().item())
-        metrics["completions/min_length"].append(all_lengths.min().item())
-        metrics["completions/max_length"].append(all_lengths.max().item())
-        terminated_lengths = all_lengths[all_terminated]
-        if terminated_lengths.numel() == 0:
-            terminated_lengths = torch.zeros(1, device=all_lengths.device)
-        metrics["completions/mean_terminated_length"].append(terminated_lengths.mean().item())
-        metrics["completions/min_terminated_length"].append(terminated_lengths.min().item())
-        metrics["completions/max_terminated_length"].append(terminated_lengths.max().item())
-        metrics["completions/clipped_ratio"].append(1.0 - all_terminated.float().mean().item())
-
-        for i, name in enumerate(self.reward_func_names):
-            column = rewards_per_func[:, i]
-            metrics[f"rewards/{name}/mean"].append(torch.nanmean(column).item())
-            metrics[f"rewards/{name}/std"].append(nanstd(column).item())
-        rewards = self._aggregated_rewards(rewards_per_func)
-        group_std = rewards.view(-1, self._group_size()).std(dim=1)
-        metrics["reward"].append(rewards.mean().item())
-        metrics["reward_std"].append(group_std.mean().item())
-        zero_std = torch.isclose(group_std, torch.zeros_like(group_std))
-        metrics["frac_reward_zero_std"].append(zero_std.float().mean().item())
-
-    def _store_completions(
-        self,
-        mode: str,
-        prompts: list[Any],
-        completions: list[Any],
-        rewards_per_func: torch.Tensor,
-        advantages: torch.Tensor,
-    ) -> None:
-        all_prompts = gather_object(prompts)
-        all_completions = gather_object(completions)
-        extra = {name: gather_object(values) for name, values in self._logged_extra.items()}
-        self._logged_extra = {}
-        rewards = rewards_per_func.cpu()
-        rows = []
-        for k, (prompt, completion) in enumerate(zip(all_prompts, all_completions)):
-            row = {"step": self.state.global_step, "prompt": prompt, "completion": completion}
-            for i, name in enumerate(self.reward_func_names):
-                row[name] = rewards[k, i].item()
-            for name, values in extra.items():
-                row[name] = values[k] if k < len(values) else None
-            row["advantage"] = advantages[k].item()
-            rows.append(row)
-        limit = self.args.generation_batch_size
-        self._completion_logs[mode] = (self._completion_logs[mode] + rows)[-limit:]
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = self._mode
-        super().log(logs, start_time)
-        rows = self._completion_logs[mode]
-        if not (getattr(self.args, "log_completions", False) and rows):
-            return
-        self._completion_logs[mode] = []
-        if not self.accelerator.is_main_process:
-            return
-        if self.args.log_unique_prompts:
-            seen, unique_rows = set(), []
-            for row in rows:
-                key = json.dumps(row["prompt"], sort_keys=True, default=str)
-                if key not in seen:
-                    seen.add(key)
-                    unique_rows.append(row)
-            rows = unique_rows
-        fixed = {"step", "prompt", "completion", "advantage", *self.reward_func_names}
-        extra_names = [key for key in rows[0] if key not in fixed]
-        try:
-            print_prompt_completions_sample(
-                [row["prompt"] for row in rows],
-                [row["completion"] for row in rows],
-                {name: [row[name] for row in rows] for name in self.reward_func_names},
-                [row["advantage"] for row in rows],
-                self.state.global_step,
-                self.args.num_completions_to_print,
-                extra={name: [row.get(name) for row in rows] for name in extra_names} or None,
-            )
-        except ImportError:
-            logger.warning("log_completions=True but `rich` is not installed; the completion table is not printed.")
-        self._write_completions_parquet(rows, mode)
-
-    def _write_completions_parquet(self, rows: list[dict[str, Any]], mode: str) -> None:
-        import pandas as pd
-
-        def flatten(value: Any) -> Any:
-            return (
-                value
-                if isinstance(value, (str, int, float, bool)) or value is None
-                else json.dumps(value, default=str)
-            )
-
-        frame = pd.DataFrame([{key: flatten(value) for key, value in row.items()} for row in rows])
-        folder = os.path.join(self.args.output_dir, "completions")
-        os.makedirs(folder, exist_ok=True)
-        suffix = "" if mode == "train" else "_eval"
-        frame.to_parquet(os.path.join(folder, f"completions_{self.state.global_step:05d}{suffix}.parquet"))
-        report_to = self.args.report_to or []
-        if "wandb" in report_to:
-            try:
-                import wandb
-
-                if wandb.run is not None:
-                    wandb.log({"completions": wandb.Table(dataframe=frame)})
-            except ImportError:
-                pass

@@ -371,7 +371,7 @@ class RewardTrainer(_BaseTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode
         forward_kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
         if self._forward_accepts_use_cache:
             forward_kwargs["use_cache"] = False

@@ -12,14 +12,9 @@ import torch.nn as nn
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 
-from .online_base import (
-    ADVANTAGE_EPS,
-    RewardFunc,
-    _OnlineTrainer,
-    aggregate_rewards,
-    leave_one_out_advantages,
-    masked_mean,
-)
+from .online_base import _OnlineTrainer
+from .online_math import ADVANTAGE_EPS, aggregate_rewards, leave_one_out_advantages, masked_mean
+from .online_rewards import RewardFunc
 from .rloo_config import RLOOConfig
 
 

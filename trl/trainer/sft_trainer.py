@@ -637,7 +637,7 @@ class SFTTrainer(_BaseTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         if self.compute_loss_func is not None:

@@ -38,7 +38,8 @@ from ..chat_template_utils import (
     supports_tool_calling,
 )
 from ..data_utils import is_conversational
-from .online_base import CONTINUATION_IDS_KEY, _run_coroutines
+from .online_generation import CONTINUATION_IDS_KEY
+from .online_rewards import _run_coroutines
 from .utils import get_callable_name, is_async_callable
 
 

@@ -6,7 +6,8 @@ running mean `delta` of all rewards seen so far. UDM reweights undesirable examp
 `p(prompt | desirable) / p(prompt | undesirable)`, estimated with a logistic-regression classifier on prompt
 embeddings, so that differing prompt distributions of the two classes do not bias training.
 
-The data preparation, collator, policy and reference passes and metrics are shared with the KTO trainer.
+The data preparation, collator, policy and reference passes and metrics are shared with the KTO trainer
+(`trl/trainer/unpaired_preference_base.py`).
 """
 
 import contextlib
@@ -35,7 +36,7 @@ from transformers import (
 from transformers.trainer_utils import EvalLoopOutput
 
 from ...import_utils import is_comet_available, is_sklearn_available, is_wandb_available
-from ...trainer.kto_trainer import DataCollatorForUnpairedPreference, _UnpairedPreferenceTrainer
+from ...trainer.unpaired_preference_base import DataCollatorForUnpairedPreference, _UnpairedPreferenceTrainer
 from ...trainer.utils import (
     log_table_to_comet_experiment,
     selective_log_softmax,
@@ -693,7 +694,7 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode
         loss, outputs = self.get_batch_loss_metrics(model, inputs, train_eval=mode)
         if return_outputs:
             return loss, outputs

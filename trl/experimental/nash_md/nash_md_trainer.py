@@ -32,7 +32,7 @@ from transformers import (
     TrainerCallback,
 )
 
-from ...trainer.online_base import RewardFunc
+from ...trainer.online_rewards import RewardFunc
 from ...trainer.utils import use_adapter
 from ..online_dpo.online_dpo_config import _schedule_values
 from ..online_dpo.online_dpo_trainer import OnlineDPOTrainer

@@ -43,13 +43,10 @@ from transformers import (
 from ...data_utils import apply_chat_template, is_conversational
 from ...models.utils import unwrap_model_for_generation
 from ...trainer.dpo_trainer import dpo_loss
-from ...trainer.online_base import (
-    RewardFunc,
-    _accepts_keyword,
-    _OnlineTrainer,
-    _router_logits_off,
-    completion_mask_from_ids,
-)
+from ...trainer.online_base import _OnlineTrainer
+from ...trainer.online_generation import _router_logits_off
+from ...trainer.online_math import completion_mask_from_ids
+from ...trainer.online_rewards import RewardFunc, _accepts_keyword
 from ...trainer.utils import pad
 from .online_dpo_config import OnlineDPOConfig, _schedule_values
 

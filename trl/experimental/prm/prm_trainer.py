@@ -420,7 +420,7 @@ class PRMTrainer(_BaseTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
-        mode = "train" if self.model.training else "eval"
+        mode = self._mode
         labels = inputs["labels"]
         forward_kwargs = {key: value for key, value in inputs.items() if key != "labels"}
         outputs = model(**forward_kwargs)

@@ -14,7 +14,7 @@ import torch.nn as nn
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 
-from ...trainer.online_base import RewardFunc
+from ...trainer.online_rewards import RewardFunc
 from ...trainer.utils import use_adapter
 from ..online_dpo.online_dpo_config import _schedule_values
 from ..online_dpo.online_dpo_trainer import OnlineDPOTrainer, online_dpo_loss

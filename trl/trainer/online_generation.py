@@ -1,0 +1,373 @@
+"""Generation for the online RL trainers: prompts to completion token ids, through one of four back-ends.
+
+[`_OnlineGenerationMixin`] is inherited by `_OnlineTrainer` (see `online_base.py`). It renders and tokenizes the
+prompts of a round (`_render_prompts`, `_tokenize_prompts`), and `_generate` samples one completion per row with
+
+- a user `rollout_func(prompts, trainer)` when one was given (`_generate_with_rollout_func`);
+- vLLM when `use_vllm=True` (`_generate_with_vllm`, a server client or an in-process engine);
+- transformers continuous batching when `use_transformers_continuous_batching=True`;
+- otherwise transformers `generate`, prefilling each distinct prompt once ([`generate_with_shared_prompts`]).
+
+`_rollout` is the hook wrapped by multi-turn rollouts (tool calling, see `tool_calling.py`); `_generate` the one a new
+back-end replaces. The settings are read once at construction (`_eos_token_ids`, `_build_generation_config`).
+"""
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from ..data_utils import apply_chat_template, is_conversational
+from ..models.utils import unwrap_model_for_generation
+from .online_math import completion_mask_from_ids
+from .utils import pad
+
+
+# Row key holding exact prompt token ids for `_generate` (multi-turn continuation; see `_tokenize_prompts`).
+CONTINUATION_IDS_KEY = "_continuation_prompt_ids"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Generation with one prompt prefill per group
+# ---------------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def generate_with_shared_prompts(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    row_to_prompt: torch.Tensor,
+    generation_config: GenerationConfig,
+    share_prompt_cache: bool = True,
+    **generate_kwargs: Any,
+) -> torch.Tensor:
+    """Sample one completion per row, computing each distinct prompt's KV cache only once.
+
+    `generate` on a batch where every prompt is repeated `G` times would run the prompt through the model `G` times.
+    Here the unique prompts (all tokens but the last) are prefilled once, the cache rows are copied to the rows that
+    share a prompt, and `generate` continues from that cache. The result is identical to calling `generate` on the
+    repeated prompts (same positions, same masks), only the redundant prefill is skipped.
+
+    Args:
+        model: Unwrapped causal LM.
+        prompt_ids: `(U, L)` left-padded ids of the distinct prompts.
+        prompt_mask: `(U, L)` attention mask.
+        row_to_prompt: `(N,)` index of the prompt of each output row.
+        generation_config: Sampling settings (`max_new_tokens`, eos/pad ids, ...).
+        share_prompt_cache: Prefill once per prompt. Falls back to plain `generate` when False, when a prompt has
+            fewer than 2 tokens, when no prompt is repeated, or with a non-default `cache_implementation`.
+        **generate_kwargs: Extra arguments for `generate`.
+
+    Returns:
+        `(N, L + T)` prompt and completion ids (completions right-padded with the pad id).
+    """
+    from transformers import DynamicCache
+
+    ids = prompt_ids[row_to_prompt]
+    mask = prompt_mask[row_to_prompt]
+    share = (
+        share_prompt_cache
+        and prompt_ids.shape[1] >= 2
+        and row_to_prompt.numel() > prompt_ids.shape[0]
+        and int(prompt_mask.sum(dim=1).min()) >= 2
+        and getattr(generation_config, "cache_implementation", None) in (None, "dynamic")
+        and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    )
+    if share:
+        # Same positions as `generate` uses for left-padded prompts: counted from the first real token.
+        positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        model(
+            input_ids=prompt_ids[:, :-1],
+            attention_mask=prompt_mask[:, :-1],
+            position_ids=positions[:, :-1],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache.batch_select_indices(row_to_prompt)
+        generate_kwargs["past_key_values"] = cache
+    return model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **generate_kwargs)
+
+
+@contextlib.contextmanager
+def _router_logits_off(model: nn.Module):
+    """Mixture-of-experts models: no router logits / load-balancing loss while generating (they are not trained on
+    there, and the loss computation does not support cached decoding)."""
+    config = getattr(model, "config", None)
+    enabled = bool(getattr(config, "output_router_logits", False))
+    if enabled:
+        config.output_router_logits = False
+    try:
+        yield
+    finally:
+        if enabled:
+            config.output_router_logits = True
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The generation back-ends of the trainer
+# ---------------------------------------------------------------------------------------------------------------------
+class _OnlineGenerationMixin:
+    """Prompt rendering and the generation back-ends of [`_OnlineTrainer`] (not usable on its own).
+
+    Reads from the trainer: `args`, `processing_class`, `model`, `model_wrapped`, `accelerator`, `state`,
+    `rollout_func`, `vllm_generation`, `chat_template_kwargs`, `max_completion_length`, `eos_token_ids`,
+    `pad_token_id`, `generation_config` and `_timing`.
+    """
+
+    # Prefill each distinct prompt once and share its KV cache across its group (see generate_with_shared_prompts).
+    _share_prompt_cache = True
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Construction
+    # ------------------------------------------------------------------------------------------------------------
+    def _check_generation_backend(self, args: Any, rollout_func: Callable | None) -> None:
+        if args.use_vllm and rollout_func is None:
+            from ..import_utils import is_vllm_available
+
+            if not is_vllm_available():
+                raise ImportError(
+                    "use_vllm=True needs vLLM, which is not installed. Install it with `pip install trl[vllm]`, or "
+                    "set use_vllm=False to generate with transformers."
+                )
+
+    @staticmethod
+    def _eos_token_ids(model: nn.Module, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        ids = []
+        if tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+        generation_config = getattr(model, "generation_config", None)
+        extra = getattr(generation_config, "eos_token_id", None)
+        if extra is not None:
+            ids.extend([extra] if isinstance(extra, int) else list(extra))
+        return list(dict.fromkeys(ids))
+
+    def _build_generation_config(self, args: Any, tokenizer: PreTrainedTokenizerBase) -> GenerationConfig:
+        kwargs = {
+            "max_new_tokens": self.max_completion_length,
+            "do_sample": True,
+            "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": self.eos_token_ids,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k if args.top_k else None,
+            "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty,
+            "cache_implementation": args.cache_implementation,
+        }
+        kwargs.update(args.generation_kwargs or {})
+        return GenerationConfig(**kwargs)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Prompts and generation back-ends
+    # ------------------------------------------------------------------------------------------------------------
+    def _render_prompts(self, inputs: list[dict[str, Any]]) -> tuple[list[str], bool]:
+        """Prompt texts (chat template applied to conversational prompts) and whether the data is conversational."""
+        conversational = is_conversational({"prompt": inputs[0]["prompt"]})
+        if not conversational:
+            return [example["prompt"] for example in inputs], False
+        texts = []
+        for example in inputs:
+            row = {"prompt": example["prompt"]}
+            if example.get("tools") is not None:
+                row["tools"] = example["tools"]
+            template_kwargs = {**self.chat_template_kwargs, **(example.get("chat_template_kwargs") or {})}
+            texts.append(apply_chat_template(row, self.processing_class, **template_kwargs)["prompt"])
+        return texts, True
+
+    def _tokenize_prompts(self, inputs: list[dict[str, Any]]) -> list[list[int]]:
+        """Prompt token ids of each row, as every generation backend receives them.
+
+        A row carrying `CONTINUATION_IDS_KEY` (a multi-turn rollout continuing after a tool result) is used as is, so
+        the next turn is generated from exactly the tokens trained on; other rows are rendered with
+        `_render_prompts` and tokenized (each distinct text once).
+        """
+        ids: list[list[int] | None] = [example.get(CONTINUATION_IDS_KEY) for example in inputs]
+        missing = [i for i, row_ids in enumerate(ids) if row_ids is None]
+        if missing:
+            texts, conversational = self._render_prompts([inputs[i] for i in missing])
+            unique_texts = list(dict.fromkeys(texts))
+            encoded = self.processing_class(text=unique_texts, add_special_tokens=not conversational)["input_ids"]
+            by_text = dict(zip(unique_texts, encoded))
+            for i, text in zip(missing, texts):
+                ids[i] = list(by_text[text])
+        return [list(row_ids) for row_ids in ids]
+
+    def _rollout(self, prompts: list[Any], inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Produce the completions of one round: `_generate` by default; multi-turn rollouts (tool calling) wrap it.
+
+        Besides the keys of `_generate`, the result may hold `prompts` (prompts changed during the rollout, e.g. by an
+        environment's `reset()`), `completions` (already-structured completions given to the reward functions, e.g.
+        conversations with tool messages) and `tool_mask` (per completion token, 0 for tokens not produced by the
+        policy, such as tool results: they are attended to but excluded from the loss).
+        """
+        return self._generate(prompts, inputs)
+
+    def _generate(self, prompts: list[Any], inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """Generate one completion per entry of `prompts` (which repeat in groups).
+
+        Returns a dict with `prompt_ids` and `completion_ids` (lists of token id lists; a completion ends at its first
+        end-of-sequence token, included), optionally `sampling_logps` (per-token log-probabilities under the sampler,
+        for importance-sampling correction) and `extra_fields` (name -> one value per completion, passed to the
+        reward functions). Override this to plug in another generation backend.
+        """
+        if self.rollout_func is not None:
+            return self._generate_with_rollout_func(prompts)
+        if getattr(self, "vllm_generation", None) is not None:
+            return self._generate_with_vllm(inputs)
+        row_ids = self._tokenize_prompts(inputs)
+        # Each distinct prompt is prefilled once; rows of the same group share it.
+        unique = list(dict.fromkeys(tuple(ids) for ids in row_ids))
+        position = {ids: i for i, ids in enumerate(unique)}
+        encoded = [list(ids) for ids in unique]
+        device = self.accelerator.device
+        prompt_tensors = [torch.tensor(ids, dtype=torch.long, device=device) for ids in encoded]
+        prompt_ids = pad(prompt_tensors, padding_value=self.pad_token_id, padding_side="left")
+        prompt_mask = pad([torch.ones_like(t) for t in prompt_tensors], padding_value=0, padding_side="left")
+        row_to_prompt = torch.tensor([position[tuple(ids)] for ids in row_ids], device=device)
+
+        start = time.perf_counter()
+        args = self.args
+        was_training = self.model.training
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+            ) as unwrapped,
+            torch.no_grad(),
+            _router_logits_off(unwrapped),
+        ):
+            try:
+                if getattr(args, "use_transformers_continuous_batching", False):
+                    rows = [encoded[i] for i in row_to_prompt.tolist()]
+                    completion_lists = self._generate_continuous_batching(unwrapped, rows)
+                else:
+                    output = generate_with_shared_prompts(
+                        unwrapped,
+                        prompt_ids,
+                        prompt_mask,
+                        row_to_prompt,
+                        self.generation_config,
+                        share_prompt_cache=self._share_prompt_cache,
+                        disable_compile=True,
+                    )
+                    completion_ids = output[:, prompt_ids.shape[1] :]
+                    completion_mask, _ = completion_mask_from_ids(completion_ids, self.eos_token_ids)
+                    completion_lists = [
+                        ids[: int(n)].tolist() for ids, n in zip(completion_ids, completion_mask.sum(dim=1))
+                    ]
+            finally:
+                self.model.train(was_training)  # some backends (continuous batching) switch to eval mode
+        self._timing["generation"] += time.perf_counter() - start
+        return {
+            "prompt_ids": [encoded[i] for i in row_to_prompt.tolist()],
+            "completion_ids": completion_lists,
+            "sampling_logps": None,
+            "extra_fields": {},
+        }
+
+    def _create_vllm_generation(self, args: Any, rollout_func: Callable | None) -> Any:
+        """The vLLM back-end when `use_vllm=True` (and no `rollout_func` replaces generation), else None."""
+        if not getattr(args, "use_vllm", False) or rollout_func is not None:
+            return None
+        from ..generation.vllm_generation import VLLMGeneration
+
+        return VLLMGeneration(
+            self.model,
+            self.accelerator,
+            args,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=self.max_completion_length,
+        )
+
+    def _uses_sampling_logps(self) -> bool:
+        """Whether the sampler's per-token log-probabilities are used (vLLM importance-sampling correction): only
+        then does `_generate` return them, since they cost an extra log-probability pass over the batch."""
+        return bool(getattr(self.args, "vllm_importance_sampling_correction", False))
+
+    def _generate_with_vllm(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """`_generate` through vLLM: the trainer tokenizes (so prompt ids are the same as with transformers), vLLM
+        samples one completion per row and returns the sampled tokens' log-probabilities."""
+        prompt_ids = self._tokenize_prompts(inputs)
+        start = time.perf_counter()
+        # The trainer's step counter versions the weights: a new optimizer step makes vLLM's copy stale.
+        output = self.vllm_generation.generate(
+            prompt_ids, model=self.model_wrapped, weights_version=self.state.global_step
+        )
+        self._timing["generation"] += time.perf_counter() - start
+        return {
+            "prompt_ids": output["prompt_ids"],
+            "completion_ids": output["completion_ids"],
+            "sampling_logps": output["logprobs"] if self._uses_sampling_logps() else None,
+            "extra_fields": {},
+        }
+
+    def end(self) -> None:
+        # Release vLLM first: its in-process engine tears down the process groups it joined, which must still exist.
+        if getattr(self, "vllm_generation", None) is not None:
+            self.vllm_generation.close()
+        super().end()
+
+    def _generate_continuous_batching(self, model: nn.Module, prompt_lists: list[list[int]]) -> list[list[int]]:
+        from transformers import ContinuousBatchingConfig
+
+        config = ContinuousBatchingConfig(**(self.args.transformers_continuous_batching_config or {}))
+        results = model.generate_batch(
+            inputs=prompt_lists, generation_config=self.generation_config, continuous_batching_config=config
+        )
+        # Request ids are assigned in input order.
+        ordered = sorted(results.values(), key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
+        completions = []
+        for result in ordered:
+            ids = list(result.generated_tokens)
+            for k, token in enumerate(ids):
+                if token in self.eos_token_ids:
+                    ids = ids[: k + 1]
+                    break
+            completions.append(ids)
+        return completions
+
+    def _generate_with_rollout_func(self, prompts: list[Any]) -> dict[str, Any]:
+        start = time.perf_counter()
+        output = self.rollout_func(prompts, self)
+        self._timing["generation"] += time.perf_counter() - start
+        if not isinstance(output, dict) or "prompt_ids" not in output or "completion_ids" not in output:
+            found = list(output) if isinstance(output, dict) else type(output).__name__
+            raise ValueError(
+                "rollout_func must return a dict with at least 'prompt_ids' and 'completion_ids' (and optionally "
+                f"'logprobs'); got {found}."
+            )
+        for key in ("prompt_ids", "completion_ids"):
+            if len(output[key]) != len(prompts):
+                raise ValueError(
+                    f"rollout_func returned {len(output[key])} {key} for {len(prompts)} prompts; it must return one "
+                    "entry per prompt (prompts are already repeated num_generations times)."
+                )
+        extra = {k: v for k, v in output.items() if k not in ("prompt_ids", "completion_ids", "logprobs")}
+        extra.pop("logprob_token_ids", None)
+        return {
+            "prompt_ids": [list(ids) for ids in output["prompt_ids"]],
+            "completion_ids": [list(ids) for ids in output["completion_ids"]],
+            "sampling_logps": output.get("logprobs"),
+            "extra_fields": extra,
+        }
+
+    def _decode_completions(self, inputs: list[dict[str, Any]], completion_ids: list[list[int]]) -> list[Any]:
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        if not is_conversational({"prompt": inputs[0]["prompt"]}):
+            return texts
+        completions = []
+        for example, text in zip(inputs, texts):
+            # A prompt ending with an assistant message is continued: the completion extends that message.
+            last = example["prompt"][-1]
+            bootstrap = last.get("content", "") if last.get("role") == "assistant" else ""
+            if not isinstance(bootstrap, str):
+                bootstrap = ""
+            completions.append([{"role": "assistant", "content": bootstrap + text}])
+        return completions

@@ -1,0 +1,167 @@
+"""Metrics and completion logs of the online RL trainers.
+
+[`_OnlineMetricsMixin`] is inherited by `_OnlineTrainer` (see `online_base.py`): the rollout metrics of a round
+(tokens, completion lengths, per-function rewards), reductions across processes, and the completions table
+(printed with `rich`, written as parquet, sent to wandb) of `log_completions=True`.
+"""
+
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from accelerate.utils import gather_object
+
+from .utils import nanstd, print_prompt_completions_sample
+
+
+logger = logging.getLogger(__name__)
+
+
+class _OnlineMetricsMixin:
+    """Metrics and completion logging of [`_OnlineTrainer`] (not usable on its own).
+
+    Reads from the trainer: `args`, `accelerator`, `state`, `reward_func_names`, `_metrics`, `_mode`,
+    `_completion_logs`, `_logged_extra`, `_eval_num_tokens`, `_aggregated_rewards` and `_group_size`.
+    """
+
+    def _record_reduced(self, name: str, value: torch.Tensor, reduction: str) -> None:
+        """Record a local scalar reduced across processes with `min`, `max` or `mean` (NaN-aware)."""
+        gathered = self.accelerator.gather(value.detach().float().reshape(1))
+        finite = gathered[~torch.isnan(gathered)]
+        if finite.numel() == 0:
+            result = float("nan")
+        elif reduction == "min":
+            result = finite.min().item()
+        elif reduction == "max":
+            result = finite.max().item()
+        else:
+            result = finite.mean().item()
+        self._metrics[self._mode][name].append(result)
+
+    def _record_rollout_metrics(
+        self,
+        mode: str,
+        prompt_mask: torch.Tensor,
+        completion_mask: torch.Tensor,
+        terminated: torch.Tensor,
+        lengths: torch.Tensor,
+        rewards_per_func: torch.Tensor,
+    ) -> None:
+        gather = self.accelerator.gather
+        metrics = self._metrics[mode]
+        tokens = gather((prompt_mask.sum() + completion_mask.sum()).reshape(1)).sum().item()
+        if mode == "train":
+            self.state.num_input_tokens_seen += int(tokens)
+            metrics["num_tokens"] = [float(self.state.num_input_tokens_seen)]
+        else:
+            self._eval_num_tokens += int(tokens)
+            metrics["num_tokens"] = [float(self._eval_num_tokens)]
+
+        all_lengths = gather(lengths.float())
+        all_terminated = gather(terminated.long()).bool()
+        metrics["completions/mean_length"].append(all_lengths.mean().item())
+        metrics["completions/min_length"].append(all_lengths.min().item())
+        metrics["completions/max_length"].append(all_lengths.max().item())
+        terminated_lengths = all_lengths[all_terminated]
+        if terminated_lengths.numel() == 0:
+            terminated_lengths = torch.zeros(1, device=all_lengths.device)
+        metrics["completions/mean_terminated_length"].append(terminated_lengths.mean().item())
+        metrics["completions/min_terminated_length"].append(terminated_lengths.min().item())
+        metrics["completions/max_terminated_length"].append(terminated_lengths.max().item())
+        metrics["completions/clipped_ratio"].append(1.0 - all_terminated.float().mean().item())
+
+        for i, name in enumerate(self.reward_func_names):
+            column = rewards_per_func[:, i]
+            metrics[f"rewards/{name}/mean"].append(torch.nanmean(column).item())
+            metrics[f"rewards/{name}/std"].append(nanstd(column).item())
+        rewards = self._aggregated_rewards(rewards_per_func)
+        group_std = rewards.view(-1, self._group_size()).std(dim=1)
+        metrics["reward"].append(rewards.mean().item())
+        metrics["reward_std"].append(group_std.mean().item())
+        zero_std = torch.isclose(group_std, torch.zeros_like(group_std))
+        metrics["frac_reward_zero_std"].append(zero_std.float().mean().item())
+
+    def _store_completions(
+        self,
+        mode: str,
+        prompts: list[Any],
+        completions: list[Any],
+        rewards_per_func: torch.Tensor,
+        advantages: torch.Tensor,
+    ) -> None:
+        all_prompts = gather_object(prompts)
+        all_completions = gather_object(completions)
+        extra = {name: gather_object(values) for name, values in self._logged_extra.items()}
+        self._logged_extra = {}
+        rewards = rewards_per_func.cpu()
+        rows = []
+        for k, (prompt, completion) in enumerate(zip(all_prompts, all_completions)):
+            row = {"step": self.state.global_step, "prompt": prompt, "completion": completion}
+            for i, name in enumerate(self.reward_func_names):
+                row[name] = rewards[k, i].item()
+            for name, values in extra.items():
+                row[name] = values[k] if k < len(values) else None
+            row["advantage"] = advantages[k].item()
+            rows.append(row)
+        limit = self.args.generation_batch_size
+        self._completion_logs[mode] = (self._completion_logs[mode] + rows)[-limit:]
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = self._mode
+        super().log(logs, start_time)
+        rows = self._completion_logs[mode]
+        if not (getattr(self.args, "log_completions", False) and rows):
+            return
+        self._completion_logs[mode] = []
+        if not self.accelerator.is_main_process:
+            return
+        if self.args.log_unique_prompts:
+            seen, unique_rows = set(), []
+            for row in rows:
+                key = json.dumps(row["prompt"], sort_keys=True, default=str)
+                if key not in seen:
+                    seen.add(key)
+                    unique_rows.append(row)
+            rows = unique_rows
+        fixed = {"step", "prompt", "completion", "advantage", *self.reward_func_names}
+        extra_names = [key for key in rows[0] if key not in fixed]
+        try:
+            print_prompt_completions_sample(
+                [row["prompt"] for row in rows],
+                [row["completion"] for row in rows],
+                {name: [row[name] for row in rows] for name in self.reward_func_names},
+                [row["advantage"] for row in rows],
+                self.state.global_step,
+                self.args.num_completions_to_print,
+                extra={name: [row.get(name) for row in rows] for name in extra_names} or None,
+            )
+        except ImportError:
+            logger.warning("log_completions=True but `rich` is not installed; the completion table is not printed.")
+        self._write_completions_parquet(rows, mode)
+
+    def _write_completions_parquet(self, rows: list[dict[str, Any]], mode: str) -> None:
+        import pandas as pd
+
+        def flatten(value: Any) -> Any:
+            return (
+                value
+                if isinstance(value, (str, int, float, bool)) or value is None
+                else json.dumps(value, default=str)
+            )
+
+        frame = pd.DataFrame([{key: flatten(value) for key, value in row.items()} for row in rows])
+        folder = os.path.join(self.args.output_dir, "completions")
+        os.makedirs(folder, exist_ok=True)
+        suffix = "" if mode == "train" else "_eval"
+        frame.to_parquet(os.path.join(folder, f"completions_{self.state.global_step:05d}{suffix}.parquet"))
+        report_to = self.args.report_to or []
+        if "wandb" in report_to:
+            try:
+                import wandb
+
+                if wandb.run is not None:
+                    wandb.log({"completions": wandb.Table(dataframe=frame)})
+            except ImportError:
+                pass

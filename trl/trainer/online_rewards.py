@@ -1,0 +1,246 @@
+"""Scoring for the online RL trainers: reward functions and reward models, from completions to rewards.
+
+[`_OnlineRewardsMixin`] is inherited by `_OnlineTrainer` (see `online_base.py`). `_prepare_reward_funcs` turns the
+`reward_funcs` argument into callables and frozen reward models (with their tokenizers and names);
+`_compute_rewards` calls each of them on a round (async functions concurrently) and gathers the `(N_global, F)`
+rewards, NaN where a function returned None; `_aggregated_rewards` applies the reward weights.
+"""
+
+import asyncio
+import concurrent.futures
+import inspect
+import numbers
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+from ..data_utils import apply_chat_template, is_conversational
+from .online_math import aggregate_rewards
+from .utils import get_callable_name, is_async_callable
+
+
+RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reward function plumbing
+# ---------------------------------------------------------------------------------------------------------------------
+def _to_float_list(values: Any, name: str, expected: int) -> list[float]:
+    """Validate a reward function's output: one number (or None) per completion. None becomes NaN."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().reshape(-1).tolist()
+    elif hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # numpy arrays
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(
+            f"Reward function {name!r} must return a list with one reward per completion ({expected} values); it "
+            f"returned {type(values).__name__}. Return e.g. `[1.0, 0.0, ...]` (None for completions it does not "
+            "score)."
+        )
+    if len(values) != expected:
+        raise ValueError(
+            f"Reward function {name!r} returned {len(values)} values, but {expected} completions were scored; it "
+            "must return exactly one reward (or None) per completion, in the order of `completions`."
+        )
+    out = []
+    for i, value in enumerate(values):
+        if value is None:
+            out.append(float("nan"))
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            out.append(float(value.item()))
+        elif isinstance(value, numbers.Real):
+            out.append(float(value))
+        else:
+            raise ValueError(
+                f"Reward function {name!r} returned a non-numeric value at position {i}: {value!r} "
+                f"({type(value).__name__}). Rewards must be numbers (int/float) or None."
+            )
+    return out
+
+
+def _run_coroutines(coroutines: list) -> list:
+    """Run coroutines concurrently and return their results, also when an event loop is already running here."""
+
+    async def gather_all():
+        return await asyncio.gather(*coroutines)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather_all())
+    # Inside a running loop (e.g. a notebook): run on a fresh loop in a worker thread.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, gather_all()).result()
+
+
+def _accepts_keyword(func: Callable, name: str) -> bool:
+    try:
+        return name in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Reward functions of the trainer
+# ---------------------------------------------------------------------------------------------------------------------
+class _OnlineRewardsMixin:
+    """Reward-function preparation and scoring of [`_OnlineTrainer`] (not usable on its own).
+
+    Reads from the trainer: `accelerator`, `state`, `reward_funcs`, `reward_processing_classes`,
+    `reward_func_names`, `reward_weights`, `_metrics`, `_logged_extra` and `_mode`.
+    """
+
+    def _prepare_reward_funcs(self, reward_funcs: Any, reward_processing_classes: Any, args: Any):
+        if reward_funcs is None:
+            raise ValueError(
+                f"{type(self).__name__} needs at least one reward function: pass reward_funcs=<callable>, a reward "
+                "model (a path/id or an AutoModelForSequenceClassification), or a list of them."
+            )
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not funcs:
+            raise ValueError("reward_funcs is an empty list; give at least one reward function or reward model.")
+        if reward_processing_classes is None:
+            processing = [None] * len(funcs)
+        elif isinstance(reward_processing_classes, (list, tuple)):
+            processing = list(reward_processing_classes)
+            if len(processing) != len(funcs):
+                raise ValueError(
+                    f"reward_processing_classes has {len(processing)} entries but there are {len(funcs)} reward "
+                    "functions; give one entry per reward function (None for plain callables)."
+                )
+        else:
+            processing = [reward_processing_classes] + [None] * (len(funcs) - 1)
+        init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+        init_kwargs.pop("quantization_config", None)
+        names = []
+        for i, func in enumerate(funcs):
+            if isinstance(func, str):
+                from .utils import create_model_from_path
+
+                funcs[i] = create_model_from_path(
+                    func, architecture=AutoModelForSequenceClassification, num_labels=1, **init_kwargs
+                )
+                func = funcs[i]
+            if isinstance(func, nn.Module):
+                func.eval()
+                for param in func.parameters():
+                    param.requires_grad_(False)
+                name_or_path = getattr(getattr(func, "config", None), "_name_or_path", "") or type(func).__name__
+                names.append(name_or_path.rstrip("/").split("/")[-1])
+                if processing[i] is None:
+                    processing[i] = AutoTokenizer.from_pretrained(name_or_path)
+                reward_tokenizer = processing[i]
+                if reward_tokenizer.pad_token is None:
+                    reward_tokenizer.pad_token = reward_tokenizer.eos_token
+                if getattr(func.config, "pad_token_id", None) is None:
+                    func.config.pad_token_id = reward_tokenizer.pad_token_id
+            elif callable(func):
+                names.append(get_callable_name(func))
+            else:
+                raise ValueError(
+                    f"reward_funcs[{i}] is a {type(func).__name__}; expected a callable, a model path/id (str) or an "
+                    "AutoModelForSequenceClassification model."
+                )
+        return funcs, processing, names
+
+    def _compute_rewards(
+        self,
+        inputs: list[dict[str, Any]],
+        prompts: list[Any],
+        completions: list[Any],
+        completion_ids: list[list[int]],
+        extra_fields: dict[str, list] | None = None,
+    ) -> torch.Tensor:
+        """Score every completion with every reward function; returns the `(N_global, F)` rewards of all processes.
+
+        Callables are called with keyword arguments `prompts`, `completions`, `completion_ids`, `trainer_state`,
+        `log_extra`, `log_metric` and every other dataset column (plus `extra_fields`). `async def` functions run
+        concurrently. A None reward becomes NaN (the function does not apply to that completion).
+        """
+        device = self.accelerator.device
+        mode = self._mode
+        num = len(prompts)
+        rewards = torch.full((num, len(self.reward_funcs)), float("nan"), dtype=torch.float32, device=device)
+
+        columns = {
+            key: [example.get(key) for example in inputs]
+            for key in inputs[0]
+            if key not in ("prompt", "completion", "completion_ids")
+        }
+        columns.update(extra_fields or {})
+
+        def log_extra(name: str, values: list) -> None:
+            self._logged_extra[name] = list(values)
+
+        def log_metric(name: str, value: float) -> None:
+            self._metrics[mode][name].append(float(value))
+
+        common = {
+            "prompts": prompts,
+            "completions": completions,
+            "completion_ids": completion_ids,
+            "trainer_state": self.state,
+            "log_extra": log_extra,
+            "log_metric": log_metric,
+            **columns,
+        }
+        pending: list[tuple[int, Any]] = []
+        for i, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names)):
+            if isinstance(func, nn.Module):
+                rewards[:, i] = self._score_with_reward_model(
+                    func, self.reward_processing_classes[i], prompts, completions
+                ).to(device)
+                continue
+            kwargs = common
+            if _accepts_keyword(func, "completions_ids"):  # spelling used in some older examples
+                kwargs = {**common, "completions_ids": completion_ids}
+            if is_async_callable(func):
+                pending.append((i, func(**kwargs)))
+            else:
+                values = func(**kwargs)
+                if inspect.iscoroutine(values):
+                    pending.append((i, values))
+                else:
+                    rewards[:, i] = torch.tensor(_to_float_list(values, name, num), device=device)
+        if pending:
+            results = _run_coroutines([coroutine for _, coroutine in pending])
+            for (i, _), values in zip(pending, results):
+                rewards[:, i] = torch.tensor(_to_float_list(values, self.reward_func_names[i], num), device=device)
+
+        all_nan = torch.isnan(rewards).all(dim=1)
+        if bool(all_nan.any()):
+            row = int(all_nan.nonzero()[0])
+            shown = {key: values[row] for key, values in columns.items()}
+            warnings.warn(
+                f"Every reward function returned None for completion {row} (prompt {str(prompts[row])[:200]!r}, "
+                f"columns {str(shown)[:200]}); its reward counts as 0. Make sure at least one reward function "
+                "applies to every sample.",
+                UserWarning,
+                stacklevel=2,
+            )
+        return self.accelerator.gather(rewards)
+
+    @torch.no_grad()
+    def _score_with_reward_model(
+        self, reward_model: nn.Module, tokenizer: Any, prompts: list[Any], completions: list[Any]
+    ) -> torch.Tensor:
+        if is_conversational({"prompt": prompts[0]}):
+            texts = [
+                apply_chat_template({"messages": prompt + completion}, tokenizer)["text"]
+                for prompt, completion in zip(prompts, completions)
+            ]
+        else:
+            texts = [prompt + completion for prompt, completion in zip(prompts, completions)]
+        encoded = tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        )
+        device = next(reward_model.parameters()).device
+        encoded = {key: value.to(device) for key, value in encoded.items()}
+        return reward_model(**encoded).logits[:, 0].float()
+
+    def _aggregated_rewards(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
+        return aggregate_rewards(rewards_per_func, self.reward_weights.to(rewards_per_func.device))

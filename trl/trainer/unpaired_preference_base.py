@@ -1,0 +1,517 @@
+"""The machinery every unpaired-preference trainer shares ([`KTOTrainer`], the experimental `BCOTrainer`).
+
+Each example is a prompt, one completion and a boolean label (True = desirable). [`_UnpairedPreferenceTrainer`] adds
+to [`_PreferenceTrainer`]: dataset preparation (unpairing of paired data, tokenization, label checks, the mismatched
+"KL" completions), the policy / reference log-probability passes and the sum-and-count metrics;
+[`DataCollatorForUnpairedPreference`] collates the tokenized examples (it is also importable from
+`trl.trainer.kto_trainer`, its public path).
+"""
+
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+from datasets import Dataset, IterableDataset, Value
+
+from ..data_utils import get_dataset_column_names, is_conversational, maybe_extract_prompt, unpair_preference_dataset
+from .preference_base import _PreferenceTrainer
+from .utils import (
+    PromptCompletionTokenizer,
+    collate_prompt_completions,
+    map_kwargs_with_desc,
+    scored_completion_tokens,
+)
+
+
+logger = logging.getLogger(__name__)
+
+# Columns of a tokenized unpaired dataset (the collator's input).
+_TOKENIZED_COLUMNS = ("prompt_ids", "completion_ids", "label")
+# Completion of another example paired with this example's prompt, for the KL reference point.
+_KL_COLUMN = "kl_completion_ids"
+# Precomputed reference log-probs of the completion and of the KL completion.
+_REF_COLUMNS = ("ref_logps", "ref_kl_logps")
+# Column names used by older TRL releases for pre-tokenized data, renamed on the way in.
+_LEGACY_TOKENIZED_COLUMNS = {
+    "prompt_input_ids": "prompt_ids",
+    "completion_input_ids": "completion_ids",
+    "answer_input_ids": "completion_ids",
+}
+# Weighted desirable:undesirable ratio recommended by the KTO authors.
+_RECOMMENDED_RATIO = (1.0, 4.0 / 3.0)
+# Rows of paired data unpaired per `map` batch (each batch is then re-interleaved chosen/rejected).
+_UNPAIR_BATCH_SIZE = 1000
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Collator
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass
+class DataCollatorForUnpairedPreference:
+    """Collate tokenized unpaired examples (and their KL sequences) into one right-padded batch.
+
+    Each example is a dict with `prompt_ids`, `completion_ids` (lists of token ids) and a boolean `label`, and
+    optionally `kl_completion_ids` (the completion of another example, scored after this example's prompt to estimate
+    the KL reference point of KTO) and precomputed reference log-probs `ref_logps` / `ref_kl_logps`. The batch holds
+    the `n` sequences `prompt + completion` first and, when every example has `kl_completion_ids`, the `n` sequences
+    `prompt + kl_completion` after them, so that both go through a model in a single forward pass.
+
+    Returned keys: `input_ids`, `attention_mask`, `completion_mask` (1 on completion tokens), `label` (`(n,)` bool),
+    and `ref_logps` / `ref_kl_logps` (`(n,)` float) when present.
+
+    Args:
+        pad_token_id (`int`):
+            Token used to pad `input_ids`.
+        max_length (`int` or `None`, defaults to `None`):
+            Keep only the first `max_length` tokens of every `prompt + completion` sequence.
+        pad_to_multiple_of (`int` or `None`, defaults to `None`):
+            Pad the sequence length to a multiple of this value.
+        return_tensors (`str`, defaults to `"pt"`):
+            Only `"pt"` is supported.
+
+    Example:
+    ```python
+    >>> collator = DataCollatorForUnpairedPreference(pad_token_id=0)
+    >>> batch = collator([{"prompt_ids": [1, 2], "completion_ids": [3], "label": True, "kl_completion_ids": [4, 5]}])
+    >>> batch["input_ids"]
+    tensor([[1, 2, 3, 0],
+            [1, 2, 4, 5]])
+    >>> batch["completion_mask"]
+    tensor([[0, 0, 1, 0],
+            [0, 0, 1, 1]])
+    >>> batch["label"]
+    tensor([True])
+    ```
+    """
+
+    pad_token_id: int
+    max_length: int | None = None
+    pad_to_multiple_of: int | None = None
+    return_tensors: str = "pt"
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if self.return_tensors != "pt":
+            raise ValueError(f"Only return_tensors='pt' is supported; got {self.return_tensors!r}.")
+        with_kl = bool(examples) and all(example.get(_KL_COLUMN) is not None for example in examples)
+        keys = ("completion_ids", _KL_COLUMN) if with_kl else ("completion_ids",)
+        batch = collate_prompt_completions(
+            [example["prompt_ids"] for example in examples] * len(keys),
+            [example[key] for key in keys for example in examples],
+            self.pad_token_id,
+            self.max_length,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        )
+        batch["label"] = torch.tensor([bool(example["label"]) for example in examples], dtype=torch.bool)
+        for key in _REF_COLUMNS if with_kl else _REF_COLUMNS[:1]:
+            if examples and all(example.get(key) is not None for example in examples):
+                batch[key] = torch.tensor([float(example[key]) for example in examples], dtype=torch.float32)
+        return batch
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Shared machinery of the unpaired-preference trainers (KTO, BCO)
+# ----------------------------------------------------------------------------------------------------------------
+class PolicyPass(NamedTuple):
+    """Policy outputs of an unpaired batch (only the `n` main rows; KL rows reduced to their sums)."""
+
+    logps: torch.Tensor  # (n,) summed completion log-probs, with gradient
+    kl_logps: torch.Tensor | None  # (n,) summed log-probs of the KL completions, detached
+    target_mask: torch.Tensor  # (n, T - 1) scored positions of the main rows
+    entropy: torch.Tensor | None  # (n, T - 1)
+    mean_logit: torch.Tensor | None  # (n, T - 1)
+    outputs: Any  # raw model outputs (aux_loss of MoE models)
+
+
+def _select_rows(inputs: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
+    """Rows `start:end` of the sequence tensors of a batch, with trailing all-padding columns removed."""
+    attention_mask = inputs["attention_mask"][start:end]
+    width = max(int(attention_mask.sum(dim=1).max().item()) if attention_mask.numel() else 0, 2)
+    width = min(width, attention_mask.shape[1])
+    return {key: inputs[key][start:end, :width] for key in ("input_ids", "attention_mask", "completion_mask")}
+
+
+class _UnpairedPreferenceTrainer(_PreferenceTrainer):
+    """Private base of [`KTOTrainer`] and the experimental `BCOTrainer`: unpaired data, log-probs, metrics.
+
+    A subclass sets, before `Trainer.__init__`: `pad_token_id`, `_layout`, `_ref_layout`, `_needs_kl`,
+    `_ref_adapter_name`, `_aux_loss_enabled`, `_aux_loss_coef`; and afterwards `ref_model`.
+    """
+
+    _needs_kl: bool = False
+    _ref_adapter_name: str | None = None
+    # Whether the policy scores the KL sequences in the same (gradient) forward as the main sequences. That saves a
+    # model call, but the backward pass then also spans the KL tokens (with zero gradient) and keeps their
+    # activations: `benchmarks/bench_kto.py --ab` measured it 20-25% slower per step (and with a higher peak memory)
+    # than a separate no-grad forward of the KL rows on an idle CPU (0.6M and 28M models). It only won on a heavily
+    # oversubscribed machine, where fewer, larger calls matter more than FLOPs. Set True on a trainer to use it.
+    _kl_in_policy_forward: bool = False
+    # The reference has no backward pass: scoring main and KL rows in one forward is always the cheaper choice (the
+    # switch exists for the benchmark's baseline).
+    _kl_in_reference_forward: bool = True
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Dataset preparation
+    # ------------------------------------------------------------------------------------------------------------
+    def _prepare_dataset(
+        self,
+        dataset: Dataset | IterableDataset,
+        processing_class: Any,
+        args: Any,
+        dataset_name: str,
+        kl_chunk_size: int,
+    ) -> Dataset | IterableDataset:
+        """Tokenize an unpaired (or paired, then unpaired) dataset and attach the KL completions when needed."""
+        trainer_name = type(self).__name__
+        dataset, first, columns, map_kwargs, is_iterable = self._open_dataset(
+            dataset,
+            args,
+            dataset_name,
+            _LEGACY_TOKENIZED_COLUMNS,
+            f"The {dataset_name} dataset is empty; {trainer_name} needs at least one example.",
+        )
+        if all(c in columns for c in _TOKENIZED_COLUMNS):
+            self._check_labels(dataset, first, dataset_name)
+            tokenized = dataset
+        else:
+            if "chosen" in columns and "rejected" in columns:
+                dataset, first = self._unpair(dataset, map_kwargs, dataset_name)
+                columns = list(get_dataset_column_names(dataset) or first.keys())
+            missing = [c for c in ("prompt", "completion", "label") if c not in columns]
+            if missing:
+                hint = (
+                    " Unpaired data needs an explicit prompt: put the shared beginning of each conversation or text "
+                    "in a 'prompt' column and the rest in 'completion'."
+                    if missing == ["prompt"]
+                    else ""
+                )
+                raise ValueError(
+                    f"The {dataset_name} dataset has columns {columns}, but {trainer_name} needs unpaired preference "
+                    f"data with 'prompt', 'completion' and a boolean 'label' column (missing: {missing}), paired "
+                    "preference data ('chosen', 'rejected' and optionally 'prompt'), or pre-tokenized "
+                    f"'prompt_ids', 'completion_ids' and 'label'.{hint}"
+                )
+            self._check_labels(dataset, first, dataset_name)
+            conversational = is_conversational(first)
+            if conversational:
+                self._check_chat_template(processing_class, dataset_name)
+            keep = {"label", *_REF_COLUMNS}
+            remove = [c for c in columns if c not in keep]
+            tokenized = dataset.map(
+                _UnpairedTokenizer(processing_class, conversational),
+                remove_columns=remove,
+                **map_kwargs_with_desc(map_kwargs, f"Tokenizing {dataset_name}"),
+            )
+
+        tokenized = self._drop_examples_without_targets(tokenized, args.max_length, dataset_name, is_iterable)
+        if self._needs_kl and _KL_COLUMN not in (get_dataset_column_names(tokenized) or []):
+            # One process, so that the chunks are consecutive batch-sized slices of the whole dataset.
+            desc = {} if is_iterable else {"desc": f"Pairing KL completions in {dataset_name}"}
+            tokenized = tokenized.map(_KLCompletions(), batched=True, batch_size=kl_chunk_size, **desc)
+        return tokenized
+
+    @staticmethod
+    def _unpair(dataset: Any, map_kwargs: dict[str, Any], dataset_name: str) -> tuple[Any, dict[str, Any]]:
+        """Paired -> unpaired (chosen: label True, rejected: False), each chosen row followed by its rejected row.
+
+        `unpair_preference_dataset` writes, per map batch, all chosen rows then all rejected rows; with the default
+        sequential sampler that would give batches of a single label, so the rows are re-interleaved.
+        """
+        dataset = dataset.map(
+            maybe_extract_prompt, **map_kwargs_with_desc(map_kwargs, f"Extracting prompt in {dataset_name}")
+        )
+        if isinstance(dataset, IterableDataset):
+            # A streaming map batch of one pair keeps chosen and rejected next to each other.
+            dataset = unpair_preference_dataset(dataset, batch_size=1)
+        else:
+            num_pairs = len(dataset)
+            # One process: the re-interleaving below relies on map batches of exactly `_UNPAIR_BATCH_SIZE` pairs,
+            # which sharding over `num_proc` processes would break (unpairing is cheap anyway).
+            dataset = unpair_preference_dataset(
+                dataset, batch_size=_UNPAIR_BATCH_SIZE, desc=f"Unpairing {dataset_name}"
+            )
+            order = []
+            for start in range(0, num_pairs, _UNPAIR_BATCH_SIZE):
+                size = min(_UNPAIR_BATCH_SIZE, num_pairs - start)
+                for i in range(size):
+                    order.extend((2 * start + i, 2 * start + size + i))
+            dataset = dataset.select(order)
+        return dataset, next(iter(dataset))
+
+    @staticmethod
+    def _check_labels(dataset: Any, first: dict[str, Any], dataset_name: str) -> None:
+        feature = (getattr(dataset, "features", None) or {}).get("label")
+        if feature is not None:
+            ok = isinstance(feature, Value) and feature.dtype == "bool"
+            found = getattr(feature, "dtype", type(feature).__name__)
+        else:
+            ok = isinstance(first.get("label"), bool)
+            found = type(first.get("label")).__name__
+        if not ok:
+            raise ValueError(
+                f"The 'label' column of the {dataset_name} dataset must hold booleans (True = desirable, False = "
+                f"undesirable); found {found} values such as {first.get('label')!r}. Convert it, e.g. "
+                "dataset.cast_column('label', datasets.Value('bool')) for 0/1 integers."
+            )
+
+    def _drop_examples_without_targets(
+        self, dataset: Any, max_length: int | None, dataset_name: str, is_iterable: bool
+    ) -> Any:
+        """Remove examples whose prompt fills `max_length`, leaving no completion token to train on."""
+        if is_iterable:
+            return dataset.filter(
+                lambda ex: scored_completion_tokens(len(ex["prompt_ids"]), len(ex["completion_ids"]), max_length) > 0
+            )
+        flags = [
+            scored_completion_tokens(len(p), len(c), max_length) > 0
+            for p, c in zip(dataset["prompt_ids"], dataset["completion_ids"])
+        ]
+        shortest = min(len(p) for p in dataset["prompt_ids"])
+        none_left = (
+            f"No {dataset_name} example has a completion token left to train on: with max_length={max_length}, every "
+            f"prompt fills the whole length (the shortest prompt is {shortest} tokens, expected fewer than "
+            "max_length) or a completion is empty. Raise max_length or shorten the prompts."
+        )
+        return self._keep_flagged(dataset, flags, dataset_name, "examples", max_length, none_left)
+
+    @staticmethod
+    def _warn_if_unbalanced(dataset: Any, desirable_weight: float, undesirable_weight: float) -> None:
+        """Warn when the weighted desirable:undesirable ratio leaves the [1, 4/3] band, suggesting weights."""
+        if not isinstance(dataset, Dataset):
+            return
+        labels = dataset["label"]
+        num_desirable = sum(1 for label in labels if label)
+        num_undesirable = len(labels) - num_desirable
+        if num_desirable == 0 or num_undesirable == 0:
+            logger.info(
+                "The training data holds only %s examples (%d); the loss then only pushes in one direction. Use a "
+                "conservative learning rate.",
+                "desirable" if num_undesirable == 0 else "undesirable",
+                len(labels),
+            )
+            return
+        if num_desirable == num_undesirable:
+            return
+        ratio = desirable_weight * num_desirable / (undesirable_weight * num_undesirable)
+        low, high = _RECOMMENDED_RATIO
+        if low <= ratio <= high:
+            return
+        # Either weight alone can bring the ratio back into the band.
+        undesirable_range = (
+            desirable_weight * num_desirable / (high * num_undesirable),
+            desirable_weight * num_desirable / (low * num_undesirable),
+        )
+        desirable_range = (
+            low * undesirable_weight * num_undesirable / num_desirable,
+            high * undesirable_weight * num_undesirable / num_desirable,
+        )
+        warnings.warn(
+            f"The training data has {num_desirable} desirable and {num_undesirable} undesirable examples; with "
+            f"desirable_weight={desirable_weight} and undesirable_weight={undesirable_weight} the weighted "
+            f"desirable:undesirable ratio is {ratio:.3f}, outside the recommended range [1, 4/3]. Set "
+            f"undesirable_weight between {undesirable_range[0]:.3f} and {undesirable_range[1]:.3f}, or "
+            f"desirable_weight between {desirable_range[0]:.3f} and {desirable_range[1]:.3f}.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = [
+                *_TOKENIZED_COLUMNS,
+                _KL_COLUMN,
+                *_REF_COLUMNS,
+                *self._extra_signature_columns(),
+            ]
+
+    def _extra_signature_columns(self) -> list[str]:
+        return []
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Log-probabilities
+    # ------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _sums(token_logps: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+        return (token_logps.float() * target_mask).sum(dim=1)
+
+    def _policy_pass(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> PolicyPass:
+        """Policy log-probs of the main rows (with gradient) and of the KL rows (detached), when present."""
+        n = inputs["label"].shape[0]
+        with_kl = self._needs_kl and inputs["input_ids"].shape[0] == 2 * n
+        if with_kl and self._kl_in_policy_forward:
+            # One forward over main + KL rows (packed together when the attention allows it).
+            result = self._token_logps(model, inputs, self._layout, with_stats=True)
+            target_mask = self._target_mask(inputs)
+            sums = self._sums(result.logps, target_mask)
+            return PolicyPass(
+                logps=sums[:n],
+                kl_logps=sums[n:].detach(),
+                target_mask=target_mask[:n],
+                entropy=result.entropy[:n],
+                mean_logit=result.stats["mean_logit"][:n],
+                outputs=result.outputs,
+            )
+        # (A batch may carry KL rows the loss does not use, e.g. `kto`-prepared data trained with `apo_zero_unpaired`.)
+        main = _select_rows(inputs, 0, n) if inputs["input_ids"].shape[0] != n else inputs
+        result = self._token_logps(model, main, self._layout, with_stats=True)
+        target_mask = self._target_mask(main)
+        kl_logps = None
+        if with_kl:
+            kl_rows = _select_rows(inputs, n, 2 * n)
+            with torch.no_grad():
+                kl_result = self._token_logps(model, kl_rows, self._layout, with_stats=False)
+            kl_logps = self._sums(kl_result.logps, self._target_mask(kl_rows))
+        return PolicyPass(
+            logps=self._sums(result.logps, target_mask),
+            kl_logps=kl_logps,
+            target_mask=target_mask,
+            entropy=result.entropy,
+            mean_logit=result.stats["mean_logit"],
+            outputs=result.outputs,
+        )
+
+    def compute_ref_log_probs(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Reference log-probabilities of the completions (and KL completions) of a collated batch.
+
+        Main and KL rows go through the reference in a single no-grad forward pass. The reference is the reference
+        model, the PEFT policy with its adapters disabled, or, while precomputing before training, the untrained
+        policy itself.
+
+        Args:
+            model: The policy (used for the PEFT reference and for precomputation).
+            inputs: A batch from [`DataCollatorForUnpairedPreference`].
+
+        Returns:
+            `{"ref_logps": (n,)}`, plus `"ref_kl_logps": (n,)` when the batch holds KL rows.
+        """
+        n = inputs["label"].shape[0]
+        layout = self._ref_layout if self.ref_model is not None else self._layout
+        with_kl = inputs["input_ids"].shape[0] == 2 * n
+        parts = (
+            [inputs]
+            if self._kl_in_reference_forward or not with_kl
+            else [
+                _select_rows(inputs, 0, n),
+                _select_rows(inputs, n, 2 * n),
+            ]
+        )
+        with self._reference_module(model, self._ref_adapter_name) as reference:
+            sums = torch.cat(
+                [
+                    self._sums(
+                        self._token_logps(reference, part, layout, with_stats=False).logps, self._target_mask(part)
+                    )
+                    for part in parts
+                ]
+            )
+        out = {"ref_logps": sums[:n]}
+        if sums.shape[0] == 2 * n:
+            out["ref_kl_logps"] = sums[n:]
+        return out
+
+    def _reference_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Precomputed reference values of the batch when present, otherwise computed now."""
+        if "ref_logps" in inputs and (not self._needs_kl or "ref_kl_logps" in inputs):
+            return {key: inputs[key].float() for key in _REF_COLUMNS if key in inputs}
+        return self.compute_ref_log_probs(model, inputs)
+
+    def _precompute_columns(self) -> tuple[str, ...]:
+        return _REF_COLUMNS if self._needs_kl else _REF_COLUMNS[:1]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Metrics
+    # ------------------------------------------------------------------------------------------------------------
+    def _record_unpaired_metrics(
+        self,
+        mode: str,
+        label: torch.Tensor,
+        logps: torch.Tensor,
+        rewards: torch.Tensor,
+        policy: PolicyPass,
+        means: dict[str, torch.Tensor] | None = None,
+        token_metrics: bool = True,
+        num_tokens: torch.Tensor | None = None,
+    ) -> None:
+        """Store per-class sums and counts (averaged per class at log time) and the other batch metrics."""
+        chosen, rejected = label.float(), (~label).float()
+        mask = policy.target_mask.float()
+        example_logit = (policy.mean_logit.float() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        sums = {
+            "rewards/chosen_sum": (rewards * chosen).sum(),
+            "rewards/rejected_sum": (rewards * rejected).sum(),
+            "logps/chosen_sum": (logps * chosen).sum(),
+            "logps/rejected_sum": (logps * rejected).sum(),
+            "logits/chosen_sum": (example_logit * chosen).sum(),
+            "logits/rejected_sum": (example_logit * rejected).sum(),
+            "count/chosen": chosen.sum(),
+            "count/rejected": rejected.sum(),
+        }
+        ratios = {}
+        if token_metrics and policy.entropy is not None:
+            ratios["entropy"] = ((policy.entropy.float() * mask).sum(), mask.sum())
+        self._record_batch_metrics(mode, means=means, ratios=ratios, sums=sums, num_tokens=num_tokens)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Turn the per-class sums and counts of the logging interval into means, then log as usual.
+
+        `rewards/chosen` is the sum of the chosen rewards over the interval divided by the number of chosen
+        examples (likewise for `logps/*` and `logits/*`), so batches with few or no examples of a class weigh in
+        proportionally; a class absent from the whole interval is not logged. `rewards/margins` is
+        `rewards/chosen - rewards/rejected`. The `*_sum` and `count/*` entries are logged as per-batch values.
+        """
+        mode = self._mode
+        if not hasattr(self, "_metrics"):
+            self._init_metrics()
+        metrics = self._metrics[mode]
+        for split in ("chosen", "rejected"):
+            total = sum(metrics.get(f"count/{split}", []))
+            if total <= 0:
+                continue
+            for name in ("rewards", "logps", "logits"):
+                values = metrics.get(f"{name}/{split}_sum")
+                if values:
+                    metrics[f"{name}/{split}"] = [sum(values) / total]
+        if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
+            metrics["rewards/margins"] = [metrics["rewards/chosen"][0] - metrics["rewards/rejected"][0]]
+        super().log(logs, start_time)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Evaluation
+    # ------------------------------------------------------------------------------------------------------------
+    def _prediction_logits_and_labels(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        # Predictions: the implied reward of every example; labels: 1 for desirable, 0 for undesirable.
+        return outputs["rewards"], outputs["label"].long()
+
+
+class _UnpairedTokenizer:
+    """Turns one `{prompt, completion, label}` example into `prompt_ids` and `completion_ids` (label kept)."""
+
+    def __init__(self, processing_class: Any, conversational: bool):
+        self.tokenize = PromptCompletionTokenizer(processing_class, conversational)
+
+    def __call__(self, example: dict[str, Any]) -> dict[str, list[int]]:
+        if not isinstance(example["label"], bool):
+            raise ValueError(f"The 'label' column must hold booleans (True = desirable); found {example['label']!r}.")
+        prompt_ids, (completion_ids,) = self.tokenize(example, example["prompt"], [example["completion"]])
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids}
+
+
+class _KLCompletions:
+    """Batched map over chunks of a batch's size: each example gets the completion of the next example of its chunk
+    whose prompt differs (the chunk's own next example when all prompts are equal)."""
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        prompts, completions = batch["prompt_ids"], batch["completion_ids"]
+        n = len(prompts)
+        kl = []
+        for i in range(n):
+            partner = (i + 1) % n
+            for step in range(1, n):
+                j = (i + step) % n
+                if prompts[j] != prompts[i]:
+                    partner = j
+                    break
+            kl.append(list(completions[partner]))
+        return {_KL_COLUMN: kl}
