@@ -308,6 +308,9 @@ def test_train_changes_params_and_logs_every_metric(tmp_path, model_path, prompt
     for key in [*GRPO_METRICS, "rewards/low_id_reward/mean", "rewards/low_id_reward/std"]:
         assert key in logs[-1], key
     assert "kl" not in logs[-1]
+    # One reward function: the batch-wide reward spread equals that function's spread (TRL's definition).
+    for log in logs:
+        assert log["reward_std"] == pytest.approx(log["rewards/low_id_reward/std"], rel=1e-6)
     assert logs[-1]["num_tokens"] > logs[0]["num_tokens"] > 0
     assert logs[-1]["completions/max_length"] <= 6
     assert logs[-1]["timing/rollout"] > 0 and logs[-1]["timing/training"] > 0
@@ -418,10 +421,10 @@ def test_gradient_accumulation_invariance(rollout_trainer, loss_type):
 
 
 def test_toy_task_reward_rises(tmp_path, model_path, prompts):
-    """A reward that prefers one token id: 40 GRPO steps make the policy emit it much more often."""
+    """A reward for low token ids: 40 GRPO steps move the policy from ~0.25 to mostly low ids."""
     rewards = prefer_token_rewards(GRPOTrainer, make_args, tmp_path, model_path, prompts)
-    assert rewards[0] < 0.05
-    assert max(rewards[-2:]) > 0.2
+    assert rewards[0] < 0.35  # the untrained policy: about a quarter
+    assert max(rewards[-2:]) > 0.6
 
 
 @pytest.mark.slow

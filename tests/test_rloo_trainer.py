@@ -199,8 +199,8 @@ def test_num_iterations_uses_stored_old_logps(tmp_path, model_path, prompts):
 
 def test_toy_task_reward_rises(tmp_path, model_path, prompts):
     rewards = prefer_token_rewards(RLOOTrainer, make_args, tmp_path, model_path, prompts, beta=0.0)
-    assert rewards[0] < 0.05
-    assert max(rewards[-2:]) > 0.15
+    assert rewards[0] < 0.35  # the untrained policy: about a quarter
+    assert max(rewards[-2:]) > 0.6
 
 
 def test_peft_and_reward_model_on_conversational_data(tmp_path, model_path):

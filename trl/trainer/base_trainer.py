@@ -339,7 +339,8 @@ class _BaseTrainer(Trainer):
             metrics[key] = sum(finite) / len(finite) if finite else float("nan")
         if mode == "eval":
             metrics = {f"eval_{key}": value for key, value in metrics.items()}
-        logs = {**logs, **metrics}
+        # In place: `evaluate()`, best-model tracking and callbacks read this same dict after `log()` returns.
+        logs.update(metrics)
         super().log(logs, start_time)
         self._metrics[mode].clear()
 

@@ -154,7 +154,7 @@ class _OnlineGenerationMixin:
             "eos_token_id": self.eos_token_ids,
             "temperature": args.temperature,
             "top_p": args.top_p,
-            "top_k": args.top_k if args.top_k else None,
+            "top_k": args.top_k,
             "min_p": args.min_p,
             "repetition_penalty": args.repetition_penalty,
             "cache_implementation": args.cache_implementation,

@@ -79,7 +79,8 @@ class _OnlineMetricsMixin:
         rewards = self._aggregated_rewards(rewards_per_func)
         group_std = rewards.view(-1, self._group_size()).std(dim=1)
         metrics["reward"].append(rewards.mean().item())
-        metrics["reward_std"].append(group_std.mean().item())
+        # TRL's `reward_std` is the spread over the whole batch (not the mean of the per-group spreads).
+        metrics["reward_std"].append(rewards.std().item())
         zero_std = torch.isclose(group_std, torch.zeros_like(group_std))
         metrics["frac_reward_zero_std"].append(zero_std.float().mean().item())
 
