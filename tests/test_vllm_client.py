@@ -1,6 +1,7 @@
 """Tests of the vLLM client side that need no vLLM: connection errors, helpers, the gloo weight-transfer group,
 and the `trl vllm-serve` options (they run in the main environment)."""
 
+import importlib
 import multiprocessing
 import os
 import socket
@@ -134,7 +135,8 @@ def test_weight_sync_group_rejects_bad_arguments():
 
 
 def test_vllm_serve_arguments_and_command():
-    from trl.scripts.vllm_serve import ScriptArguments, _chunk, _parse_extra_args, build_command, make_parser
+    from trl.scripts._vllm_app import _chunk
+    from trl.scripts.vllm_serve import ScriptArguments, _parse_extra_args, build_command, make_parser
 
     parser = make_parser(prog="trl vllm-serve")
     (args,) = parser.parse_args_and_config(["--model", "m", "--data_parallel_size", "2", "--enforce_eager", "true"])
@@ -181,6 +183,17 @@ def test_vllm_serve_arguments_and_command():
         ScriptArguments(model="m", data_parallel_size=0)
     with pytest.raises(ValueError, match="JSON"):
         ScriptArguments(model="m", speculative_config="{not json")
+
+
+def test_vllm_serve_worker_extension_is_loadable_by_its_qualified_name():
+    # vLLM imports the worker extension from the string the engines pass as `worker_extension_cls`.
+    from trl.generation.vllm_worker_extension import WeightSyncWorkerExtension
+    from trl.scripts._vllm_engines import _llm_kwargs
+    from trl.scripts.vllm_serve import ScriptArguments
+
+    qualified_name = _llm_kwargs(ScriptArguments(model="m"), {})["worker_extension_cls"]
+    module_name, _, class_name = qualified_name.rpartition(".")
+    assert getattr(importlib.import_module(module_name), class_name) is WeightSyncWorkerExtension
 
 
 @pytest.mark.skipif(is_vllm_available(), reason="checks the message shown when vLLM is missing")
