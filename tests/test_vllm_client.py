@@ -221,6 +221,16 @@ def test_vllm_serve_help_is_fast_and_lists_options():
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.parametrize("how", ["module", "file"])
+def test_vllm_serve_runs_standalone(how):
+    from trl.cli._script_parser import script_path
+
+    target = ["-m", "trl.scripts.vllm_serve"] if how == "module" else [script_path("vllm_serve")]
+    result = subprocess.run([sys.executable, *target, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "--tensor_parallel_size" in result.stdout
+
+
 def test_to_openai_messages_without_pil():
     messages = [
         {"role": "user", "content": [{"type": "image", "image": "data:image/png;base64,AAAA"}, {"type": "image"}]},

@@ -10,54 +10,33 @@ vision-language typed content), `chat_rendering` (`apply_chat_template`), `prefe
 unpairing) and `packing` (packing and truncation).
 """
 
-from ._data.chat_rendering import apply_chat_template, maybe_apply_chat_template
-from ._data.conversational import (
+from __future__ import annotations
+
+# Re-exported: the public names of this module, implemented in `trl._data`.
+from ._data.chat_rendering import apply_chat_template, maybe_apply_chat_template  # noqa: F401
+from ._data.conversational import (  # noqa: F401
     ALLOWED_ROLES,
     is_conversational,
     is_conversational_from_value,
     maybe_convert_to_chatml,
     prepare_multimodal_messages,
 )
-from ._data.formats import (
+from ._data.formats import (  # noqa: F401
     DATASET_FORMATS,
     DatasetType,
     detect_dataset_format,
     get_dataset_column_names,
     validate_dataset_format,
 )
-from ._data.packing import PACKING_STRATEGIES, pack_dataset, truncate_dataset
+from ._data.packing import PACKING_STRATEGIES, pack_dataset, truncate_dataset  # noqa: F401
 from ._data.packing import _pack_bfd as _pack_bfd  # private, but named by the API contract
 from ._data.packing import _pack_wrapped as _pack_wrapped  # private, but named by the API contract
-from ._data.preference import (
+from ._data.preference import (  # noqa: F401
     extract_prompt,
     maybe_extract_prompt,
     maybe_unpair_preference_dataset,
     unpair_preference_dataset,
 )
-
-
-__all__ = [
-    "ALLOWED_ROLES",
-    "DATASET_FORMATS",
-    "PACKING_STRATEGIES",
-    "DatasetType",
-    "apply_chat_template",
-    "common_prefix_length",
-    "detect_dataset_format",
-    "extract_prompt",
-    "get_dataset_column_names",
-    "is_conversational",
-    "is_conversational_from_value",
-    "maybe_apply_chat_template",
-    "maybe_convert_to_chatml",
-    "maybe_extract_prompt",
-    "maybe_unpair_preference_dataset",
-    "pack_dataset",
-    "prepare_multimodal_messages",
-    "truncate_dataset",
-    "unpair_preference_dataset",
-    "validate_dataset_format",
-]
 
 
 def common_prefix_length(ids: list[int], other_ids: list[int]) -> int:
@@ -87,8 +66,7 @@ def common_prefix_length(ids: list[int], other_ids: list[int]) -> int:
 
 # The public functions (and `DatasetType`) are documented, pickled and shown by `help()` as `trl.data_utils.<name>`,
 # their home in the API contract, wherever their code lives.
-for _name in __all__:
-    _value = globals()[_name]
-    if getattr(_value, "__module__", "").startswith("trl._data."):
+for _name, _value in list(globals().items()):
+    if not _name.startswith("_") and getattr(_value, "__module__", "").startswith("trl._data."):
         _value.__module__ = __name__
 del _name, _value

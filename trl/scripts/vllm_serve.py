@@ -33,11 +33,11 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+# Absolute imports: the script also runs as `python trl/scripts/vllm_serve.py`.
+from trl.generation.vllm_worker_extension import WeightSyncWorkerExtension  # noqa: F401  (its path before the split)
+from trl.scripts._vllm_app import _Engines, create_app
+from trl.scripts._vllm_engines import _parse_extra_args, _worker_environments, llm_worker
 from trl.scripts.utils import TrlParser
-
-from ..generation.vllm_worker_extension import WeightSyncWorkerExtension  # noqa: F401  (re-export: its path before the split)
-from ._vllm_app import _Engines, create_app
-from ._vllm_engines import _parse_extra_args, _worker_environments, llm_worker
 
 
 _MISSING_VLLM_MESSAGE = (
