@@ -78,6 +78,12 @@ def test_legacy_import_paths():
     assert trl.OpenAIPairwiseJudge is OpenAIPairwiseJudge
     assert trl.trainer.AllTrueJudge is AllTrueJudge
     assert OpenAIPairwiseJudge.__module__ == "trl.experimental.judges.judges"
+    # One list of names: the shim re-exports `trl.experimental.judges.__all__`, and the lazy index of `trl.trainer`
+    # (which cannot import the judges to read it) names the same ones.
+    assert legacy.__all__ is trl.experimental.judges.__all__
+    assert sorted(trl.trainer._import_structure["judges"]) == sorted(legacy.__all__)
+    assert all(getattr(legacy, name) is getattr(trl.experimental.judges, name) for name in legacy.__all__)
+    assert legacy.DEFAULT_PAIRWISE_SYSTEM_PROMPT is DEFAULT_PAIRWISE_SYSTEM_PROMPT
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""Package-level behaviour: lazy imports, public names, the experimental warning, package data."""
+"""Package-level behaviour: lazy imports, public names, the experimental warning, package data, import layering."""
 
+import ast
 import importlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +82,65 @@ def test_package_data_is_present():
         "accelerate_configs/zero3.yaml",
     ):
         assert os.path.isfile(os.path.join(root, relative)), relative
+
+
+# Import layering: each package may not import the packages named against it (a layer above it). Sub-packages count
+# as their package; imports inside functions and under `TYPE_CHECKING` count too.
+FORBIDDEN_IMPORTS = {
+    "trl.trainer": ("trl.scripts", "trl.cli", "trl.experimental"),
+    "trl.experimental": ("trl.scripts", "trl.cli"),
+    "trl.models": ("trl.scripts", "trl.cli"),
+    "trl.generation": ("trl.scripts", "trl.cli"),
+    "trl.scripts": ("trl.cli",),
+}
+# Low modules shared by the layers above import none of them.
+_LAYERS = ("trl.models", "trl.generation", "trl.trainer", "trl.experimental", "trl.scripts", "trl.cli")
+FORBIDDEN_IMPORTS.update({low: _LAYERS for low in ("trl._config_file", "trl._data", "trl.data_utils")})
+# Deliberate compatibility re-exports (marked as such in their source): module -> the package it may import.
+COMPATIBILITY_REEXPORTS = {"trl.trainer.judges": "trl.experimental"}
+
+
+def _imports(path: Path, module: str) -> list[tuple[int, list[str]]]:
+    """`(line, names)` for every import statement of a file, relative imports resolved. `import a, b` gives `[a, b]`;
+    `from a import b` gives `[a, a.b]` (`b` may be a submodule)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.append((node.lineno, [alias.name for alias in node.names]))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            found.append((node.lineno, [source] + [f"{source}.{alias.name}" for alias in node.names]))
+    return found
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_no_upward_imports():
+    root = Path(trl.__file__).parent
+    offences = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        forbidden = [
+            above for layer, aboves in FORBIDDEN_IMPORTS.items() if _within(module, layer) for above in aboves
+        ]
+        forbidden = [above for above in forbidden if COMPATIBILITY_REEXPORTS.get(module) != above]
+        for line, names in _imports(path, module):
+            hits = [name for name in names for above in forbidden if _within(name, above)]
+            if hits:
+                offences.append(f"{path.relative_to(root.parent)}:{line} imports {hits[0]}")
+    assert not offences, "imports that run up the layers:\n" + "\n".join(offences)
+
+
+def test_compatibility_reexports_are_marked():
+    root = Path(trl.__file__).parent.parent
+    for module in COMPATIBILITY_REEXPORTS:
+        source = (root / Path(*module.split("."))).with_suffix(".py").read_text()
+        assert "Compatibility re-export" in source, module

@@ -1,6 +1,7 @@
 """Tests of the vLLM client side that need no vLLM: connection errors, helpers, the gloo weight-transfer group,
 and the `trl vllm-serve` options (they run in the main environment)."""
 
+import importlib
 import multiprocessing
 import os
 import socket
@@ -134,7 +135,8 @@ def test_weight_sync_group_rejects_bad_arguments():
 
 
 def test_vllm_serve_arguments_and_command():
-    from trl.scripts.vllm_serve import ScriptArguments, _chunk, _parse_extra_args, build_command, make_parser
+    from trl.scripts._vllm_app import _chunk
+    from trl.scripts.vllm_serve import ScriptArguments, _parse_extra_args, build_command, make_parser
 
     parser = make_parser(prog="trl vllm-serve")
     (args,) = parser.parse_args_and_config(["--model", "m", "--data_parallel_size", "2", "--enforce_eager", "true"])
@@ -183,6 +185,17 @@ def test_vllm_serve_arguments_and_command():
         ScriptArguments(model="m", speculative_config="{not json")
 
 
+def test_vllm_serve_worker_extension_is_loadable_by_its_qualified_name():
+    # vLLM imports the worker extension from the string the engines pass as `worker_extension_cls`.
+    from trl.generation.vllm_worker_extension import WeightSyncWorkerExtension
+    from trl.scripts._vllm_engines import _llm_kwargs
+    from trl.scripts.vllm_serve import ScriptArguments
+
+    qualified_name = _llm_kwargs(ScriptArguments(model="m"), {})["worker_extension_cls"]
+    module_name, _, class_name = qualified_name.rpartition(".")
+    assert getattr(importlib.import_module(module_name), class_name) is WeightSyncWorkerExtension
+
+
 @pytest.mark.skipif(is_vllm_available(), reason="checks the message shown when vLLM is missing")
 def test_vllm_serve_without_vllm_says_how_to_install():
     env = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -206,6 +219,16 @@ def test_vllm_serve_help_is_fast_and_lists_options():
     for flag in ("--model", "--tensor_parallel_size", "--data_parallel_size", "--host", "--port", "--log_level"):
         assert flag in result.stdout
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("how", ["module", "file"])
+def test_vllm_serve_runs_standalone(how):
+    from trl.cli._script_parser import script_path
+
+    target = ["-m", "trl.scripts.vllm_serve"] if how == "module" else [script_path("vllm_serve")]
+    result = subprocess.run([sys.executable, *target, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "--tensor_parallel_size" in result.stdout
 
 
 def test_to_openai_messages_without_pil():

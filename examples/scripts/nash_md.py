@@ -16,11 +16,11 @@ python examples/scripts/nash_md.py --model_name_or_path <model> --dataset_name <
     --judge pair_rm --output_dir nash-md-out
 ```
 
-The arguments are those of the config plus `--judge`; see `trl/experimental/online_dpo/_script.py`.
+The arguments are those of the config plus `--judge`; see `trl/scripts/_online_preference.py`.
 """
 
 from trl.experimental.nash_md import NashMDConfig, NashMDTrainer
-from trl.experimental.online_dpo._script import run_online_preference_script
+from trl.scripts._online_preference import run_online_preference_script
 
 
 if __name__ == "__main__":

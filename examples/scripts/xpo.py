@@ -16,11 +16,11 @@ python examples/scripts/xpo.py --model_name_or_path <model> --dataset_name <prom
     --judge pair_rm --output_dir xpo-out
 ```
 
-The arguments are those of the config plus `--judge`; see `trl/experimental/online_dpo/_script.py`.
+The arguments are those of the config plus `--judge`; see `trl/scripts/_online_preference.py`.
 """
 
-from trl.experimental.online_dpo._script import run_online_preference_script
 from trl.experimental.xpo import XPOConfig, XPOTrainer
+from trl.scripts._online_preference import run_online_preference_script
 
 
 if __name__ == "__main__":

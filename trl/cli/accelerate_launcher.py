@@ -8,7 +8,7 @@ from typing import Any
 
 from accelerate.commands.launch import launch_command, launch_command_parser
 
-from ._config_file import closest_name, parser_option_names
+from .._config_file import closest_name, parser_option_names
 from ._script_parser import script_path
 
 

@@ -1,5 +1,7 @@
 """Generation back-ends for the online trainers: the `trl vllm-serve` client and weight transfer (resolved lazily).
 
+`vllm_worker_extension` holds the class the `trl vllm-serve` workers load by its qualified name to receive weights.
+
 `VLLMGeneration` (the trainer-side wrapper of both vLLM modes) is exported only when vLLM is installed.
 """
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, get_type_hints
 
 from transformers import HfArgumentParser
 
-from ..cli._config_file import (
+from .._config_file import (
     apply_config_defaults,
     closest_name,
     export_env_section,

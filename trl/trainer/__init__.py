@@ -6,6 +6,19 @@ from typing import TYPE_CHECKING
 from .._lazy_module import _LazyModule
 
 
+# `judges` is a compatibility re-export of `trl.experimental.judges` (their trl 0.x import path): its names, listed
+# here only so that the lazy index needs no import; `tests/test_judges.py` checks them against the real `__all__`.
+_JUDGES = (
+    "AllTrueJudge",
+    "BaseBinaryJudge",
+    "BaseJudge",
+    "BasePairwiseJudge",
+    "BaseRankJudge",
+    "HfPairwiseJudge",
+    "OpenAIPairwiseJudge",
+    "PairRMJudge",
+)
+
 _import_structure = {
     "callbacks": [
         "BEMACallback",
@@ -14,16 +27,7 @@ _import_structure = {
         "SyncRefModelCallback",
         "WeaveCallback",
     ],
-    "judges": [
-        "AllTrueJudge",
-        "BaseBinaryJudge",
-        "BaseJudge",
-        "BasePairwiseJudge",
-        "BaseRankJudge",
-        "HfPairwiseJudge",
-        "OpenAIPairwiseJudge",
-        "PairRMJudge",
-    ],
+    "judges": list(_JUDGES),
     "dpo_config": ["DPOConfig"],
     "dpo_trainer": ["DPOTrainer"],
     "grpo_config": ["GRPOConfig"],
@@ -58,16 +62,7 @@ if TYPE_CHECKING:
     from .dpo_trainer import DPOTrainer
     from .grpo_config import GRPOConfig
     from .grpo_trainer import GRPOTrainer
-    from .judges import (
-        AllTrueJudge,
-        BaseBinaryJudge,
-        BaseJudge,
-        BasePairwiseJudge,
-        BaseRankJudge,
-        HfPairwiseJudge,
-        OpenAIPairwiseJudge,
-        PairRMJudge,
-    )
+    from .judges import *  # noqa: F403
     from .kto_config import KTOConfig
     from .kto_trainer import KTOTrainer
     from .model_config import ModelConfig

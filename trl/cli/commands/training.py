@@ -4,7 +4,7 @@ import argparse
 import subprocess
 import sys
 
-from .._config_file import apply_config_defaults, export_env_section, load_config_file, pop_config_argument
+from ..._config_file import apply_config_defaults, export_env_section, load_config_file, pop_config_argument
 from .._script_parser import build_script_parser, script_exists
 from .base import Command, CommandContext
 

@@ -3,10 +3,10 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...scripts._training import build_model_init_kwargs, finish_training, load_script_dataset, split_datasets
-from ...scripts.utils import DatasetMixtureConfig, ScriptArguments, TrlParser
-from ...trainer.model_config import ModelConfig
-from ...trainer.utils import get_peft_config
+from ..trainer.model_config import ModelConfig
+from ..trainer.utils import get_peft_config
+from ._training import build_model_init_kwargs, finish_training, load_script_dataset, split_datasets
+from .utils import DatasetMixtureConfig, ScriptArguments, TrlParser
 
 
 JUDGES = ("pair_rm", "openai", "hf")
@@ -31,7 +31,7 @@ def build_judge(name: str | None) -> Any:
     """The judge named on the command line (None when no judge was asked for)."""
     if name is None:
         return None
-    from ..judges import HfPairwiseJudge, OpenAIPairwiseJudge, PairRMJudge
+    from ..experimental.judges import HfPairwiseJudge, OpenAIPairwiseJudge, PairRMJudge
 
     return {"pair_rm": PairRMJudge, "openai": OpenAIPairwiseJudge, "hf": HfPairwiseJudge}[name]()
 
@@ -46,7 +46,7 @@ def run_online_preference_script(trainer_class: type, config_class: type) -> Non
     script_args, training_args, model_args, dataset_args, _ = parser.parse_args_and_config(
         return_remaining_strings=True
     )
-    from ...assets import get_dataset_path, get_model_path
+    from ..assets import get_dataset_path, get_model_path
 
     if model_args.model_name_or_path is None:
         model_args.model_name_or_path = get_model_path("tiny-Qwen2ForCausalLM")
