@@ -7,7 +7,7 @@ from .._lazy_module import _LazyModule
 
 
 # `judges` is a compatibility re-export of `trl.experimental.judges` (their trl 0.x import path): its names, listed
-# here only so that the lazy index needs no import; `tests/test_judges.py` checks them against the real `__all__`.
+# here only so that the lazy index needs no import; `tests/experimental/test_judges.py` checks them against the real `__all__`.
 _JUDGES = (
     "AllTrueJudge",
     "BaseBinaryJudge",

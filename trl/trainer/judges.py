@@ -2,7 +2,7 @@
 
 Compatibility re-export: the one deliberate import from `trl.trainer` up into `trl.experimental` (allowed by name in
 `tests/test_package.py`). The names come from `trl.experimental.judges.__all__`; `trl/trainer/__init__.py` lists them
-once more for its lazy index, and `tests/test_judges.py` checks that both lists agree.
+once more for its lazy index, and `tests/experimental/test_judges.py` checks that both lists agree.
 """
 
 from ..experimental.judges import *  # noqa: F403  (compatibility re-export)
