@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: install torch assets deepspeed test test-slow test-distributed vllm-env test-vllm demo bench lint format clean
+.PHONY: install torch assets deepspeed test test-slow test-distributed vllm-env test-vllm parity-env test-parity demo bench lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
@@ -15,7 +15,7 @@ install: torch
 		|| $(PIP) install -q -e ".[test,quality,judges,bco]"
 
 test: install
-	$(PYTHON) -m pytest -m "not slow and not distributed and not vllm" -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests
+	$(PYTHON) -m pytest -m "not slow and not distributed and not vllm and not parity" -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests
 
 test-slow: install
 	$(PYTHON) -m pytest -m "slow" -q tests
@@ -58,6 +58,32 @@ vllm-env:
 
 test-vllm: vllm-env
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PYTHON) -m pytest -m "vllm" -q -p no:cacheprovider tests
+
+# Parity suite (docs/parity.md): every case runs once under real TRL and once under this project, outputs compared.
+# Real TRL lives in its own virtual environment, pinned to this environment's torch/transformers/accelerate/datasets/
+# peft versions (read at build time). Built once per pin set (stamp file holds the pins), then reused.
+PARITY_VENV ?= .venv-parity
+PARITY_PYTHON = $(PARITY_VENV)/bin/python
+PARITY_TRL_VERSION ?= 1.16.0
+PARITY_STAMP = $(PARITY_VENV)/.trl-parity-env
+PARITY_PINS = $(PYTHON) -c "import importlib.metadata as m; print('trl==$(PARITY_TRL_VERSION)'); print('torch==$(TORCH_CPU_VERSION)'); [print(p + '==' + m.version(p)) for p in ('transformers', 'accelerate', 'datasets', 'peft')]"
+
+parity-env: install
+	@pins="$$($(PARITY_PINS))"; \
+	if [ -f $(PARITY_STAMP) ] && [ "$$(cat $(PARITY_STAMP))" = "$$pins" ] && $(PARITY_PYTHON) -c "import trl, peft" 2>/dev/null; then \
+		echo "parity-env: $(PARITY_VENV) is ready (trl $(PARITY_TRL_VERSION))"; \
+	else \
+		set -e; start=$$(date +%s); \
+		rm -rf $(PARITY_VENV); $(PYTHON) -m venv $(PARITY_VENV); \
+		echo "$$pins" > $(PARITY_VENV)/constraints.txt; \
+		$(PARITY_PYTHON) -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
+		$(PARITY_PYTHON) -m pip install -q -c $(PARITY_VENV)/constraints.txt "trl==$(PARITY_TRL_VERSION)" peft; \
+		echo "$$pins" > $(PARITY_STAMP); \
+		echo "parity-env: built $(PARITY_VENV) in $$(( $$(date +%s) - start ))s ($$(du -sh $(PARITY_VENV) | cut -f1))"; \
+	fi
+
+test-parity: parity-env
+	$(PYTHON) -m pytest -m parity -q -p no:cacheprovider tests/parity
 
 # The example YAMLs (examples/cli_configs/*.yaml) point at .trl-assets/v1/...: build the offline assets there once.
 assets: install
