@@ -59,14 +59,18 @@ if __name__ == "__main__":
         model_args.model_name_or_path = model_args.model_name_or_path or get_model_path("tiny-Qwen2ForCausalLM")
         script_args.dataset_name = script_args.dataset_name or get_dataset_path("standard_unpaired_preference")
 
-    model_kwargs = {"revision": model_args.model_revision, "trust_remote_code": model_args.trust_remote_code}
+    model_kwargs = {"revision": model_args.model_revision, "trust_remote_code": training_args.trust_remote_code}
     if model_args.dtype not in (None, "auto"):
         model_kwargs["dtype"] = getattr(torch, model_args.dtype)
     model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **model_kwargs)
     ref_model = None
     if not model_args.use_peft:  # with LoRA the reference is the model with its adapters disabled
         ref_model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **model_kwargs)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.model_name_or_path,
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+    )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
 
@@ -79,7 +83,9 @@ if __name__ == "__main__":
         embedding_model = AutoModel.from_pretrained(embedding_id, **model_kwargs).eval()
         embedding_model = Accelerator().prepare_model(embedding_model, evaluation_mode=True)
         embedding_func = partial(embed_prompt, model=embedding_model)
-        embedding_tokenizer = AutoTokenizer.from_pretrained(embedding_id)
+        embedding_tokenizer = AutoTokenizer.from_pretrained(
+            embedding_id, trust_remote_code=training_args.trust_remote_code
+        )
 
     trainer = BCOTrainer(
         model,

@@ -31,18 +31,13 @@ def main(script_args: ScriptArguments, training_args, model_args: ModelConfig) -
     dtype = model_args.dtype if model_args.dtype in (None, "auto") else getattr(torch, model_args.dtype)
     model_kwargs = {
         "revision": model_args.model_revision,
-        "trust_remote_code": model_args.trust_remote_code,
         "attn_implementation": model_args.attn_implementation,
         "dtype": dtype,
         "quantization_config": quantization_config,
         "device_map": get_kbit_device_map() if quantization_config is not None else None,
     }
     model_kwargs = {key: value for key, value in model_kwargs.items() if value is not None}
-    tokenizer = AutoTokenizer.from_pretrained(
-        model_args.model_name_or_path,
-        revision=model_args.model_revision,
-        trust_remote_code=model_args.trust_remote_code,
-    )
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision)
     model = AutoModelForTokenClassification.from_pretrained(
         model_args.model_name_or_path, num_labels=2, **model_kwargs
     )

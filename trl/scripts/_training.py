@@ -1,4 +1,4 @@
-"""Steps every training script shares: model init kwargs from ModelConfig, dataset loading, and finishing a run.
+"""Steps every training script shares: model init kwargs, dataset loading, and finishing a run.
 
 The scripts `trl/scripts/{sft,dpo,kto,reward,grpo,rloo}.py` keep only what is their own (trainer class, config,
 extra trainer arguments) and hand the rest to `train_with_trainer`, `make_script_parser` and `run_script`.
@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..trainer.utils import get_peft_config
+from ..trainer.utils import get_kbit_device_map, get_peft_config, get_quantization_config
 from .utils import DatasetMixtureConfig, ScriptArguments, TrlParser, get_dataset
 
 
@@ -17,18 +17,26 @@ logger = logging.getLogger(__name__)
 
 
 def build_model_init_kwargs(model_args: Any, training_args: Any) -> dict[str, Any]:
-    """`from_pretrained` kwargs from a `ModelConfig`, updated by `training_args.model_init_kwargs`.
+    """`from_pretrained` kwargs from a `ModelConfig` and the trainer config, updated by its `model_init_kwargs`.
+
+    `revision`, `attn_implementation` and `dtype` come from `model_args`; `trust_remote_code` from `training_args`
+    (the training configs own it: `ModelConfig` has no such field). With `--load_in_4bit` / `--load_in_8bit` the
+    bitsandbytes `quantization_config` and a per-process `device_map` are added.
 
     Args:
-        model_args: The parsed `ModelConfig` (revision, trust_remote_code, attn_implementation, dtype).
-        training_args: The trainer config; its own `model_init_kwargs` win over `model_args`.
+        model_args: The parsed `ModelConfig` (revision, attn_implementation, dtype, quantization fields).
+        training_args: The trainer config (`trust_remote_code`); its own `model_init_kwargs` win over the rest.
     """
     kwargs: dict[str, Any] = {
         "revision": model_args.model_revision,
-        "trust_remote_code": model_args.trust_remote_code,
+        "trust_remote_code": getattr(training_args, "trust_remote_code", None),
         "attn_implementation": model_args.attn_implementation,
         "dtype": model_args.dtype,
     }
+    quantization_config = get_quantization_config(model_args)
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+        kwargs["device_map"] = get_kbit_device_map()
     kwargs = {key: value for key, value in kwargs.items() if value is not None}
     kwargs.update(getattr(training_args, "model_init_kwargs", None) or {})
     return kwargs

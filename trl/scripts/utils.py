@@ -208,8 +208,9 @@ class TrlParser(HfArgumentParser):
         self.config_path: str | None = None
 
     def _add_dataclass_arguments(self, dtype: Any) -> None:
-        # Unlike `HfArgumentParser`, a field name may appear in several dataclasses (e.g. `trust_remote_code` in
-        # both the trainer config and `ModelConfig`): it gets one option whose value goes to every dataclass.
+        # Unlike `HfArgumentParser`, a field name may appear in several dataclasses (e.g. a user's own dataclass
+        # repeating a trainer-config field): it gets one option whose value goes to every dataclass. The TRL
+        # dataclasses themselves never share a name, so they also compose with a plain `HfArgumentParser`.
         parser = (
             self.add_argument_group(dtype._argument_group_name) if hasattr(dtype, "_argument_group_name") else self
         )

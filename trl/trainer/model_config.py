@@ -11,6 +11,10 @@ class ModelConfig:
     LoRA fields are turned into a `peft.LoraConfig` by [`get_peft_config`] and the quantization fields into a
     `transformers.BitsAndBytesConfig` by [`get_quantization_config`].
 
+    It has no `trust_remote_code` field: that option belongs to the training configs (`SFTConfig`, `DPOConfig`, ...),
+    so that `HfArgumentParser((ScriptArguments, SFTConfig, ModelConfig))` defines `--trust_remote_code` once. The
+    scripts pass `training_args.trust_remote_code` to model and processor loading.
+
     Args:
         model_name_or_path (`str` or `None`, defaults to `None`):
             Hub id or local directory of the model to train.
@@ -18,8 +22,6 @@ class ModelConfig:
             Branch, tag or commit of the model to load.
         dtype (`str` or `None`, defaults to `"float32"`):
             Precision the weights are loaded in: `"auto"`, `"bfloat16"`, `"float16"` or `"float32"`.
-        trust_remote_code (`bool`, defaults to `False`):
-            Allow modelling code shipped with the model repository to run.
         attn_implementation (`str` or `None`, defaults to `None`):
             Attention kernel, for example `"sdpa"`, `"eager"` or `"flash_attention_2"`. `None` lets transformers pick.
         use_peft (`bool`, defaults to `False`):
@@ -65,9 +67,6 @@ class ModelConfig:
             "help": "Precision the weights are loaded in.",
             "choices": ["auto", "bfloat16", "float16", "float32"],
         },
-    )
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "Allow modelling code shipped with the model repository to run."}
     )
     attn_implementation: str | None = field(
         default=None,

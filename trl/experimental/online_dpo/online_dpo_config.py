@@ -125,7 +125,7 @@ class OnlineDPOConfig(_BaseConfig):
     _VALID_DICT_FIELDS = _BaseConfig._VALID_DICT_FIELDS + ["model_init_kwargs", "generation_kwargs"]
 
     learning_rate: float = field(default=5e-7, metadata={"help": "Initial learning rate for AdamW."})
-    remove_unused_columns: bool | None = field(
+    remove_unused_columns: bool = field(
         default=False, metadata={"help": "Keep extra dataset columns: they are passed to the reward functions."}
     )
     reward_model_path: str | None = field(
