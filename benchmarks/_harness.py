@@ -57,6 +57,7 @@ def setup_offline(experimental: bool = False, quiet: bool = True) -> None:
             Set the transformers logging verbosity to errors only.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRL_LOG_TIMING", "1")  # the online trainers' `timing/*` metrics (off in normal runs)
     if experimental:
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     if quiet:

@@ -67,7 +67,8 @@ def test_train_each_format(tmp_path, model_path, config_name):
     assert 0.0 <= last["accuracy"] <= 1.0
     eval_logs = [log for log in trainer.state.log_history if "eval_loss" in log]
     assert eval_logs and all(f"eval_{key}" in eval_logs[-1] for key in REWARD_METRICS)
-    assert "eval_num_tokens" not in eval_logs[-1]
+    # As in TRL: evaluation logs the number of training tokens seen so far.
+    assert eval_logs[-1]["eval_num_tokens"] == last["num_tokens"]
 
 
 def test_num_tokens_counts_both_sides(tmp_path, model_path, tokenizer):

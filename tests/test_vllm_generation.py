@@ -290,8 +290,10 @@ def online_args(config_class, tmp_path, **overrides):
 
 @pytest.mark.vllm
 @requires_vllm
-def test_grpo_colocate_trains_with_importance_sampling_correction(tmp_path, model_path, prompts):
+def test_grpo_colocate_trains_with_importance_sampling_correction(tmp_path, model_path, prompts, monkeypatch):
     from trl import GRPOConfig, GRPOTrainer
+
+    monkeypatch.setenv("TRL_LOG_TIMING", "1")  # the per-step timing breakdown, off by default as in TRL
 
     args = online_args(GRPOConfig, tmp_path, vllm_importance_sampling_mode="token_truncate")
     trainer = GRPOTrainer(model_path, reward_funcs=low_id_reward, args=args, train_dataset=prompts)

@@ -321,6 +321,16 @@ class _BaseTrainer(Trainer):
             value = self.accelerator.gather(value).mean().item()
         self._metrics[mode][name].append(float(value))
 
+    def _record_num_tokens(self, mode: str, batch_tokens: float | None = None) -> None:
+        """Log TRL's `num_tokens`: the running count of training tokens (already summed over processes).
+
+        A training batch adds its `batch_tokens`; evaluation logs the count reached so far, unchanged (so
+        `eval_num_tokens` says how much the evaluated model was trained on).
+        """
+        if mode == "train" and batch_tokens is not None:
+            self._total_train_tokens = getattr(self, "_total_train_tokens", 0) + int(batch_tokens)
+        self._metrics[mode]["num_tokens"] = [float(getattr(self, "_total_train_tokens", 0))]
+
     def _record_sum_metric(self, name: str, value: "torch.Tensor | float", mode: str | None = None) -> None:
         """Store a metric summed across processes (counts such as `num_tokens`)."""
         mode = mode or self._mode
@@ -546,7 +556,7 @@ class _BaseTrainer(Trainer):
             ratios: `(numerator, denominator)` pairs, each summed over processes, stored as their ratio (NaN when the
                 denominator is 0, e.g. token-level means over an empty selection).
             sums: Scalars summed over processes.
-            num_tokens: Tokens of this batch; in training they are added to the running `num_tokens` metric.
+            num_tokens: Tokens of this batch (see [`_record_num_tokens`]).
         """
         means, ratios, sums = means or {}, ratios or {}, sums or {}
         values = [torch.as_tensor(v).detach().float().reshape(()) for v in means.values()]
@@ -573,6 +583,5 @@ class _BaseTrainer(Trainer):
         for name in sums:
             self._metrics[mode][name].append(summed[index])
             index += 1
-        if num_tokens is not None and mode == "train":
-            self._total_train_tokens = getattr(self, "_total_train_tokens", 0) + int(summed[index])
-            self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]
+        if num_tokens is not None:
+            self._record_num_tokens(mode, summed[index])

@@ -37,6 +37,7 @@ Where each concern lives (this module is the front: it defines the trainer and r
   and the loss plumbing.
 """
 
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -74,6 +75,12 @@ from .utils import (
     shuffle_sequence_dict,
     split_tensor_dict,
 )
+
+
+def _log_timing() -> bool:
+    """Per-step `timing/rollout|generation|training` metrics: off by default (TRL logs none), on with
+    `TRL_LOG_TIMING=1` (the benchmarks set it)."""
+    return os.environ.get("TRL_LOG_TIMING", "0").lower() in ("1", "true", "yes")
 
 
 # Names imported from this module before it was split (by trainers, tests and user code), kept importable here.
@@ -224,7 +231,6 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         self._timing = {"rollout": 0.0, "generation": 0.0}
         self._completion_logs: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
         self._logged_extra: dict[str, list] = {}
-        self._eval_num_tokens = 0
         self._signature_cache: dict[int, bool] = {}
 
         super().__init__(
@@ -615,6 +621,8 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         elapsed = time.perf_counter() - start
         metrics = self._metrics["train"]
         metrics["step_time"].append(elapsed)
+        if not _log_timing():
+            return loss
         # Per micro-step times (0 rollout time on micro-steps served from the buffer), so interval means are
         # amortised costs per step.
         metrics["timing/rollout"].append(self._timing["rollout"])

@@ -23,7 +23,7 @@ class _OnlineMetricsMixin:
     """Metrics and completion logging of [`_OnlineTrainer`] (not usable on its own).
 
     Reads from the trainer: `args`, `accelerator`, `state`, `reward_func_names`, `_metrics`, `_mode`,
-    `_completion_logs`, `_logged_extra`, `_eval_num_tokens`, `_aggregated_rewards` and `_group_size`.
+    `_completion_logs`, `_logged_extra`, `_aggregated_rewards` and `_group_size`.
     """
 
     def _record_reduced(self, name: str, value: torch.Tensor, reduction: str) -> None:
@@ -55,9 +55,8 @@ class _OnlineMetricsMixin:
         if mode == "train":
             self.state.num_input_tokens_seen += int(tokens)
             metrics["num_tokens"] = [float(self.state.num_input_tokens_seen)]
-        else:
-            self._eval_num_tokens += int(tokens)
-            metrics["num_tokens"] = [float(self._eval_num_tokens)]
+        else:  # as in TRL: evaluation logs the training tokens seen so far
+            metrics["num_tokens"] = [float(self.state.num_input_tokens_seen)]
 
         all_lengths = gather(lengths.float())
         all_terminated = gather(terminated.long()).bool()

@@ -400,9 +400,9 @@ class RewardTrainer(_BaseTrainer):
         rewards_rejected: torch.Tensor,
     ) -> None:
         if mode == "train":
-            num_tokens = self.accelerator.gather(attention_mask.sum().reshape(1)).sum().item()
-            self._total_train_tokens += num_tokens
-            self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]
+            self._record_num_tokens(mode, self.accelerator.gather(attention_mask.sum().reshape(1)).sum().item())
+        else:
+            self._record_num_tokens(mode)
         chosen = self.accelerator.gather(rewards_chosen.detach())
         rejected = self.accelerator.gather(rewards_rejected.detach())
         all_rewards = torch.cat([chosen, rejected])

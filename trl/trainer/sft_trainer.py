@@ -697,10 +697,7 @@ class SFTTrainer(_BaseTrainer):
             num_tokens = inputs["attention_mask"].sum()
         else:
             num_tokens = torch.tensor(inputs["input_ids"].numel(), device=inputs["input_ids"].device)
-        num_tokens = self.accelerator.gather(num_tokens.reshape(1)).sum().item()
-        if mode == "train":
-            self._total_train_tokens += num_tokens
-            self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]
+        self._record_num_tokens(mode, self.accelerator.gather(num_tokens.reshape(1)).sum().item())
         if token_logits is None:  # custom compute_loss_func: no token statistics, on every process alike
             return
         # Every process joins the gather, also one whose batch has no target token (skipping it would deadlock).

@@ -452,8 +452,9 @@ class PRMTrainer(_BaseTrainer):
     ) -> None:
         if mode == "train":
             num_tokens = self.accelerator.gather(inputs["attention_mask"].sum().reshape(1)).sum().item()
-            self._total_train_tokens += num_tokens
-            self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]
+            self._record_num_tokens(mode, num_tokens)
+        else:
+            self._record_num_tokens(mode)
         # The default compute_metrics already reports eval accuracy over the whole evaluation set.
         if mode == "eval" and self.compute_metrics is compute_accuracy:
             return
