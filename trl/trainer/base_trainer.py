@@ -370,6 +370,35 @@ class _BaseTrainer(Trainer):
     # ------------------------------------------------------------------------------------------------------------
     # Files
     # ------------------------------------------------------------------------------------------------------------
+    # ------------------------------------------------------------------------------------------------------------
+    # Evaluation on datasets passed to `evaluate()`
+    # ------------------------------------------------------------------------------------------------------------
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """Hook: prepare a dataset given to `evaluate(eval_dataset=...)` exactly as the constructor prepares its
+        `eval_dataset` (tokenisation, reference log-probs, ...). Must leave an already prepared dataset unchanged.
+        The default returns `dataset` as is."""
+        return dataset
+
+    def evaluate(
+        self,
+        eval_dataset: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Evaluate as [`~transformers.Trainer.evaluate`] does, preparing a raw `eval_dataset` first.
+
+        A dict of datasets is evaluated one by one with the prefix `f"{metric_key_prefix}_{name}"` (transformers'
+        convention); a string names one of the constructor's evaluation datasets.
+        """
+        if isinstance(eval_dataset, dict):
+            metrics = {}
+            for name, dataset in eval_dataset.items():
+                metrics.update(self.evaluate(dataset, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            eval_dataset = self._prepare_eval_dataset(eval_dataset, metric_key_prefix)
+        return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
     def _save_checkpoint(self, model, trial):
         if self.args.hub_model_id is None:
             model_name = os.path.basename(os.path.normpath(self.args.output_dir))
