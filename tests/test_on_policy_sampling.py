@@ -13,6 +13,7 @@ from trainer_utils import args_builder
 
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl.assets import get_model_path, load_test_dataset
+from trl.import_utils import is_vllm_available
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -134,3 +135,28 @@ def test_generation_config_sets_every_sampling_parameter(tmp_path):
     assert config.min_p is None
     assert config.temperature == 1.0
     assert config.repetition_penalty == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# vLLM colocate (the vLLM suite: `make test-vllm`)
+# ---------------------------------------------------------------------------------------------------------------------
+VLLM_COLOCATE = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.1, vllm_max_model_length=256)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not is_vllm_available(), reason="needs vLLM (`make test-vllm` builds its environment)")
+def test_vllm_colocate_samples_follow_the_policy(tmp_path):
+    trainer, dataset = _trainer(tmp_path, **VLLM_COLOCATE)
+    prompt_ids, completion_ids = _sample(trainer, dataset)
+    logps, entropies, _, _ = _scored(trainer, prompt_ids, completion_ids, 1.0)
+    _assert_on_policy(logps, entropies)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not is_vllm_available(), reason="needs vLLM (`make test-vllm` builds its environment)")
+def test_vllm_colocate_top_k_restricts_samples(tmp_path):
+    trainer, dataset = _trainer(tmp_path, top_k=5, **VLLM_COLOCATE)
+    prompt_ids, completion_ids = _sample(trainer, dataset)
+    _, _, logits, tokens = _scored(trainer, prompt_ids, completion_ids, 1.0)
+    inside = (logits.topk(5, dim=-1).indices == tokens[:, None]).any(-1)
+    assert inside.all(), f"{int((~inside).sum())} of {tokens.numel()} sampled tokens lie outside the top 5"
