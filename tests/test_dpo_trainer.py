@@ -623,6 +623,46 @@ def test_precomputed_reference_equals_on_the_fly(tmp_path, model_path, preferenc
         trainer.compute_ref_log_probs(trainer.model, batch)
 
 
+def test_evaluate_prepares_a_raw_dataset(tmp_path, model_path, preference):
+    """`evaluate(eval_dataset=...)` with a raw dataset, an IterableDataset or a dict of them gives what the
+    constructor's prepared `eval_dataset` gives; an already prepared dataset is left as it is."""
+    test = preference["test"].select(range(8))
+    trainer = DPOTrainer(model_path, args=make_args(tmp_path, max_steps=1), train_dataset=test, eval_dataset=test)
+    assert trainer._prepare_eval_dataset(trainer.eval_dataset, "eval") is trainer.eval_dataset
+    trainer.train()  # the policy moves away from the reference: the rewards are not zero
+    prepared = trainer.evaluate()
+    assert prepared["eval_rewards/margins"] != 0
+    for other in (trainer.evaluate(eval_dataset=test), trainer.evaluate(eval_dataset=test.to_iterable_dataset())):
+        for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/margins", "eval_logps/rejected"):
+            assert other[key] == pytest.approx(prepared[key], rel=1e-5, abs=1e-7), key
+    both = trainer.evaluate(eval_dataset={"first": test.select(range(4)), "second": test.select(range(4, 8))})
+    # transformers' prefixes for the loss; the trainer's own metrics keep the "eval_" prefix (as in TRL)
+    assert {"eval_first_loss", "eval_second_loss", "eval_rewards/chosen", "eval_logps/chosen"} <= set(both)
+
+
+def test_evaluate_raw_dataset_with_precomputed_reference(tmp_path, model_path, preference):
+    """With precompute_ref_log_probs=True a raw evaluation dataset gets its reference log-probs first: from the
+    policy before training, from a reference model the user passed (kept, as in TRL) at any time; without one, after
+    training has started, a clear error (TRL's behaviour)."""
+    train, test = preference["train"].select(range(4)), preference["test"].select(range(4))
+    args = make_args(tmp_path, max_steps=1, precompute_ref_log_probs=True)
+    trainer = DPOTrainer(model_path, args=args, train_dataset=train, eval_dataset=test)
+    before = trainer.evaluate(eval_dataset=test)
+    assert before["eval_rewards/chosen"] == 0.0 and before["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    trainer.train()
+    with pytest.raises(ValueError, match="after training has started"):
+        trainer.evaluate(eval_dataset=test)
+
+    ref_model = AutoModelForCausalLM.from_pretrained(model_path)
+    trainer = DPOTrainer(model_path, ref_model=ref_model, args=args, train_dataset=train, eval_dataset=test)
+    assert trainer.ref_model is not None
+    trainer.train()
+    prepared, raw = trainer.evaluate(), trainer.evaluate(eval_dataset=test)
+    assert prepared["eval_rewards/margins"] != 0
+    for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected"):
+        assert raw[key] == pytest.approx(prepared[key], rel=1e-5, abs=1e-7), key
+
+
 def test_sync_ref_model(tmp_path, model_path, preference):
     args = make_args(tmp_path, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
     trainer = DPOTrainer(model_path, args=args, train_dataset=preference["train"].select(range(8)))

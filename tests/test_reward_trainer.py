@@ -466,6 +466,23 @@ def test_save_reload_and_resume(tmp_path, model_path):
         torch.testing.assert_close(p, trained[name].detach())
 
 
+def test_evaluate_prepares_a_raw_dataset(tmp_path, model_path):
+    """`evaluate(eval_dataset=...)` with a raw dataset, an IterableDataset or a dict of them gives what the
+    constructor's prepared `eval_dataset` gives; an already prepared dataset is left as it is."""
+    test = load_test_dataset("standard_preference", split="test").select(range(8))
+    test = test.map(lambda _, i: {"margin": 0.25 * (i % 3)}, with_indices=True)
+    trainer = RewardTrainer(model=model_path, args=make_args(tmp_path), train_dataset=test, eval_dataset=test)
+    assert trainer._prepare_eval_dataset(trainer.eval_dataset, "eval") is trainer.eval_dataset
+    prepared = trainer.evaluate()
+    for other in (trainer.evaluate(eval_dataset=test), trainer.evaluate(eval_dataset=test.to_iterable_dataset())):
+        for key in ("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward"):
+            assert other[key] == pytest.approx(prepared[key], abs=1e-6), key
+    both = trainer.evaluate(eval_dataset={"first": test.select(range(4)), "second": test.select(range(4, 8))})
+    # transformers' prefixes for the loss; the trainer's own metrics keep the "eval_" prefix (as in TRL)
+    assert {"eval_first_loss", "eval_second_loss", "eval_accuracy", "eval_margin"} <= set(both)
+    assert (both["eval_first_loss"] + both["eval_second_loss"]) / 2 == pytest.approx(prepared["eval_loss"], abs=1e-6)
+
+
 def test_iterable_dataset(tmp_path, model_path):
     dataset = load_test_dataset("standard_preference", split="train").to_iterable_dataset()
     trainer = RewardTrainer(model=model_path, args=make_args(tmp_path, max_steps=2), train_dataset=dataset)

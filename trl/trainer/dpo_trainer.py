@@ -351,7 +351,7 @@ class DPOTrainer(_PreferenceTrainer):
         self._warn_liger_kernel_deprecated(args, "DPOTrainer")
 
         # ---- Model, processing class, MoE router loss, PEFT ----------------------------------------------------
-        model_arg = model
+        model_arg, ref_model_arg = model, ref_model
         model, processing_class, tokenizer = self._load_policy(
             model, ref_model, processing_class, args, peft_config, quantization_config
         )
@@ -397,8 +397,20 @@ class DPOTrainer(_PreferenceTrainer):
                 _REF_COLUMNS,
                 args.precompute_ref_batch_size,
                 args.precompute_ref_batch_size,
+                # as in TRL, a reference model the user passed is kept (datasets given to evaluate() need it later)
+                release_reference=ref_model_arg is None,
             )
         self._add_model_tags(self.model)
+
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """A dataset given to `evaluate()`: prepared as the constructor's `eval_dataset` (unchanged when already
+        prepared), with its reference log-probs computed first when `precompute_ref_log_probs=True`."""
+        dataset = self._prepare_dataset(dataset, self.processing_class, self.args, name)
+        if self.args.precompute_ref_log_probs:
+            dataset = self._precompute_reference_columns_for_eval(
+                dataset, self.compute_ref_log_probs, _REF_COLUMNS, self.args.precompute_ref_batch_size
+            )
+        return dataset
 
     # ------------------------------------------------------------------------------------------------------------
     # Validation and setup helpers

@@ -264,6 +264,11 @@ class RewardTrainer(_BaseTrainer):
         self._init_activation_offloading()
         self._add_model_tags(self.model)
 
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """A dataset given to `evaluate()`, prepared as the constructor's `eval_dataset` (unchanged when already
+        prepared: it has `chosen_ids` / `rejected_ids`)."""
+        return self._prepare_dataset(dataset, self.processing_class, self.args, name)
+
     @staticmethod
     def _check_in_vocab(tokenizer: Any, token: str, option: str) -> None:
         token_id = tokenizer.convert_tokens_to_ids(token)
@@ -334,8 +339,10 @@ class RewardTrainer(_BaseTrainer):
                 dataset = dataset.filter(keep)
             else:
                 n_before = len(dataset)
-                dataset = dataset.filter(keep, **_desc(map_kwargs, f"Filtering {dataset_name} by max_length"))
-                n_dropped = n_before - len(dataset)
+                kept = dataset.filter(keep, **_desc(map_kwargs, f"Filtering {dataset_name} by max_length"))
+                n_dropped = n_before - len(kept)
+                if n_dropped:  # otherwise the dataset stays the same object (a prepared one is returned unchanged)
+                    dataset = kept
                 if n_dropped == n_before:
                     raise ValueError(
                         f"Every pair of the {dataset_name} dataset has a chosen or rejected sequence longer than "
