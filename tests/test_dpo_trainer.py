@@ -277,7 +277,8 @@ def h_discopop(tau=0.05):
 
 
 def h_sft():
-    return [-PC[i] / LC[i] for i in range(3)]
+    # Token-mean NLL over the batch, spread over the pairs: the mean of the values is -sum(PC) / sum(LC).
+    return [-PC[i] * 3 / sum(LC) for i in range(3)]
 
 
 def h_fdiv(kind, alpha=0.5):
@@ -348,7 +349,7 @@ def test_compute_loss_weighted_losses_and_metrics(tmp_path, model_path, preferen
     z = (pol[:4] - ref[:4]) - (pol[4:] - ref[4:])
     sigmoid = (-(0.9) * F.logsigmoid(0.3 * z) - 0.1 * F.logsigmoid(-0.3 * z)).mean()
     hinge = torch.relu(1 - 0.3 * z).mean()
-    sft = (-pol[:4] / lengths[:4]).mean()
+    sft = -pol[:4].sum() / lengths[:4].sum()  # token mean over the batch's chosen completions, not per sequence
     expected = 0.8 * sigmoid + 0.5 * hinge + 1.0 * sft
     assert torch.allclose(loss, expected, atol=1e-5)
 
@@ -369,6 +370,37 @@ def test_compute_loss_weighted_losses_and_metrics(tmp_path, model_path, preferen
     correct = logits.argmax(-1) == batch["input_ids"][:, 1:]
     assert metrics["mean_token_accuracy"] == pytest.approx(correct[:4][mask[:4]].float().mean().item())
     assert metrics["num_tokens"] == batch["attention_mask"].sum().item()
+
+
+def test_sft_loss_is_the_token_mean_nll_of_the_chosen_completions(tmp_path, model_path):
+    """TRL's `sft` term: -sum of chosen token log-probs / number of chosen tokens in the batch (not a mean of
+    per-sequence means), unaffected by LD-DPO's weights; a reference model exists and the rewards are measured
+    against it."""
+    rows = [{"prompt": "The sky is", "chosen": " blue and very nice today.", "rejected": " green."},
+            {"prompt": "Hello there my good friend,", "chosen": " hi.", "rejected": " go away now please"},
+            {"prompt": "A", "chosen": " b c d e f g h i j k", "rejected": " z"}]  # fmt: skip
+    args = make_args(tmp_path, loss_type="sft", ld_alpha=0.5, beta=0.2)
+    trainer = DPOTrainer(model_path, args=args, train_dataset=Dataset.from_list(rows))
+    assert trainer.ref_model is not None
+    perturb(trainer.model)
+    trainer.model.train()
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(3)])
+    loss = trainer.compute_loss(trainer.model, batch)
+
+    pol, lengths, pol_tok, mask, _ = plain_sequence_logps(trainer.model, batch)
+    assert len(set(lengths[:3].tolist())) == 3  # different lengths: token mean != mean of per-sequence means
+    token_mean = -(pol_tok[:3] * mask[:3]).sum() / mask[:3].sum()
+    assert torch.allclose(loss, token_mean, atol=1e-5)
+    assert not torch.allclose(loss, (-pol[:3] / lengths[:3]).mean(), atol=1e-3)
+
+    rank = mask.cumsum(1) - 1
+    shared = torch.minimum(lengths[:3], lengths[3:]).repeat(2)
+    weights = torch.where(rank < shared[:, None], 1.0, 0.5) * mask  # LD-DPO still applies to logps and rewards
+    ref_tok = padded_completion_logps(trainer.ref_model, batch)[0]
+    pol_ld, ref_ld = (pol_tok * weights).sum(1), (ref_tok * weights).sum(1)
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    assert metrics["rewards/chosen"] == pytest.approx((0.2 * (pol_ld[:3] - ref_ld[:3])).mean().item(), abs=1e-5)
+    assert metrics["rewards/chosen"] != pytest.approx((0.2 * pol_ld[:3]).mean().item(), abs=1e-3)
 
 
 def test_compute_loss_ld_alpha_and_wpo(tmp_path, model_path, preference):
@@ -447,6 +479,30 @@ def test_implicit_prompt_is_extracted(model_path, tmp_path):
     a = DPOTrainer(model_path, args=make_args(tmp_path), train_dataset=explicit).train_dataset
     b = DPOTrainer(model_path, args=make_args(tmp_path), train_dataset=implicit).train_dataset
     assert a["prompt_ids"] == b["prompt_ids"] and a["chosen_ids"] == b["chosen_ids"]
+
+
+def test_prepared_dataset_keeps_the_raw_columns(tmp_path, model_path, tokenizer):
+    """As in TRL: the given columns stay beside the token columns, the prompt is added when extracted, and text
+    completions appear with the EOS token appended; an already prepared dataset is left as it is."""
+    eos = tokenizer.eos_token
+    explicit = Dataset.from_dict({"prompt": ["1 + 1 ="], "chosen": [" 2"], "rejected": [" 3" + eos], "foo": [7]})
+    prepared = DPOTrainer(model_path, args=make_args(tmp_path), train_dataset=explicit).train_dataset
+    assert prepared.column_names == ["prompt", "chosen", "rejected", "foo", "prompt_ids", "chosen_ids", "rejected_ids"]
+    assert prepared[0]["prompt"] == "1 + 1 =" and prepared[0]["foo"] == 7
+    assert (prepared[0]["chosen"], prepared[0]["rejected"]) == (" 2" + eos, " 3" + eos)
+    assert prepared[0]["chosen_ids"] == tokenizer(" 2" + eos)["input_ids"]
+
+    implicit = load_test_dataset("standard_implicit_prompt_preference", split="train").select(range(2))
+    prepared = DPOTrainer(model_path, args=make_args(tmp_path), train_dataset=implicit).train_dataset
+    assert set(prepared.column_names) == {"prompt", "chosen", "rejected", "prompt_ids", "chosen_ids", "rejected_ids"}
+    row = prepared[0]
+    assert implicit[0]["chosen"] + eos == row["prompt"] + row["chosen"]
+
+    conversational = load_test_dataset("conversational_preference", split="train").select(range(2))
+    trainer = DPOTrainer(model_path, args=make_args(tmp_path, max_steps=1), train_dataset=conversational)
+    assert trainer.train_dataset[0]["chosen"] == conversational[0]["chosen"]  # messages unchanged
+    assert trainer._prepare_dataset(trainer.train_dataset, tokenizer, trainer.args, "train") is trainer.train_dataset
+    trainer.train()  # the dataloader drops the raw columns
 
 
 def test_tools_and_pretokenized(tmp_path, model_path, tokenizer):
@@ -565,6 +621,46 @@ def test_precomputed_reference_equals_on_the_fly(tmp_path, model_path, preferenc
     # Without stored log-probs and with the reference released, a clear error.
     with pytest.raises(ValueError, match="no precomputed reference log-probs"):
         trainer.compute_ref_log_probs(trainer.model, batch)
+
+
+def test_evaluate_prepares_a_raw_dataset(tmp_path, model_path, preference):
+    """`evaluate(eval_dataset=...)` with a raw dataset, an IterableDataset or a dict of them gives what the
+    constructor's prepared `eval_dataset` gives; an already prepared dataset is left as it is."""
+    test = preference["test"].select(range(8))
+    trainer = DPOTrainer(model_path, args=make_args(tmp_path, max_steps=1), train_dataset=test, eval_dataset=test)
+    assert trainer._prepare_eval_dataset(trainer.eval_dataset, "eval") is trainer.eval_dataset
+    trainer.train()  # the policy moves away from the reference: the rewards are not zero
+    prepared = trainer.evaluate()
+    assert prepared["eval_rewards/margins"] != 0
+    for other in (trainer.evaluate(eval_dataset=test), trainer.evaluate(eval_dataset=test.to_iterable_dataset())):
+        for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/margins", "eval_logps/rejected"):
+            assert other[key] == pytest.approx(prepared[key], rel=1e-5, abs=1e-7), key
+    both = trainer.evaluate(eval_dataset={"first": test.select(range(4)), "second": test.select(range(4, 8))})
+    # transformers' prefixes for the loss; the trainer's own metrics keep the "eval_" prefix (as in TRL)
+    assert {"eval_first_loss", "eval_second_loss", "eval_rewards/chosen", "eval_logps/chosen"} <= set(both)
+
+
+def test_evaluate_raw_dataset_with_precomputed_reference(tmp_path, model_path, preference):
+    """With precompute_ref_log_probs=True a raw evaluation dataset gets its reference log-probs first: from the
+    policy before training, from a reference model the user passed (kept, as in TRL) at any time; without one, after
+    training has started, a clear error (TRL's behaviour)."""
+    train, test = preference["train"].select(range(4)), preference["test"].select(range(4))
+    args = make_args(tmp_path, max_steps=1, precompute_ref_log_probs=True)
+    trainer = DPOTrainer(model_path, args=args, train_dataset=train, eval_dataset=test)
+    before = trainer.evaluate(eval_dataset=test)
+    assert before["eval_rewards/chosen"] == 0.0 and before["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    trainer.train()
+    with pytest.raises(ValueError, match="after training has started"):
+        trainer.evaluate(eval_dataset=test)
+
+    ref_model = AutoModelForCausalLM.from_pretrained(model_path)
+    trainer = DPOTrainer(model_path, ref_model=ref_model, args=args, train_dataset=train, eval_dataset=test)
+    assert trainer.ref_model is not None
+    trainer.train()
+    prepared, raw = trainer.evaluate(), trainer.evaluate(eval_dataset=test)
+    assert prepared["eval_rewards/margins"] != 0
+    for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected"):
+        assert raw[key] == pytest.approx(prepared[key], rel=1e-5, abs=1e-7), key
 
 
 def test_sync_ref_model(tmp_path, model_path, preference):

@@ -52,7 +52,11 @@ def test_train_each_format(tmp_path, model_path, config_name):
     dataset = load_test_dataset(config_name)
     args = make_args(tmp_path, eval_strategy="steps", eval_steps=3)
     trainer = RewardTrainer(model=model_path, args=args, train_dataset=dataset["train"], eval_dataset=dataset["test"])
-    assert trainer.train_dataset.column_names == ["chosen_input_ids", "rejected_input_ids"]
+    # As in TRL: the given columns stay beside the token ids.
+    expected = {"chosen", "rejected", "chosen_ids", "rejected_ids"} | (
+        {"prompt"} if "prompt" in dataset["train"].column_names else set()
+    )
+    assert set(trainer.train_dataset.column_names) == expected
     before = snapshot(trainer.model)
     trainer.train()
     changed = changed_params(before, trainer.model, trainable_only=False)
@@ -76,7 +80,7 @@ def test_num_tokens_counts_both_sides(tmp_path, model_path, tokenizer):
     trainer = RewardTrainer(model=model_path, args=make_args(tmp_path, max_steps=1), train_dataset=dataset)
     trainer.train()
     row = trainer.train_dataset[0]
-    expected = len(row["chosen_input_ids"]) + len(row["rejected_input_ids"])
+    expected = len(row["chosen_ids"]) + len(row["rejected_ids"])
     assert [log["num_tokens"] for log in trainer.state.log_history if "loss" in log] == [expected]
 
 
@@ -118,14 +122,20 @@ def test_standard_tokenization_prepends_prompt_and_ends_with_eos(tmp_path, model
     trainer = RewardTrainer(model=model_path, args=make_args(tmp_path), train_dataset=dataset)
     row = trainer.train_dataset[0]
     eos = tokenizer.eos_token_id
-    assert row["chosen_input_ids"] == tokenizer("The sky is blue.")["input_ids"] + [eos]
-    assert row["rejected_input_ids"] == tokenizer("The sky is green.")["input_ids"] + [eos]
+    assert row["chosen_ids"] == tokenizer("The sky is blue.")["input_ids"] + [eos]
+    assert row["rejected_ids"] == tokenizer("The sky is green.")["input_ids"] + [eos]
+    # the text columns hold what was tokenized (as in TRL)
+    assert row["prompt"] == "The sky is"
+    assert (row["chosen"], row["rejected"]) == (
+        "The sky is blue." + tokenizer.eos_token,
+        "The sky is green." + tokenizer.eos_token,
+    )
 
     # an explicit eos_token override is used instead
     trainer = RewardTrainer(
         model=model_path, args=make_args(tmp_path, eos_token="<|endoftext|>"), train_dataset=dataset
     )
-    assert trainer.train_dataset[0]["chosen_input_ids"][-1] == tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    assert trainer.train_dataset[0]["chosen_ids"][-1] == tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
 
 def test_conversational_tokenization_uses_chat_template(tmp_path, model_path, tokenizer):
@@ -136,8 +146,9 @@ def test_conversational_tokenization_uses_chat_template(tmp_path, model_path, to
             expected = tokenizer.apply_chat_template(
                 example["prompt"] + example[key], tokenize=True, return_dict=True
             )["input_ids"]
-            assert row[f"{key}_input_ids"] == list(expected)
-    text = tokenizer.decode(trainer.train_dataset[0]["chosen_input_ids"])
+            assert row[f"{key}_ids"] == list(expected)
+            assert row[key] == example["prompt"] + example[key]  # the kept column is the whole conversation
+    text = tokenizer.decode(trainer.train_dataset[0]["chosen_ids"])
     assert text.startswith("<|im_start|>system") and "<|im_start|>assistant\n3 + 18 = 21.<|im_end|>" in text
 
 
@@ -154,7 +165,7 @@ def test_chat_template_path_jinja_file(tmp_path, model_path):
         train_dataset=dataset,
         processing_class=tokenizer,
     )
-    assert "<|im_start|>" in trainer.processing_class.decode(trainer.train_dataset[0]["chosen_input_ids"])
+    assert "<|im_start|>" in trainer.processing_class.decode(trainer.train_dataset[0]["chosen_ids"])
     trainer.train()
 
 
@@ -164,8 +175,8 @@ def test_pretokenized_pairs_with_margin(tmp_path, model_path, names):
         {names[0]: [[1, 2, 3], [4, 5]], names[1]: [[6, 7], [8, 9, 10, 11]], "margin": [0.5, 1.0], "extra": ["a", "b"]}
     )
     trainer = RewardTrainer(model=model_path, args=make_args(tmp_path, max_steps=1), train_dataset=dataset)
-    assert sorted(trainer.train_dataset.column_names) == ["chosen_input_ids", "margin", "rejected_input_ids"]
-    assert trainer.train_dataset[1]["rejected_input_ids"] == [8, 9, 10, 11]
+    assert sorted(trainer.train_dataset.column_names) == ["chosen_ids", "extra", "margin", "rejected_ids"]
+    assert trainer.train_dataset[1]["rejected_ids"] == [8, 9, 10, 11]
     trainer.train()
 
 
@@ -173,8 +184,8 @@ def test_collator_stacks_chosen_then_rejected():
     collator = DataCollatorForPreference(pad_token_id=0, pad_to_multiple_of=4)
     batch = collator(
         [
-            {"chosen_input_ids": [1, 2, 3], "rejected_input_ids": [4, 5], "margin": 0.5},
-            {"chosen_input_ids": [6], "rejected_input_ids": [7, 8, 9, 10, 11], "margin": 2},
+            {"chosen_ids": [1, 2, 3], "rejected_ids": [4, 5], "margin": 0.5},
+            {"chosen_ids": [6], "rejected_ids": [7, 8, 9, 10, 11], "margin": 2},
         ]
     )
     assert batch["input_ids"].tolist() == [
@@ -185,7 +196,7 @@ def test_collator_stacks_chosen_then_rejected():
     ]
     assert batch["attention_mask"].sum(dim=1).tolist() == [3, 1, 2, 5]
     assert batch["margin"].tolist() == [0.5, 2.0] and batch["margin"].dtype == torch.float32
-    assert "margin" not in collator([{"chosen_input_ids": [1], "rejected_input_ids": [2]}])
+    assert "margin" not in collator([{"chosen_ids": [1], "rejected_ids": [2]}])
 
 
 def test_rewards_read_at_last_token_with_right_padding(tmp_path, model_path):
@@ -198,8 +209,8 @@ def test_rewards_read_at_last_token_with_right_padding(tmp_path, model_path):
     assert batch["attention_mask"].min() == 0  # the batch really is padded
     with torch.no_grad():
         _, outputs = trainer.compute_loss(model, batch, return_outputs=True)
-    expected_chosen = torch.stack([reward_alone(model, r["chosen_input_ids"]) for r in rows])
-    expected_rejected = torch.stack([reward_alone(model, r["rejected_input_ids"]) for r in rows])
+    expected_chosen = torch.stack([reward_alone(model, r["chosen_ids"]) for r in rows])
+    expected_rejected = torch.stack([reward_alone(model, r["rejected_ids"]) for r in rows])
     torch.testing.assert_close(outputs["rewards_chosen"], expected_chosen, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outputs["rewards_rejected"], expected_rejected, atol=1e-5, rtol=1e-5)
 
@@ -224,8 +235,8 @@ def test_loss_matches_hand_written_formula(tmp_path, model_path, center, with_ma
 
     expected = 0.0
     for i, row in enumerate(rows):
-        r_c = reward_alone(model, row["chosen_input_ids"]).item()
-        r_r = reward_alone(model, row["rejected_input_ids"]).item()
+        r_c = reward_alone(model, row["chosen_ids"]).item()
+        r_r = reward_alone(model, row["rejected_ids"]).item()
         m = margins[i] if with_margin else 0.0
         term = torch.log1p(torch.exp(torch.tensor(-(r_c - r_r - m), dtype=torch.float64))).item()  # -log sigmoid
         if center is not None:
@@ -344,7 +355,7 @@ def test_causal_lm_path_loads_a_sequence_classifier(tmp_path):
     assert type(trainer.model).__name__ == "LlamaForSequenceClassification"
     assert trainer.model.config.num_labels == 1
     assert trainer.model.config.pad_token_id == trainer.processing_class.pad_token_id
-    assert trainer.train_dataset[0]["chosen_input_ids"][0] == trainer.processing_class.bos_token_id
+    assert trainer.train_dataset[0]["chosen_ids"][0] == trainer.processing_class.bos_token_id
     trainer.train()
 
 
@@ -389,7 +400,7 @@ def test_peft_trains_and_saves_the_score_head(tmp_path, model_path):
     base = AutoModelForSequenceClassification.from_pretrained(model_path)
     reloaded = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     trainer.model.eval()
-    ids = trainer.train_dataset[0]["chosen_input_ids"]
+    ids = trainer.train_dataset[0]["chosen_ids"]
     torch.testing.assert_close(reward_alone(reloaded, ids), reward_alone(trainer.model, ids))
     # without the saved head the reward would differ
     fresh = AutoModelForSequenceClassification.from_pretrained(model_path).eval()
@@ -453,6 +464,23 @@ def test_save_reload_and_resume(tmp_path, model_path):
     trained = dict(resumed.model.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p, trained[name].detach())
+
+
+def test_evaluate_prepares_a_raw_dataset(tmp_path, model_path):
+    """`evaluate(eval_dataset=...)` with a raw dataset, an IterableDataset or a dict of them gives what the
+    constructor's prepared `eval_dataset` gives; an already prepared dataset is left as it is."""
+    test = load_test_dataset("standard_preference", split="test").select(range(8))
+    test = test.map(lambda _, i: {"margin": 0.25 * (i % 3)}, with_indices=True)
+    trainer = RewardTrainer(model=model_path, args=make_args(tmp_path), train_dataset=test, eval_dataset=test)
+    assert trainer._prepare_eval_dataset(trainer.eval_dataset, "eval") is trainer.eval_dataset
+    prepared = trainer.evaluate()
+    for other in (trainer.evaluate(eval_dataset=test), trainer.evaluate(eval_dataset=test.to_iterable_dataset())):
+        for key in ("eval_loss", "eval_accuracy", "eval_margin", "eval_mean_reward"):
+            assert other[key] == pytest.approx(prepared[key], abs=1e-6), key
+    both = trainer.evaluate(eval_dataset={"first": test.select(range(4)), "second": test.select(range(4, 8))})
+    # transformers' prefixes for the loss; the trainer's own metrics keep the "eval_" prefix (as in TRL)
+    assert {"eval_first_loss", "eval_second_loss", "eval_accuracy", "eval_margin"} <= set(both)
+    assert (both["eval_first_loss"] + both["eval_second_loss"]) / 2 == pytest.approx(prepared["eval_loss"], abs=1e-6)
 
 
 def test_iterable_dataset(tmp_path, model_path):

@@ -132,6 +132,28 @@ def test_train_and_evaluate(tmp_path, model_path):
     assert 0.0 <= eval_logs[-1]["eval_accuracy"] <= 1.0
 
 
+def test_evaluate_prepares_a_raw_dataset(tmp_path, model_path):
+    """`evaluate(eval_dataset=...)` tokenizes a raw dataset (or each of a dict, an IterableDataset) exactly as the
+    constructor's `eval_dataset`; an already tokenized one is left as it is."""
+    from datasets import IterableDataset
+
+    test = load_test_dataset("standard_stepwise_supervision", split="test").select(range(4))
+    args = make_args(tmp_path, train_on_last_step_only=True)
+    trainer = PRMTrainer(model=model_path, args=args, train_dataset=test, eval_dataset=test)
+    assert trainer._prepare_eval_dataset(trainer.eval_dataset, "eval") is trainer.eval_dataset
+    prepared = trainer.evaluate()
+    raw = trainer.evaluate(eval_dataset=test)
+    for key in ("eval_loss", "eval_accuracy"):
+        assert raw[key] == pytest.approx(prepared[key], abs=1e-6), key
+    stream = trainer.evaluate(eval_dataset=IterableDataset.from_generator(lambda: iter(test)))
+    assert stream["eval_loss"] == pytest.approx(prepared["eval_loss"], abs=1e-6)
+    both = trainer.evaluate(eval_dataset={"first": test.select(range(2)), "second": test.select(range(2, 4))})
+    assert {"eval_first_loss", "eval_second_loss", "eval_first_accuracy", "eval_second_accuracy"} <= set(both)
+    # evaluation rows keep every step's label even with train_on_last_step_only (is_eval=True), as in the constructor
+    labelled = [sum(label != -100 for label in row["labels"]) for row in trainer.eval_dataset]
+    assert labelled == [len(row["labels"]) for row in test]
+
+
 def _manual_step_ce(model, batch, soft=False):
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()

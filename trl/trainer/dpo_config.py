@@ -88,7 +88,7 @@ class DPOConfig(_BaseConfig):
             Loss, or list of losses summed with `loss_weights`. One of `"sigmoid"` (DPO), `"hinge"` (RSO/SLiC),
             `"ipo"` (IPO, on per-token mean log-probs), `"exo_pair"` (EXO), `"nca_pair"` (NCA), `"robust"` (robust
             DPO), `"bco_pair"` (BCO), `"sppo_hard"` (SPPO), `"aot"` / `"aot_unpaired"` (AOT), `"apo_zero"` /
-            `"apo_down"` (APO), `"discopop"` (DiscoPOP), `"sft"` (negative log-likelihood of the chosen completion)
+            `"apo_down"` (APO), `"discopop"` (DiscoPOP), `"sft"` (negative log-likelihood of the chosen completions, averaged over their tokens in the batch)
             and `"sigmoid_norm"` (DPO on per-token mean log-probs). A string is turned into a one-element list.
         loss_weights (`list[float]` or `None`, defaults to `None`):
             One weight per entry of `loss_type`. `None` gives every loss a weight of 1.0.

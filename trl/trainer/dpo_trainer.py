@@ -24,7 +24,7 @@ from transformers import (
 )
 from transformers.trainer_utils import EvalPrediction
 
-from ..data_utils import get_dataset_column_names, is_conversational, maybe_extract_prompt
+from ..data_utils import is_conversational, maybe_extract_prompt
 from .dpo_config import DPOConfig
 from .preference_base import _PreferenceTrainer
 from .utils import (
@@ -167,7 +167,7 @@ def dpo_loss(
         ref_chosen_logps: `(n,)` summed log-probabilities of the chosen completions under the reference.
         ref_rejected_logps: `(n,)` same for the rejected completions.
         chosen_lengths: `(n,)` number of completion tokens of the chosen sequences (needed by `ipo`, `sigmoid_norm`
-            and `sft`, which work on per-token means).
+            and `sft`, which work on per-token means; `sft` on the token mean over the whole batch).
         rejected_lengths: `(n,)` same for the rejected sequences.
         beta: KL strength (tau for `ipo`).
         label_smoothing: Label-flip probability (`sigmoid`, `robust`, `aot*`) / EXO epsilon.
@@ -184,7 +184,9 @@ def dpo_loss(
         chosen_lengths = chosen_lengths.to(chosen_logps.dtype).clamp(min=1)
         rejected_lengths = rejected_lengths.to(rejected_logps.dtype).clamp(min=1)
     if loss_type == "sft":
-        return -chosen_logps / chosen_lengths
+        # Token-mean NLL of the chosen completions over the whole batch, spread over the pairs: the mean of the
+        # returned values is -sum(chosen_logps) / sum(chosen_lengths) (long completions weigh more than short ones).
+        return -chosen_logps * (chosen_logps.shape[0] / chosen_lengths.sum())
     if loss_type in _LENGTH_NORMALIZED_LOSSES:
         chosen_logps, ref_chosen_logps = chosen_logps / chosen_lengths, ref_chosen_logps / chosen_lengths
         rejected_logps, ref_rejected_logps = rejected_logps / rejected_lengths, ref_rejected_logps / rejected_lengths
@@ -349,15 +351,14 @@ class DPOTrainer(_PreferenceTrainer):
         self._warn_liger_kernel_deprecated(args, "DPOTrainer")
 
         # ---- Model, processing class, MoE router loss, PEFT ----------------------------------------------------
-        model_arg = model
+        model_arg, ref_model_arg = model, ref_model
         model, processing_class, tokenizer = self._load_policy(
             model, ref_model, processing_class, args, peft_config, quantization_config
         )
         self._select_adapters(model, args.model_adapter_name, args.ref_adapter_name)
 
-        # ---- Reference model -----------------------------------------------------------------------------------
-        self._needs_reference = any(loss != "sft" for loss in args.loss_type)
-        ref_model = self._build_preference_ref_model(model_arg, model, ref_model, args, needed=self._needs_reference)
+        # ---- Reference model (also with loss_type=["sft"] alone: the rewards are measured against it) -----------
+        ref_model = self._build_preference_ref_model(model_arg, model, ref_model, args)
 
         # ---- Collator and layout -------------------------------------------------------------------------------
         self.pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
@@ -390,14 +391,26 @@ class DPOTrainer(_PreferenceTrainer):
             callbacks=callbacks,
             optimizers=optimizers,
         )
-        if args.precompute_ref_log_probs and self._needs_reference:
+        if args.precompute_ref_log_probs:
             self._precompute_reference_columns(
                 self.compute_ref_log_probs,
                 _REF_COLUMNS,
                 args.precompute_ref_batch_size,
                 args.precompute_ref_batch_size,
+                # as in TRL, a reference model the user passed is kept (datasets given to evaluate() need it later)
+                release_reference=ref_model_arg is None,
             )
         self._add_model_tags(self.model)
+
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """A dataset given to `evaluate()`: prepared as the constructor's `eval_dataset` (unchanged when already
+        prepared), with its reference log-probs computed first when `precompute_ref_log_probs=True`."""
+        dataset = self._prepare_dataset(dataset, self.processing_class, self.args, name)
+        if self.args.precompute_ref_log_probs:
+            dataset = self._precompute_reference_columns_for_eval(
+                dataset, self.compute_ref_log_probs, _REF_COLUMNS, self.args.precompute_ref_batch_size
+            )
+        return dataset
 
     # ------------------------------------------------------------------------------------------------------------
     # Validation and setup helpers
@@ -468,12 +481,9 @@ class DPOTrainer(_PreferenceTrainer):
             dataset = dataset.map(
                 maybe_extract_prompt, **map_kwargs_with_desc(map_kwargs, f"Extracting prompt in {dataset_name}")
             )
+            # The raw columns stay beside the token columns (as in TRL); the trainer's dataloader drops them.
             tokenize = _PreferenceTokenizer(processing_class, conversational)
-            keep = set(_REF_COLUMNS)
-            remove = [c for c in get_dataset_column_names(dataset) or columns if c not in keep]
-            tokenized = dataset.map(
-                tokenize, remove_columns=remove, **map_kwargs_with_desc(map_kwargs, f"Tokenizing {dataset_name}")
-            )
+            tokenized = dataset.map(tokenize, **map_kwargs_with_desc(map_kwargs, f"Tokenizing {dataset_name}"))
 
         # Drop pairs where truncation would leave the chosen or the rejected completion without a scored token.
         max_length, mode = args.max_length, args.truncation_mode
@@ -558,16 +568,16 @@ class DPOTrainer(_PreferenceTrainer):
         sums, counts = self._sequence_logps(token_logps, target_mask)
         chosen_logps, rejected_logps = sums[:num_pairs], sums[num_pairs:]
         chosen_lengths, rejected_lengths = counts[:num_pairs], counts[num_pairs:]
+        plain_chosen_logps = chosen_logps
+        if self.args.ld_alpha is not None:
+            plain_chosen_logps = (token_logps[:num_pairs] * target_mask[:num_pairs]).sum(dim=1)
 
         if all(key in inputs for key in _REF_COLUMNS):
             ref_chosen_logps = inputs["ref_chosen_logps"].to(chosen_logps)
             ref_rejected_logps = inputs["ref_rejected_logps"].to(rejected_logps)
-        elif self._needs_reference:
+        else:
             ref = self.compute_ref_log_probs(model, inputs)
             ref_chosen_logps, ref_rejected_logps = ref["ref_chosen_logps"], ref["ref_rejected_logps"]
-        else:  # only the sft loss: rewards are measured against a zero baseline
-            ref_chosen_logps = torch.zeros_like(chosen_logps)
-            ref_rejected_logps = torch.zeros_like(rejected_logps)
 
         pair_weights = None
         if self.args.use_weighting:
@@ -581,7 +591,8 @@ class DPOTrainer(_PreferenceTrainer):
         for loss_type, weight in zip(self.args.loss_type, weights):
             losses = dpo_loss(
                 loss_type,
-                chosen_logps,
+                # the NLL term ignores LD-DPO's down-weighting of the longer tail
+                plain_chosen_logps if loss_type == "sft" else chosen_logps,
                 rejected_logps,
                 ref_chosen_logps,
                 ref_rejected_logps,
@@ -678,11 +689,18 @@ class _PreferenceTokenizer:
     def __init__(self, processing_class: Any, conversational: bool):
         self.tokenize = PromptCompletionTokenizer(processing_class, conversational)
 
-    def __call__(self, example: dict[str, Any]) -> dict[str, list[int]]:
+    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
         prompt_ids, (chosen_ids, rejected_ids) = self.tokenize(
             example, example.get("prompt"), [example["chosen"], example["rejected"]], ("prompt", "chosen", "rejected")
         )
-        return {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
+        output: dict[str, Any] = {"prompt_ids": prompt_ids, "chosen_ids": chosen_ids, "rejected_ids": rejected_ids}
+        # The kept text columns show the completions as tokenized: with the EOS token appended.
+        eos = self.tokenize.tokenizer.eos_token
+        if not self.tokenize.conversational and eos:
+            for key in ("chosen", "rejected"):
+                if isinstance(example[key], str) and not example[key].endswith(eos):
+                    output[key] = example[key] + eos
+        return output
 
 
 class _HasTargets:

@@ -234,6 +234,7 @@ class _PreferenceTrainer(_BaseTrainer):
         columns: tuple[str, ...],
         batch_size: int | None = None,
         eval_batch_size: int | None = None,
+        release_reference: bool = True,
     ) -> None:
         """Score the train and eval datasets with the reference once, store the values as columns, drop the ref model.
 
@@ -243,6 +244,8 @@ class _PreferenceTrainer(_BaseTrainer):
             columns: Names of the columns `compute_fn` returns; datasets that already have them are left as they are.
             batch_size: Examples per pre-pass batch for the train dataset (default: `per_device_train_batch_size`).
             eval_batch_size: Same for evaluation datasets (default: `per_device_eval_batch_size`).
+            release_reference: Drop the reference model afterwards (False keeps it, e.g. one the user passed, so that
+                datasets given to `evaluate()` later can still be scored).
         """
         import gc
 
@@ -288,10 +291,59 @@ class _PreferenceTrainer(_BaseTrainer):
             self._policy_is_reference = False
             self.model.train(was_training)
         # The values are stored with the data: the reference model is no longer needed.
-        self.ref_model = None
+        if release_reference:
+            self.ref_model = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+    def _precompute_reference_columns_for_eval(
+        self, dataset: Any, compute_fn: Any, columns: tuple[str, ...], batch_size: int | None = None
+    ) -> Any:
+        """Reference columns for a dataset passed to `evaluate()` when the reference log-probs are precomputed.
+
+        Scored by the reference model (kept when the user passed one) or the PEFT policy with its adapters disabled;
+        without either, by the policy itself as long as training has not started, and a clear error afterwards. A
+        dataset that already has the columns, or a streaming one (scored on the fly), is returned as is.
+        """
+        from datasets import Dataset
+
+        from .utils import precompute_reference_logps
+
+        if not isinstance(dataset, Dataset) or all(c in dataset.column_names for c in columns):
+            return dataset
+        policy_is_reference = getattr(self, "ref_model", None) is None and not self._is_peft_model(
+            self.accelerator.unwrap_model(self.model)
+        )
+        if policy_is_reference and self.state.global_step > 0:
+            raise ValueError(
+                "Cannot compute reference log-probs for a dataset passed to `evaluate()` after training has started: "
+                "precompute_ref_log_probs=True and no ref_model was given, so the reference model is not kept. Pass "
+                "this dataset as eval_dataset when creating the trainer, pass an explicit ref_model, or set "
+                "precompute_ref_log_probs=False."
+            )
+        was_training = self.model.training
+        self.model.eval()
+        self._policy_is_reference = policy_is_reference
+        model = self.model if (self.is_deepspeed_enabled or self.is_fsdp_enabled) else self.model.to(self.args.device)
+
+        def compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            with self.compute_loss_context_manager():
+                return compute_fn(model, batch)
+
+        try:
+            return precompute_reference_logps(
+                dataset,
+                self.data_collator,
+                compute,
+                batch_size=batch_size or self.args.per_device_eval_batch_size,
+                accelerator=self.accelerator,
+                num_workers=self.args.dataloader_num_workers,
+                desc="Computing reference log-probs of the evaluation dataset",
+            )
+        finally:
+            self._policy_is_reference = False
+            self.model.train(was_training)
 
     # ------------------------------------------------------------------------------------------------------------
     # Dataset preparation

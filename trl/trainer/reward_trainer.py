@@ -28,17 +28,18 @@ from .utils import disable_dropout_in_model, model_accepts_argument, pad
 
 logger = logging.getLogger(__name__)
 
-# Pre-tokenized column pairs accepted in the input, and the names the trainer works with internally.
-_TOKENIZED_PAIRS = (("chosen_input_ids", "rejected_input_ids"), ("chosen_ids", "rejected_ids"))
-_COLUMNS = ("chosen_input_ids", "rejected_input_ids", "margin")
+# Pre-tokenized column pairs accepted in the input (TRL's names first, then those of older releases, renamed), and
+# the columns the collator reads.
+_TOKENIZED_PAIRS = (("chosen_ids", "rejected_ids"), ("chosen_input_ids", "rejected_input_ids"))
+_COLUMNS = ("chosen_ids", "rejected_ids", "margin")
 
 
 @dataclass
 class DataCollatorForPreference:
     """Collate tokenized preference pairs into one padded batch holding every chosen sequence, then every rejected one.
 
-    Each example is a dict with `chosen_input_ids` and `rejected_input_ids` (lists of token ids) and optionally a
-    numeric `margin`. With `n` examples the batch has `2 * n` rows: rows `0..n-1` are the chosen sequences and rows
+    Each example is a dict with `chosen_ids` and `rejected_ids` (lists of token ids) and optionally a numeric
+    `margin`. With `n` examples the batch has `2 * n` rows: rows `0..n-1` are the chosen sequences and rows
     `n..2n-1` the rejected ones, so both sides go through the model in a single forward pass. Sequences are padded on
     the right with `pad_token_id`, which is also how sequence-classification models find the last real token.
 
@@ -53,7 +54,7 @@ class DataCollatorForPreference:
     Example:
     ```python
     >>> collator = DataCollatorForPreference(pad_token_id=0)
-    >>> batch = collator([{"chosen_input_ids": [1, 2, 3], "rejected_input_ids": [4, 5]}])
+    >>> batch = collator([{"chosen_ids": [1, 2, 3], "rejected_ids": [4, 5]}])
     >>> batch["input_ids"].tolist(), batch["attention_mask"].tolist()
     ([[1, 2, 3], [4, 5, 0]], [[1, 1, 1], [1, 1, 0]])
     ```
@@ -66,8 +67,8 @@ class DataCollatorForPreference:
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if self.return_tensors != "pt":
             raise ValueError(f"Only return_tensors='pt' is supported; got {self.return_tensors!r}.")
-        sequences = [torch.as_tensor(ex["chosen_input_ids"], dtype=torch.long) for ex in examples]
-        sequences += [torch.as_tensor(ex["rejected_input_ids"], dtype=torch.long) for ex in examples]
+        sequences = [torch.as_tensor(ex["chosen_ids"], dtype=torch.long) for ex in examples]
+        sequences += [torch.as_tensor(ex["rejected_ids"], dtype=torch.long) for ex in examples]
         batch = {
             "input_ids": pad(sequences, self.pad_token_id, "right", self.pad_to_multiple_of),
             "attention_mask": pad([torch.ones_like(s) for s in sequences], 0, "right", self.pad_to_multiple_of),
@@ -110,8 +111,10 @@ class RewardTrainer(_BaseTrainer):
             Batch collator. Defaults to [`~trainer.reward_trainer.DataCollatorForPreference`].
         train_dataset (`Dataset` or `IterableDataset`):
             Preference data: `chosen` and `rejected` with an optional `prompt` (prepended to both), standard text or
-            conversational messages; or pre-tokenized `chosen_input_ids`/`rejected_input_ids` (also accepted as
-            `chosen_ids`/`rejected_ids`). An optional numeric `margin` column is subtracted inside the loss.
+            conversational messages; or pre-tokenized `chosen_ids`/`rejected_ids` (the older names
+            `chosen_input_ids`/`rejected_input_ids` are renamed). An optional numeric `margin` column is subtracted
+            inside the loss. The prepared dataset keeps the given columns (`chosen` / `rejected` then hold the full
+            sequence that was tokenized: prompt prepended, EOS appended to text) beside `chosen_ids` / `rejected_ids`.
         eval_dataset (`Dataset`, `IterableDataset`, dict of them or `None`, defaults to `None`):
             Evaluation data in the same formats.
         processing_class (`PreTrainedTokenizerBase` or `None`, defaults to `None`):
@@ -261,6 +264,11 @@ class RewardTrainer(_BaseTrainer):
         self._init_activation_offloading()
         self._add_model_tags(self.model)
 
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """A dataset given to `evaluate()`, prepared as the constructor's `eval_dataset` (unchanged when already
+        prepared: it has `chosen_ids` / `rejected_ids`)."""
+        return self._prepare_dataset(dataset, self.processing_class, self.args, name)
+
     @staticmethod
     def _check_in_vocab(tokenizer: Any, token: str, option: str) -> None:
         token_id = tokenizer.convert_tokens_to_ids(token)
@@ -314,20 +322,15 @@ class RewardTrainer(_BaseTrainer):
                 )
             eos_token_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
             tokenize = _PreferenceTokenizer(processing_class, conversational, eos_token_id)
-            remove = [c for c in columns if c != "margin"]
-            dataset = dataset.map(tokenize, remove_columns=remove, **_desc(map_kwargs, f"Tokenizing {dataset_name}"))
-            columns = [*(["margin"] if "margin" in columns else []), "chosen_input_ids", "rejected_input_ids"]
+            # The given columns stay (as in TRL); the trainer's dataloader keeps only those the collator reads.
+            dataset = dataset.map(tokenize, **_desc(map_kwargs, f"Tokenizing {dataset_name}"))
         else:
             raise ValueError(
                 f"RewardTrainer expects preference data, but the {dataset_name} dataset has columns {columns}. "
                 "Expected `chosen` and `rejected` (with an optional `prompt`, standard text or conversational "
-                "messages), or pre-tokenized `chosen_input_ids` and `rejected_input_ids`. Rename your columns with "
+                "messages), or pre-tokenized `chosen_ids` and `rejected_ids`. Rename your columns with "
                 "dataset.rename_column(old, new); for unpaired data (prompt/completion/label) build pairs first."
             )
-
-        extra = [c for c in columns if c not in _COLUMNS]
-        if extra:
-            dataset = dataset.remove_columns(extra)
 
         # The reward is read at the last token, so over-long pairs are dropped rather than truncated.
         if args.max_length is not None:
@@ -336,8 +339,10 @@ class RewardTrainer(_BaseTrainer):
                 dataset = dataset.filter(keep)
             else:
                 n_before = len(dataset)
-                dataset = dataset.filter(keep, **_desc(map_kwargs, f"Filtering {dataset_name} by max_length"))
-                n_dropped = n_before - len(dataset)
+                kept = dataset.filter(keep, **_desc(map_kwargs, f"Filtering {dataset_name} by max_length"))
+                n_dropped = n_before - len(kept)
+                if n_dropped:  # otherwise the dataset stays the same object (a prepared one is returned unchanged)
+                    dataset = kept
                 if n_dropped == n_before:
                     raise ValueError(
                         f"Every pair of the {dataset_name} dataset has a chosen or rejected sequence longer than "
@@ -473,7 +478,11 @@ def _with_trainable_tokens(peft_config: Any, added_tokens: list[int]) -> Any:
 
 
 class _PreferenceTokenizer:
-    """Turns one preference row into `chosen_input_ids` and `rejected_input_ids` (prompt prepended to both)."""
+    """Turns one preference row into `chosen_ids` and `rejected_ids` (prompt prepended to both).
+
+    The `chosen` / `rejected` columns are rewritten to the sequences that were tokenized: the prompt prepended and,
+    for text, the EOS token appended.
+    """
 
     def __init__(self, processing_class: Any, conversational: bool, eos_token_id: int | None):
         self.processing_class = processing_class
@@ -504,18 +513,22 @@ class _PreferenceTokenizer:
             ids.append(self.eos_token_id)
         return ids
 
-    def __call__(self, example: dict[str, Any]) -> dict[str, list[int]]:
+    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
         prompt = example.get("prompt")
-        output = {}
+        output: dict[str, Any] = {}
+        eos = self.tokenizer.eos_token if self.eos_token_id is not None else None
         for key in ("chosen", "rejected"):
             if self.conversational:
-                output[f"{key}_input_ids"] = self._chat(list(prompt or []) + list(example[key]), example)
+                messages = list(prompt or []) + list(example[key])
+                output[f"{key}_ids"] = self._chat(messages, example)
+                output[key] = messages
             else:
                 text = example[key]
                 if prompt is not None:
                     # An explicit prompt is simply prepended: the pair is scored as one sequence.
                     text = prompt + text if isinstance(prompt, str) and isinstance(text, str) else None
-                output[f"{key}_input_ids"] = self._text(text, key)
+                output[f"{key}_ids"] = self._text(text, key)
+                output[key] = text + eos if eos and not text.endswith(eos) else text
         return output
 
 
@@ -524,7 +537,4 @@ class _FitsMaxLength:
         self.max_length = max_length
 
     def __call__(self, example: dict[str, Any]) -> bool:
-        return (
-            len(example["chosen_input_ids"]) <= self.max_length
-            and len(example["rejected_input_ids"]) <= self.max_length
-        )
+        return len(example["chosen_ids"]) <= self.max_length and len(example["rejected_ids"]) <= self.max_length

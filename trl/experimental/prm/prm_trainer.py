@@ -248,6 +248,12 @@ class PRMTrainer(_BaseTrainer):
         self._loss_shifts_labels = False
         self._add_model_tags(self.model)
 
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """A dataset given to `evaluate()`, prepared as the constructor's `eval_dataset` (unchanged when already
+        tokenized: it has `input_ids` and `labels`)."""
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        return self._prepare_dataset(dataset, tokenizer, self.args, name, is_eval=True)
+
     # ------------------------------------------------------------------------------------------------------------
     # Tokenization
     # ------------------------------------------------------------------------------------------------------------
@@ -337,7 +343,8 @@ class PRMTrainer(_BaseTrainer):
             raise ValueError(f"The {dataset_name} dataset is empty; PRMTrainer needs at least one example.")
         columns = list(get_dataset_column_names(dataset) or first.keys())
         if "input_ids" in columns and "labels" in columns:
-            return dataset.remove_columns([c for c in columns if c not in ("input_ids", "labels")])
+            extra = [c for c in columns if c not in ("input_ids", "labels")]
+            return dataset.remove_columns(extra) if extra else dataset
         missing = [c for c in _REQUIRED_COLUMNS if c not in columns]
         if missing:
             raise ValueError(
