@@ -158,6 +158,8 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
 
     _tag_names = ["trl", "kto"]
     _name = "KTO"
+    _keep_raw_columns = True
+    _interleave_unpaired = False
     _template_file = "lm_model_card.md"
     _paper = {
         "title": "KTO: Model Alignment as Prospect Theoretic Optimization",
@@ -264,6 +266,13 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
             )
         self._add_model_tags(self.model)
 
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """A dataset given to `evaluate()`: prepared like the constructor's `eval_dataset` (a prepared one, with its
+        token ids and KL completions, is returned unchanged)."""
+        return self._prepare_dataset(
+            dataset, self.processing_class, self.args, name, self.args.per_device_eval_batch_size
+        )
+
     # ------------------------------------------------------------------------------------------------------------
     # Loss
     # ------------------------------------------------------------------------------------------------------------
@@ -282,14 +291,14 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         ref_logps = ref["ref_logps"].to(policy.logps)
 
         if self._needs_kl:
-            if policy.kl_logps is None or "ref_kl_logps" not in ref:
+            if policy.kl_logps is None or "ref_KL_logps" not in ref:
                 raise ValueError(
-                    "loss_type='kto' needs the KL completions ('kl_completion_ids') in every example of the batch, "
-                    "but this batch has none. The trainer adds them when it prepares the datasets; a custom collator "
-                    "must keep them (see DataCollatorForUnpairedPreference)."
+                    "loss_type='kto' needs the KL completions ('KL_completion_ids') in every example of the batch, "
+                    "but this batch has none (no 'KL_input_ids'). The trainer adds them when it prepares the "
+                    "datasets; a custom collator must keep them (see DataCollatorForUnpairedPreference)."
                 )
             local_kl = (
-                (policy.kl_logps - ref["ref_kl_logps"].to(policy.kl_logps)).mean() if n else policy.logps.new_zeros(())
+                (policy.kl_logps - ref["ref_KL_logps"].to(policy.kl_logps)).mean() if n else policy.logps.new_zeros(())
             )
             # The reference point is shared by all processes: the mean of their batch estimates, clamped at 0.
             kl = self.accelerator.gather(local_kl.detach().reshape(1)).mean().clamp(min=0).to(policy.logps)
@@ -316,14 +325,14 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
             means = {"kl": kl}
             if aux_loss is not None:
                 means["aux_loss"] = aux_loss.detach().float()
-            self._record_unpaired_metrics(
+            self._record_class_metrics(
                 mode,
                 label,
                 policy.logps.detach(),
                 rewards,
                 policy,
                 means=means,
-                num_tokens=inputs["attention_mask"][:n].sum(),
+                num_tokens=inputs["attention_mask"].sum(),
             )
         if return_outputs:
             return loss, {"rewards": rewards, "label": label}
