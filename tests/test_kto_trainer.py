@@ -344,6 +344,38 @@ def test_evaluate_prepares_raw_datasets_and_dicts(tmp_path, model_path, unpaired
     assert {"eval_first_loss", "eval_second_loss"} <= set(both)
 
 
+def test_compute_metrics_receives_logits_and_token_ids(tmp_path, model_path, unpaired):
+    seen = {}
+
+    def compute_metrics(prediction):
+        seen["predictions"], seen["labels"] = prediction.predictions, prediction.label_ids
+        return {"test": 1.0}
+
+    test = unpaired["test"].select(range(6))
+    trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=unpaired["train"].select(range(8)),
+                         eval_dataset=test, compute_metrics=compute_metrics)  # fmt: skip
+    metrics = trainer.evaluate()
+    assert metrics["eval_test"] == 1.0 and "eval_rewards/chosen" in metrics
+    predictions, labels = seen["predictions"], seen["labels"]
+    batch = trainer.data_collator([trainer.eval_dataset[i] for i in range(4)])
+    width = batch["input_ids"].shape[1]
+    assert predictions.shape[:2] == labels.shape and predictions.shape[0] == 6
+    assert predictions.shape[2] == trainer.model.config.vocab_size
+    assert (labels[:4, :width] == batch["input_ids"].numpy()).all()
+    with torch.no_grad():
+        logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.allclose(torch.from_numpy(predictions[:4, :width]), logits, atol=1e-5)
+
+
+def test_batch_size_one_is_rejected_for_the_kl_term(tmp_path, model_path, unpaired):
+    train = unpaired["train"].select(range(4))
+    with pytest.raises(ValueError, match=r"batch size must be > 1"):
+        KTOTrainer(model_path, args=make_args(tmp_path, per_device_train_batch_size=1), train_dataset=train)
+    # Without the KL term a batch of one is fine.
+    args = make_args(tmp_path, per_device_train_batch_size=1, loss_type="apo_zero_unpaired")
+    assert KTOTrainer(model_path, args=args, train_dataset=train).args.per_device_train_batch_size == 1
+
+
 def test_total_flos_count_the_main_sequences_only(tmp_path, model_path, unpaired):
     trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=unpaired["train"].select(range(8)))
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])

@@ -6,7 +6,6 @@ mismatched "KL" completions), the collator, the policy / reference log-probabili
 metrics. This module holds the KTO loss and the trainer.
 """
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -145,7 +144,9 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         processing_class (`PreTrainedTokenizerBase`, `ProcessorMixin` or `None`, defaults to `None`):
             Tokenizer; loaded from the model's path when omitted (a missing pad token is set to the eos token).
         compute_metrics (`Callable` or `None`, defaults to `None`):
-            Metric function for evaluation; receives the implied rewards as predictions and the labels (1 = desirable).
+            Metric function for evaluation; receives, as in TRL, the policy's logits `(n, T, V)` of the padded
+            `prompt + completion` sequences as predictions and their token ids `(n, T)` as labels (batches padded to
+            one length with -100).
         callbacks (`list[TrainerCallback]` or `None`, defaults to `None`):
             Extra callbacks.
         optimizers (`tuple`, defaults to `(None, None)`):
@@ -198,6 +199,13 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         if args is None:
             args = self._default_args(KTOConfig, model, "KTO")
         self._check_train_dataset(train_dataset, "KTOTrainer")
+        if args.loss_type == "kto" and args.per_device_train_batch_size < 2:
+            raise ValueError(
+                f"per_device_train_batch_size={args.per_device_train_batch_size}: KTO estimates its KL reference point "
+                "from mismatched prompt/completion pairs within a batch, so the actual (not effective) batch size must "
+                "be > 1; with a single example the KL term would be its own implied reward. Use "
+                "per_device_train_batch_size >= 2 (4 or more recommended), or loss_type='apo_zero_unpaired'."
+            )
         self._prepare_iterable_args(args, train_dataset)
         self._check_reference_options(args, "KTOTrainer")
         self._warn_liger_kernel_deprecated(args, "KTOTrainer")
@@ -217,14 +225,6 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         self._ref_layout = self._choose_layout(ref_model, padding_free=False) if ref_model is not None else None
         self._needs_kl = args.loss_type == "kto"
         self._ref_adapter_name = None
-        if self._needs_kl and args.per_device_train_batch_size < 2:
-            warnings.warn(
-                "per_device_train_batch_size=1: KTO estimates its KL reference point from mismatched prompt/"
-                "completion pairs within a batch, which needs at least 2 examples (4 or more recommended). With 1, "
-                "each example is paired with its own completion.",
-                UserWarning,
-                stacklevel=2,
-            )
         if data_collator is None:
             data_collator = DataCollatorForUnpairedPreference(
                 pad_token_id=self.pad_token_id,
@@ -265,6 +265,23 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
                 args.precompute_ref_batch_size,
             )
         self._add_model_tags(self.model)
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ):
+        """The loss of a batch and, for `compute_metrics`, the policy's logits `(n, T, V)` of the completions' padded
+        sequences with their token ids `(n, T)` as labels (what TRL hands to `compute_metrics`)."""
+        loss, _, _ = super().prediction_step(model, inputs, prediction_loss_only=True, ignore_keys=ignore_keys)
+        if prediction_loss_only:
+            return loss, None, None
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        return loss, logits.detach(), inputs["input_ids"]
 
     def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
         """A dataset given to `evaluate()`: prepared like the constructor's `eval_dataset` (a prepared one, with its

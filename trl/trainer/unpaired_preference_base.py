@@ -2,7 +2,8 @@
 
 Each example is a prompt, one completion and a boolean label (True = desirable). [`_UnpairedPreferenceTrainer`] adds
 to [`_PreferenceTrainer`]: dataset preparation (unpairing of paired data, tokenization, label checks, the mismatched
-"KL" completions), the policy / reference log-probability passes and the sum-and-count metrics;
+"KL" completions), the policy / reference log-probability passes and the per-class metrics (TRL's per-batch means for
+KTO, interval-wide sums and counts for BCO);
 [`DataCollatorForUnpairedPreference`] collates the tokenized examples (it is also importable from
 `trl.trainer.kto_trainer`, its public path).
 """
