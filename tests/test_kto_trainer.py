@@ -367,6 +367,28 @@ def test_compute_metrics_receives_logits_and_token_ids(tmp_path, model_path, unp
     assert torch.allclose(torch.from_numpy(predictions[:4, :width]), logits, atol=1e-5)
 
 
+def test_trl_public_attributes(tmp_path, model_path, unpaired):
+    train = unpaired["train"].select(range(8))
+    trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=train)
+    assert (trainer.beta, trainer.loss_type, trainer.calculate_KL, trainer.precompute_ref_logps) == (0.1, "kto", True,
+                                                                                                      False)  # fmt: skip
+    assert (trainer.desirable_weight, trainer.undesirable_weight) == (1.0, 1.0)
+    assert (trainer.aux_loss_enabled, trainer.router_aux_loss_coef) == (False, 0.0)
+    args = make_args(tmp_path, loss_type="apo_zero_unpaired", beta=0.3, desirable_weight=1.5,
+                     precompute_ref_log_probs=True)  # fmt: skip
+    trainer = KTOTrainer(model_path, args=args, train_dataset=train)
+    assert (trainer.beta, trainer.calculate_KL, trainer.desirable_weight, trainer.precompute_ref_logps) == (
+        0.3, False, 1.5, True)  # fmt: skip
+    # The loss reads the attributes: beta changed on the trainer changes the rewards.
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    perturb(trainer.model)
+    trainer.compute_loss(trainer.model, batch)
+    trainer.beta = 0.6
+    trainer.compute_loss(trainer.model, batch)
+    rewards = trainer._metrics[trainer._mode]["rewards/chosen"]
+    assert rewards[1] == pytest.approx(2 * rewards[0], rel=1e-5)
+
+
 def test_batch_size_one_is_rejected_for_the_kl_term(tmp_path, model_path, unpaired):
     train = unpaired["train"].select(range(4))
     with pytest.raises(ValueError, match=r"batch size must be > 1"):

@@ -224,6 +224,10 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         self._layout = self._choose_layout(model, padding_free=False)
         self._ref_layout = self._choose_layout(ref_model, padding_free=False) if ref_model is not None else None
         self._needs_kl = args.loss_type == "kto"
+        # TRL's public attributes of the loss (the loss reads them, so a callback may change them)
+        self.beta, self.loss_type = args.beta, args.loss_type
+        self.desirable_weight, self.undesirable_weight = args.desirable_weight, args.undesirable_weight
+        self.precompute_ref_logps = args.precompute_ref_log_probs
         self._ref_adapter_name = None
         if data_collator is None:
             data_collator = DataCollatorForUnpairedPreference(
@@ -265,6 +269,34 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
                 args.precompute_ref_batch_size,
             )
         self._add_model_tags(self.model)
+
+    # TRL's names of settings the trainer resolved
+    @property
+    def calculate_KL(self) -> bool:  # noqa: N802 - TRL's public name
+        """Whether the loss uses the KL reference point (`loss_type="kto"`)."""
+        return self._needs_kl
+
+    @calculate_KL.setter
+    def calculate_KL(self, value: bool) -> None:  # noqa: N802
+        self._needs_kl = bool(value)
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """Whether the MoE router's load-balancing loss is added (see `router_aux_loss_coef`)."""
+        return self._aux_loss_enabled
+
+    @aux_loss_enabled.setter
+    def aux_loss_enabled(self, value: bool) -> None:
+        self._aux_loss_enabled = bool(value)
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """The weight of the router loss (0.0 when it is off)."""
+        return self._aux_loss_coef
+
+    @router_aux_loss_coef.setter
+    def router_aux_loss_coef(self, value: float) -> None:
+        self._aux_loss_coef = float(value)
 
     def prediction_step(
         self,
@@ -327,17 +359,17 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
             ref_logps,
             label,
             kl,
-            beta=self.args.beta,
-            desirable_weight=self.args.desirable_weight,
-            undesirable_weight=self.args.undesirable_weight,
-            loss_type=self.args.loss_type,
+            beta=self.beta,
+            desirable_weight=self.desirable_weight,
+            undesirable_weight=self.undesirable_weight,
+            loss_type=self.loss_type,
         )
         loss = losses.mean()
         aux_loss = getattr(policy.outputs, "aux_loss", None) if self._aux_loss_enabled else None
         if aux_loss is not None:
             loss = loss + self._aux_loss_coef * aux_loss
 
-        rewards = self.args.beta * (policy.logps - ref_logps).detach()
+        rewards = self.beta * (policy.logps - ref_logps).detach()
         with torch.no_grad():
             means = {"kl": kl}
             if aux_loss is not None:
