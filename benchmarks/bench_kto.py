@@ -12,16 +12,18 @@ Usage:
     python benchmarks/bench_kto.py                          # tiny and small models, every configuration
     python benchmarks/bench_kto.py --models small --steps 6 --configs kl-separate kl-batched no-kl
     python benchmarks/bench_kto.py --ab --models small      # interleaved A/B of the KL scheduling, in one process
-                                                            # (adds kl-separate-ref-split: reference in 2 passes)
 
 Configurations (all with a full reference copy unless stated):
     trl-like        padded batches; policy: main rows with gradient + KL rows in a second, no-grad forward;
                     reference: main rows and KL rows in two forwards (the layout of TRL's KTO trainer)
-    padded          padded batches; policy as above; reference: main + KL rows in ONE forward
+    padded          padded batches; policy as above; reference: main + KL rows in ONE forward (set explicitly)
     kl-batched      packed (no padding computed); policy: main + KL rows in ONE forward with gradient (the backward
                     pass then also runs over the KL tokens, whose gradient is zero); reference: one packed forward
     kl-separate     packed; policy: main rows with gradient + KL rows in a no-grad forward; reference: main + KL
-                    rows in ONE packed forward (the trainer's default)
+                    rows in ONE packed forward
+    kl-separate-ref-split  packed; as kl-separate, but the reference scores main and KL rows in two
+                    forwards shaped like the policy's (the trainer's default: the KL estimate is then exactly 0 while
+                    the policy equals the reference, as in TRL)
     no-kl           `loss_type="apo_zero_unpaired"`: no KL rows at all (the floor the KL term is measured against)
     precompute      `precompute_ref_log_probs=True`: reference values (incl. KL) computed once before training
     peft            LoRA (r=16) policy, reference = adapters disabled (no copy), packed, KL as in kl-separate
@@ -40,9 +42,10 @@ import _harness
 
 CONFIGS = {
     "trl-like": {"layout": "padded", "kl_in_policy": False, "kl_in_reference": False},
-    "padded": {"layout": "padded", "kl_in_policy": False},
-    "kl-batched": {"kl_in_policy": True},
-    "kl-separate": {"kl_in_policy": False},
+    "padded": {"layout": "padded", "kl_in_policy": False, "kl_in_reference": True},
+    "kl-batched": {"kl_in_policy": True, "kl_in_reference": True},
+    "kl-separate": {"kl_in_policy": False, "kl_in_reference": True},
+    "kl-separate-ref-split": {"kl_in_policy": False, "kl_in_reference": False},
     "no-kl": {"loss_type": "apo_zero_unpaired"},
     "precompute": {"precompute_ref_log_probs": True},
     "peft": {"peft": True},
@@ -117,7 +120,6 @@ def run_ab(model_key: str, repeats: int, batch_size: int, max_length: int, num_b
 
     from trl import KTOConfig, KTOTrainer
     from trl.assets import get_model_path
-    from trl.trainer.unpaired_preference_base import _select_rows
 
     torch.manual_seed(0)
     config = KTOConfig(
@@ -137,8 +139,7 @@ def run_ab(model_key: str, repeats: int, batch_size: int, max_length: int, num_b
         if i >= num_batches:
             break
         batches.append(batch)
-    n = batch_size
-    no_kl_batches = [{**_select_rows(b, 0, n), "label": b["label"]} for b in batches]
+    no_kl_batches = [{k: v for k, v in b.items() if not k.startswith("KL_")} for b in batches]
     trainer.model.train()
     times: dict[str, list[float]] = {name: [] for name in AB_MODES}
     order = list(AB_MODES)

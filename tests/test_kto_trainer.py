@@ -35,14 +35,6 @@ METRICS = [
     "logps/rejected",
     "logits/chosen",
     "logits/rejected",
-    "rewards/chosen_sum",
-    "rewards/rejected_sum",
-    "logps/chosen_sum",
-    "logps/rejected_sum",
-    "logits/chosen_sum",
-    "logits/rejected_sum",
-    "count/chosen",
-    "count/rejected",
     "entropy",
 ]
 
@@ -54,6 +46,11 @@ def oracle_logps(model, batch):
     """Summed completion log-probs with a full log-softmax on the padded batch (the tests' oracle)."""
     token_logps, mask, logits = padded_completion_logps(model, batch)
     return (token_logps * mask).sum(1), logits, mask
+
+
+def kl_rows(batch):
+    """The KL sequences of a collated batch under the plain key names."""
+    return {key: batch[f"KL_{key}"] for key in ("input_ids", "attention_mask", "completion_mask")}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -88,20 +85,25 @@ def test_experimental_aliases_warn(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # Collator and KL completions
 # ---------------------------------------------------------------------------------------------------------------------
-def test_collator_puts_kl_rows_after_the_main_rows():
+def test_collator_pads_main_and_kl_sequences_apart():
     collator = DataCollatorForUnpairedPreference(pad_token_id=0)
     examples = [
-        {"prompt_ids": [1, 2], "completion_ids": [3], "label": True, "kl_completion_ids": [7, 8, 9],
-         "ref_logps": -1.0, "ref_kl_logps": -5.0},
-        {"prompt_ids": [6], "completion_ids": [7, 8, 9], "label": False, "kl_completion_ids": [3],
-         "ref_logps": -2.0, "ref_kl_logps": -6.0},
+        {"prompt_ids": [1, 2], "completion_ids": [3], "label": True, "KL_completion_ids": [7, 8, 9],
+         "ref_logps": -1.0, "ref_KL_logps": -5.0},
+        {"prompt_ids": [6], "completion_ids": [7, 8, 9], "label": False, "KL_completion_ids": [3],
+         "ref_logps": -2.0, "ref_KL_logps": -6.0},
     ]  # fmt: skip
     batch = collator(examples)
-    assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0], [6, 7, 8, 9, 0], [1, 2, 7, 8, 9], [6, 3, 0, 0, 0]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
-    assert batch["completion_mask"].tolist() == [[0, 0, 1, 0, 0], [0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]
+    assert list(batch) == ["input_ids", "attention_mask", "completion_mask", "KL_input_ids", "KL_attention_mask",
+                           "KL_completion_mask", "ref_logps", "ref_KL_logps", "label"]  # fmt: skip
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0], [6, 7, 8, 9]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert batch["completion_mask"].tolist() == [[0, 0, 1, 0], [0, 1, 1, 1]]
+    assert batch["KL_input_ids"].tolist() == [[1, 2, 7, 8, 9], [6, 3, 0, 0, 0]]
+    assert batch["KL_attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert batch["KL_completion_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]
     assert batch["label"].tolist() == [True, False]
-    assert batch["ref_logps"].tolist() == [-1.0, -2.0] and batch["ref_kl_logps"].tolist() == [-5.0, -6.0]
+    assert batch["ref_logps"].tolist() == [-1.0, -2.0] and batch["ref_KL_logps"].tolist() == [-5.0, -6.0]
     # Without KL completions: main rows only; max_length keeps the start; pad_to_multiple_of rounds the width up.
     plain = [{k: v for k, v in ex.items() if k in ("prompt_ids", "completion_ids", "label")} for ex in examples]
     batch = DataCollatorForUnpairedPreference(pad_token_id=0, max_length=3, pad_to_multiple_of=4)(plain)
@@ -110,12 +112,11 @@ def test_collator_puts_kl_rows_after_the_main_rows():
     assert set(batch) == {"input_ids", "attention_mask", "completion_mask", "label"}
 
 
-def test_kl_completions_come_from_another_prompt_of_the_chunk():
+def test_kl_completions_are_the_previous_completion_of_the_chunk():
     batch = {"prompt_ids": [[1], [1], [2], [3]], "completion_ids": [[10], [11], [12], [13]]}
-    # Example 0's next neighbour has the same prompt, so the one after it is used; the chunk wraps around.
-    assert _KLCompletions()(batch)["kl_completion_ids"] == [[12], [12], [13], [10]]
-    same = {"prompt_ids": [[1], [1]], "completion_ids": [[10], [11]]}
-    assert _KLCompletions()(same)["kl_completion_ids"] == [[11], [10]]
+    # Example i gets example i-1's completion (the first one the chunk's last), whatever the prompts.
+    assert _KLCompletions()(batch)["KL_completion_ids"] == [[13], [10], [11], [12]]
+    assert _KLCompletions()({"prompt_ids": [[1]], "completion_ids": [[10]]})["KL_completion_ids"] == [[10]]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -175,9 +176,9 @@ def test_compute_loss_with_kl_term_and_metrics(tmp_path, model_path, unpaired):
     trainer = KTOTrainer(model_path, args=args, train_dataset=unpaired["train"].select(range(8)))
     trainer.model.train()
     examples = [trainer.train_dataset[i] for i in range(4)]
-    assert all(ex["kl_completion_ids"] != ex["completion_ids"] for ex in examples)
+    assert all(ex["KL_completion_ids"] != ex["completion_ids"] for ex in examples)
     batch = trainer.data_collator(examples)
-    assert batch["input_ids"].shape[0] == 8  # 4 main rows + 4 KL rows
+    assert batch["input_ids"].shape[0] == 4 and batch["KL_input_ids"].shape[0] == 4
 
     # Random noise on the reference makes it less likely than the policy on any given text: the KL estimate of the
     # policy to the reference is then positive (not clamped to 0).
@@ -185,10 +186,12 @@ def test_compute_loss_with_kl_term_and_metrics(tmp_path, model_path, unpaired):
     perturb(trainer.ref_model, seed=1, scale=0.1, all_params=True)
     pol, logits, mask = oracle_logps(trainer.model, batch)
     ref, _, _ = oracle_logps(trainer.ref_model, batch)
-    kl = (pol[4:] - ref[4:]).mean().item()
+    pol_kl, _, _ = oracle_logps(trainer.model, kl_rows(batch))
+    ref_kl, _, _ = oracle_logps(trainer.ref_model, kl_rows(batch))
+    kl = (pol_kl - ref_kl).mean().item()
     assert kl > 0
     label = batch["label"]
-    logratio = pol[:4] - ref[:4]
+    logratio = pol - ref
     chosen = 1.2 * (1 - torch.sigmoid(0.3 * (logratio - kl)))
     rejected = 0.8 * (1 - torch.sigmoid(0.3 * (kl - logratio)))
     expected = torch.where(label, chosen, rejected).mean()
@@ -203,28 +206,39 @@ def test_compute_loss_with_kl_term_and_metrics(tmp_path, model_path, unpaired):
         grads[batched] = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads[False], grads[True]))
 
+    # TRL's metrics of one batch: per-class means over its examples; logits averaged over the class's tokens.
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    assert not any(key.endswith("_sum") or key.startswith("count/") for key in metrics)
     rewards = 0.3 * logratio
     assert metrics["kl"] == pytest.approx(kl, abs=1e-5)
-    assert metrics["count/chosen"] == label.sum().item() and metrics["count/rejected"] == (~label).sum().item()
-    assert metrics["rewards/chosen_sum"] == pytest.approx(rewards[label].sum().item(), abs=1e-5)
-    assert metrics["rewards/rejected_sum"] == pytest.approx(rewards[~label].sum().item(), abs=1e-5)
-    assert metrics["logps/chosen_sum"] == pytest.approx(pol[:4][label].sum().item(), abs=1e-4)
-    assert metrics["logps/rejected_sum"] == pytest.approx(pol[:4][~label].sum().item(), abs=1e-4)
-    main_mask = mask[:4].bool()
-    example_logit = torch.stack([logits[i][main_mask[i]].mean() for i in range(4)])
-    assert metrics["logits/chosen_sum"] == pytest.approx(example_logit[label].sum().item(), abs=1e-5)
-    probs = torch.softmax(logits[:4], -1)
-    entropy = -(probs * torch.log_softmax(logits[:4], -1)).sum(-1)
-    assert metrics["entropy"] == pytest.approx(entropy[main_mask].mean().item(), abs=1e-4)
-    assert metrics["num_tokens"] == 2 * batch["attention_mask"][:4].sum().item()  # a running total over 2 calls
+    assert metrics["rewards/chosen"] == pytest.approx(rewards[label].mean().item(), abs=1e-5)
+    assert metrics["rewards/rejected"] == pytest.approx(rewards[~label].mean().item(), abs=1e-5)
+    assert metrics["rewards/margins"] == pytest.approx(
+        rewards[label].mean().item() - rewards[~label].mean().item(), abs=1e-5
+    )
+    assert metrics["logps/chosen"] == pytest.approx(pol[label].mean().item(), abs=1e-4)
+    assert metrics["logps/rejected"] == pytest.approx(pol[~label].mean().item(), abs=1e-4)
+    token_logit = logits.mean(-1)  # (4, T-1): mean over the vocabulary
+    for name, rows in (("chosen", label), ("rejected", ~label)):
+        expected_logit = token_logit[rows][mask[rows].bool()].mean().item()
+        assert metrics[f"logits/{name}"] == pytest.approx(expected_logit, abs=1e-6)
+    probs = torch.softmax(logits, -1)
+    entropy = -(probs * torch.log_softmax(logits, -1)).sum(-1)
+    assert metrics["entropy"] == pytest.approx(entropy[mask.bool()].mean().item(), abs=1e-4)
+    assert metrics["num_tokens"] == 2 * batch["attention_mask"].sum().item()  # a running total over 2 calls
 
-    # At log time the per-class sums become means over the interval's examples of that class.
+    # A batch of one class records nothing for the other class nor a margin; at log time every metric is the mean
+    # of its per-batch values.
+    chosen_only = trainer.data_collator([ex for ex in examples if ex["label"]])
+    trainer.compute_loss(trainer.model, chosen_only)
+    chosen_rewards = trainer._metrics["train"]["rewards/chosen"]
+    assert len(chosen_rewards) == 3 and len(trainer._metrics["train"]["rewards/rejected"]) == 2
+    assert len(trainer._metrics["train"]["rewards/margins"]) == 2
     trainer.log({})
     log = trainer.state.log_history[-1]
-    assert log["rewards/chosen"] == pytest.approx(rewards[label].mean().item(), abs=1e-5)
-    assert log["logps/rejected"] == pytest.approx(pol[:4][~label].mean().item(), abs=1e-4)
-    assert log["rewards/margins"] == pytest.approx(log["rewards/chosen"] - log["rewards/rejected"], abs=1e-9)
+    assert log["rewards/chosen"] == pytest.approx(sum(chosen_rewards) / 3, abs=1e-9)
+    assert log["rewards/rejected"] == pytest.approx(rewards[~label].mean().item(), abs=1e-5)
+    assert log["rewards/margins"] == pytest.approx(metrics["rewards/margins"], abs=1e-9)
 
 
 def test_moe_aux_loss(tmp_path, unpaired):
@@ -244,11 +258,14 @@ def test_paired_data_is_unpaired(tmp_path, model_path, tokenizer):
     trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=paired)
     prepared = trainer.train_dataset
     assert len(prepared) == 12
-    # chosen (label True) and rejected (False) of each pair follow each other, so batches mix both labels
-    assert prepared["label"] == [True, False] * 6
+    # As in TRL: every chosen completion (label True), then every rejected one (False), raw columns kept
+    assert prepared["label"] == [True] * 6 + [False] * 6
+    assert set(prepared.column_names) == {"prompt", "completion", "label", "prompt_ids", "completion_ids",
+                                          "KL_completion_ids"}  # fmt: skip
     for i, row in enumerate(paired):
-        for offset, key in ((0, "chosen"), (1, "rejected")):
-            ids = prepared[2 * i + offset]
+        for offset, key in ((0, "chosen"), (6, "rejected")):
+            ids = prepared[i + offset]
+            assert ids["prompt"] == row["prompt"] and ids["completion"].startswith(row[key])
             full = tokenizer(row["prompt"] + row[key] + tokenizer.eos_token)["input_ids"]
             assert ids["prompt_ids"] + ids["completion_ids"] == full
             assert tokenizer.decode(ids["prompt_ids"]) == row["prompt"]
@@ -305,6 +322,89 @@ def test_train_and_evaluate(tmp_path, model_path, config_name):
         assert f"eval_{key}" in eval_log, key
 
 
+def test_evaluate_prepares_raw_datasets_and_dicts(tmp_path, model_path, unpaired):
+    train, test = unpaired["train"].select(range(8)), unpaired["test"].select(range(8))
+    trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=train, eval_dataset=test)
+    # TRL's keys, nothing else; at policy == reference the KL estimate is exactly 0 (same passes for both).
+    metrics = trainer.evaluate()
+    assert {k for k in metrics if not k.endswith(("_runtime", "_per_second"))} == {
+        "eval_loss", "eval_kl", "eval_entropy", "eval_num_tokens", "eval_logits/chosen", "eval_logits/rejected",
+        "eval_rewards/chosen", "eval_logps/chosen", "eval_rewards/rejected", "eval_logps/rejected",
+        "eval_rewards/margins", "epoch",
+    }  # fmt: skip
+    assert metrics["eval_kl"] == 0.0 and metrics["eval_rewards/margins"] == 0.0
+    # A raw dataset is prepared like the constructor's eval_dataset; a prepared one is used as it is.
+    raw = trainer.evaluate(eval_dataset=test)
+    assert raw["eval_loss"] == metrics["eval_loss"] and raw["eval_logps/chosen"] == metrics["eval_logps/chosen"]
+    assert trainer._prepare_eval_dataset(trainer.eval_dataset, "eval") is trainer.eval_dataset
+    stream = IterableDataset.from_generator(lambda: iter(test))
+    assert trainer.evaluate(eval_dataset=stream)["eval_logps/chosen"] == pytest.approx(metrics["eval_logps/chosen"])
+    # A dict: one evaluation per dataset, transformers' prefixes for the loss.
+    both = trainer.evaluate(eval_dataset={"first": test.select(range(4)), "second": test.select(range(4, 8))})
+    assert {"eval_first_loss", "eval_second_loss"} <= set(both)
+
+
+def test_compute_metrics_receives_logits_and_token_ids(tmp_path, model_path, unpaired):
+    seen = {}
+
+    def compute_metrics(prediction):
+        seen["predictions"], seen["labels"] = prediction.predictions, prediction.label_ids
+        return {"test": 1.0}
+
+    test = unpaired["test"].select(range(6))
+    trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=unpaired["train"].select(range(8)),
+                         eval_dataset=test, compute_metrics=compute_metrics)  # fmt: skip
+    metrics = trainer.evaluate()
+    assert metrics["eval_test"] == 1.0 and "eval_rewards/chosen" in metrics
+    predictions, labels = seen["predictions"], seen["labels"]
+    batch = trainer.data_collator([trainer.eval_dataset[i] for i in range(4)])
+    width = batch["input_ids"].shape[1]
+    assert predictions.shape[:2] == labels.shape and predictions.shape[0] == 6
+    assert predictions.shape[2] == trainer.model.config.vocab_size
+    assert (labels[:4, :width] == batch["input_ids"].numpy()).all()
+    with torch.no_grad():
+        logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.allclose(torch.from_numpy(predictions[:4, :width]), logits, atol=1e-5)
+
+
+def test_trl_public_attributes(tmp_path, model_path, unpaired):
+    train = unpaired["train"].select(range(8))
+    trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=train)
+    assert (trainer.beta, trainer.loss_type, trainer.calculate_KL, trainer.precompute_ref_logps) == (0.1, "kto", True,
+                                                                                                      False)  # fmt: skip
+    assert (trainer.desirable_weight, trainer.undesirable_weight) == (1.0, 1.0)
+    assert (trainer.aux_loss_enabled, trainer.router_aux_loss_coef) == (False, 0.0)
+    args = make_args(tmp_path, loss_type="apo_zero_unpaired", beta=0.3, desirable_weight=1.5,
+                     precompute_ref_log_probs=True)  # fmt: skip
+    trainer = KTOTrainer(model_path, args=args, train_dataset=train)
+    assert (trainer.beta, trainer.calculate_KL, trainer.desirable_weight, trainer.precompute_ref_logps) == (
+        0.3, False, 1.5, True)  # fmt: skip
+    # The loss reads the attributes: beta changed on the trainer changes the rewards.
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    perturb(trainer.model)
+    trainer.compute_loss(trainer.model, batch)
+    trainer.beta = 0.6
+    trainer.compute_loss(trainer.model, batch)
+    rewards = trainer._metrics[trainer._mode]["rewards/chosen"]
+    assert rewards[1] == pytest.approx(2 * rewards[0], rel=1e-5)
+
+
+def test_batch_size_one_is_rejected_for_the_kl_term(tmp_path, model_path, unpaired):
+    train = unpaired["train"].select(range(4))
+    with pytest.raises(ValueError, match=r"batch size must be > 1"):
+        KTOTrainer(model_path, args=make_args(tmp_path, per_device_train_batch_size=1), train_dataset=train)
+    # Without the KL term a batch of one is fine.
+    args = make_args(tmp_path, per_device_train_batch_size=1, loss_type="apo_zero_unpaired")
+    assert KTOTrainer(model_path, args=args, train_dataset=train).args.per_device_train_batch_size == 1
+
+
+def test_total_flos_count_the_main_sequences_only(tmp_path, model_path, unpaired):
+    trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=unpaired["train"].select(range(8)))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    expected = 6 * trainer.model.num_parameters(exclude_embeddings=True) * batch["input_ids"].numel()
+    assert trainer.floating_point_ops(batch) == expected
+
+
 def test_only_desirable_examples(tmp_path, model_path, unpaired):
     desirable = unpaired["train"].filter(lambda ex: ex["label"])
     trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=desirable)
@@ -312,7 +412,7 @@ def test_only_desirable_examples(tmp_path, model_path, unpaired):
     trainer.train()
     assert changed_params(before, trainer.model)
     log = trainer.state.log_history[-2]
-    assert log["count/rejected"] == 0 and log["count/chosen"] == 4
+    assert not any(key.startswith("count/") or key.endswith("_sum") for key in log)
     assert math.isfinite(log["rewards/chosen"]) and "rewards/rejected" not in log and "rewards/margins" not in log
 
 
@@ -328,7 +428,7 @@ def test_apo_zero_unpaired_streaming_and_gradient_accumulation(tmp_path, model_p
         args = make_args(tmp_path / str(batch_size), loss_type="apo_zero_unpaired", optim="sgd", learning_rate=0.5,
                          per_device_train_batch_size=batch_size, gradient_accumulation_steps=accumulation)  # fmt: skip
         trainer = KTOTrainer(model_path, args=args, train_dataset=data)
-        assert "kl_completion_ids" not in trainer.train_dataset.column_names
+        assert "KL_completion_ids" not in trainer.train_dataset.column_names
         perturb(trainer.model)
         trainer.train()
         results.append(snapshot(trainer.model))
@@ -359,8 +459,9 @@ def test_peft_reference_and_precomputed_reference(tmp_path, model_path, unpaired
     ref = trainer.compute_ref_log_probs(trainer.model, batch)
     base = AutoModelForCausalLM.from_pretrained(model_path).eval()
     expected, _, _ = oracle_logps(base, batch)
-    assert torch.allclose(ref["ref_logps"], expected[:4], atol=1e-5)
-    assert torch.allclose(ref["ref_kl_logps"], expected[4:], atol=1e-5)
+    expected_kl, _, _ = oracle_logps(base, kl_rows(batch))
+    assert torch.allclose(ref["ref_logps"], expected, atol=1e-5)
+    assert torch.allclose(ref["ref_KL_logps"], expected_kl, atol=1e-5)
     before = snapshot(trainer.model)
     trainer.train()
     changed = changed_params(before, trainer.model)
@@ -370,11 +471,12 @@ def test_peft_reference_and_precomputed_reference(tmp_path, model_path, unpaired
     trainer = KTOTrainer(model_path, args=args, train_dataset=data)
     assert trainer.ref_model is None
     columns = trainer.train_dataset.column_names
-    assert {"ref_logps", "ref_kl_logps"} <= set(columns)
+    assert {"ref_logps", "ref_KL_logps"} <= set(columns)
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(8)])
     expected, _, _ = oracle_logps(base, batch)
-    assert torch.allclose(torch.tensor(trainer.train_dataset["ref_logps"]), expected[:8], atol=1e-5)
-    assert torch.allclose(torch.tensor(trainer.train_dataset["ref_kl_logps"]), expected[8:], atol=1e-5)
+    expected_kl, _, _ = oracle_logps(base, kl_rows(batch))
+    assert torch.allclose(torch.tensor(trainer.train_dataset["ref_logps"]), expected, atol=1e-5)
+    assert torch.allclose(torch.tensor(trainer.train_dataset["ref_KL_logps"]), expected_kl, atol=1e-5)
     before = snapshot(trainer.model)
     trainer.train()
     assert changed_params(before, trainer.model)

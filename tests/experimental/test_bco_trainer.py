@@ -242,6 +242,28 @@ def test_only_desirable_examples_and_peft_reference(tmp_path, model_path, unpair
     assert log["count/rejected"] == 0 and math.isfinite(log["rewards/chosen"]) and "rewards/rejected" not in log
 
 
+def test_evaluate_prepares_raw_datasets(tmp_path, model_path, tokenizer, unpaired):
+    test = unpaired["test"].select(range(8))
+    trainer = BCOTrainer(model_path, args=make_args(tmp_path), train_dataset=unpaired["train"].select(range(8)),
+                         eval_dataset=test)  # fmt: skip
+    metrics = trainer.evaluate()
+    # A raw dataset is prepared like the constructor's eval_dataset; a prepared one is used as it is.
+    raw = trainer.evaluate(eval_dataset=test)
+    assert raw["eval_loss"] == metrics["eval_loss"] and raw["eval_logps/chosen"] == metrics["eval_logps/chosen"]
+    assert trainer._prepare_eval_dataset(trainer.eval_dataset, "eval") is trainer.eval_dataset
+    both = trainer.evaluate(eval_dataset={"first": test.select(range(4)), "second": test.select(range(4, 8))})
+    assert {"eval_first_loss", "eval_second_loss"} <= set(both)
+    # With UDM the raw dataset also gets its density-ratio weights.
+    data = toy_udm_dataset()
+    embed, _ = word_count_embedding(tokenizer)
+    args = make_args(tmp_path / "udm", prompt_sample_size=8)
+    trainer = BCOTrainer(model_path, args=args, train_dataset=data, eval_dataset=data.select(range(8)),
+                         processing_class=tokenizer, embedding_func=embed, embedding_tokenizer=tokenizer)  # fmt: skip
+    prepared = trainer._prepare_eval_dataset(data.select(range(8)), "eval")
+    assert prepared["udm_weight"] == trainer.eval_dataset["udm_weight"]
+    assert trainer.evaluate(eval_dataset=data.select(range(8)))["eval_loss"] == trainer.evaluate()["eval_loss"]
+
+
 def test_model_loading_options(tmp_path, model_path, unpaired):
     data = unpaired["train"].select(range(4))
     args = make_args(tmp_path, model_init_kwargs={"dtype": "float32"}, precompute_ref_log_probs=True,

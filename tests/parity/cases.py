@@ -404,6 +404,14 @@ register_offline("kto/paired_standard_preference", "kto", dataset="standard_pref
 register_offline("kto/desirable_weight=1.2", "kto", desirable_weight=1.2, undesirable_weight=1.0)
 register_offline("kto/precompute_ref_log_probs=True", "kto", precompute_ref_log_probs=True)
 register_offline("kto/llama", "kto", dataset="conversational_unpaired_preference", model="tiny-LlamaForCausalLM")
+register_offline("kto/max_length=12", "kto", max_length=12)
+register_offline(
+    "kto/gradient_accumulation_steps=2", "kto", per_device_train_batch_size=2, gradient_accumulation_steps=2
+)
+register_offline("kto/per_device_batch_size=3", "kto", per_device_train_batch_size=3, per_device_eval_batch_size=3)
+register_offline("kto/beta=0.5", "kto", beta=0.5, n_train=16)
+register_offline("kto/paired_conversational_preference", "kto", dataset="conversational_preference")
+register_offline("kto/peft_lora", "kto", peft=True)
 
 # evaluate() on what the user passes, and keeping the best checkpoint (issue 18, sections 1 and 2)
 for _kind in OFFLINE_TRAINERS:
@@ -896,6 +904,30 @@ def kto_collator_case(ctx, examples) -> dict:
     return _batch(DataCollatorForUnpairedPreference(pad_token_id=0)(examples))
 
 
+register(
+    "collators/kto/kl_and_reference",
+    partial(
+        kto_collator_case,
+        examples=[
+            {
+                "prompt_ids": [1, 2],
+                "completion_ids": [3],
+                "label": True,
+                "KL_completion_ids": [5, 6, 7],
+                "ref_logps": -1.5,
+                "ref_KL_logps": -4.0,
+            },
+            {
+                "prompt_ids": [4],
+                "completion_ids": [5, 6, 7],
+                "label": False,
+                "KL_completion_ids": [3],
+                "ref_logps": -2.5,
+                "ref_KL_logps": -3.0,
+            },
+        ],
+    ),
+)
 register(
     "collators/kto/default",
     partial(

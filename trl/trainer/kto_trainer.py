@@ -6,7 +6,6 @@ mismatched "KL" completions), the collator, the policy / reference log-probabili
 metrics. This module holds the KTO loss and the trainer.
 """
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -145,7 +144,9 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         processing_class (`PreTrainedTokenizerBase`, `ProcessorMixin` or `None`, defaults to `None`):
             Tokenizer; loaded from the model's path when omitted (a missing pad token is set to the eos token).
         compute_metrics (`Callable` or `None`, defaults to `None`):
-            Metric function for evaluation; receives the implied rewards as predictions and the labels (1 = desirable).
+            Metric function for evaluation; receives, as in TRL, the policy's logits `(n, T, V)` of the padded
+            `prompt + completion` sequences as predictions and their token ids `(n, T)` as labels (batches padded to
+            one length with -100).
         callbacks (`list[TrainerCallback]` or `None`, defaults to `None`):
             Extra callbacks.
         optimizers (`tuple`, defaults to `(None, None)`):
@@ -158,6 +159,8 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
 
     _tag_names = ["trl", "kto"]
     _name = "KTO"
+    _keep_raw_columns = True
+    _interleave_unpaired = False
     _template_file = "lm_model_card.md"
     _paper = {
         "title": "KTO: Model Alignment as Prospect Theoretic Optimization",
@@ -196,6 +199,13 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         if args is None:
             args = self._default_args(KTOConfig, model, "KTO")
         self._check_train_dataset(train_dataset, "KTOTrainer")
+        if args.loss_type == "kto" and args.per_device_train_batch_size < 2:
+            raise ValueError(
+                f"per_device_train_batch_size={args.per_device_train_batch_size}: KTO estimates its KL reference point "
+                "from mismatched prompt/completion pairs within a batch, so the actual (not effective) batch size must "
+                "be > 1; with a single example the KL term would be its own implied reward. Use "
+                "per_device_train_batch_size >= 2 (4 or more recommended), or loss_type='apo_zero_unpaired'."
+            )
         self._prepare_iterable_args(args, train_dataset)
         self._check_reference_options(args, "KTOTrainer")
         self._warn_liger_kernel_deprecated(args, "KTOTrainer")
@@ -214,15 +224,11 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         self._layout = self._choose_layout(model, padding_free=False)
         self._ref_layout = self._choose_layout(ref_model, padding_free=False) if ref_model is not None else None
         self._needs_kl = args.loss_type == "kto"
+        # TRL's public attributes of the loss (the loss reads them, so a callback may change them)
+        self.beta, self.loss_type = args.beta, args.loss_type
+        self.desirable_weight, self.undesirable_weight = args.desirable_weight, args.undesirable_weight
+        self.precompute_ref_logps = args.precompute_ref_log_probs
         self._ref_adapter_name = None
-        if self._needs_kl and args.per_device_train_batch_size < 2:
-            warnings.warn(
-                "per_device_train_batch_size=1: KTO estimates its KL reference point from mismatched prompt/"
-                "completion pairs within a batch, which needs at least 2 examples (4 or more recommended). With 1, "
-                "each example is paired with its own completion.",
-                UserWarning,
-                stacklevel=2,
-            )
         if data_collator is None:
             data_collator = DataCollatorForUnpairedPreference(
                 pad_token_id=self.pad_token_id,
@@ -264,6 +270,58 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
             )
         self._add_model_tags(self.model)
 
+    # TRL's names of settings the trainer resolved
+    @property
+    def calculate_KL(self) -> bool:  # noqa: N802 - TRL's public name
+        """Whether the loss uses the KL reference point (`loss_type="kto"`)."""
+        return self._needs_kl
+
+    @calculate_KL.setter
+    def calculate_KL(self, value: bool) -> None:  # noqa: N802
+        self._needs_kl = bool(value)
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """Whether the MoE router's load-balancing loss is added (see `router_aux_loss_coef`)."""
+        return self._aux_loss_enabled
+
+    @aux_loss_enabled.setter
+    def aux_loss_enabled(self, value: bool) -> None:
+        self._aux_loss_enabled = bool(value)
+
+    @property
+    def router_aux_loss_coef(self) -> float:
+        """The weight of the router loss (0.0 when it is off)."""
+        return self._aux_loss_coef
+
+    @router_aux_loss_coef.setter
+    def router_aux_loss_coef(self, value: float) -> None:
+        self._aux_loss_coef = float(value)
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ):
+        """The loss of a batch and, for `compute_metrics`, the policy's logits `(n, T, V)` of the completions' padded
+        sequences with their token ids `(n, T)` as labels (what TRL hands to `compute_metrics`)."""
+        loss, _, _ = super().prediction_step(model, inputs, prediction_loss_only=True, ignore_keys=ignore_keys)
+        if prediction_loss_only:
+            return loss, None, None
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        return loss, logits.detach(), inputs["input_ids"]
+
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """A dataset given to `evaluate()`: prepared like the constructor's `eval_dataset` (a prepared one, with its
+        token ids and KL completions, is returned unchanged)."""
+        return self._prepare_dataset(
+            dataset, self.processing_class, self.args, name, self.args.per_device_eval_batch_size
+        )
+
     # ------------------------------------------------------------------------------------------------------------
     # Loss
     # ------------------------------------------------------------------------------------------------------------
@@ -282,14 +340,14 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         ref_logps = ref["ref_logps"].to(policy.logps)
 
         if self._needs_kl:
-            if policy.kl_logps is None or "ref_kl_logps" not in ref:
+            if policy.kl_logps is None or "ref_KL_logps" not in ref:
                 raise ValueError(
-                    "loss_type='kto' needs the KL completions ('kl_completion_ids') in every example of the batch, "
-                    "but this batch has none. The trainer adds them when it prepares the datasets; a custom collator "
-                    "must keep them (see DataCollatorForUnpairedPreference)."
+                    "loss_type='kto' needs the KL completions ('KL_completion_ids') in every example of the batch, "
+                    "but this batch has none (no 'KL_input_ids'). The trainer adds them when it prepares the "
+                    "datasets; a custom collator must keep them (see DataCollatorForUnpairedPreference)."
                 )
             local_kl = (
-                (policy.kl_logps - ref["ref_kl_logps"].to(policy.kl_logps)).mean() if n else policy.logps.new_zeros(())
+                (policy.kl_logps - ref["ref_KL_logps"].to(policy.kl_logps)).mean() if n else policy.logps.new_zeros(())
             )
             # The reference point is shared by all processes: the mean of their batch estimates, clamped at 0.
             kl = self.accelerator.gather(local_kl.detach().reshape(1)).mean().clamp(min=0).to(policy.logps)
@@ -301,29 +359,29 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
             ref_logps,
             label,
             kl,
-            beta=self.args.beta,
-            desirable_weight=self.args.desirable_weight,
-            undesirable_weight=self.args.undesirable_weight,
-            loss_type=self.args.loss_type,
+            beta=self.beta,
+            desirable_weight=self.desirable_weight,
+            undesirable_weight=self.undesirable_weight,
+            loss_type=self.loss_type,
         )
         loss = losses.mean()
         aux_loss = getattr(policy.outputs, "aux_loss", None) if self._aux_loss_enabled else None
         if aux_loss is not None:
             loss = loss + self._aux_loss_coef * aux_loss
 
-        rewards = self.args.beta * (policy.logps - ref_logps).detach()
+        rewards = self.beta * (policy.logps - ref_logps).detach()
         with torch.no_grad():
             means = {"kl": kl}
             if aux_loss is not None:
                 means["aux_loss"] = aux_loss.detach().float()
-            self._record_unpaired_metrics(
+            self._record_class_metrics(
                 mode,
                 label,
                 policy.logps.detach(),
                 rewards,
                 policy,
                 means=means,
-                num_tokens=inputs["attention_mask"][:n].sum(),
+                num_tokens=inputs["attention_mask"].sum(),
             )
         if return_outputs:
             return loss, {"rewards": rewards, "label": label}

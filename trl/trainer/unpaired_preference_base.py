@@ -2,7 +2,8 @@
 
 Each example is a prompt, one completion and a boolean label (True = desirable). [`_UnpairedPreferenceTrainer`] adds
 to [`_PreferenceTrainer`]: dataset preparation (unpairing of paired data, tokenization, label checks, the mismatched
-"KL" completions), the policy / reference log-probability passes and the sum-and-count metrics;
+"KL" completions), the policy / reference log-probability passes and the per-class metrics (TRL's per-batch means for
+KTO, interval-wide sums and counts for BCO);
 [`DataCollatorForUnpairedPreference`] collates the tokenized examples (it is also importable from
 `trl.trainer.kto_trainer`, its public path).
 """
@@ -30,10 +31,12 @@ logger = logging.getLogger(__name__)
 
 # Columns of a tokenized unpaired dataset (the collator's input).
 _TOKENIZED_COLUMNS = ("prompt_ids", "completion_ids", "label")
-# Completion of another example paired with this example's prompt, for the KL reference point.
-_KL_COLUMN = "kl_completion_ids"
+# Completion of another example paired with this example's prompt, for the KL reference point (TRL's spelling).
+_KL_COLUMN = "KL_completion_ids"
+# Batch keys of the KL sequences (`prompt + KL completion`), collated apart from the main sequences.
+_KL_PREFIX = "KL_"
 # Precomputed reference log-probs of the completion and of the KL completion.
-_REF_COLUMNS = ("ref_logps", "ref_kl_logps")
+_REF_COLUMNS = ("ref_logps", "ref_KL_logps")
 # Column names used by older TRL releases for pre-tokenized data, renamed on the way in.
 _LEGACY_TOKENIZED_COLUMNS = {
     "prompt_input_ids": "prompt_ids",
@@ -51,22 +54,23 @@ _UNPAIR_BATCH_SIZE = 1000
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass
 class DataCollatorForUnpairedPreference:
-    """Collate tokenized unpaired examples (and their KL sequences) into one right-padded batch.
+    """Collate tokenized unpaired examples (and their KL sequences) into right-padded batches.
 
     Each example is a dict with `prompt_ids`, `completion_ids` (lists of token ids) and a boolean `label`, and
-    optionally `kl_completion_ids` (the completion of another example, scored after this example's prompt to estimate
-    the KL reference point of KTO) and precomputed reference log-probs `ref_logps` / `ref_kl_logps`. The batch holds
-    the `n` sequences `prompt + completion` first and, when every example has `kl_completion_ids`, the `n` sequences
-    `prompt + kl_completion` after them, so that both go through a model in a single forward pass.
+    optionally `KL_completion_ids` (the completion of another example, scored after this example's prompt to estimate
+    the KL reference point of KTO) and precomputed reference log-probs `ref_logps` / `ref_KL_logps`. Whether the
+    optional keys are collated is decided by the first example.
 
-    Returned keys: `input_ids`, `attention_mask`, `completion_mask` (1 on completion tokens), `label` (`(n,)` bool),
-    and `ref_logps` / `ref_kl_logps` (`(n,)` float) when present.
+    Returned keys: `input_ids`, `attention_mask`, `completion_mask` (1 on completion tokens) of the sequences
+    `prompt + completion`; when the examples have `KL_completion_ids`, `KL_input_ids`, `KL_attention_mask` and
+    `KL_completion_mask` of the sequences `prompt + KL completion` (padded on their own); `ref_logps` / `ref_KL_logps`
+    (`(n,)` float) when present; and `label` (`(n,)` bool).
 
     Args:
         pad_token_id (`int`):
             Token used to pad `input_ids`.
         max_length (`int` or `None`, defaults to `None`):
-            Keep only the first `max_length` tokens of every `prompt + completion` sequence.
+            Keep only the first `max_length` tokens of every sequence.
         pad_to_multiple_of (`int` or `None`, defaults to `None`):
             Pad the sequence length to a multiple of this value.
         return_tensors (`str`, defaults to `"pt"`):
@@ -75,13 +79,11 @@ class DataCollatorForUnpairedPreference:
     Example:
     ```python
     >>> collator = DataCollatorForUnpairedPreference(pad_token_id=0)
-    >>> batch = collator([{"prompt_ids": [1, 2], "completion_ids": [3], "label": True, "kl_completion_ids": [4, 5]}])
-    >>> batch["input_ids"]
-    tensor([[1, 2, 3, 0],
-            [1, 2, 4, 5]])
-    >>> batch["completion_mask"]
-    tensor([[0, 0, 1, 0],
-            [0, 0, 1, 1]])
+    >>> batch = collator([{"prompt_ids": [1, 2], "completion_ids": [3], "label": True, "KL_completion_ids": [4, 5]}])
+    >>> batch["input_ids"], batch["KL_input_ids"]
+    (tensor([[1, 2, 3]]), tensor([[1, 2, 4, 5]]))
+    >>> batch["KL_completion_mask"]
+    tensor([[0, 0, 1, 1]])
     >>> batch["label"]
     tensor([True])
     ```
@@ -95,20 +97,22 @@ class DataCollatorForUnpairedPreference:
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         if self.return_tensors != "pt":
             raise ValueError(f"Only return_tensors='pt' is supported; got {self.return_tensors!r}.")
-        with_kl = bool(examples) and all(example.get(_KL_COLUMN) is not None for example in examples)
-        keys = ("completion_ids", _KL_COLUMN) if with_kl else ("completion_ids",)
-        batch = collate_prompt_completions(
-            [example["prompt_ids"] for example in examples] * len(keys),
-            [example[key] for key in keys for example in examples],
-            self.pad_token_id,
-            self.max_length,
-            pad_to_multiple_of=self.pad_to_multiple_of,
-        )
-        batch["label"] = torch.tensor([bool(example["label"]) for example in examples], dtype=torch.bool)
-        for key in _REF_COLUMNS if with_kl else _REF_COLUMNS[:1]:
-            if examples and all(example.get(key) is not None for example in examples):
+        first = examples[0] if examples else {}
+        prompts = [example["prompt_ids"] for example in examples]
+        batch = self._collate(prompts, [example["completion_ids"] for example in examples])
+        if _KL_COLUMN in first:
+            kl_batch = self._collate(prompts, [example[_KL_COLUMN] for example in examples])
+            batch.update({_KL_PREFIX + key: value for key, value in kl_batch.items()})
+        for key in _REF_COLUMNS:
+            if key in first:
                 batch[key] = torch.tensor([float(example[key]) for example in examples], dtype=torch.float32)
+        batch["label"] = torch.tensor([bool(example["label"]) for example in examples], dtype=torch.bool)
         return batch
+
+    def _collate(self, prompts: list[list[int]], completions: list[list[int]]) -> dict[str, torch.Tensor]:
+        return collate_prompt_completions(
+            prompts, completions, self.pad_token_id, self.max_length, pad_to_multiple_of=self.pad_to_multiple_of
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -125,12 +129,29 @@ class PolicyPass(NamedTuple):
     outputs: Any  # raw model outputs (aux_loss of MoE models)
 
 
-def _select_rows(inputs: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
-    """Rows `start:end` of the sequence tensors of a batch, with trailing all-padding columns removed."""
-    attention_mask = inputs["attention_mask"][start:end]
-    width = max(int(attention_mask.sum(dim=1).max().item()) if attention_mask.numel() else 0, 2)
-    width = min(width, attention_mask.shape[1])
-    return {key: inputs[key][start:end, :width] for key in ("input_ids", "attention_mask", "completion_mask")}
+_SEQUENCE_KEYS = ("input_ids", "attention_mask", "completion_mask")
+
+
+def _kl_rows(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The KL sequences of a collated batch (`KL_input_ids`, ... under their plain names), or None."""
+    if _KL_PREFIX + "input_ids" not in inputs:
+        return None
+    return {key: inputs[_KL_PREFIX + key] for key in _SEQUENCE_KEYS}
+
+
+def _main_rows(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: inputs[key] for key in _SEQUENCE_KEYS}
+
+
+def _stack_rows(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rows of two collated sequence batches in one batch, right-padded to the wider one (pads are masked)."""
+    width = max(first["input_ids"].shape[1], second["input_ids"].shape[1])
+    return {
+        key: torch.cat(
+            [nn.functional.pad(part[key], (0, width - part[key].shape[1]), value=0) for part in (first, second)]
+        )
+        for key in _SEQUENCE_KEYS
+    }
 
 
 class _UnpairedPreferenceTrainer(_PreferenceTrainer):
@@ -142,15 +163,21 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
 
     _needs_kl: bool = False
     _ref_adapter_name: str | None = None
+    # Whether the prepared datasets keep the raw columns (`prompt`, `completion`, ...) beside the token ids, as TRL's
+    # KTO trainer does.
+    _keep_raw_columns: bool = False
+    # Whether unpaired-from-paired rows are re-interleaved (chosen, rejected, chosen, ...); see `_unpair`.
+    _interleave_unpaired: bool = True
     # Whether the policy scores the KL sequences in the same (gradient) forward as the main sequences. That saves a
     # model call, but the backward pass then also spans the KL tokens (with zero gradient) and keeps their
     # activations: `benchmarks/bench_kto.py --ab` measured it 20-25% slower per step (and with a higher peak memory)
     # than a separate no-grad forward of the KL rows on an idle CPU (0.6M and 28M models). It only won on a heavily
     # oversubscribed machine, where fewer, larger calls matter more than FLOPs. Set True on a trainer to use it.
     _kl_in_policy_forward: bool = False
-    # The reference has no backward pass: scoring main and KL rows in one forward is always the cheaper choice (the
-    # switch exists for the benchmark's baseline).
-    _kl_in_reference_forward: bool = True
+    # Whether the reference scores main and KL sequences in one forward. Cheaper (no backward pass, one call), but the
+    # KL sequences are then padded or packed with other rows than in the policy's KL pass, so at `policy == reference`
+    # the KL estimate is float noise (about 1e-6) instead of TRL's exact 0: off by default, kept for the benchmark.
+    _kl_in_reference_forward: bool = False
 
     # ------------------------------------------------------------------------------------------------------------
     # Dataset preparation
@@ -177,7 +204,7 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
             tokenized = dataset
         else:
             if "chosen" in columns and "rejected" in columns:
-                dataset, first = self._unpair(dataset, map_kwargs, dataset_name)
+                dataset, first = self._unpair(dataset, map_kwargs, dataset_name, self._interleave_unpaired)
                 columns = list(get_dataset_column_names(dataset) or first.keys())
             missing = [c for c in ("prompt", "completion", "label") if c not in columns]
             if missing:
@@ -198,7 +225,7 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
             if conversational:
                 self._check_chat_template(processing_class, dataset_name)
             keep = {"label", *_REF_COLUMNS}
-            remove = [c for c in columns if c not in keep]
+            remove = [] if self._keep_raw_columns else [c for c in columns if c not in keep]
             tokenized = dataset.map(
                 _UnpairedTokenizer(processing_class, conversational),
                 remove_columns=remove,
@@ -213,11 +240,14 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         return tokenized
 
     @staticmethod
-    def _unpair(dataset: Any, map_kwargs: dict[str, Any], dataset_name: str) -> tuple[Any, dict[str, Any]]:
-        """Paired -> unpaired (chosen: label True, rejected: False), each chosen row followed by its rejected row.
+    def _unpair(
+        dataset: Any, map_kwargs: dict[str, Any], dataset_name: str, interleave: bool = True
+    ) -> tuple[Any, dict[str, Any]]:
+        """Paired -> unpaired (chosen: label True, rejected: False).
 
-        `unpair_preference_dataset` writes, per map batch, all chosen rows then all rejected rows; with the default
-        sequential sampler that would give batches of a single label, so the rows are re-interleaved.
+        `unpair_preference_dataset` writes, per map batch of 1000 pairs, all chosen rows then all rejected rows (as
+        TRL's KTO trainer keeps them, `interleave=False`); with `interleave=True` the rows are re-interleaved, each
+        chosen row followed by its rejected row, so that a sequential sampler does not give batches of one label.
         """
         dataset = dataset.map(
             maybe_extract_prompt, **map_kwargs_with_desc(map_kwargs, f"Extracting prompt in {dataset_name}")
@@ -225,6 +255,10 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         if isinstance(dataset, IterableDataset):
             # A streaming map batch of one pair keeps chosen and rejected next to each other.
             dataset = unpair_preference_dataset(dataset, batch_size=1)
+        elif not interleave:
+            dataset = unpair_preference_dataset(
+                dataset, batch_size=_UNPAIR_BATCH_SIZE, desc=f"Unpairing {dataset_name}"
+            )
         else:
             num_pairs = len(dataset)
             # One process: the re-interleaving below relies on map batches of exactly `_UNPAIR_BATCH_SIZE` pairs,
@@ -337,13 +371,16 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         return (token_logps.float() * target_mask).sum(dim=1)
 
     def _policy_pass(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> PolicyPass:
-        """Policy log-probs of the main rows (with gradient) and of the KL rows (detached), when present."""
-        n = inputs["label"].shape[0]
-        with_kl = self._needs_kl and inputs["input_ids"].shape[0] == 2 * n
-        if with_kl and self._kl_in_policy_forward:
+        """Policy log-probs of the main sequences (with gradient) and of the KL sequences (detached), when used."""
+        main = _main_rows(inputs)
+        # (A batch may carry KL rows the loss does not use, e.g. `kto`-prepared data trained with `apo_zero_unpaired`.)
+        kl_rows = _kl_rows(inputs) if self._needs_kl else None
+        if kl_rows is not None and self._kl_in_policy_forward:
             # One forward over main + KL rows (packed together when the attention allows it).
-            result = self._token_logps(model, inputs, self._layout, with_stats=True)
-            target_mask = self._target_mask(inputs)
+            n = main["input_ids"].shape[0]
+            both = _stack_rows(main, kl_rows)
+            result = self._token_logps(model, both, self._layout, with_stats=True)
+            target_mask = self._target_mask(both)
             sums = self._sums(result.logps, target_mask)
             return PolicyPass(
                 logps=sums[:n],
@@ -353,13 +390,10 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
                 mean_logit=result.stats["mean_logit"][:n],
                 outputs=result.outputs,
             )
-        # (A batch may carry KL rows the loss does not use, e.g. `kto`-prepared data trained with `apo_zero_unpaired`.)
-        main = _select_rows(inputs, 0, n) if inputs["input_ids"].shape[0] != n else inputs
         result = self._token_logps(model, main, self._layout, with_stats=True)
         target_mask = self._target_mask(main)
         kl_logps = None
-        if with_kl:
-            kl_rows = _select_rows(inputs, n, 2 * n)
+        if kl_rows is not None:
             with torch.no_grad():
                 kl_result = self._token_logps(model, kl_rows, self._layout, with_stats=False)
             kl_logps = self._sums(kl_result.logps, self._target_mask(kl_rows))
@@ -375,28 +409,28 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
     def compute_ref_log_probs(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Reference log-probabilities of the completions (and KL completions) of a collated batch.
 
-        Main and KL rows go through the reference in a single no-grad forward pass. The reference is the reference
-        model, the PEFT policy with its adapters disabled, or, while precomputing before training, the untrained
-        policy itself.
+        The reference is the reference model, the PEFT policy with its adapters disabled or, while precomputing
+        before training, the untrained policy itself. The KL sequences go through their own forward pass, shaped as
+        in the policy's KL pass, so that the KL estimate is exactly 0 while the policy equals the reference.
 
         Args:
             model: The policy (used for the PEFT reference and for precomputation).
             inputs: A batch from [`DataCollatorForUnpairedPreference`].
 
         Returns:
-            `{"ref_logps": (n,)}`, plus `"ref_kl_logps": (n,)` when the batch holds KL rows.
+            `{"ref_logps": (n,)}`, plus `"ref_KL_logps": (n,)` when the batch holds KL sequences and the loss uses
+            them.
         """
-        n = inputs["label"].shape[0]
         layout = self._ref_layout if self.ref_model is not None else self._layout
-        with_kl = inputs["input_ids"].shape[0] == 2 * n
-        parts = (
-            [inputs]
-            if self._kl_in_reference_forward or not with_kl
-            else [
-                _select_rows(inputs, 0, n),
-                _select_rows(inputs, n, 2 * n),
-            ]
-        )
+        main = _main_rows(inputs)
+        kl_rows = _kl_rows(inputs) if self._needs_kl else None
+        n = main["input_ids"].shape[0]
+        if kl_rows is None:
+            parts = [main]
+        elif self._kl_in_reference_forward:
+            parts = [_stack_rows(main, kl_rows)]
+        else:
+            parts = [main, kl_rows]
         with self._reference_module(model, self._ref_adapter_name) as reference:
             sums = torch.cat(
                 [
@@ -407,13 +441,13 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
                 ]
             )
         out = {"ref_logps": sums[:n]}
-        if sums.shape[0] == 2 * n:
-            out["ref_kl_logps"] = sums[n:]
+        if kl_rows is not None:
+            out["ref_KL_logps"] = sums[n:]
         return out
 
     def _reference_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Precomputed reference values of the batch when present, otherwise computed now."""
-        if "ref_logps" in inputs and (not self._needs_kl or "ref_kl_logps" in inputs):
+        if "ref_logps" in inputs and (not self._needs_kl or "ref_KL_logps" in inputs):
             return {key: inputs[key].float() for key in _REF_COLUMNS if key in inputs}
         return self.compute_ref_log_probs(model, inputs)
 
@@ -453,18 +487,82 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
             ratios["entropy"] = ((policy.entropy.float() * mask).sum(), mask.sum())
         self._record_batch_metrics(mode, means=means, ratios=ratios, sums=sums, num_tokens=num_tokens)
 
+    def _record_class_metrics(
+        self,
+        mode: str,
+        label: torch.Tensor,
+        logps: torch.Tensor,
+        rewards: torch.Tensor,
+        policy: PolicyPass,
+        means: dict[str, torch.Tensor] | None = None,
+        num_tokens: torch.Tensor | None = None,
+    ) -> None:
+        """Store the batch's metrics as TRL's KTO logs them, each averaged over the batches at log time.
+
+        Per batch (all processes together): `logits/<class>` is the mean logit over every completion token of the
+        class's examples (a token-weighted mean), `rewards/<class>` and `logps/<class>` the mean over the class's
+        examples of the reward and of the summed completion log-prob; a class absent from the batch records nothing
+        for that batch, and `rewards/margins` (`rewards/chosen - rewards/rejected`) is recorded only for batches
+        with both classes. `entropy` is the mean over the completion tokens; `means` are averaged over processes.
+        """
+        means = means or {}
+        mask = policy.target_mask.float()
+        token_logits = (policy.mean_logit.float() * mask).sum(dim=1)
+        token_counts = mask.sum(dim=1)
+        values = [torch.as_tensor(v).detach().float().reshape(()) for v in means.values()]
+        entropy = policy.entropy.float() if policy.entropy is not None else torch.zeros_like(mask)
+        values += [(entropy * mask).sum(), mask.sum()]
+        values.append(torch.as_tensor(num_tokens if num_tokens is not None else 0).float().reshape(()))
+        for weight in (label.float(), (~label).float()):
+            values += [
+                weight.sum(),
+                (rewards.float() * weight).sum(),
+                (logps.float() * weight).sum(),
+                (token_logits * weight).sum(),
+                (token_counts * weight).sum(),
+            ]
+        stacked = torch.stack([v.to(self.accelerator.device) for v in values])
+        gathered = self.accelerator.gather(stacked.unsqueeze(0)).reshape(-1, stacked.numel())
+        averaged, summed = gathered.mean(dim=0).tolist(), gathered.sum(dim=0).tolist()
+        metrics = self._metrics[mode]
+        for index, name in enumerate(means):
+            metrics[name].append(averaged[index])
+        index = len(means)
+        if policy.entropy is not None:
+            metrics["entropy"].append(summed[index] / summed[index + 1] if summed[index + 1] > 0 else float("nan"))
+        if num_tokens is not None:
+            self._record_num_tokens(mode, summed[index + 2])
+        index += 3
+        classes = {}
+        for split in ("chosen", "rejected"):
+            count, reward_sum, logps_sum, logit_sum, token_count = summed[index : index + 5]
+            index += 5
+            if count > 0:
+                classes[split] = (reward_sum / count, logps_sum / count, logit_sum / max(token_count, 1.0))
+        for split, (_, _, logit) in classes.items():
+            metrics[f"logits/{split}"].append(logit)
+        for split, (reward, logp, _) in classes.items():
+            metrics[f"rewards/{split}"].append(reward)
+            metrics[f"logps/{split}"].append(logp)
+        if len(classes) == 2:
+            metrics["rewards/margins"].append(classes["chosen"][0] - classes["rejected"][0])
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Turn the per-class sums and counts of the logging interval into means, then log as usual.
 
-        `rewards/chosen` is the sum of the chosen rewards over the interval divided by the number of chosen
-        examples (likewise for `logps/*` and `logits/*`), so batches with few or no examples of a class weigh in
-        proportionally; a class absent from the whole interval is not logged. `rewards/margins` is
-        `rewards/chosen - rewards/rejected`. The `*_sum` and `count/*` entries are logged as per-batch values.
+        Only for metrics stored by `_record_unpaired_metrics` (BCO): `rewards/chosen` is the sum of the chosen
+        rewards over the interval divided by the number of chosen examples (likewise for `logps/*` and `logits/*`),
+        so batches with few or no examples of a class weigh in proportionally; a class absent from the whole interval
+        is not logged. `rewards/margins` is `rewards/chosen - rewards/rejected`. The `*_sum` and `count/*` entries
+        are logged as per-batch values.
         """
         mode = self._mode
         if not hasattr(self, "_metrics"):
             self._init_metrics()
         metrics = self._metrics[mode]
+        if not any(f"count/{split}" in metrics for split in ("chosen", "rejected")):
+            # Metrics recorded per batch (`_record_class_metrics`): averaged over the batches as they are.
+            return super().log(logs, start_time)
         for split in ("chosen", "rejected"):
             total = sum(metrics.get(f"count/{split}", []))
             if total <= 0:
@@ -499,19 +597,9 @@ class _UnpairedTokenizer:
 
 
 class _KLCompletions:
-    """Batched map over chunks of a batch's size: each example gets the completion of the next example of its chunk
-    whose prompt differs (the chunk's own next example when all prompts are equal)."""
+    """Batched map over chunks of a batch's size: each example gets the completion of the previous example of its
+    chunk (the first one that of the chunk's last example), TRL's mismatched pairs for the KL reference point."""
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        prompts, completions = batch["prompt_ids"], batch["completion_ids"]
-        n = len(prompts)
-        kl = []
-        for i in range(n):
-            partner = (i + 1) % n
-            for step in range(1, n):
-                j = (i + step) % n
-                if prompts[j] != prompts[i]:
-                    partner = j
-                    break
-            kl.append(list(completions[partner]))
-        return {_KL_COLUMN: kl}
+        completions = batch["completion_ids"]
+        return {_KL_COLUMN: [list(completion) for completion in completions[-1:] + completions[:-1]]}

@@ -35,6 +35,7 @@ from transformers import (
 )
 from transformers.trainer_utils import EvalLoopOutput
 
+from ...data_utils import get_dataset_column_names
 from ...import_utils import is_comet_available, is_sklearn_available, is_wandb_available
 from ...trainer.unpaired_preference_base import DataCollatorForUnpairedPreference, _UnpairedPreferenceTrainer
 from ...trainer.utils import (
@@ -413,6 +414,18 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
     def _extra_signature_columns(self) -> list[str]:
         return [_UDM_COLUMN]
 
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """A dataset given to `evaluate()`: prepared like the constructor's `eval_dataset` (tokenized, completions
+        truncated, UDM weights attached); an already prepared one is returned unchanged."""
+        columns = get_dataset_column_names(dataset)
+        prepared = all(c in columns for c in ("prompt_ids", "completion_ids", "label"))
+        if prepared and (not self.match_underlying_distribution or _UDM_COLUMN in columns):
+            return dataset
+        dataset = self._prepare_bco_dataset(dataset, self.processing_class, self.args, name)
+        if self.match_underlying_distribution:
+            dataset = self._with_udm_weights(dataset)
+        return dataset
+
     # ------------------------------------------------------------------------------------------------------------
     # Underlying distribution matching
     # ------------------------------------------------------------------------------------------------------------
@@ -519,20 +532,21 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
                 weights[index] = weight
         return weights
 
+    def _with_udm_weights(self, dataset: Any) -> Any:
+        """`dataset` with the UDM weight of every example as a column (the classifier is fixed after fitting)."""
+        if not isinstance(dataset, Dataset):
+            raise ValueError(
+                "Underlying Distribution Matching stores a weight per example, so it needs map-style "
+                f"datasets.Dataset inputs; got {type(dataset).__name__}."
+            )
+        weights = self._udm_weights_of(dataset)
+        if _UDM_COLUMN in dataset.column_names:
+            dataset = dataset.remove_columns(_UDM_COLUMN)
+        return dataset.add_column(_UDM_COLUMN, weights)
+
     def _attach_udm_weights(self) -> None:
-        """Store the UDM weight of every example as a dataset column (the classifier is fixed after fitting)."""
-
-        def attach(dataset: Any) -> Any:
-            if not isinstance(dataset, Dataset):
-                raise ValueError(
-                    "Underlying Distribution Matching stores a weight per example, so it needs map-style "
-                    f"datasets.Dataset inputs; got {type(dataset).__name__}."
-                )
-            weights = self._udm_weights_of(dataset)
-            if _UDM_COLUMN in dataset.column_names:
-                dataset = dataset.remove_columns(_UDM_COLUMN)
-            return dataset.add_column(_UDM_COLUMN, weights)
-
+        """Store the UDM weight of every example of the train and eval datasets as a dataset column."""
+        attach = self._with_udm_weights
         self.train_dataset = attach(self.train_dataset)
         if isinstance(self.eval_dataset, dict):
             self.eval_dataset = {key: attach(ds) for key, ds in self.eval_dataset.items()}
