@@ -95,17 +95,35 @@ def test_model_instance_and_pretokenized(tmp_path, model_path, tokenizer):
 
 
 def test_formatting_func(tmp_path, model_path):
-    dataset = load_test_dataset("standard_prompt_completion", split="train")
+    dataset = load_test_dataset("standard_language_modeling", split="train")
     trainer = SFTTrainer(
         model=model_path,
         args=make_args(tmp_path, max_steps=1),
         train_dataset=dataset,
-        formatting_func=lambda ex: f"Q: {ex['prompt']} A: {ex['completion']}",
+        formatting_func=lambda ex: f"Q: {ex['text']}",
     )
     tokenizer = trainer.processing_class
-    text = tokenizer.decode(trainer.train_dataset[0]["input_ids"])
-    assert text.startswith("Q: ") and text.endswith(tokenizer.eos_token)
+    row = trainer.train_dataset[0]
+    # As in TRL: the formatted text replaces the `text` column (with EOS) and is what gets tokenized.
+    assert trainer.train_dataset.column_names == ["text", "input_ids", "labels"]
+    assert row["text"] == f"Q: {dataset[0]['text']}{tokenizer.eos_token}"
+    assert tokenizer.decode(row["input_ids"]) == row["text"]
     trainer.train()
+
+
+def test_formatting_func_on_prompt_completion_data_needs_completion_only_loss_false(tmp_path, model_path):
+    dataset = load_test_dataset("standard_prompt_completion", split="train")
+    formatting_func = lambda ex: f"Q: {ex['prompt']} A: {ex['completion']}"  # noqa: E731
+    # completion_only_loss=None means "on" for prompt-completion data, which a formatting function contradicts (TRL)
+    with pytest.raises(ValueError, match="formatting function was provided"):
+        SFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=dataset, formatting_func=formatting_func)
+    trainer = SFTTrainer(
+        model=model_path,
+        args=make_args(tmp_path, completion_only_loss=False),
+        train_dataset=dataset,
+        formatting_func=formatting_func,
+    )
+    assert trainer.train_dataset.column_names == ["prompt", "completion", "text", "input_ids", "completion_mask", "labels"]
 
 
 def test_iterable_dataset(tmp_path, model_path):
@@ -294,21 +312,78 @@ def test_loss_matches_hand_written_formula(tmp_path, model_path, loss_type):
 def test_collator_padding_free_layout():
     collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
     batch = collator(
-        [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6, 7, 8, 9], "seq_lengths": [1, 3]}]
+        [
+            {"input_ids": [1, 2, 3], "seq_lengths": [3]},
+            {"input_ids": [4, 5], "seq_lengths": [2]},
+            {"input_ids": [6, 7, 8, 9], "seq_lengths": [1, 3]},
+        ]
     )
+    assert list(batch) == [
+        "input_ids",
+        "labels",
+        "position_ids",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "seq_idx",
+    ]
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 0, 1, 2]]
     assert batch["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, -100, 8, 9]]
-    assert "attention_mask" not in batch
+    # sequence boundaries for variable-length attention kernels (TRL's keys, dtypes and values)
+    assert batch["cu_seq_lens_q"].dtype == batch["cu_seq_lens_k"].dtype == torch.int32
+    assert batch["cu_seq_lens_q"].tolist() == batch["cu_seq_lens_k"].tolist() == [0, 3, 5, 6, 9]
+    assert batch["max_length_q"] == batch["max_length_k"] == 3 and isinstance(batch["max_length_q"], int)
+    assert batch["seq_idx"].dtype == torch.int32
+    assert batch["seq_idx"].tolist() == [[0, 0, 0, 1, 1, 2, 3, 3, 3]]
+
+
+def test_collator_seq_lengths_read_from_the_first_example_only():
+    # As in TRL: `seq_lengths` is used when the first example has it; otherwise each example is one sequence.
+    collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+    batch = collator([{"input_ids": [1, 2]}, {"input_ids": [3, 4, 5], "seq_lengths": [1, 2]}])
+    assert batch["position_ids"].tolist() == [[0, 1, 0, 1, 2]]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 2, 5]
+
+
+def test_collator_padding_free_pad_to_multiple_of():
+    # Every padding token is a sequence of its own at position 0 (TRL's layout).
+    collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True, pad_to_multiple_of=4)
+    batch = collator([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, -100, -100]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5, 6, 7, 8]
+    assert batch["max_length_q"] == 3
+    assert batch["seq_idx"].tolist() == [[0, 0, 0, 1, 1, 2, 3, 4]]
+
+
+def test_collator_get_position_ids_from_packed_seq_lengths():
+    get = DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths  # a staticmethod, as in TRL
+    result = get([[3, 2], [4]])
+    assert [t.tolist() for t in result] == [[0, 1, 2, 0, 1], [0, 1, 2, 3]]
+    assert all(t.dtype == torch.long for t in result)
 
 
 def test_collator_padding_free_rows_bounded_for_dense_attention():
     collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True, max_row_length=5)
     batch = collator([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6, 7, 8, 9]}])
-    # first fit, longest first: [6..9] alone, [1, 2, 3] + [4, 5]; the short row is padded by its own block
+    # first fit, longest first: [6..9] alone, [1, 2, 3] + [4, 5]; the padding token is a sequence of its own
     assert batch["input_ids"].tolist() == [[6, 7, 8, 9, 0], [1, 2, 3, 4, 5]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
     assert batch["labels"].tolist() == [[-100, 7, 8, 9, -100], [-100, 2, 3, -100, 5]]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 4, 5, 8, 10]
+    assert batch["seq_idx"].tolist() == [[0, 0, 0, 0, 1], [2, 2, 2, 3, 3]]
+
+
+def test_collator_packed_rows_without_padding_free_keep_labels():
+    # As in TRL: a padded batch of packed rows restarts the positions but leaves the labels as they are.
+    collator = DataCollatorForLanguageModeling(pad_token_id=0, return_position_ids=True)
+    batch = collator([{"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [2, 3]}, {"input_ids": [6], "seq_lengths": [1]}])
+    assert list(batch) == ["input_ids", "labels", "position_ids", "attention_mask"]
+    assert batch["labels"].tolist() == [[1, 2, 3, 4, 5], [6, -100, -100, -100, -100]]
+    assert batch["position_ids"].tolist() == [[0, 1, 0, 1, 2], [0, 0, 0, 0, 0]]
 
 
 def test_collator_padded_layout():
@@ -502,9 +577,16 @@ def test_missing_text_column(tmp_path, model_path):
 
 
 def test_completion_only_loss_on_language_modeling_data(tmp_path, model_path):
+    # As in TRL: language-modeling data has no completion mask, so completion_only_loss=True trains on every token.
     dataset = load_test_dataset("standard_language_modeling", split="train")
-    with pytest.raises(ValueError, match="prompt-completion"):
-        SFTTrainer(model=model_path, args=make_args(tmp_path, completion_only_loss=True), train_dataset=dataset)
+    trainer = SFTTrainer(
+        model=model_path, args=make_args(tmp_path, completion_only_loss=True, max_steps=1), train_dataset=dataset
+    )
+    reference = SFTTrainer(model=model_path, args=make_args(tmp_path, max_steps=1), train_dataset=dataset)
+    assert trainer.train_dataset["labels"] == trainer.train_dataset["input_ids"]
+    assert trainer.train_dataset["labels"] == reference.train_dataset["labels"]
+    trainer.train()
+    assert trainer.state.global_step == 1
 
 
 def test_max_length_shorter_than_every_prompt(tmp_path, model_path):
@@ -527,20 +609,27 @@ def test_no_train_dataset(tmp_path, model_path):
 
 
 def test_formatting_func_with_completion_only_loss(tmp_path, model_path):
-    dataset = load_test_dataset("standard_prompt_completion", split="train")
-    with pytest.raises(ValueError, match="formatting_func"):
+    dataset = load_test_dataset("standard_language_modeling", split="train")
+    with pytest.raises(ValueError, match="formatting function was provided while `completion_only_loss=True`"):
         SFTTrainer(
             model=model_path,
             args=make_args(tmp_path, completion_only_loss=True),
             train_dataset=dataset,
-            formatting_func=lambda ex: ex["prompt"],
+            formatting_func=lambda ex: ex["text"],
         )
 
 
-def test_unknown_role(tmp_path, model_path):
-    dataset = Dataset.from_dict({"messages": [[{"role": "narrator", "content": "Once upon a time"}]]})
-    with pytest.raises(ValueError, match="narrator"):
-        SFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=dataset)
+def test_sharegpt_roles_kept_as_given(tmp_path, model_path):
+    # As in TRL: ShareGPT `conversations` become `messages` with the roles unchanged (no role validation); the chat
+    # template renders them.
+    dataset = Dataset.from_dict(
+        {"conversations": [[{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]], "id": [7]}
+    )
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=dataset)
+    assert trainer.train_dataset.column_names == ["id", "messages", "input_ids", "labels"]
+    assert [m["role"] for m in trainer.train_dataset[0]["messages"]] == ["human", "gpt"]
+    text = trainer.processing_class.decode(trainer.train_dataset[0]["input_ids"])
+    assert "human\nHi" in text and "gpt\nHello" in text
 
 
 def test_conversational_data_without_chat_template(tmp_path, model_path):

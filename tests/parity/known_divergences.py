@@ -10,24 +10,6 @@ OUT_DIR --known`) and edited where the generated line does not explain the cause
 """
 
 KNOWN_DIVERGENCES: dict[str, str] = {
-    "sft/standard_language_modeling": "prepared columns: TRL also has text (issue 18)",
-    "sft/conversational_language_modeling": "prepared columns: TRL also has messages (issue 18)",
-    "sft/standard_prompt_completion": "prepared columns: TRL also has completion, prompt (issue 18)",
-    "sft/completion_only_loss=True": "prepared columns: TRL also has completion, prompt (issue 18)",
-    "sft/completion_only_loss=False": "prepared columns: TRL also has completion, completion_mask, prompt (issue 18)",
-    "sft/conversational_prompt_completion": "prepared columns: TRL also has completion, prompt (issue 18)",
-    "sft/packing_strategy=bfd": "eval_num_tokens 240 vs 256; num_tokens 240 vs 256; total_flos 4.9647e+08 vs 5.2956e+08; eval_num_tokens 240 vs 256 (issue 18)",
-    "sft/packing_strategy=bfd_split": "eval_num_tokens 38 vs 48; num_tokens 38 vs 48; total_flos 7.8607e+07 vs 9.9293e+07; eval_num_tokens 38 vs 48 (issue 18)",
-    "sft/padding_free=True": "prepared columns: TRL also has text (issue 18)",
-    "sft/loss_type=dft": "prepared columns: TRL also has text (issue 18)",
-    "sft/max_length=8": "prepared columns: TRL also has messages (issue 18)",
-    "sft/gradient_accumulation_steps=2": "prepared columns: TRL also has text (issue 18)",
-    "sft/dataset_text_field": "prepared columns: TRL also has content (issue 18)",
-    "sft/tools": "prepared columns: TRL also has messages, tools (issue 18)",
-    "sft/llama": "prepared columns: TRL also has messages (issue 18)",
-    "sft/peft_lora": "prepared columns: TRL also has text (issue 18)",
-    "sft/assistant_only_loss=True": "prepared columns: TRL also has messages (issue 18)",
-    "sft/chat_template_path": "prepared columns: TRL also has messages (issue 18)",
     "dpo/loss_type=sigmoid": "prepared columns: TRL also has chosen, prompt, rejected (issue 18)",
     "dpo/loss_type=hinge": "prepared columns: TRL also has chosen, prompt, rejected (issue 18)",
     "dpo/loss_type=ipo": "prepared columns: TRL also has chosen, prompt, rejected (issue 18)",
@@ -72,7 +54,6 @@ KNOWN_DIVERGENCES: dict[str, str] = {
     "kto/desirable_weight=1.2": "evaluate() adds eval_count/chosen, eval_count/rejected, eval_logits/chosen_sum, eval_logits/rejected_sum +4 more; log_history adds count/chosen, count/rejected, logits/chosen_sum, logits/rejected_sum +12 more; eval_logits/chosen 0.0097093 vs 0.011289; eval_logits/rejected 0.0087234 vs 0.010217; eval_logps/chosen -34.141 vs -35.871; eval_logps/rejected -49.024 vs -48.466 +17 more (issue 18)",
     "kto/precompute_ref_log_probs=True": "evaluate() adds eval_count/chosen, eval_count/rejected, eval_logits/chosen_sum, eval_logits/rejected_sum +4 more; log_history adds count/chosen, count/rejected, logits/chosen_sum, logits/rejected_sum +12 more; eval_logits/chosen 0.012423 vs 0.014217; eval_logits/rejected 0.010622 vs 0.012527; eval_logps/chosen -34.179 vs -35.911; eval_logps/rejected -49.071 vs -48.518 +17 more (issue 18)",
     "kto/llama": "evaluate() adds eval_count/chosen, eval_count/rejected, eval_logits/chosen_sum, eval_logits/rejected_sum +4 more; log_history adds count/chosen, count/rejected, logits/chosen_sum, logits/rejected_sum +12 more; eval_kl 0.019466 vs 0.079428; eval_logits/chosen -0.0070926 vs -0.0064729; eval_logits/rejected -0.0097939 vs -0.010695; eval_logps/chosen -67.96 vs -73.223 +21 more (issue 18)",
-    "sft/evaluate_raw_dataset": "this project raised ValueError: No columns in the dataset match the model's forward method signature: (input_ids, labels, attention_mask, position_ids, seq_leng (issue 18)",
     "dpo/evaluate_raw_dataset": "this project raised ValueError: No columns in the dataset match the model's forward method signature: (prompt_ids, chosen_ids, rejected_ids, ref_chosen_logps, r (issue 18)",
     "reward/evaluate_raw_dataset": "this project raised ValueError: No columns in the dataset match the model's forward method signature: (chosen_input_ids, rejected_input_ids, margin). The follow (issue 18)",
     "kto/evaluate_raw_dataset": "this project raised KeyError: 'prompt_ids' (issue 18)",
@@ -88,11 +69,8 @@ KNOWN_DIVERGENCES: dict[str, str] = {
     "chat_template_utils/get_training_chat_template/llama3": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
     "chat_template_utils/add_response_schema": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
     "chat_template_utils/parse_response": "without a response schema TRL raises AttributeError; here it falls back to the decoded text (issue 18)",
-    "collators/lm/padding_free": "output lacks cu_seq_lens_k.dtype, cu_seq_lens_k.shape, cu_seq_lens_k.values, cu_seq_lens_q.dtype +9 more (issue 18)",
-    "collators/lm/seq_lengths": "output lacks cu_seq_lens_k.dtype, cu_seq_lens_k.shape, cu_seq_lens_k.values, cu_seq_lens_q.dtype +9 more (issue 18)",
     "collators/reward/default": "this project raised KeyError: 'chosen_input_ids' (issue 18)",
     "collators/reward/margin": "this project raised KeyError: 'chosen_input_ids' (issue 18)",
-    "errors/sft_completion_only_loss_on_lm_data": "completion_only_loss=True on language-modeling data: TRL trains, here ValueError (issue 18)",
 }
 
 # Differences kept on purpose (reason in docs/parity.md); also strict xfail, so a change of mind shows up.
