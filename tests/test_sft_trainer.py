@@ -123,7 +123,14 @@ def test_formatting_func_on_prompt_completion_data_needs_completion_only_loss_fa
         train_dataset=dataset,
         formatting_func=formatting_func,
     )
-    assert trainer.train_dataset.column_names == ["prompt", "completion", "text", "input_ids", "completion_mask", "labels"]
+    assert trainer.train_dataset.column_names == [
+        "prompt",
+        "completion",
+        "text",
+        "input_ids",
+        "completion_mask",
+        "labels",
+    ]
 
 
 def test_iterable_dataset(tmp_path, model_path):
@@ -440,9 +447,18 @@ def test_packing_strategies_train(tmp_path, model_path, strategy):
     assert_params_changed(before, trainer.model)
 
 
+def test_padding_free_without_packing_needs_max_length_none(tmp_path, model_path):
+    # As in TRL: padding-free batches without packing do not truncate, so a max_length is refused.
+    dataset = load_test_dataset("standard_prompt_completion", split="train")
+    with pytest.raises(ValueError, match="`max_length` is not enforced"):
+        SFTTrainer(model=model_path, args=make_args(tmp_path, padding_free=True), train_dataset=dataset)
+
+
 def test_padding_free_without_packing_trains(tmp_path, model_path):
     dataset = load_test_dataset("standard_prompt_completion", split="train")
-    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path, padding_free=True), train_dataset=dataset)
+    trainer = SFTTrainer(
+        model=model_path, args=make_args(tmp_path, padding_free=True, max_length=None), train_dataset=dataset
+    )
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(3)])
     assert batch["input_ids"].shape[0] == 1 and "position_ids" in batch
     trainer.train()

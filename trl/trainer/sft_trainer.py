@@ -1,7 +1,6 @@
 """Supervised fine-tuning (SFT) trainer."""
 
 import dataclasses
-import json
 import logging
 import os
 import warnings
@@ -26,13 +25,13 @@ from transformers import (
 from transformers.trainer_utils import EvalPrediction
 
 from ..data_utils import (
-    common_prefix_length,
     get_dataset_column_names,
     is_conversational,
     is_conversational_from_value,
     maybe_convert_to_chatml,
     pack_dataset,
 )
+from ._sft_data import _AppendEOS, _desc, _LabelBuilder, _shortest_prompt, _Tokenizer, _Truncator
 from .base_trainer import _BaseTrainer
 from .sft_config import SFTConfig
 from .utils import entropy_from_logits, model_accepts_argument, pad
@@ -394,6 +393,12 @@ class SFTTrainer(_BaseTrainer):
                 "cannot be combined with a custom data_collator. Remove the collator or set padding_free=False and "
                 "packing_strategy='wrapped'."
             )
+        if args.padding_free and not args.packing and args.max_length is not None:
+            raise ValueError(
+                "When `padding_free=True` without packing, `max_length` is not enforced (padding-free batches hold "
+                f"whole sequences), but max_length={args.max_length} was set. Either enable packing (e.g. "
+                "`packing=True, packing_strategy='bfd'`), provide already truncated inputs, or set `max_length=None`."
+            )
         if self.padding_free and not args.padding_free:
             logger.info("packing_strategy=%r implies padding_free=True.", args.packing_strategy)
         if data_collator is None:
@@ -565,7 +570,9 @@ class SFTTrainer(_BaseTrainer):
                 consumed.insert(0, "completion_mask")
             build_labels = _LabelBuilder(completion_only=completion_only)
             tokenized = tokenized.map(
-                build_labels, remove_columns=consumed or None, **_desc(map_kwargs, f"Building labels for {dataset_name}")
+                build_labels,
+                remove_columns=consumed or None,
+                **_desc(map_kwargs, f"Building labels for {dataset_name}"),
             )
             columns = [c for c in columns if c not in consumed] + ["labels"]
 
@@ -804,161 +811,6 @@ class SFTTrainer(_BaseTrainer):
                 self._metrics[mode]["mean_token_accuracy"].append((stats[1] / stats[2]).item())
         # Logged after entropy and accuracy, in TRL's key order.
         self._record_num_tokens(mode, batch_tokens)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Picklable dataset-map functions (so `dataset_num_proc` works)
-# ----------------------------------------------------------------------------------------------------------------
-def _desc(map_kwargs: dict[str, Any], text: str) -> dict[str, Any]:
-    return {**map_kwargs, "desc": text} if "num_proc" in map_kwargs else dict(map_kwargs)
-
-
-def _parse_tools(tools: Any) -> Any:
-    if isinstance(tools, str):
-        try:
-            return json.loads(tools)
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"The `tools` column must hold a list of JSON schemas or a JSON string; got {tools!r}."
-            ) from error
-    return tools
-
-
-class _AppendEOS:
-    """Appends the EOS token to a text column unless the value already ends with it."""
-
-    def __init__(self, field: str, eos_token: str):
-        self.field = field
-        self.eos_token = eos_token
-
-    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
-        value = example[self.field]
-        if isinstance(value, str) and not value.endswith(self.eos_token):
-            return {self.field: value + self.eos_token}
-        return {}
-
-
-class _Tokenizer:
-    """Turns one raw example into `input_ids` (+ `completion_mask` / `assistant_masks`)."""
-
-    def __init__(self, processing_class, data_format, conversational, text_field, assistant_only_loss):
-        self.processing_class = processing_class
-        self.tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        self.data_format = data_format
-        self.conversational = conversational
-        self.text_field = text_field
-        self.assistant_only_loss = assistant_only_loss
-
-    def output_columns(self) -> list[str]:
-        columns = ["input_ids"]
-        if self.data_format == "prompt_completion":
-            columns.append("completion_mask")
-        if self.assistant_only_loss:
-            columns.append("assistant_masks")
-        return columns
-
-    def _chat(self, messages, example, **kwargs) -> dict[str, list[int]]:
-        tools = _parse_tools(example.get("tools"))
-        template_kwargs = dict(example.get("chat_template_kwargs") or {})
-        try:
-            out = self.processing_class.apply_chat_template(
-                messages, tools=tools, tokenize=True, return_dict=True, **kwargs, **template_kwargs
-            )
-        except Exception as error:  # surface template errors with the offending example
-            raise ValueError(
-                f"Applying the chat template failed on the example {str(messages)[:300]}: {error}"
-            ) from error
-        return {key: _as_list(value) for key, value in out.items()}
-
-    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
-        if self.data_format == "prompt_completion":
-            prompt, completion = example["prompt"], example["completion"]
-            if self.conversational:
-                last_role = prompt[-1]["role"] if prompt else "user"
-                prompt_kwargs = (
-                    {"continue_final_message": True} if last_role == "assistant" else {"add_generation_prompt": True}
-                )
-                prompt_ids = self._chat(prompt, example, **prompt_kwargs)["input_ids"]
-                full = self._chat(prompt + completion, example, return_assistant_tokens_mask=self.assistant_only_loss)
-            else:
-                if not isinstance(prompt, str) or not isinstance(completion, str):
-                    raise ValueError(
-                        "Standard prompt-completion data needs string `prompt` and `completion` values; got "
-                        f"{type(prompt).__name__} and {type(completion).__name__}."
-                    )
-                prompt_ids = _as_list(self.tokenizer(prompt)["input_ids"])
-                full = {"input_ids": _as_list(self.tokenizer(prompt + completion)["input_ids"])}
-            input_ids = full["input_ids"]
-            split = common_prefix_length(prompt_ids, input_ids)
-            if split != len(prompt_ids):
-                logger.debug("Prompt tokens changed when the completion was appended; splitting at the common prefix.")
-            output = {"input_ids": input_ids, "completion_mask": [0] * split + [1] * (len(input_ids) - split)}
-            if self.assistant_only_loss:
-                output["assistant_masks"] = full["assistant_masks"]
-            return output
-
-        if self.data_format == "messages":
-            out = self._chat(example["messages"], example, return_assistant_tokens_mask=self.assistant_only_loss)
-            output = {"input_ids": out["input_ids"]}
-            if self.assistant_only_loss:
-                output["assistant_masks"] = out["assistant_masks"]
-            return output
-
-        text = example[self.text_field]
-        if not isinstance(text, str):
-            raise ValueError(
-                f"Column {self.text_field!r} must hold strings; found {type(text).__name__}. Point dataset_text_field "
-                "at a text column or pass a formatting_func."
-            )
-        return {"input_ids": _as_list(self.tokenizer(text)["input_ids"])}
-
-
-class _LabelBuilder:
-    """`labels` from `input_ids`: -100 outside the completion (`completion_mask`, when `completion_only`) and outside
-    the assistant turns (`assistant_masks`, whenever present)."""
-
-    def __init__(self, completion_only: bool):
-        self.completion_only = completion_only
-
-    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
-        labels = list(example["input_ids"])
-        if self.completion_only and example.get("completion_mask") is not None:
-            labels = [label if keep else -100 for label, keep in zip(labels, example["completion_mask"])]
-        masks = example.get("assistant_masks")
-        if masks is not None:  # an all-zero mask leaves nothing to train on: the row is dropped afterwards
-            labels = [label if keep else -100 for label, keep in zip(labels, masks)]
-        return {"labels": labels}
-
-
-class _Truncator:
-    def __init__(self, max_length: int | None, mode: str):
-        self.max_length = max_length
-        self.mode = mode
-
-    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
-        if self.max_length is None or len(example["input_ids"]) <= self.max_length:
-            return {}
-        out = {}
-        for key in ("input_ids", "labels", "completion_mask", "assistant_masks"):
-            if example.get(key) is not None:
-                values = example[key]
-                out[key] = values[: self.max_length] if self.mode == "keep_start" else values[-self.max_length :]
-        return out
-
-
-def _shortest_prompt(dataset: Dataset) -> int | None:
-    """Length of the shortest run of leading -100 labels (the masked prompt), None when no row starts masked."""
-    lengths = [next((i for i, label in enumerate(labels) if label != -100), None) for labels in dataset["labels"]]
-    lengths = [n for n in lengths if n is not None]
-    return min(lengths) if lengths and min(lengths) > 0 else None
-
-
-def _as_list(value: Any) -> Any:
-    if torch.is_tensor(value):
-        value = value.tolist()
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
-        return value[0]
-    return value
 
 
 def _to_sft_config(args: TrainingArguments) -> SFTConfig:
