@@ -679,3 +679,203 @@ def test_config_deprecations():
     assert (defaults.learning_rate, defaults.max_length, defaults.logging_steps) == (2e-5, 1024, 10)
     assert defaults.gradient_checkpointing is True and defaults.packing_strategy == "bfd"
     assert json.loads(json.dumps(defaults.to_dict()))["dataset_text_field"] == "text"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# TRL 1.16 semantics: prepared columns, pre-tokenized masks, skip_prepare_dataset, evaluate() on raw data, PEFT prompts
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "config_name, config, columns",
+    [
+        ("standard_language_modeling", {}, ["text", "input_ids", "labels"]),
+        ("conversational_language_modeling", {}, ["messages", "input_ids", "labels"]),
+        ("standard_prompt_completion", {}, ["prompt", "completion", "input_ids", "labels"]),
+        (
+            "standard_prompt_completion",
+            {"completion_only_loss": False},
+            ["prompt", "completion", "input_ids", "completion_mask", "labels"],
+        ),
+        ("standard_language_modeling", {"packing": True, "max_length": 64}, ["input_ids", "labels", "seq_lengths"]),
+        (
+            "standard_language_modeling",
+            {"packing": True, "packing_strategy": "wrapped", "max_length": 32},
+            ["input_ids", "labels"],
+        ),
+    ],
+)
+def test_prepared_columns_as_trl(tmp_path, model_path, config_name, config, columns):
+    dataset = load_test_dataset(config_name)
+    args = make_args(tmp_path, **config)
+    trainer = SFTTrainer(model=model_path, args=args, train_dataset=dataset["train"], eval_dataset=dataset["test"])
+    assert trainer.train_dataset.column_names == columns
+    assert trainer.eval_dataset.column_names == columns
+
+
+def test_raw_columns_carry_the_eos_token(tmp_path, model_path, tokenizer):
+    eos = tokenizer.eos_token
+    lm = load_test_dataset("standard_language_modeling", split="train")
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=lm)
+    assert trainer.train_dataset[0]["text"] == lm[0]["text"] + eos
+    pc = load_test_dataset("standard_prompt_completion", split="train")
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=pc)
+    row = trainer.train_dataset[0]
+    assert (row["prompt"], row["completion"]) == (pc[0]["prompt"], pc[0]["completion"] + eos)
+    assert row["input_ids"][-1] == tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("remove_unused_columns", [True, False])
+def test_only_token_columns_reach_the_model(tmp_path, model_path, remove_unused_columns):
+    dataset = load_test_dataset("standard_prompt_completion", split="train")
+    dataset = dataset.add_column("id", list(range(len(dataset))))
+    args = make_args(tmp_path, max_steps=1, remove_unused_columns=remove_unused_columns, completion_only_loss=False)
+    trainer = SFTTrainer(model=model_path, args=args, train_dataset=dataset)
+    assert trainer.train_dataset.column_names == [
+        "prompt",
+        "completion",
+        "id",
+        "input_ids",
+        "completion_mask",
+        "labels",
+    ]
+    seen = []
+    handle = trainer.model.register_forward_pre_hook(lambda m, a, kw: seen.append(sorted(kw)), with_kwargs=True)
+    trainer.train()
+    handle.remove()
+    assert seen and set(seen[0]) <= {"input_ids", "attention_mask", "logits_to_keep", "use_cache"}
+
+
+def _pretokenized(tokenizer, prompt_columns=False):
+    """Prompt-completion rows tokenized by hand, with a `completion_mask` (prompt 0, completion 1)."""
+    rows = load_test_dataset("standard_prompt_completion", split="train").select(range(4))
+
+    def tokenize(example):
+        prompt = tokenizer(example["prompt"])["input_ids"]
+        full = tokenizer(example["prompt"] + example["completion"])["input_ids"]
+        return {"input_ids": full, "completion_mask": [0] * len(prompt) + [1] * (len(full) - len(prompt))}
+
+    return rows.map(tokenize, remove_columns=[] if prompt_columns else ["prompt", "completion"])
+
+
+def _masked(ids, mask):
+    return [i if keep else -100 for i, keep in zip(ids, mask)]
+
+
+def test_pretokenized_completion_mask(tmp_path, model_path, tokenizer):
+    data = _pretokenized(tokenizer)
+    ids, mask = data[0]["input_ids"], data[0]["completion_mask"]
+    # completion_only_loss=None: pre-tokenized data without prompt/completion columns trains on every token and
+    # keeps its mask column (TRL)
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=data)
+    assert trainer.train_dataset.column_names == ["input_ids", "completion_mask", "labels"]
+    assert trainer.train_dataset[0]["labels"] == ids
+    # completion_only_loss=True: the mask is applied and consumed
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path, completion_only_loss=True), train_dataset=data)
+    assert trainer.train_dataset.column_names == ["input_ids", "labels"]
+    assert trainer.train_dataset[0]["labels"] == _masked(ids, mask)
+    # with prompt/completion columns, None means completion-only
+    data = _pretokenized(tokenizer, prompt_columns=True)
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path, max_steps=1), train_dataset=data)
+    assert trainer.train_dataset.column_names == ["prompt", "completion", "input_ids", "labels"]
+    assert trainer.train_dataset[0]["labels"] == _masked(ids, mask)
+    trainer.train()
+
+
+def test_pretokenized_assistant_masks_are_honoured(tmp_path, model_path, tokenizer):
+    data = _pretokenized(tokenizer).rename_column("completion_mask", "assistant_masks")
+    ids, mask = data[0]["input_ids"], data[0]["assistant_masks"]
+    for completion_only_loss in (None, False):
+        args = make_args(tmp_path, max_steps=1, completion_only_loss=completion_only_loss)
+        trainer = SFTTrainer(model=model_path, args=args, train_dataset=data)
+        assert trainer.train_dataset.column_names == ["input_ids", "labels"]
+        assert trainer.train_dataset[0]["labels"] == _masked(ids, mask)
+    trainer.train()
+    # assistant_only_loss=True needs conversational data, pre-tokenized or not (TRL)
+    with pytest.raises(ValueError, match="not conversational"):
+        SFTTrainer(model=model_path, args=make_args(tmp_path, assistant_only_loss=True), train_dataset=data)
+
+
+def test_user_labels_are_kept(tmp_path, model_path, tokenizer):
+    data = _pretokenized(tokenizer).map(lambda ex: {"labels": [-100, -100] + ex["input_ids"][2:]})
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path, completion_only_loss=True), train_dataset=data)
+    assert trainer.train_dataset.column_names == ["input_ids", "completion_mask", "labels"]
+    assert trainer.train_dataset["labels"] == data["labels"]
+
+
+def test_skip_prepare_dataset_without_input_ids_fails_before_training(tmp_path, model_path, tokenizer):
+    raw = load_test_dataset("standard_language_modeling", split="train")
+    args = make_args(tmp_path, dataset_kwargs={"skip_prepare_dataset": True})
+    trainer = SFTTrainer(model=model_path, args=args, train_dataset=raw, eval_dataset=raw)
+    assert trainer.train_dataset.column_names == ["text"]  # used as given
+    with pytest.raises(ValueError, match="no `input_ids` column"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    with pytest.raises(ValueError, match="skip_prepare_dataset"):
+        trainer.evaluate()
+    # tokenized data trains as given: the collator builds the labels
+    tokenized = raw.map(lambda ex: {"input_ids": tokenizer(ex["text"])["input_ids"]}, remove_columns=["text"])
+    args = make_args(tmp_path, max_steps=1, dataset_kwargs={"skip_prepare_dataset": True})
+    trainer = SFTTrainer(model=model_path, args=args, train_dataset=tokenized)
+    assert trainer.train_dataset.column_names == ["input_ids"]
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_evaluate_raw_dataset_and_dict(tmp_path, model_path):
+    dataset = load_test_dataset("standard_prompt_completion")
+    test = dataset["test"].select(range(4))
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=dataset["train"], eval_dataset=test)
+    prepared = trainer.evaluate()
+    raw = trainer.evaluate(eval_dataset=test)
+    assert raw["eval_loss"] == pytest.approx(prepared["eval_loss"], rel=1e-6)
+    assert raw["eval_mean_token_accuracy"] == pytest.approx(prepared["eval_mean_token_accuracy"])
+    # an already prepared dataset is left alone
+    again = trainer.evaluate(eval_dataset=trainer.eval_dataset)
+    assert again["eval_loss"] == pytest.approx(prepared["eval_loss"], rel=1e-6)
+    both = trainer.evaluate(eval_dataset={"first": test.select(range(2)), "second": test.select(range(2, 4))})
+    assert {"eval_first_loss", "eval_second_loss"} <= set(both)
+    streamed = trainer.evaluate(eval_dataset=test.to_iterable_dataset())
+    assert streamed["eval_loss"] == pytest.approx(prepared["eval_loss"], rel=1e-6)
+
+
+def test_bfd_packing_is_one_padding_free_row(tmp_path, model_path):
+    dataset = load_test_dataset("standard_language_modeling", split="train")
+    args = make_args(tmp_path, max_steps=1, packing=True, max_length=64, per_device_train_batch_size=2)
+    trainer = SFTTrainer(model=model_path, args=args, train_dataset=dataset)
+    rows = [trainer.train_dataset[i] for i in range(2)]
+    batch = trainer.data_collator(rows)
+    n_tokens = sum(len(row["input_ids"]) for row in rows)
+    assert batch["input_ids"].shape == (1, n_tokens)  # TRL's layout: no padding, whatever the attention kernel
+    assert batch["cu_seq_lens_q"][-1].item() == n_tokens
+    trainer.train()
+    # num_tokens counts the tokens of the batch, and FLOPs follow the same count
+    first_batch = next(iter(trainer.get_train_dataloader()))
+    assert trainer.state.log_history[0]["num_tokens"] == first_batch["input_ids"].numel()
+
+
+@pytest.mark.parametrize("kind", ["prompt_tuning", "prefix_tuning"])
+def test_peft_prompt_learning_trains(tmp_path, model_path, kind):
+    from peft import PrefixTuningConfig, PromptTuningConfig, TaskType
+
+    cls = PromptTuningConfig if kind == "prompt_tuning" else PrefixTuningConfig
+    peft_config = cls(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+    dataset = load_test_dataset("standard_language_modeling")
+    args = make_args(tmp_path, max_steps=2, gradient_checkpointing=True)
+    if kind == "prefix_tuning":
+        with pytest.warns(UserWarning, match="gradient checkpointing"):
+            trainer = SFTTrainer(model=model_path, args=args, train_dataset=dataset["train"], peft_config=peft_config)
+        assert not trainer.args.gradient_checkpointing  # the prefix lives in the cache, which checkpointing drops
+    else:
+        trainer = SFTTrainer(model=model_path, args=args, train_dataset=dataset["train"], peft_config=peft_config)
+    before = snapshot(trainer.model)
+    trainer.train()
+    changed = assert_params_changed(before, trainer.model)
+    assert all("prompt_encoder" in name for name in changed)
+    # evaluation averages over the batch's targets; with prompt tuning the last virtual token also predicts the first
+    # real token, exactly as the PEFT model's own loss counts it
+    test = dataset["test"].select(range(2))
+    metrics = trainer.evaluate(eval_dataset=test)
+    batch = trainer.data_collator([trainer._prepare_eval_dataset(test, "eval")[i] for i in range(2)])
+    trainer.model.eval()
+    with torch.no_grad():
+        expected = trainer.model(**batch).loss.item()
+    assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-5)
