@@ -353,7 +353,9 @@ def sft_pretokenized_case(ctx, mask_column: str, **config) -> dict:
         return {"input_ids": full, mask_column: [0] * len(prompt) + [1] * (len(full) - len(prompt))}
 
     def prepare(split):
-        return ctx.dataset("standard_prompt_completion", split, 8).map(tokenize, remove_columns=["prompt", "completion"])
+        return ctx.dataset("standard_prompt_completion", split, 8).map(
+            tokenize, remove_columns=["prompt", "completion"]
+        )
 
     args = trl.SFTConfig(output_dir=ctx.tmpdir(), **{**COMMON_ARGS, **config})
     trainer = trl.SFTTrainer(
