@@ -18,7 +18,8 @@ import _harness
 LAYOUTS = {
     "padded": {},
     "packed (bfd)": {"packing": True, "packing_strategy": "bfd"},
-    "padding-free": {"padding_free": True},
+    # Padding-free without packing does not truncate (TRL refuses a max_length there).
+    "padding-free": {"padding_free": True, "max_length": None},
 }
 
 
@@ -35,8 +36,7 @@ def run_one(model_key: str, layout: str, args: argparse.Namespace) -> dict:
     timer = _harness.step_timer()
     config = SFTConfig(
         **_harness.training_kwargs(f"/tmp/bench-sft-{model_key}", steps, batch_size),
-        max_length=max_length,
-        **LAYOUTS[layout],
+        **{"max_length": max_length, **LAYOUTS[layout]},
     )
     trainer = SFTTrainer(
         model=get_model_path(_harness.MODELS[model_key]), args=config, train_dataset=dataset, callbacks=[timer]

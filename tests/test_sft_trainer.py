@@ -95,17 +95,42 @@ def test_model_instance_and_pretokenized(tmp_path, model_path, tokenizer):
 
 
 def test_formatting_func(tmp_path, model_path):
-    dataset = load_test_dataset("standard_prompt_completion", split="train")
+    dataset = load_test_dataset("standard_language_modeling", split="train")
     trainer = SFTTrainer(
         model=model_path,
         args=make_args(tmp_path, max_steps=1),
         train_dataset=dataset,
-        formatting_func=lambda ex: f"Q: {ex['prompt']} A: {ex['completion']}",
+        formatting_func=lambda ex: f"Q: {ex['text']}",
     )
     tokenizer = trainer.processing_class
-    text = tokenizer.decode(trainer.train_dataset[0]["input_ids"])
-    assert text.startswith("Q: ") and text.endswith(tokenizer.eos_token)
+    row = trainer.train_dataset[0]
+    # As in TRL: the formatted text replaces the `text` column (with EOS) and is what gets tokenized.
+    assert trainer.train_dataset.column_names == ["text", "input_ids", "labels"]
+    assert row["text"] == f"Q: {dataset[0]['text']}{tokenizer.eos_token}"
+    assert tokenizer.decode(row["input_ids"]) == row["text"]
     trainer.train()
+
+
+def test_formatting_func_on_prompt_completion_data_needs_completion_only_loss_false(tmp_path, model_path):
+    dataset = load_test_dataset("standard_prompt_completion", split="train")
+    formatting_func = lambda ex: f"Q: {ex['prompt']} A: {ex['completion']}"  # noqa: E731
+    # completion_only_loss=None means "on" for prompt-completion data, which a formatting function contradicts (TRL)
+    with pytest.raises(ValueError, match="formatting function was provided"):
+        SFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=dataset, formatting_func=formatting_func)
+    trainer = SFTTrainer(
+        model=model_path,
+        args=make_args(tmp_path, completion_only_loss=False),
+        train_dataset=dataset,
+        formatting_func=formatting_func,
+    )
+    assert trainer.train_dataset.column_names == [
+        "prompt",
+        "completion",
+        "text",
+        "input_ids",
+        "completion_mask",
+        "labels",
+    ]
 
 
 def test_iterable_dataset(tmp_path, model_path):
@@ -294,21 +319,78 @@ def test_loss_matches_hand_written_formula(tmp_path, model_path, loss_type):
 def test_collator_padding_free_layout():
     collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
     batch = collator(
-        [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6, 7, 8, 9], "seq_lengths": [1, 3]}]
+        [
+            {"input_ids": [1, 2, 3], "seq_lengths": [3]},
+            {"input_ids": [4, 5], "seq_lengths": [2]},
+            {"input_ids": [6, 7, 8, 9], "seq_lengths": [1, 3]},
+        ]
     )
+    assert list(batch) == [
+        "input_ids",
+        "labels",
+        "position_ids",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "seq_idx",
+    ]
     assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 0, 1, 2]]
     assert batch["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, -100, 8, 9]]
-    assert "attention_mask" not in batch
+    # sequence boundaries for variable-length attention kernels (TRL's keys, dtypes and values)
+    assert batch["cu_seq_lens_q"].dtype == batch["cu_seq_lens_k"].dtype == torch.int32
+    assert batch["cu_seq_lens_q"].tolist() == batch["cu_seq_lens_k"].tolist() == [0, 3, 5, 6, 9]
+    assert batch["max_length_q"] == batch["max_length_k"] == 3 and isinstance(batch["max_length_q"], int)
+    assert batch["seq_idx"].dtype == torch.int32
+    assert batch["seq_idx"].tolist() == [[0, 0, 0, 1, 1, 2, 3, 3, 3]]
+
+
+def test_collator_seq_lengths_read_from_the_first_example_only():
+    # As in TRL: `seq_lengths` is used when the first example has it; otherwise each example is one sequence.
+    collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+    batch = collator([{"input_ids": [1, 2]}, {"input_ids": [3, 4, 5], "seq_lengths": [1, 2]}])
+    assert batch["position_ids"].tolist() == [[0, 1, 0, 1, 2]]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 2, 5]
+
+
+def test_collator_padding_free_pad_to_multiple_of():
+    # Every padding token is a sequence of its own at position 0 (TRL's layout).
+    collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True, pad_to_multiple_of=4)
+    batch = collator([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 2, 3, -100, 5, -100, -100, -100]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 0, 0]]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 3, 5, 6, 7, 8]
+    assert batch["max_length_q"] == 3
+    assert batch["seq_idx"].tolist() == [[0, 0, 0, 1, 1, 2, 3, 4]]
+
+
+def test_collator_get_position_ids_from_packed_seq_lengths():
+    get = DataCollatorForLanguageModeling.get_position_ids_from_packed_seq_lengths  # a staticmethod, as in TRL
+    result = get([[3, 2], [4]])
+    assert [t.tolist() for t in result] == [[0, 1, 2, 0, 1], [0, 1, 2, 3]]
+    assert all(t.dtype == torch.long for t in result)
 
 
 def test_collator_padding_free_rows_bounded_for_dense_attention():
     collator = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True, max_row_length=5)
     batch = collator([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}, {"input_ids": [6, 7, 8, 9]}])
-    # first fit, longest first: [6..9] alone, [1, 2, 3] + [4, 5]; the short row is padded by its own block
+    # first fit, longest first: [6..9] alone, [1, 2, 3] + [4, 5]; the padding token is a sequence of its own
     assert batch["input_ids"].tolist() == [[6, 7, 8, 9, 0], [1, 2, 3, 4, 5]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
     assert batch["labels"].tolist() == [[-100, 7, 8, 9, -100], [-100, 2, 3, -100, 5]]
+    assert batch["cu_seq_lens_q"].tolist() == [0, 4, 5, 8, 10]
+    assert batch["seq_idx"].tolist() == [[0, 0, 0, 0, 1], [2, 2, 2, 3, 3]]
+
+
+def test_collator_packed_rows_without_padding_free_keep_labels():
+    # As in TRL: a padded batch of packed rows restarts the positions but leaves the labels as they are.
+    collator = DataCollatorForLanguageModeling(pad_token_id=0, return_position_ids=True)
+    batch = collator([{"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [2, 3]}, {"input_ids": [6], "seq_lengths": [1]}])
+    assert list(batch) == ["input_ids", "labels", "position_ids", "attention_mask"]
+    assert batch["labels"].tolist() == [[1, 2, 3, 4, 5], [6, -100, -100, -100, -100]]
+    assert batch["position_ids"].tolist() == [[0, 1, 0, 1, 2], [0, 0, 0, 0, 0]]
 
 
 def test_collator_padded_layout():
@@ -365,9 +447,18 @@ def test_packing_strategies_train(tmp_path, model_path, strategy):
     assert_params_changed(before, trainer.model)
 
 
+def test_padding_free_without_packing_needs_max_length_none(tmp_path, model_path):
+    # As in TRL: padding-free batches without packing do not truncate, so a max_length is refused.
+    dataset = load_test_dataset("standard_prompt_completion", split="train")
+    with pytest.raises(ValueError, match="`max_length` is not enforced"):
+        SFTTrainer(model=model_path, args=make_args(tmp_path, padding_free=True), train_dataset=dataset)
+
+
 def test_padding_free_without_packing_trains(tmp_path, model_path):
     dataset = load_test_dataset("standard_prompt_completion", split="train")
-    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path, padding_free=True), train_dataset=dataset)
+    trainer = SFTTrainer(
+        model=model_path, args=make_args(tmp_path, padding_free=True, max_length=None), train_dataset=dataset
+    )
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(3)])
     assert batch["input_ids"].shape[0] == 1 and "position_ids" in batch
     trainer.train()
@@ -502,9 +593,16 @@ def test_missing_text_column(tmp_path, model_path):
 
 
 def test_completion_only_loss_on_language_modeling_data(tmp_path, model_path):
+    # As in TRL: language-modeling data has no completion mask, so completion_only_loss=True trains on every token.
     dataset = load_test_dataset("standard_language_modeling", split="train")
-    with pytest.raises(ValueError, match="prompt-completion"):
-        SFTTrainer(model=model_path, args=make_args(tmp_path, completion_only_loss=True), train_dataset=dataset)
+    trainer = SFTTrainer(
+        model=model_path, args=make_args(tmp_path, completion_only_loss=True, max_steps=1), train_dataset=dataset
+    )
+    reference = SFTTrainer(model=model_path, args=make_args(tmp_path, max_steps=1), train_dataset=dataset)
+    assert trainer.train_dataset["labels"] == trainer.train_dataset["input_ids"]
+    assert trainer.train_dataset["labels"] == reference.train_dataset["labels"]
+    trainer.train()
+    assert trainer.state.global_step == 1
 
 
 def test_max_length_shorter_than_every_prompt(tmp_path, model_path):
@@ -527,20 +625,27 @@ def test_no_train_dataset(tmp_path, model_path):
 
 
 def test_formatting_func_with_completion_only_loss(tmp_path, model_path):
-    dataset = load_test_dataset("standard_prompt_completion", split="train")
-    with pytest.raises(ValueError, match="formatting_func"):
+    dataset = load_test_dataset("standard_language_modeling", split="train")
+    with pytest.raises(ValueError, match="formatting function was provided while `completion_only_loss=True`"):
         SFTTrainer(
             model=model_path,
             args=make_args(tmp_path, completion_only_loss=True),
             train_dataset=dataset,
-            formatting_func=lambda ex: ex["prompt"],
+            formatting_func=lambda ex: ex["text"],
         )
 
 
-def test_unknown_role(tmp_path, model_path):
-    dataset = Dataset.from_dict({"messages": [[{"role": "narrator", "content": "Once upon a time"}]]})
-    with pytest.raises(ValueError, match="narrator"):
-        SFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=dataset)
+def test_sharegpt_roles_kept_as_given(tmp_path, model_path):
+    # As in TRL: ShareGPT `conversations` become `messages` with the roles unchanged (no role validation); the chat
+    # template renders them.
+    dataset = Dataset.from_dict(
+        {"conversations": [[{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]], "id": [7]}
+    )
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=dataset)
+    assert trainer.train_dataset.column_names == ["id", "messages", "input_ids", "labels"]
+    assert [m["role"] for m in trainer.train_dataset[0]["messages"]] == ["human", "gpt"]
+    text = trainer.processing_class.decode(trainer.train_dataset[0]["input_ids"])
+    assert "human\nHi" in text and "gpt\nHello" in text
 
 
 def test_conversational_data_without_chat_template(tmp_path, model_path):
@@ -574,3 +679,203 @@ def test_config_deprecations():
     assert (defaults.learning_rate, defaults.max_length, defaults.logging_steps) == (2e-5, 1024, 10)
     assert defaults.gradient_checkpointing is True and defaults.packing_strategy == "bfd"
     assert json.loads(json.dumps(defaults.to_dict()))["dataset_text_field"] == "text"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# TRL 1.16 semantics: prepared columns, pre-tokenized masks, skip_prepare_dataset, evaluate() on raw data, PEFT prompts
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "config_name, config, columns",
+    [
+        ("standard_language_modeling", {}, ["text", "input_ids", "labels"]),
+        ("conversational_language_modeling", {}, ["messages", "input_ids", "labels"]),
+        ("standard_prompt_completion", {}, ["prompt", "completion", "input_ids", "labels"]),
+        (
+            "standard_prompt_completion",
+            {"completion_only_loss": False},
+            ["prompt", "completion", "input_ids", "completion_mask", "labels"],
+        ),
+        ("standard_language_modeling", {"packing": True, "max_length": 64}, ["input_ids", "labels", "seq_lengths"]),
+        (
+            "standard_language_modeling",
+            {"packing": True, "packing_strategy": "wrapped", "max_length": 32},
+            ["input_ids", "labels"],
+        ),
+    ],
+)
+def test_prepared_columns_as_trl(tmp_path, model_path, config_name, config, columns):
+    dataset = load_test_dataset(config_name)
+    args = make_args(tmp_path, **config)
+    trainer = SFTTrainer(model=model_path, args=args, train_dataset=dataset["train"], eval_dataset=dataset["test"])
+    assert trainer.train_dataset.column_names == columns
+    assert trainer.eval_dataset.column_names == columns
+
+
+def test_raw_columns_carry_the_eos_token(tmp_path, model_path, tokenizer):
+    eos = tokenizer.eos_token
+    lm = load_test_dataset("standard_language_modeling", split="train")
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=lm)
+    assert trainer.train_dataset[0]["text"] == lm[0]["text"] + eos
+    pc = load_test_dataset("standard_prompt_completion", split="train")
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=pc)
+    row = trainer.train_dataset[0]
+    assert (row["prompt"], row["completion"]) == (pc[0]["prompt"], pc[0]["completion"] + eos)
+    assert row["input_ids"][-1] == tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("remove_unused_columns", [True, False])
+def test_only_token_columns_reach_the_model(tmp_path, model_path, remove_unused_columns):
+    dataset = load_test_dataset("standard_prompt_completion", split="train")
+    dataset = dataset.add_column("id", list(range(len(dataset))))
+    args = make_args(tmp_path, max_steps=1, remove_unused_columns=remove_unused_columns, completion_only_loss=False)
+    trainer = SFTTrainer(model=model_path, args=args, train_dataset=dataset)
+    assert trainer.train_dataset.column_names == [
+        "prompt",
+        "completion",
+        "id",
+        "input_ids",
+        "completion_mask",
+        "labels",
+    ]
+    seen = []
+    handle = trainer.model.register_forward_pre_hook(lambda m, a, kw: seen.append(sorted(kw)), with_kwargs=True)
+    trainer.train()
+    handle.remove()
+    assert seen and set(seen[0]) <= {"input_ids", "attention_mask", "logits_to_keep", "use_cache"}
+
+
+def _pretokenized(tokenizer, prompt_columns=False):
+    """Prompt-completion rows tokenized by hand, with a `completion_mask` (prompt 0, completion 1)."""
+    rows = load_test_dataset("standard_prompt_completion", split="train").select(range(4))
+
+    def tokenize(example):
+        prompt = tokenizer(example["prompt"])["input_ids"]
+        full = tokenizer(example["prompt"] + example["completion"])["input_ids"]
+        return {"input_ids": full, "completion_mask": [0] * len(prompt) + [1] * (len(full) - len(prompt))}
+
+    return rows.map(tokenize, remove_columns=[] if prompt_columns else ["prompt", "completion"])
+
+
+def _masked(ids, mask):
+    return [i if keep else -100 for i, keep in zip(ids, mask)]
+
+
+def test_pretokenized_completion_mask(tmp_path, model_path, tokenizer):
+    data = _pretokenized(tokenizer)
+    ids, mask = data[0]["input_ids"], data[0]["completion_mask"]
+    # completion_only_loss=None: pre-tokenized data without prompt/completion columns trains on every token and
+    # keeps its mask column (TRL)
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=data)
+    assert trainer.train_dataset.column_names == ["input_ids", "completion_mask", "labels"]
+    assert trainer.train_dataset[0]["labels"] == ids
+    # completion_only_loss=True: the mask is applied and consumed
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path, completion_only_loss=True), train_dataset=data)
+    assert trainer.train_dataset.column_names == ["input_ids", "labels"]
+    assert trainer.train_dataset[0]["labels"] == _masked(ids, mask)
+    # with prompt/completion columns, None means completion-only
+    data = _pretokenized(tokenizer, prompt_columns=True)
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path, max_steps=1), train_dataset=data)
+    assert trainer.train_dataset.column_names == ["prompt", "completion", "input_ids", "labels"]
+    assert trainer.train_dataset[0]["labels"] == _masked(ids, mask)
+    trainer.train()
+
+
+def test_pretokenized_assistant_masks_are_honoured(tmp_path, model_path, tokenizer):
+    data = _pretokenized(tokenizer).rename_column("completion_mask", "assistant_masks")
+    ids, mask = data[0]["input_ids"], data[0]["assistant_masks"]
+    for completion_only_loss in (None, False):
+        args = make_args(tmp_path, max_steps=1, completion_only_loss=completion_only_loss)
+        trainer = SFTTrainer(model=model_path, args=args, train_dataset=data)
+        assert trainer.train_dataset.column_names == ["input_ids", "labels"]
+        assert trainer.train_dataset[0]["labels"] == _masked(ids, mask)
+    trainer.train()
+    # assistant_only_loss=True needs conversational data, pre-tokenized or not (TRL)
+    with pytest.raises(ValueError, match="not conversational"):
+        SFTTrainer(model=model_path, args=make_args(tmp_path, assistant_only_loss=True), train_dataset=data)
+
+
+def test_user_labels_are_kept(tmp_path, model_path, tokenizer):
+    data = _pretokenized(tokenizer).map(lambda ex: {"labels": [-100, -100] + ex["input_ids"][2:]})
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path, completion_only_loss=True), train_dataset=data)
+    assert trainer.train_dataset.column_names == ["input_ids", "completion_mask", "labels"]
+    assert trainer.train_dataset["labels"] == data["labels"]
+
+
+def test_skip_prepare_dataset_without_input_ids_fails_before_training(tmp_path, model_path, tokenizer):
+    raw = load_test_dataset("standard_language_modeling", split="train")
+    args = make_args(tmp_path, dataset_kwargs={"skip_prepare_dataset": True})
+    trainer = SFTTrainer(model=model_path, args=args, train_dataset=raw, eval_dataset=raw)
+    assert trainer.train_dataset.column_names == ["text"]  # used as given
+    with pytest.raises(ValueError, match="no `input_ids` column"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    with pytest.raises(ValueError, match="skip_prepare_dataset"):
+        trainer.evaluate()
+    # tokenized data trains as given: the collator builds the labels
+    tokenized = raw.map(lambda ex: {"input_ids": tokenizer(ex["text"])["input_ids"]}, remove_columns=["text"])
+    args = make_args(tmp_path, max_steps=1, dataset_kwargs={"skip_prepare_dataset": True})
+    trainer = SFTTrainer(model=model_path, args=args, train_dataset=tokenized)
+    assert trainer.train_dataset.column_names == ["input_ids"]
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_evaluate_raw_dataset_and_dict(tmp_path, model_path):
+    dataset = load_test_dataset("standard_prompt_completion")
+    test = dataset["test"].select(range(4))
+    trainer = SFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=dataset["train"], eval_dataset=test)
+    prepared = trainer.evaluate()
+    raw = trainer.evaluate(eval_dataset=test)
+    assert raw["eval_loss"] == pytest.approx(prepared["eval_loss"], rel=1e-6)
+    assert raw["eval_mean_token_accuracy"] == pytest.approx(prepared["eval_mean_token_accuracy"])
+    # an already prepared dataset is left alone
+    again = trainer.evaluate(eval_dataset=trainer.eval_dataset)
+    assert again["eval_loss"] == pytest.approx(prepared["eval_loss"], rel=1e-6)
+    both = trainer.evaluate(eval_dataset={"first": test.select(range(2)), "second": test.select(range(2, 4))})
+    assert {"eval_first_loss", "eval_second_loss"} <= set(both)
+    streamed = trainer.evaluate(eval_dataset=test.to_iterable_dataset())
+    assert streamed["eval_loss"] == pytest.approx(prepared["eval_loss"], rel=1e-6)
+
+
+def test_bfd_packing_is_one_padding_free_row(tmp_path, model_path):
+    dataset = load_test_dataset("standard_language_modeling", split="train")
+    args = make_args(tmp_path, max_steps=1, packing=True, max_length=64, per_device_train_batch_size=2)
+    trainer = SFTTrainer(model=model_path, args=args, train_dataset=dataset)
+    rows = [trainer.train_dataset[i] for i in range(2)]
+    batch = trainer.data_collator(rows)
+    n_tokens = sum(len(row["input_ids"]) for row in rows)
+    assert batch["input_ids"].shape == (1, n_tokens)  # TRL's layout: no padding, whatever the attention kernel
+    assert batch["cu_seq_lens_q"][-1].item() == n_tokens
+    trainer.train()
+    # num_tokens counts the tokens of the batch, and FLOPs follow the same count
+    first_batch = next(iter(trainer.get_train_dataloader()))
+    assert trainer.state.log_history[0]["num_tokens"] == first_batch["input_ids"].numel()
+
+
+@pytest.mark.parametrize("kind", ["prompt_tuning", "prefix_tuning"])
+def test_peft_prompt_learning_trains(tmp_path, model_path, kind):
+    from peft import PrefixTuningConfig, PromptTuningConfig, TaskType
+
+    cls = PromptTuningConfig if kind == "prompt_tuning" else PrefixTuningConfig
+    peft_config = cls(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+    dataset = load_test_dataset("standard_language_modeling")
+    args = make_args(tmp_path, max_steps=2, gradient_checkpointing=True)
+    if kind == "prefix_tuning":
+        with pytest.warns(UserWarning, match="gradient checkpointing"):
+            trainer = SFTTrainer(model=model_path, args=args, train_dataset=dataset["train"], peft_config=peft_config)
+        assert not trainer.args.gradient_checkpointing  # the prefix lives in the cache, which checkpointing drops
+    else:
+        trainer = SFTTrainer(model=model_path, args=args, train_dataset=dataset["train"], peft_config=peft_config)
+    before = snapshot(trainer.model)
+    trainer.train()
+    changed = assert_params_changed(before, trainer.model)
+    assert all("prompt_encoder" in name for name in changed)
+    # evaluation averages over the batch's targets; with prompt tuning the last virtual token also predicts the first
+    # real token, exactly as the PEFT model's own loss counts it
+    test = dataset["test"].select(range(2))
+    metrics = trainer.evaluate(eval_dataset=test)
+    batch = trainer.data_collator([trainer._prepare_eval_dataset(test, "eval")[i] for i in range(2)])
+    trainer.model.eval()
+    with torch.no_grad():
+        expected = trainer.model(**batch).loss.item()
+    assert metrics["eval_loss"] == pytest.approx(expected, rel=1e-5)

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         report_to="none",
         gradient_checkpointing=False,
         padding_free=True,
+        max_length=None,  # padding-free batches without packing hold whole sequences
         disable_tqdm=True,
         seed=0,
     )

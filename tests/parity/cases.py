@@ -340,6 +340,60 @@ def sft_training_template_case(ctx, **config) -> dict:
 register("sft/assistant_only_loss=True", partial(sft_training_template_case, assistant_only_loss=True))
 register("sft/chat_template_path", sft_training_template_case)
 
+
+def sft_pretokenized_case(ctx, mask_column: str, **config) -> dict:
+    """Hand-tokenized prompt-completion rows with a `completion_mask` or `assistant_masks` column (no raw text)."""
+    import trl
+
+    tok = tokenizer(ctx, QWEN)
+
+    def tokenize(example):
+        prompt = tok(example["prompt"])["input_ids"]
+        full = tok(example["prompt"] + example["completion"])["input_ids"]
+        return {"input_ids": full, mask_column: [0] * len(prompt) + [1] * (len(full) - len(prompt))}
+
+    def prepare(split):
+        return ctx.dataset("standard_prompt_completion", split, 8).map(
+            tokenize, remove_columns=["prompt", "completion"]
+        )
+
+    args = trl.SFTConfig(output_dir=ctx.tmpdir(), **{**COMMON_ARGS, **config})
+    trainer = trl.SFTTrainer(
+        model=ctx.model(QWEN), args=args, train_dataset=prepare("train"), eval_dataset=prepare("test")
+    )
+    return run_trainer(trainer)
+
+
+register("sft/pretokenized_completion_mask", partial(sft_pretokenized_case, mask_column="completion_mask"))
+register(
+    "sft/pretokenized_completion_mask/completion_only_loss=True",
+    partial(sft_pretokenized_case, mask_column="completion_mask", completion_only_loss=True),
+)
+register("sft/pretokenized_assistant_masks", partial(sft_pretokenized_case, mask_column="assistant_masks"))
+
+
+def sft_prompt_tuning_case(ctx, dataset: str = "standard_language_modeling", **config) -> dict:
+    """PEFT prompt tuning (4 virtual tokens): the virtual tokens shift the logits by 4 positions."""
+    from peft import PromptTuningConfig, TaskType
+
+    import trl
+
+    args = trl.SFTConfig(output_dir=ctx.tmpdir(), **{**COMMON_ARGS, **config})
+    trainer = trl.SFTTrainer(
+        model=ctx.model(QWEN),
+        args=args,
+        train_dataset=ctx.dataset(dataset, "train", 8),
+        eval_dataset=ctx.dataset(dataset, "test", 8),
+        peft_config=PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4),
+    )
+    return run_trainer(trainer)
+
+
+register("sft/peft_prompt_tuning", sft_prompt_tuning_case)
+register(
+    "sft/peft_prompt_tuning/prompt_completion", partial(sft_prompt_tuning_case, dataset="standard_prompt_completion")
+)
+
 # DPO: every loss type of the contract, combinations, f-divergences, data layouts and options
 DPO_LOSS_TYPES = [
     "sigmoid",
@@ -1062,6 +1116,33 @@ def _err_sft_completion_only(ctx):
 
     def build():
         args = SFTConfig(output_dir=ctx.tmpdir(), completion_only_loss=True, **COMMON_ARGS)
+        trainer = SFTTrainer(
+            model=ctx.model(QWEN), args=args, train_dataset=ctx.dataset("standard_language_modeling", "train", 4)
+        )
+        trainer.train()
+
+    return expect_error(build)
+
+
+@case("errors/sft_padding_free_without_packing_with_max_length", phrases=("max_length",))
+def _err_sft_padding_free_max_length(ctx):
+    from trl import SFTConfig, SFTTrainer
+
+    def build():
+        args = SFTConfig(output_dir=ctx.tmpdir(), padding_free=True, **COMMON_ARGS)
+        return SFTTrainer(
+            model=ctx.model(QWEN), args=args, train_dataset=ctx.dataset("standard_language_modeling", "train", 4)
+        )
+
+    return expect_error(build)
+
+
+@case("errors/sft_skip_prepare_dataset_raw_text", phrases=("forward method signature",))
+def _err_sft_skip_prepare_raw(ctx):
+    from trl import SFTConfig, SFTTrainer
+
+    def build():
+        args = SFTConfig(output_dir=ctx.tmpdir(), dataset_kwargs={"skip_prepare_dataset": True}, **COMMON_ARGS)
         trainer = SFTTrainer(
             model=ctx.model(QWEN), args=args, train_dataset=ctx.dataset("standard_language_modeling", "train", 4)
         )

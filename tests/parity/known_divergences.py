@@ -10,27 +10,8 @@ OUT_DIR --known`) and edited where the generated line does not explain the cause
 """
 
 KNOWN_DIVERGENCES: dict[str, str] = {
-    "sft/standard_language_modeling": "prepared columns: TRL also has text (issue 18)",
-    "sft/conversational_language_modeling": "prepared columns: TRL also has messages (issue 18)",
-    "sft/standard_prompt_completion": "prepared columns: TRL also has completion, prompt (issue 18)",
-    "sft/completion_only_loss=True": "prepared columns: TRL also has completion, prompt (issue 18)",
-    "sft/completion_only_loss=False": "prepared columns: TRL also has completion, completion_mask, prompt (issue 18)",
-    "sft/conversational_prompt_completion": "prepared columns: TRL also has completion, prompt (issue 18)",
-    "sft/packing_strategy=bfd": "eval_num_tokens 240 vs 256; num_tokens 240 vs 256; total_flos 4.9647e+08 vs 5.2956e+08; eval_num_tokens 240 vs 256 (issue 18)",
-    "sft/packing_strategy=bfd_split": "eval_num_tokens 38 vs 48; num_tokens 38 vs 48; total_flos 7.8607e+07 vs 9.9293e+07; eval_num_tokens 38 vs 48 (issue 18)",
-    "sft/padding_free=True": "prepared columns: TRL also has text (issue 18)",
-    "sft/loss_type=dft": "prepared columns: TRL also has text (issue 18)",
-    "sft/max_length=8": "prepared columns: TRL also has messages (issue 18)",
-    "sft/gradient_accumulation_steps=2": "prepared columns: TRL also has text (issue 18)",
-    "sft/dataset_text_field": "prepared columns: TRL also has content (issue 18)",
-    "sft/tools": "prepared columns: TRL also has messages, tools (issue 18)",
-    "sft/llama": "prepared columns: TRL also has messages (issue 18)",
-    "sft/peft_lora": "prepared columns: TRL also has text (issue 18)",
-    "sft/assistant_only_loss=True": "prepared columns: TRL also has messages (issue 18)",
-    "sft/chat_template_path": "prepared columns: TRL also has messages (issue 18)",
     "dpo/conversational_preference": "eval_rewards/chosen -0.0060579 vs -0.0060667; eval_rewards/rejected -0.01196 vs -0.011968 after the step. Float summation order: the step's loss, grad_norm and eval_before agree exactly, gradients to 1e-7, but a dozen lm_head elements whose gradient nearly cancels (|g| ~1e-9 < AdamW eps) move differently; beta*(logps - ref_logps) amplifies the 1.4e-6 logps difference. A padded batch with the LM head over every position (TRL's computation; here: packed rows, LM head on completion positions only) matches to 3e-5 (issue 18)",
     "dpo/conversational_implicit_prompt_preference": "eval_rewards/chosen -0.0060579 vs -0.0060667; eval_rewards/rejected -0.01196 vs -0.011968 after the step. Float summation order: the step's loss, grad_norm and eval_before agree exactly, gradients to 1e-7, but a dozen lm_head elements whose gradient nearly cancels (|g| ~1e-9 < AdamW eps) move differently; beta*(logps - ref_logps) amplifies the 1.4e-6 logps difference. A padded batch with the LM head over every position (TRL's computation; here: packed rows, LM head on completion positions only) matches to 3e-5 (issue 18)",
-    "sft/evaluate_raw_dataset": "this project raised ValueError: No columns in the dataset match the model's forward method signature: (input_ids, labels, attention_mask, position_ids, seq_leng (issue 18)",
     "grpo/num_iterations=2": "clip_ratio/high_max 0.875 vs 0.375; clip_ratio/low_min 0 vs 0.29688 (issue 18)",
     "grpo/mask_truncated_completions=True": "clip_ratio/high_max None vs 0; clip_ratio/low_min None vs 0 (issue 18)",
     "grpo/loss_type=cispo": "log_history adds clip_ratio/high_max, clip_ratio/high_mean, clip_ratio/low_mean, clip_ratio/low_min +1 more; cispo_clip_ratio 0.625 vs 1 (issue 18)",
@@ -42,9 +23,6 @@ KNOWN_DIVERGENCES: dict[str, str] = {
     "chat_template_utils/get_training_chat_template/llama3": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
     "chat_template_utils/add_response_schema": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
     "chat_template_utils/parse_response": "without a response schema TRL raises AttributeError; here it falls back to the decoded text (issue 18)",
-    "collators/lm/padding_free": "output lacks cu_seq_lens_k.dtype, cu_seq_lens_k.shape, cu_seq_lens_k.values, cu_seq_lens_q.dtype +9 more (issue 18)",
-    "collators/lm/seq_lengths": "output lacks cu_seq_lens_k.dtype, cu_seq_lens_k.shape, cu_seq_lens_k.values, cu_seq_lens_q.dtype +9 more (issue 18)",
-    "errors/sft_completion_only_loss_on_lm_data": "completion_only_loss=True on language-modeling data: TRL trains, here ValueError (issue 18)",
 }
 
 # Differences kept on purpose (reason in docs/parity.md); also strict xfail, so a change of mind shows up.

@@ -122,6 +122,15 @@ def prepare_peft_model(model: PreTrainedModel, peft_config: Any, args: Any) -> n
         )
 
     gradient_checkpointing = bool(getattr(args, "gradient_checkpointing", False))
+    if gradient_checkpointing and str(getattr(peft_config.peft_type, "value", "")) in ("PREFIX_TUNING", "CARTRIDGE"):
+        # The prefix lives in the attention cache, which checkpointed layers cannot use (peft refuses the pair).
+        warnings.warn(
+            f"{peft_config.peft_type.value} does not work with gradient checkpointing; it is disabled.", stacklevel=3
+        )
+        gradient_checkpointing = False
+        for name in ("gradient_checkpointing", "activation_checkpointing"):  # transformers 5 reads the latter
+            if hasattr(args, name):
+                setattr(args, name, False)
     gc_kwargs = dict(getattr(args, "gradient_checkpointing_kwargs", None) or {})
     zero3 = _is_deepspeed_zero3()
     if gradient_checkpointing and zero3:

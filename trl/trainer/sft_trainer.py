@@ -1,7 +1,6 @@
 """Supervised fine-tuning (SFT) trainer."""
 
 import dataclasses
-import json
 import logging
 import os
 import warnings
@@ -26,22 +25,23 @@ from transformers import (
 from transformers.trainer_utils import EvalPrediction
 
 from ..data_utils import (
-    common_prefix_length,
     get_dataset_column_names,
     is_conversational,
     is_conversational_from_value,
     maybe_convert_to_chatml,
     pack_dataset,
 )
+from ._sft_data import _AppendEOS, _desc, _LabelBuilder, _shortest_prompt, _Tokenizer, _Truncator
 from .base_trainer import _BaseTrainer
 from .sft_config import SFTConfig
-from .utils import entropy_from_logits, model_accepts_argument, packed_attention_kind, pad
+from .utils import entropy_from_logits, model_accepts_argument, pad
 
 
 logger = logging.getLogger(__name__)
 
 # Columns the collator understands; anything else is dropped after preparation.
-_TOKENIZED_COLUMNS = ("input_ids", "labels", "completion_mask", "assistant_masks", "seq_lengths")
+# Columns the model receives through the collator; `remove_unused_columns` drops the others (as in TRL).
+_SIGNATURE_COLUMNS = ["input_ids", "labels", "seq_lengths"]
 
 
 @dataclass
@@ -49,7 +49,15 @@ class DataCollatorForLanguageModeling:
     """Collate tokenized language-modeling examples into a padded or padding-free batch.
 
     Each example is a dict with `input_ids` and optionally `labels` (with -100 on positions without loss; defaults to
-    a copy of `input_ids`) and `seq_lengths` (lengths of the sequences packed into the example).
+    a copy of `input_ids`) and `seq_lengths` (lengths of the sequences packed into the example; read when the first
+    example has it). Other keys (`completion_mask`, raw text columns, ...) are ignored: the trainer builds `labels`
+    when it prepares the dataset.
+
+    Padded batches hold `input_ids`, `labels`, `position_ids` (with `return_position_ids=True`) and `attention_mask`.
+    Padding-free batches hold `input_ids`, `labels` and `position_ids` of shape `(1, total_tokens)` plus the sequence
+    boundaries variable-length attention kernels read: `cu_seq_lens_q` / `cu_seq_lens_k` (`int32` cumulative
+    lengths starting at 0), `max_length_q` / `max_length_k` (`int`, the longest sequence) and `seq_idx` (`int32`,
+    the index of each token's sequence).
 
     Args:
         pad_token_id (`int`):
@@ -62,15 +70,16 @@ class DataCollatorForLanguageModeling:
             Also return `position_ids` for padded batches (restarting at each packed sequence when `seq_lengths` is
             present).
         pad_to_multiple_of (`int` or `None`, defaults to `None`):
-            Pad the sequence length to a multiple of this value.
+            Pad the sequence length to a multiple of this value. In padding-free mode every padding token forms a
+            sequence of its own (position 0).
         return_tensors (`str`, defaults to `"pt"`):
             Only `"pt"` is supported.
         max_row_length (`int` or `None`, defaults to `None`):
-            Padding-free only: the most tokens one row may hold. `None` puts the whole batch into a single row, which
-            is ideal for variable-length attention kernels (FlashAttention). Eager/SDPA attention builds a dense
-            mask whose cost grows with the square of the row length, so SFTTrainer sets this to `max_length` for
-            them: examples are then placed into rows first-fit (longest first) and each row is padded by a separate
-            trailing block that nothing attends to.
+            Padding-free only, opt-in (not in TRL): the most tokens one row may hold. `None` (TRL's layout) puts the
+            whole batch into a single row, which is ideal for variable-length attention kernels (FlashAttention).
+            Eager/SDPA attention builds a dense mask whose cost grows with the square of the row length; a bound
+            places examples into rows first-fit (longest first) and pads each row with tokens that nothing attends
+            to. The sequence-boundary keys then describe the flattened batch, padding included.
     """
 
     pad_token_id: int
@@ -80,7 +89,7 @@ class DataCollatorForLanguageModeling:
     return_tensors: str = "pt"
     max_row_length: int | None = None
 
-    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         if self.return_tensors != "pt":
             raise ValueError(f"Only return_tensors='pt' is supported; got {self.return_tensors!r}.")
         input_ids = [torch.as_tensor(ex["input_ids"], dtype=torch.long) for ex in examples]
@@ -89,36 +98,46 @@ class DataCollatorForLanguageModeling:
             for ex, ids in zip(examples, input_ids)
         ]
         # Lengths of the individual sequences inside each example (packed examples hold several).
-        pieces = [
-            list(ex["seq_lengths"]) if ex.get("seq_lengths") is not None else [len(ids)]
-            for ex, ids in zip(examples, input_ids)
-        ]
-        position_ids = [_positions_from_lengths(lengths) for lengths in pieces]
+        if "seq_lengths" in examples[0]:
+            pieces = [[int(n) for n in ex["seq_lengths"]] for ex in examples]
+        else:
+            pieces = [[len(ids)] for ids in input_ids]
+        position_ids = self.get_position_ids_from_packed_seq_lengths(pieces)
 
         if self.padding_free:
-            return self._padding_free(input_ids, labels, position_ids)
+            return self._padding_free(input_ids, labels, position_ids, pieces)
 
         batch = {
             "input_ids": pad(input_ids, self.pad_token_id, "right", self.pad_to_multiple_of),
-            "attention_mask": pad([torch.ones_like(ids) for ids in input_ids], 0, "right", self.pad_to_multiple_of),
+            "labels": pad(labels, -100, "right", self.pad_to_multiple_of),
         }
-        padded_labels = pad(labels, -100, "right", self.pad_to_multiple_of)
-        if any(len(p) > 1 for p in pieces):
-            # Packed rows without padding-free: still never train a sequence to predict the next one.
-            padded_pos = pad(position_ids, 0, "right", self.pad_to_multiple_of)
-            starts = padded_pos == 0
-            starts[:, 0] = True
-            padded_labels = padded_labels.masked_fill(starts & batch["attention_mask"].bool(), -100)
-        batch["labels"] = padded_labels
         if self.return_position_ids:
             batch["position_ids"] = pad(position_ids, 0, "right", self.pad_to_multiple_of)
+        batch["attention_mask"] = pad([torch.ones_like(ids) for ids in input_ids], 0, "right", self.pad_to_multiple_of)
         return batch
 
+    @staticmethod
+    def get_position_ids_from_packed_seq_lengths(batch_seq_lengths: list[list[int]]) -> list[torch.Tensor]:
+        """Position ids that restart at 0 at each packed sequence, one tensor per example.
+
+        Args:
+            batch_seq_lengths (`list[list[int]]`):
+                For each example, the lengths of the sequences packed into it.
+
+        Returns:
+            `list[torch.Tensor]`: for each example, a `torch.long` tensor of its position ids.
+        """
+        return [_positions_from_lengths([int(n) for n in lengths]) for lengths in batch_seq_lengths]
+
     def _padding_free(
-        self, input_ids: list[torch.Tensor], labels: list[torch.Tensor], position_ids: list[torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
+        self,
+        input_ids: list[torch.Tensor],
+        labels: list[torch.Tensor],
+        position_ids: list[torch.Tensor],
+        pieces: list[list[int]],
+    ) -> dict[str, Any]:
         rows = _first_fit_rows([len(ids) for ids in input_ids], self.max_row_length)
-        row_ids, row_labels, row_pos = [], [], []
+        row_ids, row_labels, row_pos, row_lengths = [], [], [], []
         for members in rows:
             ids = torch.cat([input_ids[i] for i in members])
             pos = torch.cat([position_ids[i] for i in members])
@@ -127,20 +146,32 @@ class DataCollatorForLanguageModeling:
             row_ids.append(ids)
             row_labels.append(lab)
             row_pos.append(pos)
+            row_lengths.append([n for i in members for n in pieces[i]])
         width = max(len(ids) for ids in row_ids)
         if self.pad_to_multiple_of is not None:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
         for i, ids in enumerate(row_ids):
             extra = width - len(ids)
             if extra:
-                # Padding forms its own trailing "sequence" (positions restart at 0), so real tokens never attend to it.
+                # Every padding token is a sequence of its own (position 0), so real tokens never attend to it.
                 row_ids[i] = F.pad(ids, (0, extra), value=self.pad_token_id)
                 row_labels[i] = F.pad(row_labels[i], (0, extra), value=-100)
-                row_pos[i] = torch.cat([row_pos[i], torch.arange(extra, dtype=torch.long)])
+                row_pos[i] = F.pad(row_pos[i], (0, extra), value=0)
+                row_lengths[i] = row_lengths[i] + [1] * extra
+        # Variable-length attention kernels (FlashAttention) read the sequence boundaries of the flattened batch.
+        lengths = torch.tensor([n for row in row_lengths for n in row], dtype=torch.int32)
+        cu_seq_lens = F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
+        max_length = int(lengths.max()) if len(lengths) else 0
+        seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths.long())
         return {
             "input_ids": torch.stack(row_ids),
-            "position_ids": torch.stack(row_pos),
             "labels": torch.stack(row_labels),
+            "position_ids": torch.stack(row_pos),
+            "cu_seq_lens_q": cu_seq_lens,
+            "cu_seq_lens_k": cu_seq_lens.clone(),
+            "max_length_q": max_length,
+            "max_length_k": max_length,
+            "seq_idx": seq_idx.reshape(len(row_ids), width),
         }
 
 
@@ -362,27 +393,29 @@ class SFTTrainer(_BaseTrainer):
                 "cannot be combined with a custom data_collator. Remove the collator or set padding_free=False and "
                 "packing_strategy='wrapped'."
             )
+        if args.padding_free and not args.packing and args.max_length is not None:
+            raise ValueError(
+                "When `padding_free=True` without packing, `max_length` is not enforced (padding-free batches hold "
+                f"whole sequences), but max_length={args.max_length} was set. Either enable packing (e.g. "
+                "`packing=True, packing_strategy='bfd'`), provide already truncated inputs, or set `max_length=None`."
+            )
         if self.padding_free and not args.padding_free:
             logger.info("packing_strategy=%r implies padding_free=True.", args.packing_strategy)
         if data_collator is None:
             pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
-            # Dense-mask attention (eager/SDPA) pays quadratically for long rows: keep padding-free rows within
-            # max_length. Variable-length kernels take the whole batch as one row.
-            max_row_length = None
-            if self.padding_free and packed_attention_kind(model) != "varlen":
-                max_row_length = args.max_length
+            # Padding-free batches are one row, as in TRL (same layout, token counts and FLOPs).
             data_collator = DataCollatorForLanguageModeling(
                 pad_token_id=pad_token_id,
                 padding_free=self.padding_free,
                 pad_to_multiple_of=args.pad_to_multiple_of,
-                max_row_length=max_row_length,
             )
 
         # ---- Datasets ------------------------------------------------------------------------------------------
         if formatting_func is not None and args.completion_only_loss:
             raise ValueError(
-                "formatting_func turns each example into a single text, so there is no completion to restrict the "
-                "loss to; completion_only_loss=True cannot be combined with it. Drop one of the two."
+                "A formatting function was provided while `completion_only_loss=True`, which is incompatible: a "
+                "formatting function turns each example into a single text, so there is no completion to restrict the "
+                "loss to. Apply the formatting before passing the dataset, or set completion_only_loss=False."
             )
         skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset", False))
         if not skip_prepare:
@@ -402,6 +435,8 @@ class SFTTrainer(_BaseTrainer):
                     )
 
         # ---- Trainer -------------------------------------------------------------------------------------------
+        self._formatting_func = formatting_func
+        self._skip_prepare_dataset = skip_prepare
         self._init_metrics()
         self._total_train_tokens = 0
         super().__init__(
@@ -422,7 +457,11 @@ class SFTTrainer(_BaseTrainer):
         # Trainer must pass `num_items_in_batch` and must not rescale for gradient accumulation again.
         self.model_accepts_loss_kwargs = True
         self._loss_shifts_labels = not getattr(getattr(self.model, "config", None), "is_encoder_decoder", False)
-        self._forward_accepts_logits_to_keep = model_accepts_argument(self.model, "logits_to_keep")
+        # PEFT prompt tuning / p-tuning prepends virtual tokens: the logits have that many extra leading positions.
+        self._num_virtual_tokens = _num_virtual_tokens(self.model)
+        self._forward_accepts_logits_to_keep = (
+            model_accepts_argument(self.model, "logits_to_keep") and not self._num_virtual_tokens
+        )
 
         self._init_activation_offloading()
         self._add_model_tags(self.model)
@@ -453,26 +492,47 @@ class SFTTrainer(_BaseTrainer):
         if first is None:
             raise ValueError(f"The {dataset_name} dataset is empty; SFTTrainer needs at least one example.")
         columns = list(get_dataset_column_names(dataset) or first.keys())
+        # Raw columns stay beside the token columns, as in TRL (the collator and `remove_unused_columns` only pass
+        # `input_ids`, `labels` and `seq_lengths` on to the model).
 
-        # Already tokenized: trust the ids, but still build labels and truncate.
+        # completion_only_loss=None: restrict the loss to the completion of prompt-completion data.
+        completion_only = args.completion_only_loss
+        if completion_only is None:
+            completion_only = "prompt" in columns and "completion" in columns
+        if formatting_func is not None and completion_only:
+            raise ValueError(
+                "A formatting function was provided while `completion_only_loss=True` (completion_only_loss="
+                f"{args.completion_only_loss} on the {dataset_name} dataset with columns {columns}), which is "
+                "incompatible: a formatting function turns each example into a single text, so there is no completion "
+                "to restrict the loss to. Apply the formatting before passing the dataset, or set "
+                "completion_only_loss=False."
+            )
+        if args.assistant_only_loss and not is_conversational(first):
+            raise ValueError(
+                f"You set `assistant_only_loss=True`, but the {dataset_name} dataset is not conversational (columns "
+                f"{columns}). assistant_only_loss needs conversational data: a `messages` column or conversational "
+                "prompt/completion."
+            )
+
         if "input_ids" in columns:
+            # Already tokenized: trust the ids, but still build labels and truncate.
             if formatting_func is not None:
                 logger.warning("formatting_func is ignored because the %s dataset is already tokenized.", dataset_name)
             tokenized = dataset
         else:
             if formatting_func is not None:
                 dataset = dataset.map(
-                    lambda ex: {"text": formatting_func(ex)}, remove_columns=columns, **_desc(map_kwargs, "Formatting")
+                    lambda ex: {"text": formatting_func(ex)}, **_desc(map_kwargs, f"Formatting {dataset_name} dataset")
                 )
-                columns = ["text"]
+                columns = columns + ["text"] if "text" not in columns else columns
                 first = next(iter(dataset))
             if is_conversational_from_value(first):
                 dataset = dataset.map(
                     maybe_convert_to_chatml,
                     remove_columns=["conversations"],
-                    **_desc(map_kwargs, "Converting to ChatML"),
+                    **_desc(map_kwargs, f"Converting {dataset_name} dataset to ChatML"),
                 )
-                columns = [c if c != "conversations" else "messages" for c in columns]
+                columns = [c for c in columns if c != "conversations"] + ["messages"]
                 first = next(iter(dataset))
             data_format = self._detect_sft_format(columns, args, dataset_name)
             conversational = is_conversational(first)
@@ -484,41 +544,37 @@ class SFTTrainer(_BaseTrainer):
                     "assign tokenizer.chat_template before creating the trainer."
                 )
             if args.assistant_only_loss:
-                if not conversational:
-                    raise ValueError(
-                        "assistant_only_loss=True needs conversational data (a `messages` column or conversational "
-                        f"prompt/completion); the {dataset_name} dataset is in standard (plain text) format."
-                    )
                 self._check_generation_markers(processing_class)
-            if args.completion_only_loss and data_format != "prompt_completion":
-                raise ValueError(
-                    "completion_only_loss=True needs prompt-completion data (`prompt` and `completion` columns); "
-                    f"the {dataset_name} dataset has columns {columns}, which is language-modeling data. Set "
-                    "completion_only_loss=None/False or provide prompt and completion columns."
-                )
-            eos_token = tokenizer.eos_token
-            text_field = args.dataset_text_field
+            if not conversational:
+                # The EOS token is appended to the text column (or else to the completion) in the dataset itself.
+                eos_field = args.dataset_text_field if args.dataset_text_field in columns else "completion"
+                if eos_field in columns and tokenizer.eos_token:
+                    dataset = dataset.map(
+                        _AppendEOS(eos_field, tokenizer.eos_token),
+                        **_desc(map_kwargs, f"Adding EOS to {dataset_name} dataset"),
+                    )
             tokenize = _Tokenizer(
                 processing_class=processing_class,
                 data_format=data_format,
                 conversational=conversational,
-                text_field=text_field,
-                eos_token=eos_token,
+                text_field=args.dataset_text_field,
                 assistant_only_loss=args.assistant_only_loss,
             )
-            keep = [c for c in columns if c in _TOKENIZED_COLUMNS]
-            tokenized = dataset.map(
-                tokenize,
-                remove_columns=[c for c in columns if c not in keep],
-                **_desc(map_kwargs, f"Tokenizing {dataset_name} dataset"),
-            )
+            tokenized = dataset.map(tokenize, **_desc(map_kwargs, f"Tokenizing {dataset_name} dataset"))
+            columns = columns + [c for c in tokenize.output_columns() if c not in columns]
 
-        # Labels: -100 where no loss is wanted.
-        completion_only = args.completion_only_loss
-        if completion_only is None:
-            completion_only = True  # only has an effect when a completion_mask exists (prompt-completion data)
-        build_labels = _LabelBuilder(completion_only=completion_only, assistant_only=args.assistant_only_loss)
-        tokenized = tokenized.map(build_labels, **_desc(map_kwargs, "Building labels"))
+        # Labels: -100 where no loss is wanted. A `labels` column given by the user is used as is.
+        if "labels" not in columns:
+            consumed = [c for c in ("assistant_masks",) if c in columns]
+            if completion_only and "completion_mask" in columns:
+                consumed.insert(0, "completion_mask")
+            build_labels = _LabelBuilder(completion_only=completion_only)
+            tokenized = tokenized.map(
+                build_labels,
+                remove_columns=consumed or None,
+                **_desc(map_kwargs, f"Building labels for {dataset_name}"),
+            )
+            columns = [c for c in columns if c not in consumed] + ["labels"]
 
         # Truncate (packing handles length itself) and drop rows left without any trainable token.
         max_length = args.max_length
@@ -562,17 +618,13 @@ class SFTTrainer(_BaseTrainer):
             truncate = _Truncator(max_length if not packing else None, args.truncation_mode)
             tokenized = tokenized.map(truncate)
 
-        # Only the columns the collator uses survive (packing needs equal-length list columns).
-        column_names = get_dataset_column_names(tokenized)
-        extra = [c for c in column_names if c not in ("input_ids", "labels", "seq_lengths")]
-        if extra:
-            tokenized = tokenized.remove_columns(extra)
-
         if packing:
             if max_length is None:
                 raise ValueError("packing=True needs max_length (the length of each packed row); got None.")
-            if "seq_lengths" in get_dataset_column_names(tokenized):
-                tokenized = tokenized.remove_columns("seq_lengths")
+            # Packed rows hold several examples: only the token columns survive (as in TRL).
+            extra = [c for c in get_dataset_column_names(tokenized) or columns if c not in ("input_ids", "labels")]
+            if extra:
+                tokenized = tokenized.remove_columns(extra)
             tokenized = pack_dataset(tokenized, max_length, args.packing_strategy, map_kwargs or None)
             if args.packing_strategy == "wrapped":
                 logger.info("Packed %s dataset with the 'wrapped' strategy (sequences may cross rows).", dataset_name)
@@ -619,12 +671,53 @@ class SFTTrainer(_BaseTrainer):
             "{% generation %} ... {% endgeneration %}, and the current template has no such markers." + hint
         )
 
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """A raw dataset given to `evaluate()` is prepared as the constructor's `eval_dataset` (`eval_packing`);
+        an already prepared one (with `input_ids` and `labels`) and `skip_prepare_dataset` data stay unchanged."""
+        if self._skip_prepare_dataset:
+            return dataset
+        first = next(iter(dataset), None) if isinstance(dataset, (Dataset, IterableDataset)) else None
+        columns = get_dataset_column_names(dataset) if first is not None else []
+        if not columns or ("input_ids" in columns and "labels" in columns):
+            return dataset
+        args = self.args
+        packing = args.packing if args.eval_packing is None else args.eval_packing
+        return self._prepare_dataset(dataset, self.processing_class, args, packing, self._formatting_func, name)
+
+    def _check_skipped_dataset(self, dataset: Any, name: str) -> None:
+        """With `skip_prepare_dataset`, data the collator cannot turn into `input_ids`/`labels` fails clearly."""
+        if not self._skip_prepare_dataset or not isinstance(dataset, (Dataset, IterableDataset)):
+            return
+        columns = dataset.column_names
+        if columns is None:
+            first = next(iter(dataset), None)
+            columns = list(first) if first is not None else None
+        if columns is not None and "input_ids" not in columns:
+            raise ValueError(
+                f"The {name} dataset has no `input_ids` column (columns: {columns}). With dataset_kwargs="
+                "{'skip_prepare_dataset': True} SFTTrainer uses the dataset as given, so it must already be tokenized: "
+                "`input_ids` and optionally `labels` (-100 where no loss is wanted) and `seq_lengths`. No columns in "
+                "the dataset match the model's forward method signature: (input_ids, labels, seq_lengths). Tokenize "
+                "the data first or drop skip_prepare_dataset."
+            )
+
+    def get_train_dataloader(self):
+        self._check_skipped_dataset(self.train_dataset, "train")
+        return super().get_train_dataloader()
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str):
+            dataset = self.eval_dataset[dataset]
+        self._check_skipped_dataset(dataset, "eval")
+        return super().get_eval_dataloader(eval_dataset)
+
     # ------------------------------------------------------------------------------------------------------------
     # Training
     # ------------------------------------------------------------------------------------------------------------
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
-            self._signature_columns = ["input_ids", "labels", "attention_mask", "position_ids", "seq_lengths"]
+            self._signature_columns = list(_SIGNATURE_COLUMNS)
 
     def training_step(self, *args, **kwargs):
         with self.maybe_activation_offload_context:
@@ -646,6 +739,9 @@ class SFTTrainer(_BaseTrainer):
             self._log_token_metrics(mode, inputs, None, None)
             return (loss, outputs) if return_outputs else loss
 
+        if self._num_virtual_tokens:
+            # The virtual tokens have no target; the last one predicts the first real token.
+            labels = F.pad(labels, (self._num_virtual_tokens, 0), value=-100)
         # Position t predicts token t + 1; only positions with a real target go through the output projection.
         shift_labels = labels[:, 1:]
         target_mask = shift_labels != -100
@@ -672,7 +768,9 @@ class SFTTrainer(_BaseTrainer):
         else:
             per_token_loss = per_token_nll
         loss_sum = per_token_loss.sum()
-        if num_items_in_batch is not None:
+        if num_items_in_batch is not None and mode == "train":
+            # Training: averaged over the target tokens of the whole (accumulated, all-process) batch. Evaluation
+            # averages over this batch's target tokens, as TRL does.
             loss = loss_sum / num_items_in_batch
             loss = self._scale_for_token_average(loss, num_items_in_batch)
         else:
@@ -697,179 +795,22 @@ class SFTTrainer(_BaseTrainer):
             num_tokens = inputs["attention_mask"].sum()
         else:
             num_tokens = torch.tensor(inputs["input_ids"].numel(), device=inputs["input_ids"].device)
-        self._record_num_tokens(mode, self.accelerator.gather(num_tokens.reshape(1)).sum().item())
-        if token_logits is None:  # custom compute_loss_func: no token statistics, on every process alike
-            return
-        # Every process joins the gather, also one whose batch has no target token (skipping it would deadlock).
-        if token_logits.numel() == 0:
-            local = torch.zeros(3, device=token_logits.device)
-        else:
-            entropy_sum = entropy_from_logits(token_logits.float()).sum()
-            correct = (token_logits.argmax(dim=-1) == token_targets).sum()
-            count = torch.tensor(token_targets.numel(), device=token_logits.device)
-            local = torch.stack([entropy_sum.float(), correct.float(), count.float()])
-        stats = self.accelerator.gather(local.reshape(1, 3)).reshape(-1, 3).sum(dim=0)
-        if stats[2] == 0:
-            return
-        self._metrics[mode]["entropy"].append((stats[0] / stats[2]).item())
-        self._metrics[mode]["mean_token_accuracy"].append((stats[1] / stats[2]).item())
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Picklable dataset-map functions (so `dataset_num_proc` works)
-# ----------------------------------------------------------------------------------------------------------------
-def _desc(map_kwargs: dict[str, Any], text: str) -> dict[str, Any]:
-    return {**map_kwargs, "desc": text} if "num_proc" in map_kwargs else dict(map_kwargs)
-
-
-def _parse_tools(tools: Any) -> Any:
-    if isinstance(tools, str):
-        try:
-            return json.loads(tools)
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"The `tools` column must hold a list of JSON schemas or a JSON string; got {tools!r}."
-            ) from error
-    return tools
-
-
-class _Tokenizer:
-    """Turns one raw example into `input_ids` (+ `completion_mask` / `assistant_masks`)."""
-
-    def __init__(self, processing_class, data_format, conversational, text_field, eos_token, assistant_only_loss):
-        self.processing_class = processing_class
-        self.tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        self.data_format = data_format
-        self.conversational = conversational
-        self.text_field = text_field
-        self.eos_token = eos_token
-        self.assistant_only_loss = assistant_only_loss
-
-    def _chat(self, messages, example, **kwargs) -> dict[str, list[int]]:
-        tools = _parse_tools(example.get("tools"))
-        template_kwargs = dict(example.get("chat_template_kwargs") or {})
-        try:
-            out = self.processing_class.apply_chat_template(
-                messages, tools=tools, tokenize=True, return_dict=True, **kwargs, **template_kwargs
-            )
-        except Exception as error:  # surface template errors with the offending example
-            raise ValueError(
-                f"Applying the chat template failed on the example {str(messages)[:300]}: {error}"
-            ) from error
-        return {key: _as_list(value) for key, value in out.items()}
-
-    def _check_roles(self, messages) -> None:
-        allowed = {"system", "user", "assistant", "tool", "developer", "ipython", "function"}
-        for message in messages:
-            role = message.get("role") if isinstance(message, dict) else None
-            if role not in allowed:
-                raise ValueError(
-                    f"Found a message with role {role!r}; expected one of {sorted(allowed)}. Fix the dataset's "
-                    "messages (ShareGPT data with 'from'/'value' keys is converted automatically)."
-                )
-
-    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
-        if self.data_format == "prompt_completion":
-            prompt, completion = example["prompt"], example["completion"]
-            if self.conversational:
-                self._check_roles(prompt)
-                self._check_roles(completion)
-                last_role = prompt[-1]["role"] if prompt else "user"
-                prompt_kwargs = (
-                    {"continue_final_message": True} if last_role == "assistant" else {"add_generation_prompt": True}
-                )
-                prompt_ids = self._chat(prompt, example, **prompt_kwargs)["input_ids"]
-                full = self._chat(prompt + completion, example, return_assistant_tokens_mask=self.assistant_only_loss)
+        batch_tokens = self.accelerator.gather(num_tokens.reshape(1)).sum().item()
+        if token_logits is not None:  # None: custom compute_loss_func, no token statistics (on every process alike)
+            # Every process joins the gather, also one whose batch has no target token (skipping it would deadlock).
+            if token_logits.numel() == 0:
+                local = torch.zeros(3, device=token_logits.device)
             else:
-                if not isinstance(prompt, str) or not isinstance(completion, str):
-                    raise ValueError(
-                        "Standard prompt-completion data needs string `prompt` and `completion` values; got "
-                        f"{type(prompt).__name__} and {type(completion).__name__}."
-                    )
-                if self.eos_token and not completion.endswith(self.eos_token):
-                    completion = completion + self.eos_token
-                prompt_ids = _as_list(self.tokenizer(prompt)["input_ids"])
-                full = {"input_ids": _as_list(self.tokenizer(prompt + completion)["input_ids"])}
-            input_ids = full["input_ids"]
-            split = common_prefix_length(prompt_ids, input_ids)
-            if split != len(prompt_ids):
-                logger.debug("Prompt tokens changed when the completion was appended; splitting at the common prefix.")
-            output = {"input_ids": input_ids, "completion_mask": [0] * split + [1] * (len(input_ids) - split)}
-            if "assistant_masks" in full:
-                output["assistant_masks"] = full["assistant_masks"]
-            return output
-
-        if self.data_format == "messages":
-            messages = example["messages"]
-            self._check_roles(messages)
-            out = self._chat(messages, example, return_assistant_tokens_mask=self.assistant_only_loss)
-            output = {"input_ids": out["input_ids"]}
-            if self.assistant_only_loss:
-                output["assistant_masks"] = out["assistant_masks"]
-            return output
-
-        text = example[self.text_field]
-        if not isinstance(text, str):
-            raise ValueError(
-                f"Column {self.text_field!r} must hold strings; found {type(text).__name__}. Point dataset_text_field "
-                "at a text column or pass a formatting_func."
-            )
-        if self.eos_token and not text.endswith(self.eos_token):
-            text = text + self.eos_token
-        return {"input_ids": _as_list(self.tokenizer(text)["input_ids"])}
-
-
-class _LabelBuilder:
-    def __init__(self, completion_only: bool, assistant_only: bool):
-        self.completion_only = completion_only
-        self.assistant_only = assistant_only
-
-    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
-        labels = list(example["labels"]) if example.get("labels") is not None else list(example["input_ids"])
-        if self.completion_only and example.get("completion_mask") is not None:
-            labels = [label if keep else -100 for label, keep in zip(labels, example["completion_mask"])]
-        if self.assistant_only:
-            masks = example.get("assistant_masks")
-            if masks is None:
-                raise ValueError("assistant_only_loss=True but the example has no assistant mask.")
-            if not any(masks):
-                raise ValueError(
-                    "The chat template produced an empty assistant mask for an example; its {% generation %} "
-                    "markers do not surround the assistant turns. Use a training template (see "
-                    "get_training_chat_template)."
-                )
-            labels = [label if keep else -100 for label, keep in zip(labels, masks)]
-        return {"labels": labels}
-
-
-class _Truncator:
-    def __init__(self, max_length: int | None, mode: str):
-        self.max_length = max_length
-        self.mode = mode
-
-    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
-        if self.max_length is None or len(example["input_ids"]) <= self.max_length:
-            return {}
-        out = {}
-        for key in ("input_ids", "labels", "completion_mask", "assistant_masks"):
-            if example.get(key) is not None:
-                values = example[key]
-                out[key] = values[: self.max_length] if self.mode == "keep_start" else values[-self.max_length :]
-        return out
-
-
-def _shortest_prompt(dataset: Dataset) -> int | None:
-    if "completion_mask" not in dataset.column_names:
-        return None
-    return min((mask.count(0) if isinstance(mask, list) else 0) for mask in dataset["completion_mask"])
-
-
-def _as_list(value: Any) -> Any:
-    if torch.is_tensor(value):
-        value = value.tolist()
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
-        return value[0]
-    return value
+                entropy_sum = entropy_from_logits(token_logits.float()).sum()
+                correct = (token_logits.argmax(dim=-1) == token_targets).sum()
+                count = torch.tensor(token_targets.numel(), device=token_logits.device)
+                local = torch.stack([entropy_sum.float(), correct.float(), count.float()])
+            stats = self.accelerator.gather(local.reshape(1, 3)).reshape(-1, 3).sum(dim=0)
+            if stats[2] > 0:
+                self._metrics[mode]["entropy"].append((stats[0] / stats[2]).item())
+                self._metrics[mode]["mean_token_accuracy"].append((stats[1] / stats[2]).item())
+        # Logged after entropy and accuracy, in TRL's key order.
+        self._record_num_tokens(mode, batch_tokens)
 
 
 def _to_sft_config(args: TrainingArguments) -> SFTConfig:
@@ -882,6 +823,17 @@ def _to_sft_config(args: TrainingArguments) -> SFTConfig:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         return SFTConfig(**values)
+
+
+def _num_virtual_tokens(model: Any) -> int:
+    """Number of virtual tokens a PEFT prompt-learning adapter prepends to the logits (0 for prefix tuning, which
+    extends the attention cache instead, and for every other model)."""
+    config = getattr(model, "active_peft_config", None)
+    if config is None or not getattr(config, "is_prompt_learning", False):
+        return 0
+    if str(getattr(config.peft_type, "value", config.peft_type)) in ("PREFIX_TUNING", "CARTRIDGE"):
+        return 0
+    return int(config.num_virtual_tokens) * int(getattr(config, "num_transformer_submodules", None) or 1)
 
 
 def _make_added_tokens_trainable(peft_config: Any, added_tokens: list[int]) -> None:
