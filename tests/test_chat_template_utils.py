@@ -483,9 +483,14 @@ class TestParseResponse:
             "content": 'Hi <tool_call>\n{"name": 3}\n</tool_call>',
         }
 
-    def test_no_schema_falls_back_to_decoded_text(self, qwen):
+    def test_no_schema_raises_attribute_error_with_the_fix(self, qwen):
+        # As in TRL: a tokenizer without a response parser cannot parse (AttributeError), here with a hint.
+        for name in ("response_template", "response_schema"):
+            if getattr(qwen, name, None) is not None:
+                setattr(qwen, name, None)
         ids = qwen("<|im_start|>Plain answer.<|im_end|>", add_special_tokens=False).input_ids
-        assert parse_response(qwen, ids) == {"role": "assistant", "content": "Plain answer."}
+        with pytest.raises(AttributeError, match="add_response_schema"):
+            parse_response(qwen, ids)
 
 
 class TestCloneChatTemplate:

@@ -458,7 +458,17 @@ def parse_response(
         `dict`: A message with `role`, a string `content` (trailing end-of-sequence token removed) and, when present,
         well-formed `tool_calls` (each with a string function name and dict arguments). When parsing fails, the
         message is `{"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}`.
+
+    Raises:
+        AttributeError: If the tokenizer has no response parser at all (see [`add_response_schema`]).
     """
+    if not any(getattr(tokenizer, name, None) for name in ("response_template", "response_schema")):
+        # As in TRL: without a parser specification there is nothing to parse with (AttributeError).
+        raise AttributeError(
+            f"{type(tokenizer).__name__} has no response parser (`response_template` / `response_schema`), so "
+            "generated text cannot be parsed into a message. Call `trl.chat_template_utils.add_response_schema("
+            "tokenizer)` first, or set `tokenizer.response_template` yourself."
+        )
     ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
     if prefix is not None and hasattr(prefix, "tolist"):
         prefix = prefix.tolist()
