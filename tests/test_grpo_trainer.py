@@ -165,7 +165,7 @@ def _hand_per_token(loss_type, level="token", delta=None):
                 k, lam = (2.0, 3.0) if adv > 0 else (3.0, 2.0)
                 w = math.exp(seq_sum)
                 phi = w**k * math.exp(-lam * (w - 1))
-                row.append(-phi * ratio * adv)
+                row.append(-phi * adv * a)  # REINFORCE form: detached weight x advantage x log-probability
             else:
                 row.append(_clip_objective(ratio, adv, delta))
         table.append(row)
@@ -246,7 +246,9 @@ def test_cispo_weight_is_detached():
     ratio = torch.exp(torch.tensor(LOGPS, dtype=torch.float64) - torch.tensor(OLD, dtype=torch.float64))
     expected = -ratio.clamp(max=1.2) * torch.tensor(ADV, dtype=torch.float64).unsqueeze(1)
     torch.testing.assert_close(logps.grad, expected)
-    assert stats["cispo_clipped"].tolist() == (ratio > 1.2).tolist()
+    # Counted where the cap binds on a positive advantage (TRL's `cispo_clip_ratio`).
+    positive = torch.tensor(ADV).unsqueeze(1) > 0
+    assert stats["cispo_clipped"].tolist() == ((ratio > 1.2) & positive).tolist()
 
 
 def test_vespo_weight_is_one_on_policy_and_decays_off_policy():
@@ -254,6 +256,55 @@ def test_vespo_weight_is_one_on_policy_and_decays_off_policy():
     weights = vespo_sequence_weights(torch.tensor([0.0, 0.0, 3.0]), advantages, 2.0, 3.0, 3.0, 2.0)
     assert weights[0] == 1.0 and weights[1] == 1.0
     assert weights[2].item() == pytest.approx(math.exp(2 * 3.0 - 3.0 * (math.exp(3.0) - 1)))
+
+
+def test_vespo_on_policy_value_is_the_weighted_log_likelihood_and_gradient_the_policy_gradient():
+    """On-policy (phi = 1) the VESPO loss is `-A * logp` per token (TRL's logged value), its gradient `-A`."""
+    logps = torch.tensor(LOGPS, dtype=torch.float64, requires_grad=True)
+    advantages = torch.tensor(ADV, dtype=torch.float64)
+    per_token, _, stats = grpo_per_token_loss(
+        logps, logps.detach(), advantages, torch.tensor(MASK, dtype=torch.float64), loss_type="vespo"
+    )
+    assert stats["vespo_phi"].tolist() == [1.0, 1.0, 1.0]
+    torch.testing.assert_close(per_token, -advantages.unsqueeze(1) * torch.tensor(LOGPS, dtype=torch.float64))
+    per_token.sum().backward()
+    torch.testing.assert_close(logps.grad, -advantages.unsqueeze(1).expand(3, 3))
+
+
+class _MetricRecorder:
+    """The metric plumbing `_record_clip_metrics` uses, on one process."""
+
+    def __init__(self):
+        from collections import defaultdict
+
+        from accelerate import Accelerator
+
+        self.accelerator = Accelerator(cpu=True)
+        self._mode = "train"
+        self._metrics = {"train": defaultdict(list)}
+
+    _record_metric = GRPOTrainer._record_metric
+    _record_reduced = GRPOTrainer._record_reduced
+    _record_clip_metrics = GRPOTrainer._record_clip_metrics
+
+
+def test_clip_metrics_extremes_are_over_completions():
+    """TRL's definitions: means over the micro-batch's tokens; `low_min` / `high_max` the smallest / largest
+    per-completion fraction; a completion without loss tokens is left out of the extremes, and none at all gives NaN
+    (logged as None)."""
+    low = torch.tensor([[True, False, False, False], [False, False, False, False], [True, True, False, False]])
+    high = torch.tensor([[False, False, False, False], [True, True, True, False], [False, False, False, False]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])
+    recorder = _MetricRecorder()
+    recorder._record_clip_metrics(low, high, mask)
+    metrics = recorder._metrics["train"]
+    assert metrics["clip_ratio/low_mean"] == [pytest.approx(1 / 8)]
+    assert metrics["clip_ratio/high_mean"] == [pytest.approx(3 / 8)]
+    assert metrics["clip_ratio/region_mean"] == [pytest.approx(4 / 8)]
+    assert metrics["clip_ratio/low_min"] == [0.0]  # completion 2 (0 of 4); completion 3 has no tokens
+    assert metrics["clip_ratio/high_max"] == [pytest.approx(0.75)]
+    recorder._record_clip_metrics(low, high, torch.zeros_like(mask))
+    assert metrics["clip_ratio/low_mean"][-1] == 0.0 and math.isnan(metrics["clip_ratio/high_max"][-1])
 
 
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
@@ -468,8 +519,12 @@ def test_each_loss_type_trains(tmp_path, model_path, prompts, loss_type):
     trainer.train()
     assert changed_params(before, trainer.model)
     log = train_logs(trainer)[-1]
+    # As TRL: the soft trust regions log no clip_ratio/* metrics, the clipped objectives all five.
+    clip_keys = [key for key in log if key.startswith("clip_ratio/")]
+    expected_count = 0 if loss_type in ("cispo", "sapo", "vespo") else 5
+    assert len(clip_keys) == expected_count
     if loss_type == "cispo":
-        assert "cispo_clip_ratio" in log
+        assert log["cispo_clip_ratio"] == 0.0  # on-policy ratio 1 stays under the cap 5.0
     if loss_type == "vespo":
         assert log["vespo/phi_seq_mean"] == pytest.approx(1.0)
 
@@ -698,6 +753,10 @@ def test_mask_truncated_completions(tmp_path, model_path, prompts):
     assert log["completions/clipped_ratio"] == 1.0  # the random model never emits EOS in 3 tokens
     assert trainer._buffered_inputs[0]["completion_mask"].sum() == 0
     assert log["loss"] == 0.0
+    # No completion token counts: the per-completion clip extremes are undefined and logged as None (as in TRL),
+    # the token means are 0.
+    assert log["clip_ratio/low_min"] is None and log["clip_ratio/high_max"] is None
+    assert log["clip_ratio/low_mean"] == 0.0
 
 
 def test_top_entropy_quantile_masks_low_entropy_tokens(rollout_trainer):

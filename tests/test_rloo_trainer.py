@@ -112,10 +112,13 @@ def test_kl_enters_the_reward(trainer):
         "ref_per_token_logps": torch.tensor([[-2.0, -2.0], [-1.5, -1.0], [-0.5, -1.5], [-1.0, -1.0]]),
     }
     trainer.args.reward_clip_range = (1.5, 3.5)
+    trainer._metrics["train"].clear()
     try:
         advantages = trainer._compute_advantages(rewards, batch)
     finally:
         trainer.args.reward_clip_range = None
+    # Logged as TRL does: the mean per-token KL over all completion tokens (2.5 over 5 tokens), not per sequence.
+    assert trainer._metrics["train"]["kl"] == [pytest.approx(2.5 / 5)]
     kl = [1.0, 0.5, 1.0, 0.0]  # masked sums of old - ref
     clipped = [1.5, 2.0, 3.0, 3.5]
     shaped = [r - 0.5 * k for r, k in zip(clipped, kl)]
@@ -195,6 +198,9 @@ def test_num_iterations_uses_stored_old_logps(tmp_path, model_path, prompts):
     logs = train_logs(trainer)
     assert logs[0]["clip_ratio/region_mean"] == 0.0 and logs[1]["clip_ratio/region_mean"] > 0.0
     assert "kl" not in logs[-1]
+    # One ratio per completion: the means are fractions of completions, the extremes over completions (0 or 1).
+    assert logs[1]["clip_ratio/high_max"] in (0.0, 1.0) and logs[1]["clip_ratio/low_min"] in (0.0, 1.0)
+    assert logs[1]["clip_ratio/region_mean"] * 4 == pytest.approx(round(logs[1]["clip_ratio/region_mean"] * 4))
 
 
 def test_toy_task_reward_rises(tmp_path, model_path, prompts):

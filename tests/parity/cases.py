@@ -546,6 +546,39 @@ register(
     partial(online_case, trainer_name="RLOO", max_steps=1, normalize_advantages=True),
 )
 register("rloo/beta=0", partial(online_case, trainer_name="RLOO", max_steps=1, beta=0.0))
+# Off-policy steps (the second pass over a rollout): clip metrics and the ratio-dependent losses.
+register("rloo/num_iterations=2", partial(online_case, trainer_name="RLOO", max_steps=2, num_iterations=2))
+for _loss in ["cispo", "sapo", "vespo"]:
+    register(
+        f"grpo/loss_type={_loss}/num_iterations=2",
+        partial(online_case, trainer_name="GRPO", max_steps=2, num_iterations=2, loss_type=_loss),
+    )
+# Completions of different lengths: the end-of-sequence token (id 4091 in the tiny Qwen2 tokenizer) made likely.
+EOS_BIAS = {"sequence_bias": [[[4091], 6.0]]}
+register("grpo/eos_bias", partial(online_case, trainer_name="GRPO", max_steps=2, generation_kwargs=EOS_BIAS))
+register("rloo/eos_bias", partial(online_case, trainer_name="RLOO", generation_kwargs=EOS_BIAS))
+for _name in ["GRPO", "RLOO"]:
+    register(
+        f"{_name.lower()}/eos_bias/num_iterations=2",
+        partial(online_case, trainer_name=_name, max_steps=2, num_iterations=2, generation_kwargs=EOS_BIAS),
+    )
+
+
+def none_reward(completions, **kwargs) -> list:
+    """A reward that never applies."""
+    return [None] * len(completions)
+
+
+register(
+    "grpo/undefined_metrics",
+    partial(
+        online_case,
+        trainer_name="GRPO",
+        max_steps=1,
+        reward_funcs=[toy_reward, none_reward],
+        mask_truncated_completions=True,
+    ),
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def grpo_per_token_loss(
       `eps_high` is the cap itself, epsilon_max);
     - sapo: `-sigmoid(tau (r - 1)) * 4 / tau * A`, `tau` chosen by the sign of `A` (a soft trust region whose
       gradient at `r = 1` is the plain policy gradient);
-    - vespo: `-sg(phi(w)) * r * A` with `phi` from [`vespo_sequence_weights`] of the sequence ratio `w`.
+    - vespo: `-sg(phi(w)) * A * logp` with `phi` from [`vespo_sequence_weights`] of the sequence ratio `w`.
 
     Args:
         per_token_logps: `(B, T)` log-probabilities under the current policy (with gradient).
@@ -154,7 +154,8 @@ def grpo_per_token_loss(
         per_token_loss = -torch.min(unclipped * adv, clipped * adv)
     elif loss_type == "cispo":
         weight = torch.clamp(ratio, max=epsilon_high).detach()
-        stats["cispo_clipped"] = ratio > epsilon_high
+        # Counted where the cap binds on a positive advantage (TRL's `cispo_clip_ratio`).
+        stats["cispo_clipped"] = (ratio > epsilon_high) & (adv > 0)
         per_token_loss = -weight * adv * per_token_logps
     elif loss_type == "sapo":
         tau = torch.where(
@@ -166,7 +167,9 @@ def grpo_per_token_loss(
         seq_log_ratio = ((per_token_logps - old_per_token_logps) * mask).sum(dim=1)
         phi = vespo_sequence_weights(seq_log_ratio, advantages, *vespo_params)
         stats["vespo_phi"] = phi
-        per_token_loss = -phi.unsqueeze(1) * ratio * adv
+        # REINFORCE form: the detached weight times the advantage times the log-probability (its value is that of
+        # the weighted log-likelihood, as TRL logs it; on-policy its gradient equals the clipped objectives').
+        per_token_loss = -phi.unsqueeze(1) * adv * per_token_logps
     else:
         raise ValueError(f"Unknown loss_type {loss_type!r}.")
     per_token_loss = per_token_loss.expand_as(per_token_logps)
@@ -336,6 +339,8 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         ),
     }
     _config_class = GRPOConfig
+    # As TRL: a metric undefined over the whole logging window (all-None rewards, no completion token) logs None.
+    _undefined_metric_value = None
     _default_suffix = "GRPO"
 
     def __init__(
@@ -560,16 +565,8 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             if per_token_kl is not None:
                 self._record_metric("kl", masked_mean(per_token_kl.detach(), mask))
             full_mask = mask.expand_as(per_token_loss)
-            low = masked_mean(stats["low_clipped"].expand_as(full_mask).float(), full_mask)
-            high = masked_mean(stats["high_clipped"].expand_as(full_mask).float(), full_mask)
-            region = masked_mean(
-                (stats["low_clipped"] | stats["high_clipped"]).expand_as(full_mask).float(), full_mask
-            )
-            self._record_metric("clip_ratio/low_mean", low)
-            self._record_reduced("clip_ratio/low_min", low, "min")
-            self._record_metric("clip_ratio/high_mean", high)
-            self._record_reduced("clip_ratio/high_max", high, "max")
-            self._record_metric("clip_ratio/region_mean", region)
+            if args.loss_type not in ("cispo", "sapo", "vespo"):  # their trust regions are not a clip (TRL)
+                self._record_clip_metrics(stats["low_clipped"], stats["high_clipped"], full_mask)
             if "cispo_clipped" in stats:
                 self._record_metric(
                     "cispo_clip_ratio", masked_mean(stats["cispo_clipped"].expand_as(full_mask).float(), full_mask)
