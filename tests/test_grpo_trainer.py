@@ -917,3 +917,43 @@ def test_missing_reward_funcs_and_wrong_args_type(tmp_path, model_path, prompts)
 
     with pytest.raises(TypeError, match="expects `args` to be a GRPOConfig"):
         GRPOTrainer(model_path, low_id_reward, args=TrainingArguments(str(tmp_path)), train_dataset=prompts)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Streaming datasets
+# ---------------------------------------------------------------------------------------------------------------------
+def test_streaming_train_and_eval_with_workers_and_epoch_reshuffle(tmp_path, model_path, prompts):
+    """An IterableDataset trains through dataloader workers (read once, in order, groups intact), is reshuffled with
+    `seed` every epoch like TRL's (`dataset.shuffle(seed=args.seed)` + `set_epoch`), and evaluates, alone or in a
+    dict with a map-style dataset."""
+    seen = []
+
+    def recording_reward(prompts, completion_ids, **kwargs):
+        seen.append(list(prompts))
+        return low_id_reward(completion_ids)
+
+    rows = prompts.select(range(6))
+    stream = rows.to_iterable_dataset(num_shards=2)
+    args = make_args(tmp_path, max_steps=6, per_device_train_batch_size=4, dataloader_num_workers=2)
+    args.per_device_eval_batch_size, args.num_generations_eval = 2, 2
+    trainer = GRPOTrainer(
+        model_path, reward_funcs=recording_reward, args=args, train_dataset=stream, eval_dataset=stream
+    )
+    trainer.train()
+    assert trainer.state.global_step == 6
+    # two prompts per step, each twice in a row; two epochs of three steps each, each epoch a seeded reshuffle
+    assert all(batch[0] == batch[1] and batch[2] == batch[3] for batch in seen)
+    read = [batch[i] for batch in seen for i in (0, 2)]
+    expected = []
+    shuffled = stream.shuffle(seed=args.seed)
+    for epoch in (0, 1):
+        shuffled.set_epoch(epoch)
+        expected += [row["prompt"] for row in shuffled]
+    assert read == expected and read[:6] != read[6:]
+    seen.clear()
+    metrics = trainer.evaluate()
+    assert "eval_reward" in metrics and len(seen) == 6
+    seen.clear()
+    metrics = trainer.evaluate(eval_dataset={"stream": stream, "map": rows})
+    assert "eval_stream_loss" in metrics and "eval_map_loss" in metrics
+    assert len(seen) == 12  # every prompt of each dataset, once per group

@@ -126,6 +126,30 @@ def test_kl_enters_the_reward(trainer):
     torch.testing.assert_close(advantages, torch.tensor(expected))
 
 
+def test_zero_std_groups_are_counted_on_kl_shaped_rewards(trainer):
+    """As TRL: `frac_reward_zero_std` looks at the rewards the baseline uses (KL penalty included), so equal raw
+    rewards with different KLs are not a zero-spread group."""
+    rewards = torch.tensor([[1.0], [1.0], [1.0], [1.0]])
+    batch = {
+        "completion_mask": torch.ones(4, 1),
+        "old_per_token_logps": torch.tensor([[-1.0], [-2.0], [-1.0], [-1.0]]),
+        "ref_per_token_logps": torch.tensor([[-1.0], [-1.0], [-1.0], [-1.0]]),
+    }
+    trainer._compute_advantages(rewards, batch)
+    shaped = trainer._rewards_for_zero_std(rewards.squeeze(1)).view(-1, 4)
+    assert shaped.std(dim=1).item() > 0.0  # one completion's KL differs
+    assert shaped.tolist() == [[1.0, 1.5, 1.0, 1.0]]
+
+
+def test_streaming_train_and_eval_with_workers(tmp_path, model_path, prompts):
+    stream = prompts.select(range(6)).to_iterable_dataset(num_shards=2)
+    args = make_args(tmp_path, max_steps=4, dataloader_num_workers=2, per_device_eval_batch_size=2)
+    trainer = RLOOTrainer(model_path, reward_funcs=low_id_reward, args=args, train_dataset=stream, eval_dataset=stream)
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert "eval_reward" in trainer.evaluate()
+
+
 def test_normalize_advantages(trainer):
     trainer.args.normalize_advantages = True
     trainer.args.beta = 0.0

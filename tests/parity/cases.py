@@ -564,6 +564,63 @@ for _name in ["GRPO", "RLOO"]:
     )
 
 
+RECORDED_PROMPTS: list[list[str]] = []
+
+
+def prompt_recording_reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
+    """The toy reward, also recording the prompts it is given (their order shows how the stream was read)."""
+    RECORDED_PROMPTS.append(list(prompts))
+    return toy_reward(completions, completion_ids)
+
+
+def online_stream_case(ctx, trainer_name: str, **config) -> dict:
+    """Training and evaluation on streaming datasets: 6 prompts in 2 shards, shuffled, read through 2 dataloader
+    workers for 6 steps (two epochs, so the per-epoch reshuffle shows), then `evaluate()` on a stream and on a dict
+    holding a stream and a map-style dataset."""
+    import trl
+
+    config_cls = getattr(trl, f"{trainer_name}Config")
+    trainer_cls = getattr(trl, f"{trainer_name}Trainer")
+    settings = dict(
+        ONLINE_ARGS,
+        max_steps=6,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        per_device_eval_batch_size=2,
+        num_generations_eval=2,
+        max_completion_length=4,
+        dataloader_num_workers=2,
+    )
+    args = config_cls(output_dir=ctx.tmpdir(), **{**settings, **config})
+    RECORDED_COMPLETION_IDS.clear()
+    RECORDED_PROMPTS.clear()
+    train = ctx.dataset("standard_prompt_only", "train", 6).to_iterable_dataset(num_shards=2)
+    test = ctx.dataset("standard_prompt_only", "test", 3)
+    trainer = trainer_cls(
+        model=ctx.model(QWEN),
+        reward_funcs=prompt_recording_reward,
+        args=args,
+        train_dataset=train.shuffle(seed=1, buffer_size=4),
+        eval_dataset=test.to_iterable_dataset(),
+    )
+    trainer.train()
+    out = {"log_history": to_jsonable(trainer.state.log_history), "train_prompts": list(RECORDED_PROMPTS)}
+    RECORDED_PROMPTS.clear()
+    out["eval"] = to_jsonable(trainer.evaluate())
+    out["eval_dict"] = to_jsonable(trainer.evaluate(eval_dataset={"stream": test.to_iterable_dataset(), "map": test}))
+    out["eval_prompts"] = list(RECORDED_PROMPTS)
+    out["completion_ids"] = list(RECORDED_COMPLETION_IDS)
+    return out
+
+
+for _name in ["GRPO", "RLOO"]:
+    register(f"{_name.lower()}/iterable_dataset", partial(online_stream_case, trainer_name=_name))
+register(
+    "grpo/iterable_dataset/shuffle_dataset=False",
+    partial(online_stream_case, trainer_name="GRPO", shuffle_dataset=False),
+)
+
+
 def none_reward(completions, **kwargs) -> list:
     """A reward that never applies."""
     return [None] * len(completions)

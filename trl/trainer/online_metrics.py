@@ -97,12 +97,17 @@ class _OnlineMetricsMixin:
             metrics[f"rewards/{name}/mean"].append(torch.nanmean(column).item())
             metrics[f"rewards/{name}/std"].append(nanstd(column).item())
         rewards = self._aggregated_rewards(rewards_per_func)
-        group_std = rewards.view(-1, self._group_size()).std(dim=1)
+        group_std = self._rewards_for_zero_std(rewards).view(-1, self._group_size()).std(dim=1)
         metrics["reward"].append(rewards.mean().item())
         # TRL's `reward_std` is the spread over the whole batch (not the mean of the per-group spreads).
         metrics["reward_std"].append(rewards.std().item())
         zero_std = torch.isclose(group_std, torch.zeros_like(group_std))
         metrics["frac_reward_zero_std"].append(zero_std.float().mean().item())
+
+    def _rewards_for_zero_std(self, rewards: torch.Tensor) -> torch.Tensor:
+        """The `(N,)` rewards whose per-group spread `frac_reward_zero_std` counts (those the advantages are computed
+        from; RLOO's include the KL penalty)."""
+        return rewards
 
     def _store_completions(
         self,

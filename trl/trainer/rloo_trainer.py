@@ -172,10 +172,16 @@ class RLOOTrainer(_OnlineTrainer):
             num_tokens = self.accelerator.gather(mask.sum(dim=1)).sum()
             self._record_metric("kl", sequence_kl.sum() / num_tokens.clamp(min=1.0))
             rewards = rewards - args.beta * sequence_kl.to(rewards.device)
+        self._shaped_rewards = rewards
         advantages = leave_one_out_advantages(rewards, self._group_size())
         if args.normalize_advantages:
             advantages = (advantages - advantages.mean()) / (advantages.std() + ADVANTAGE_EPS)
         return advantages
+
+    def _rewards_for_zero_std(self, rewards: torch.Tensor) -> torch.Tensor:
+        # As TRL: a group counts as zero-spread on the rewards the baseline uses (clipped, minus the KL penalty).
+        shaped = getattr(self, "_shaped_rewards", None)
+        return shaped if shaped is not None and shaped.shape == rewards.shape else rewards
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         logps, entropy, outputs = self._forward_logps(model, inputs, compute_entropy=True)
