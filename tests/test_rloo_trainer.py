@@ -297,3 +297,29 @@ def test_reward_returning_wrong_count(tmp_path, model_path, prompts):
     )
     with pytest.raises(ValueError, match="returned 5 values, but 4 completions were scored"):
         trainer.train()
+
+
+def test_num_generations_eval_one_and_beam_search(tmp_path, model_path):
+    """One completion per prompt has no leave-one-out baseline: advantage 0 (as TRL); beam search generation
+    (`num_beams=2, do_sample=False`) trains; `use_vllm` is exposed."""
+    assert leave_one_out_advantages(torch.tensor([1.0, 3.0]), 1).tolist() == [0.0, 0.0]
+    dataset = load_test_dataset("standard_prompt_only")
+    args = make_args(
+        tmp_path,
+        max_steps=1,
+        num_generations_eval=1,
+        per_device_eval_batch_size=2,
+        generation_kwargs={"num_beams": 2, "do_sample": False},
+    )
+    trainer = RLOOTrainer(
+        model_path,
+        reward_funcs=low_id_reward,
+        args=args,
+        train_dataset=dataset["train"],
+        eval_dataset=dataset["test"].select(range(2)),
+    )
+    assert trainer.use_vllm is False
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == 0.0 and metrics["eval_frac_reward_zero_std"] == 1.0
+    trainer.train()
+    assert trainer.state.global_step == 1

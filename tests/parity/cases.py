@@ -621,6 +621,36 @@ register(
 )
 
 
+BEAM_SEARCH = {"num_beams": 2, "do_sample": False}
+for _name in ["GRPO", "RLOO"]:
+    register(
+        f"{_name.lower()}/generation_kwargs=beam_search",
+        partial(online_case, trainer_name=_name, max_steps=1, generation_kwargs=BEAM_SEARCH),
+    )
+    register(
+        f"{_name.lower()}/num_generations_eval=1",
+        partial(online_case, trainer_name=_name, evaluate="init", num_generations_eval=1),
+    )
+
+
+@case("grpo/error/one_reward_processing_class_for_two_reward_models", phrases=("must match",))
+def _err_reward_processing_classes(ctx):
+    from transformers import AutoTokenizer
+
+    import trl
+
+    args = trl.GRPOConfig(output_dir=ctx.tmpdir(), **{**ONLINE_ARGS, "num_generations": 2})
+    return expect_error(
+        lambda: trl.GRPOTrainer(
+            model=ctx.model(QWEN),
+            reward_funcs=[ctx.model(QWEN_RM), ctx.model(QWEN_RM)],
+            reward_processing_classes=AutoTokenizer.from_pretrained(ctx.model(QWEN_RM)),
+            args=args,
+            train_dataset=ctx.dataset("standard_prompt_only", "train", 4),
+        )
+    )
+
+
 def none_reward(completions, **kwargs) -> list:
     """A reward that never applies."""
     return [None] * len(completions)

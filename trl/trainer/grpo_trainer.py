@@ -486,16 +486,39 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Loss
     # ------------------------------------------------------------------------------------------------------------
-    def _high_entropy_mask(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Tokens whose entropy is at or above the `1 - top_entropy_quantile` quantile (over all processes)."""
-        values = entropy.detach()[mask.bool()].float()
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """Boolean `(B, T)` mask of the tokens whose entropy is at least the `threshold` quantile of the entropies of
+        all unmasked tokens on all processes (TRL's helper; training passes `1 - top_entropy_quantile`). No unmasked
+        token gives an all-False mask."""
+        values = entropies.detach()[mask.bool()].float()
         padded = self.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
         gathered = self.accelerator.gather(padded)
         gathered = gathered[~torch.isnan(gathered)]
         if gathered.numel() == 0:
-            return torch.zeros_like(mask)
-        threshold = torch.quantile(gathered, 1.0 - self.args.top_entropy_quantile)
-        return ((entropy.detach() >= threshold) & mask.bool()).to(mask.dtype)
+            return torch.zeros_like(mask, dtype=torch.bool)
+        cutoff = torch.quantile(gathered, threshold)
+        return (entropies.detach() >= cutoff.to(entropies.dtype)) & mask.bool()
+
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """Off-policy sequence mask (TRL's helper): 0 for a sequence with a negative advantage whose mean per-token
+        KL from the sampler, `mean_t(sampling_logp - logp)` over its unmasked tokens, exceeds `off_policy_threshold`,
+        1 otherwise. `advantages` is `(B, 1)`; the result is `(B, 1)` in `mask`'s dtype."""
+        mask_f = mask.to(per_token_logps.dtype)
+        difference = (sampling_per_token_logps - per_token_logps) * mask_f
+        kl = difference.sum(dim=1, keepdim=True) / mask_f.sum(dim=1, keepdim=True).clamp(min=1.0)
+        dropped = (advantages < 0) & (kl > off_policy_threshold)
+        return (~dropped).to(mask.dtype)
+
+    def _high_entropy_mask(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Tokens whose entropy is at or above the `1 - top_entropy_quantile` quantile (over all processes)."""
+        return self.get_high_entropy_mask(entropy, mask, 1.0 - self.args.top_entropy_quantile).to(mask.dtype)
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         args = self.args
@@ -529,9 +552,10 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             per_token_loss = per_token_loss * is_ratio.to(per_token_loss.dtype)
         if args.off_policy_mask_threshold is not None:
             reference = inputs.get("sampling_per_token_logps", old)
-            sampling_kl = masked_mean(reference - logps.detach(), mask, dim=1)
-            keep = ~((advantages < 0) & (sampling_kl > args.off_policy_mask_threshold))
-            per_token_loss = per_token_loss * keep.unsqueeze(1).to(per_token_loss.dtype)
+            keep = self.get_off_policy_mask(
+                advantages.unsqueeze(1), logps.detach(), reference, mask, args.off_policy_mask_threshold
+            )
+            per_token_loss = per_token_loss * keep.to(per_token_loss.dtype)
         if args.top_entropy_quantile < 1.0:
             per_token_loss = per_token_loss * self._high_entropy_mask(entropy, mask)
 

@@ -215,6 +215,7 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
 
         # ---- Generation ----------------------------------------------------------------------------------------
         self.rollout_func = rollout_func
+        self.use_vllm = bool(getattr(args, "use_vllm", False))  # TRL's attribute (callbacks read it)
         settings = self._rollout_settings(args)
         self.num_generations = settings["num_generations"]
         self.num_generations_eval = settings["num_generations_eval"]

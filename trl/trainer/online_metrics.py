@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
+from .online_math import group_std_of
 from .online_math import masked_mean as _masked_mean
 from .utils import nanstd, print_prompt_completions_sample
 
@@ -97,7 +98,7 @@ class _OnlineMetricsMixin:
             metrics[f"rewards/{name}/mean"].append(torch.nanmean(column).item())
             metrics[f"rewards/{name}/std"].append(nanstd(column).item())
         rewards = self._aggregated_rewards(rewards_per_func)
-        group_std = self._rewards_for_zero_std(rewards).view(-1, self._group_size()).std(dim=1)
+        group_std = group_std_of(self._rewards_for_zero_std(rewards).view(-1, self._group_size()))
         metrics["reward"].append(rewards.mean().item())
         # TRL's `reward_std` is the spread over the whole batch (not the mean of the per-group spreads).
         metrics["reward_std"].append(rewards.std().item())
