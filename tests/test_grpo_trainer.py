@@ -1077,3 +1077,58 @@ def test_get_off_policy_mask_as_trl():
     assert (
         GRPOTrainer.get_off_policy_mask(advantages, logps, sampling, torch.zeros_like(mask), 0.6).tolist() == [[1]] * 4
     )
+
+
+def test_use_liger_kernel_without_liger_fails_before_training(tmp_path, model_path, prompts):
+    """As TRL: the trainer builds, and `train()` stops before the first step with an ImportError saying how to
+    install liger-kernel (never a silent fallback)."""
+    from trl.import_utils import is_liger_kernel_available
+
+    if is_liger_kernel_available():
+        pytest.skip("liger-kernel is installed; this checks the error raised when it is missing")
+    trainer = GRPOTrainer(
+        model_path, reward_funcs=low_id_reward, args=make_args(tmp_path, use_liger_kernel=True), train_dataset=prompts
+    )
+    before = snapshot(trainer.model)
+    with pytest.raises(ImportError, match="pip install liger-kernel"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and not changed_params(before, trainer.model)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo"])
+def test_liger_chunked_loss_equals_the_standard_loss(rollout_trainer, loss_type):
+    """With liger-kernel installed, `use_liger_kernel=True` computes the loss with liger's chunked GRPO loss: same
+    value and gradients as the standard path (off-policy batch, KL term on)."""
+    pytest.importorskip("liger_kernel.chunked_loss")
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    trainer, batch = rollout_trainer
+    model = trainer.model
+    args = trainer.args
+    saved = (args.loss_type, args.beta, trainer.beta)
+    args.loss_type, args.beta, trainer.beta = loss_type, 0.1, 0.1
+    batch = {**batch, "advantages": torch.linspace(-1.0, 1.0, 8), "num_items_in_batch": batch["completion_mask"].sum()}
+    with torch.no_grad():
+        logps = trainer._forward_logps(model, batch)[0]
+    batch["old_per_token_logps"] = logps + 0.1 * torch.randn_like(logps)  # off-policy: ratios away from 1
+    batch["ref_per_token_logps"] = logps - 0.2
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = trainer._compute_loss(model, batch)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    try:
+        trainer.liger_grpo_loss = None
+        expected_loss, expected = loss_and_grads()
+        args.use_liger_kernel = True
+        trainer.liger_grpo_loss = trainer._build_liger_loss(args)
+        assert isinstance(trainer.liger_grpo_loss, LigerFusedLinearGRPOLoss)
+        loss, grads = loss_and_grads()
+    finally:
+        args.use_liger_kernel, trainer.liger_grpo_loss = False, None
+        args.loss_type, args.beta, trainer.beta = saved
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-4, atol=1e-6)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-3, atol=1e-5)

@@ -387,6 +387,103 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         self.entropy_coef = self.args.entropy_coef
         self._entropy_sum = 0.0
         self._entropy_count = 0.0
+        self.liger_grpo_loss = self._build_liger_loss(self.args)
+
+    def _build_liger_loss(self, args: GRPOConfig) -> Any:
+        """Liger's chunked GRPO loss when `use_liger_kernel=True`: the LM head and the loss run chunk by chunk on the
+        last hidden states, so the completion logits are never materialised.
+
+        Without liger-kernel, training stops before its first step with transformers' ImportError saying how to
+        install it (as in TRL); options the chunked loss does not implement are rejected here rather than ignored.
+        """
+        if not args.use_liger_kernel:
+            return None
+        from ..import_utils import is_liger_kernel_available
+
+        if not is_liger_kernel_available():
+            return None  # transformers raises at the start of train(): "... Please install it with `pip install ...`"
+        unsupported = {
+            "top_entropy_quantile < 1.0": args.top_entropy_quantile < 1.0,
+            "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
+            "an entropy bonus (entropy_coef / use_adaptive_entropy)": args.entropy_coef != 0.0
+            or args.use_adaptive_entropy,
+        }
+        chosen = [name for name, used in unsupported.items() if used]
+        if chosen:
+            raise ValueError(
+                f"use_liger_kernel=True computes the GRPO loss with liger's chunked kernel, which does not support "
+                f"{', '.join(chosen)}. Set use_liger_kernel=False to use them."
+            )
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        return LigerFusedLinearGRPOLoss(
+            beta=args.beta,
+            compiled=self.accelerator.device.type == "cuda",
+            use_ref_model=args.beta != 0.0,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            loss_type=args.loss_type,
+            max_completion_length=args.max_completion_length,
+            importance_sampling_level=args.importance_sampling_level,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            temperature=args.temperature,
+            delta=args.delta,
+            use_bias_correction_kl=args.use_bias_correction_kl,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+        )
+
+    def _needs_rollout_logps(self) -> bool:
+        # The chunked loss cannot compare the sampler's log-probs with its own on the fly: store the old ones.
+        needs_old = getattr(self, "liger_grpo_loss", None) is not None and self._uses_sampling_logps()
+        return super()._needs_rollout_logps() or needs_old
+
+    def _compute_liger_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """The GRPO loss through liger's fused LM head + loss (same normalisation as `normalize_per_token_loss`)."""
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        attended = inputs.get("completion_attention_mask")
+        attended = completion_mask if attended is None else attended
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, attended.long()], dim=1)
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        outputs = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=True,
+            logits_to_keep=1,
+            use_cache=False,
+        )
+        prompt_length = prompt_ids.shape[1]
+        hidden = outputs.hidden_states[-1][:, prompt_length - 1 : -1, :]
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        mask = completion_mask.to(hidden.dtype)
+        loss, metrics = self.liger_grpo_loss(
+            _input=hidden,
+            lin_weight=head.weight,
+            selected_token_ids=completion_ids,
+            attention_mask=mask,
+            advantages=inputs["advantages"].to(hidden.dtype),
+            bias=head.bias,
+            old_per_token_logps=inputs.get("old_per_token_logps"),
+            ref_per_token_logps=inputs.get("ref_per_token_logps"),
+            vllm_is_ratio=inputs.get("importance_sampling_ratio"),
+            num_items_in_batch=(
+                inputs.get("num_items_in_batch") if self.args.loss_type in ("dapo", "cispo", "vespo") else None
+            ),
+        )
+        if self.args.loss_type not in ("dapo", "cispo", "vespo") or inputs.get("num_items_in_batch") is None:
+            loss = loss / self._gradient_accumulation_divisor()
+        loss = self._add_aux_loss(loss, outputs)
+        with torch.no_grad():
+            if self.beta != 0.0:
+                self._record_metric("kl", metrics[0])
+            self._record_metric("clip_ratio/region_mean", metrics[-1])
+        return loss
 
     @staticmethod
     def _warn_loss_setup(args: GRPOConfig) -> None:
@@ -521,6 +618,8 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         return self.get_high_entropy_mask(entropy, mask, 1.0 - self.args.top_entropy_quantile).to(mask.dtype)
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        if self.liger_grpo_loss is not None:
+            return self._compute_liger_loss(model, inputs)
         args = self.args
         mode = self._mode
         logps, entropy, outputs = self._forward_logps(model, inputs, compute_entropy=True)
