@@ -1132,3 +1132,9 @@ def test_liger_chunked_loss_equals_the_standard_loss(rollout_trainer, loss_type)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-4, atol=1e-6)
     for name, grad in expected.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-3, atol=1e-5)
+
+
+def test_evaluate_checks_the_prompt_column_of_a_raw_dataset(rollout_trainer):
+    trainer, _ = rollout_trainer
+    with pytest.raises(ValueError, match="'prompt' column"):
+        trainer.evaluate(eval_dataset=Dataset.from_dict({"text": ["a", "b"]}))

@@ -439,6 +439,12 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         finally:
             config.dispatch_batches = dispatch
 
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """A dataset given to `evaluate()` is used as the constructor's `eval_dataset` is: raw prompts (a `Dataset` or
+        an `IterableDataset`), generated from at evaluation time; only its `prompt` column is checked."""
+        self._check_prompt_dataset(dataset, name)
+        return dataset
+
     def _get_eval_sampler(self, eval_dataset: Any):
         return RepeatSampler(
             data_source=eval_dataset, mini_repeat_count=self.num_generations_eval, seed=self.args.seed
