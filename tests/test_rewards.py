@@ -155,3 +155,20 @@ def test_script_reward_registry(tmp_path, monkeypatch):
     assert build_reward_funcs(args) == ["some/model", think_format_reward]
     with pytest.raises(ValueError, match="No reward given"):
         build_reward_funcs(GRPOScriptArguments())
+
+
+def test_builtin_reward_functions_pickle():
+    """Every reward function of `trl.rewards`, and those its factories build, survives pickling (dataloader workers,
+    multiprocessing) and keeps its name and results, as TRL's do."""
+    import pickle
+
+    from trl.rewards import get_cosine_scaled_reward, get_repetition_penalty_reward, get_soft_overlong_punishment
+
+    for func in (accuracy_reward, reasoning_accuracy_reward, think_format_reward):
+        assert pickle.loads(pickle.dumps(func)) is func
+    ids = [[1, 2, 1, 2, 1, 2], [0] * 9]
+    for func in (get_repetition_penalty_reward(ngram_size=2), get_soft_overlong_punishment(8, 4)):
+        copy = pickle.loads(pickle.dumps(func))
+        assert copy.__name__ == func.__name__ and copy(completion_ids=ids) == func(completion_ids=ids)
+    cosine = pickle.loads(pickle.dumps(get_cosine_scaled_reward(max_len=100)))
+    assert cosine.__name__ == "cosine_scaled_reward" and cosine.max_len == 100

@@ -112,15 +112,42 @@ def test_kl_enters_the_reward(trainer):
         "ref_per_token_logps": torch.tensor([[-2.0, -2.0], [-1.5, -1.0], [-0.5, -1.5], [-1.0, -1.0]]),
     }
     trainer.args.reward_clip_range = (1.5, 3.5)
+    trainer._metrics["train"].clear()
     try:
         advantages = trainer._compute_advantages(rewards, batch)
     finally:
         trainer.args.reward_clip_range = None
+    # Logged as TRL does: the mean per-token KL over all completion tokens (2.5 over 5 tokens), not per sequence.
+    assert trainer._metrics["train"]["kl"] == [pytest.approx(2.5 / 5)]
     kl = [1.0, 0.5, 1.0, 0.0]  # masked sums of old - ref
     clipped = [1.5, 2.0, 3.0, 3.5]
     shaped = [r - 0.5 * k for r, k in zip(clipped, kl)]
     expected = [s - (sum(shaped) - s) / 3 for s in shaped]
     torch.testing.assert_close(advantages, torch.tensor(expected))
+
+
+def test_zero_std_groups_are_counted_on_kl_shaped_rewards(trainer):
+    """As TRL: `frac_reward_zero_std` looks at the rewards the baseline uses (KL penalty included), so equal raw
+    rewards with different KLs are not a zero-spread group."""
+    rewards = torch.tensor([[1.0], [1.0], [1.0], [1.0]])
+    batch = {
+        "completion_mask": torch.ones(4, 1),
+        "old_per_token_logps": torch.tensor([[-1.0], [-2.0], [-1.0], [-1.0]]),
+        "ref_per_token_logps": torch.tensor([[-1.0], [-1.0], [-1.0], [-1.0]]),
+    }
+    trainer._compute_advantages(rewards, batch)
+    shaped = trainer._rewards_for_zero_std(rewards.squeeze(1)).view(-1, 4)
+    assert shaped.std(dim=1).item() > 0.0  # one completion's KL differs
+    assert shaped.tolist() == [[1.0, 1.5, 1.0, 1.0]]
+
+
+def test_streaming_train_and_eval_with_workers(tmp_path, model_path, prompts):
+    stream = prompts.select(range(6)).to_iterable_dataset(num_shards=2)
+    args = make_args(tmp_path, max_steps=4, dataloader_num_workers=2, per_device_eval_batch_size=2)
+    trainer = RLOOTrainer(model_path, reward_funcs=low_id_reward, args=args, train_dataset=stream, eval_dataset=stream)
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert "eval_reward" in trainer.evaluate()
 
 
 def test_normalize_advantages(trainer):
@@ -195,6 +222,9 @@ def test_num_iterations_uses_stored_old_logps(tmp_path, model_path, prompts):
     logs = train_logs(trainer)
     assert logs[0]["clip_ratio/region_mean"] == 0.0 and logs[1]["clip_ratio/region_mean"] > 0.0
     assert "kl" not in logs[-1]
+    # One ratio per completion: the means are fractions of completions, the extremes over completions (0 or 1).
+    assert logs[1]["clip_ratio/high_max"] in (0.0, 1.0) and logs[1]["clip_ratio/low_min"] in (0.0, 1.0)
+    assert logs[1]["clip_ratio/region_mean"] * 4 == pytest.approx(round(logs[1]["clip_ratio/region_mean"] * 4))
 
 
 def test_toy_task_reward_rises(tmp_path, model_path, prompts):
@@ -267,3 +297,29 @@ def test_reward_returning_wrong_count(tmp_path, model_path, prompts):
     )
     with pytest.raises(ValueError, match="returned 5 values, but 4 completions were scored"):
         trainer.train()
+
+
+def test_num_generations_eval_one_and_beam_search(tmp_path, model_path):
+    """One completion per prompt has no leave-one-out baseline: advantage 0 (as TRL); beam search generation
+    (`num_beams=2, do_sample=False`) trains; `use_vllm` is exposed."""
+    assert leave_one_out_advantages(torch.tensor([1.0, 3.0]), 1).tolist() == [0.0, 0.0]
+    dataset = load_test_dataset("standard_prompt_only")
+    args = make_args(
+        tmp_path,
+        max_steps=1,
+        num_generations_eval=1,
+        per_device_eval_batch_size=2,
+        generation_kwargs={"num_beams": 2, "do_sample": False},
+    )
+    trainer = RLOOTrainer(
+        model_path,
+        reward_funcs=low_id_reward,
+        args=args,
+        train_dataset=dataset["train"],
+        eval_dataset=dataset["test"].select(range(2)),
+    )
+    assert trainer.use_vllm is False
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] == 0.0 and metrics["eval_frac_reward_zero_std"] == 1.0
+    trainer.train()
+    assert trainer.state.global_step == 1

@@ -307,6 +307,24 @@ def test_repeat_iterable_dataset():
     assert [row["x"] for row in repeated] == [0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3]
 
 
+def test_repeated_iterable_dataset_forwards_set_epoch_and_pickles():
+    import pickle
+
+    from datasets import Dataset
+
+    stream = Dataset.from_dict({"x": list(range(8))}).to_iterable_dataset(num_shards=2).shuffle(seed=0, buffer_size=4)
+    repeated = repeat_iterable_dataset(stream, mini_repeat_count=1)
+    assert isinstance(repeated, torch.utils.data.IterableDataset)
+    orders = []
+    for epoch in (0, 1):
+        repeated.set_epoch(epoch)
+        orders.append([row["x"] for row in repeated])
+        stream.set_epoch(epoch)
+        assert orders[-1] == [row["x"] for row in stream]
+    assert orders[0] != orders[1] and sorted(orders[0]) == list(range(8))
+    assert [row["x"] for row in pickle.loads(pickle.dumps(repeated))] == orders[1]
+
+
 def test_nan_reductions():
     values = torch.tensor([1.0, float("nan"), 3.0, 5.0])
     assert nanmin(values).item() == 1.0

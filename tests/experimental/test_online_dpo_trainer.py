@@ -185,6 +185,12 @@ def test_train_with_reward_model_logs_metrics_evaluates_and_saves(tmp_path, mode
     eval_log = trainer.state.log_history[-1]  # the metrics are logged; evaluate() returns the loss
     assert all(f"eval_{m}" in eval_log for m in ONLINE_DPO_METRICS)
 
+    # A raw dataset, a stream (never dispatched: batches are rows of strings) and a dict of them, passed to evaluate()
+    raw = eval_prompts.select(range(2))
+    assert "eval_rewards/accuracies" in trainer.evaluate(eval_dataset=raw.to_iterable_dataset())
+    metrics = trainer.evaluate(eval_dataset={"stream": raw.to_iterable_dataset(), "map": raw})
+    assert math.isfinite(metrics["eval_stream_loss"]) and math.isfinite(metrics["eval_map_loss"])
+
     out = tmp_path / "saved"
     trainer.save_model(str(out))
     reloaded = AutoModelForCausalLM.from_pretrained(str(out))

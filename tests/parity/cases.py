@@ -608,6 +608,126 @@ register(
     partial(online_case, trainer_name="RLOO", max_steps=1, normalize_advantages=True),
 )
 register("rloo/beta=0", partial(online_case, trainer_name="RLOO", max_steps=1, beta=0.0))
+# Off-policy steps (the second pass over a rollout): clip metrics and the ratio-dependent losses.
+register("rloo/num_iterations=2", partial(online_case, trainer_name="RLOO", max_steps=2, num_iterations=2))
+for _loss in ["cispo", "sapo", "vespo"]:
+    register(
+        f"grpo/loss_type={_loss}/num_iterations=2",
+        partial(online_case, trainer_name="GRPO", max_steps=2, num_iterations=2, loss_type=_loss),
+    )
+# Completions of different lengths: the end-of-sequence token (id 4091 in the tiny Qwen2 tokenizer) made likely.
+EOS_BIAS = {"sequence_bias": [[[4091], 6.0]]}
+register("grpo/eos_bias", partial(online_case, trainer_name="GRPO", max_steps=2, generation_kwargs=EOS_BIAS))
+register("rloo/eos_bias", partial(online_case, trainer_name="RLOO", generation_kwargs=EOS_BIAS))
+for _name in ["GRPO", "RLOO"]:
+    register(
+        f"{_name.lower()}/eos_bias/num_iterations=2",
+        partial(online_case, trainer_name=_name, max_steps=2, num_iterations=2, generation_kwargs=EOS_BIAS),
+    )
+
+
+RECORDED_PROMPTS: list[list[str]] = []
+
+
+def prompt_recording_reward(prompts, completions, completion_ids, **kwargs) -> list[float]:
+    """The toy reward, also recording the prompts it is given (their order shows how the stream was read)."""
+    RECORDED_PROMPTS.append(list(prompts))
+    return toy_reward(completions, completion_ids)
+
+
+def online_stream_case(ctx, trainer_name: str, **config) -> dict:
+    """Training and evaluation on streaming datasets: 6 prompts in 2 shards, shuffled, read through 2 dataloader
+    workers for 6 steps (two epochs, so the per-epoch reshuffle shows), then `evaluate()` on a stream and on a dict
+    holding a stream and a map-style dataset."""
+    import trl
+
+    config_cls = getattr(trl, f"{trainer_name}Config")
+    trainer_cls = getattr(trl, f"{trainer_name}Trainer")
+    settings = dict(
+        ONLINE_ARGS,
+        max_steps=6,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        per_device_eval_batch_size=2,
+        num_generations_eval=2,
+        max_completion_length=4,
+        dataloader_num_workers=2,
+    )
+    args = config_cls(output_dir=ctx.tmpdir(), **{**settings, **config})
+    RECORDED_COMPLETION_IDS.clear()
+    RECORDED_PROMPTS.clear()
+    train = ctx.dataset("standard_prompt_only", "train", 6).to_iterable_dataset(num_shards=2)
+    test = ctx.dataset("standard_prompt_only", "test", 3)
+    trainer = trainer_cls(
+        model=ctx.model(QWEN),
+        reward_funcs=prompt_recording_reward,
+        args=args,
+        train_dataset=train.shuffle(seed=1, buffer_size=4),
+        eval_dataset=test.to_iterable_dataset(),
+    )
+    trainer.train()
+    out = {"log_history": to_jsonable(trainer.state.log_history), "train_prompts": list(RECORDED_PROMPTS)}
+    RECORDED_PROMPTS.clear()
+    out["eval"] = to_jsonable(trainer.evaluate())
+    out["eval_dict"] = to_jsonable(trainer.evaluate(eval_dataset={"stream": test.to_iterable_dataset(), "map": test}))
+    out["eval_prompts"] = list(RECORDED_PROMPTS)
+    out["completion_ids"] = list(RECORDED_COMPLETION_IDS)
+    return out
+
+
+for _name in ["GRPO", "RLOO"]:
+    register(f"{_name.lower()}/iterable_dataset", partial(online_stream_case, trainer_name=_name))
+register(
+    "grpo/iterable_dataset/shuffle_dataset=False",
+    partial(online_stream_case, trainer_name="GRPO", shuffle_dataset=False),
+)
+
+
+BEAM_SEARCH = {"num_beams": 2, "do_sample": False}
+for _name in ["GRPO", "RLOO"]:
+    register(
+        f"{_name.lower()}/generation_kwargs=beam_search",
+        partial(online_case, trainer_name=_name, max_steps=1, generation_kwargs=BEAM_SEARCH),
+    )
+    register(
+        f"{_name.lower()}/num_generations_eval=1",
+        partial(online_case, trainer_name=_name, evaluate="init", num_generations_eval=1),
+    )
+
+
+@case("grpo/error/one_reward_processing_class_for_two_reward_models", phrases=("must match",))
+def _err_reward_processing_classes(ctx):
+    from transformers import AutoTokenizer
+
+    import trl
+
+    args = trl.GRPOConfig(output_dir=ctx.tmpdir(), **{**ONLINE_ARGS, "num_generations": 2})
+    return expect_error(
+        lambda: trl.GRPOTrainer(
+            model=ctx.model(QWEN),
+            reward_funcs=[ctx.model(QWEN_RM), ctx.model(QWEN_RM)],
+            reward_processing_classes=AutoTokenizer.from_pretrained(ctx.model(QWEN_RM)),
+            args=args,
+            train_dataset=ctx.dataset("standard_prompt_only", "train", 4),
+        )
+    )
+
+
+def none_reward(completions, **kwargs) -> list:
+    """A reward that never applies."""
+    return [None] * len(completions)
+
+
+register(
+    "grpo/undefined_metrics",
+    partial(
+        online_case,
+        trainer_name="GRPO",
+        max_steps=1,
+        reward_funcs=[toy_reward, none_reward],
+        mask_truncated_completions=True,
+    ),
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

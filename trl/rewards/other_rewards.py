@@ -47,25 +47,7 @@ def get_cosine_scaled_reward(
     ```
     """
 
-    def cosine_scaled_reward(
-        completions: list, solution: list[str], completion_ids: list[list[int]], **kwargs
-    ) -> list[float | None]:
-        correctness = accuracy_reward(completions, solution)
-        rewards = []
-        for ids, correct in zip(completion_ids, correctness, strict=True):
-            if correct is None:
-                rewards.append(None)
-                continue
-            progress = min(len(ids) / max_len, 1.0)
-            cosine = math.cos(progress * math.pi)
-            if correct:
-                low, high = min_value_correct, max_value_correct
-            else:
-                low, high = max_value_wrong, min_value_wrong
-            rewards.append(low + 0.5 * (high - low) * (1.0 + cosine))
-        return rewards
-
-    return cosine_scaled_reward
+    return _CosineScaledReward(max_len, min_value_wrong, max_value_wrong, min_value_correct, max_value_correct)
 
 
 def get_repetition_penalty_reward(ngram_size: int = 3, max_penalty: float = -1.0) -> Callable[..., list[float]]:
@@ -96,18 +78,7 @@ def get_repetition_penalty_reward(ngram_size: int = 3, max_penalty: float = -1.0
     if ngram_size < 1:
         raise ValueError(f"ngram_size must be a positive integer; got {ngram_size}.")
 
-    def repetition_penalty_reward(completion_ids: list[list[int]], **kwargs) -> list[float]:
-        rewards = []
-        for ids in completion_ids:
-            ids = list(ids)
-            if len(ids) < ngram_size:
-                rewards.append(0.0)
-                continue
-            ngrams = [tuple(ids[i : i + ngram_size]) for i in range(len(ids) - ngram_size + 1)]
-            rewards.append((1.0 - len(set(ngrams)) / len(ngrams)) * max_penalty + 0.0)  # + 0.0 turns -0.0 into 0.0
-        return rewards
-
-    return repetition_penalty_reward
+    return _RepetitionPenalty(ngram_size, max_penalty)
 
 
 def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int) -> Callable[..., list[float]]:
@@ -139,16 +110,83 @@ def get_soft_overlong_punishment(max_completion_len: int, soft_punish_cache: int
             f"soft_punish_cache must be in (0, max_completion_len={max_completion_len}]; got {soft_punish_cache}."
         )
 
-    def soft_overlong_punishment_reward(completion_ids: list[list[int]], **kwargs) -> list[float]:
+    return _SoftOverlongPunishment(max_completion_len, soft_punish_cache)
+
+
+# The factories return instances of these classes rather than closures, so that the reward functions pickle (dataloader
+# workers, multiprocessing, `copy.deepcopy` of a trainer's state) as TRL's do. `__name__` names the reward in the logs.
+class _CosineScaledReward:
+    __name__ = "cosine_scaled_reward"
+
+    def __init__(
+        self,
+        max_len: int,
+        min_value_wrong: float,
+        max_value_wrong: float,
+        min_value_correct: float,
+        max_value_correct: float,
+    ):
+        self.max_len = max_len
+        self.min_value_wrong = min_value_wrong
+        self.max_value_wrong = max_value_wrong
+        self.min_value_correct = min_value_correct
+        self.max_value_correct = max_value_correct
+
+    def __call__(
+        self, completions: list, solution: list[str], completion_ids: list[list[int]], **kwargs
+    ) -> list[float | None]:
+        correctness = accuracy_reward(completions, solution)
+        rewards = []
+        for ids, correct in zip(completion_ids, correctness, strict=True):
+            if correct is None:
+                rewards.append(None)
+                continue
+            progress = min(len(ids) / self.max_len, 1.0)
+            cosine = math.cos(progress * math.pi)
+            if correct:
+                low, high = self.min_value_correct, self.max_value_correct
+            else:
+                low, high = self.max_value_wrong, self.min_value_wrong
+            rewards.append(low + 0.5 * (high - low) * (1.0 + cosine))
+        return rewards
+
+
+class _RepetitionPenalty:
+    __name__ = "repetition_penalty_reward"
+
+    def __init__(self, ngram_size: int, max_penalty: float):
+        self.ngram_size = ngram_size
+        self.max_penalty = max_penalty
+
+    def __call__(self, completion_ids: list[list[int]], **kwargs) -> list[float]:
         rewards = []
         for ids in completion_ids:
-            length = len(ids)
-            if length <= max_completion_len - soft_punish_cache:
+            ids = list(ids)
+            if len(ids) < self.ngram_size:
                 rewards.append(0.0)
-            elif length <= max_completion_len:
-                rewards.append((max_completion_len - soft_punish_cache - length) / soft_punish_cache)
+                continue
+            ngrams = [tuple(ids[i : i + self.ngram_size]) for i in range(len(ids) - self.ngram_size + 1)]
+            # + 0.0 turns -0.0 into 0.0
+            rewards.append((1.0 - len(set(ngrams)) / len(ngrams)) * self.max_penalty + 0.0)
+        return rewards
+
+
+class _SoftOverlongPunishment:
+    __name__ = "soft_overlong_punishment_reward"
+
+    def __init__(self, max_completion_len: int, soft_punish_cache: int):
+        self.max_completion_len = max_completion_len
+        self.soft_punish_cache = soft_punish_cache
+
+    def __call__(self, completion_ids: list[list[int]], **kwargs) -> list[float]:
+        rewards = []
+        start = self.max_completion_len - self.soft_punish_cache
+        for ids in completion_ids:
+            length = len(ids)
+            if length <= start:
+                rewards.append(0.0)
+            elif length <= self.max_completion_len:
+                rewards.append((start - length) / self.soft_punish_cache)
             else:
                 rewards.append(-1.0)
         return rewards
-
-    return soft_overlong_punishment_reward

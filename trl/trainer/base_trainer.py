@@ -39,6 +39,8 @@ class _BaseTrainer(Trainer):
     _name: str = "Base"
     _paper: dict[str, str] = {}
     _template_file: str = "lm_model_card.md"
+    # Logged for a metric none of whose recorded values is defined (all NaN) in the logging window.
+    _undefined_metric_value: Any = float("nan")
 
     # ------------------------------------------------------------------------------------------------------------
     # Construction helpers (called by subclasses before `Trainer.__init__`)
@@ -346,7 +348,7 @@ class _BaseTrainer(Trainer):
         metrics = {}
         for key, values in self._metrics[mode].items():
             finite = [v for v in values if v == v]  # drop NaN entries (e.g. metrics undefined for a batch)
-            metrics[key] = sum(finite) / len(finite) if finite else float("nan")
+            metrics[key] = sum(finite) / len(finite) if finite else self._undefined_metric_value
         if mode == "eval":
             metrics = {f"eval_{key}": value for key, value in metrics.items()}
         # In place: `evaluate()`, best-model tracking and callbacks read this same dict after `log()` returns.

@@ -123,7 +123,7 @@ def grpo_per_token_loss(
       `eps_high` is the cap itself, epsilon_max);
     - sapo: `-sigmoid(tau (r - 1)) * 4 / tau * A`, `tau` chosen by the sign of `A` (a soft trust region whose
       gradient at `r = 1` is the plain policy gradient);
-    - vespo: `-sg(phi(w)) * r * A` with `phi` from [`vespo_sequence_weights`] of the sequence ratio `w`.
+    - vespo: `-sg(phi(w)) * A * logp` with `phi` from [`vespo_sequence_weights`] of the sequence ratio `w`.
 
     Args:
         per_token_logps: `(B, T)` log-probabilities under the current policy (with gradient).
@@ -154,7 +154,8 @@ def grpo_per_token_loss(
         per_token_loss = -torch.min(unclipped * adv, clipped * adv)
     elif loss_type == "cispo":
         weight = torch.clamp(ratio, max=epsilon_high).detach()
-        stats["cispo_clipped"] = ratio > epsilon_high
+        # Counted where the cap binds on a positive advantage (TRL's `cispo_clip_ratio`).
+        stats["cispo_clipped"] = (ratio > epsilon_high) & (adv > 0)
         per_token_loss = -weight * adv * per_token_logps
     elif loss_type == "sapo":
         tau = torch.where(
@@ -166,7 +167,9 @@ def grpo_per_token_loss(
         seq_log_ratio = ((per_token_logps - old_per_token_logps) * mask).sum(dim=1)
         phi = vespo_sequence_weights(seq_log_ratio, advantages, *vespo_params)
         stats["vespo_phi"] = phi
-        per_token_loss = -phi.unsqueeze(1) * ratio * adv
+        # REINFORCE form: the detached weight times the advantage times the log-probability (its value is that of
+        # the weighted log-likelihood, as TRL logs it; on-policy its gradient equals the clipped objectives').
+        per_token_loss = -phi.unsqueeze(1) * adv * per_token_logps
     else:
         raise ValueError(f"Unknown loss_type {loss_type!r}.")
     per_token_loss = per_token_loss.expand_as(per_token_logps)
@@ -336,6 +339,8 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         ),
     }
     _config_class = GRPOConfig
+    # As TRL: a metric undefined over the whole logging window (all-None rewards, no completion token) logs None.
+    _undefined_metric_value = None
     _default_suffix = "GRPO"
 
     def __init__(
@@ -382,6 +387,103 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         self.entropy_coef = self.args.entropy_coef
         self._entropy_sum = 0.0
         self._entropy_count = 0.0
+        self.liger_grpo_loss = self._build_liger_loss(self.args)
+
+    def _build_liger_loss(self, args: GRPOConfig) -> Any:
+        """Liger's chunked GRPO loss when `use_liger_kernel=True`: the LM head and the loss run chunk by chunk on the
+        last hidden states, so the completion logits are never materialised.
+
+        Without liger-kernel, training stops before its first step with transformers' ImportError saying how to
+        install it (as in TRL); options the chunked loss does not implement are rejected here rather than ignored.
+        """
+        if not args.use_liger_kernel:
+            return None
+        from ..import_utils import is_liger_kernel_available
+
+        if not is_liger_kernel_available():
+            return None  # transformers raises at the start of train(): "... Please install it with `pip install ...`"
+        unsupported = {
+            "top_entropy_quantile < 1.0": args.top_entropy_quantile < 1.0,
+            "off_policy_mask_threshold": args.off_policy_mask_threshold is not None,
+            "an entropy bonus (entropy_coef / use_adaptive_entropy)": args.entropy_coef != 0.0
+            or args.use_adaptive_entropy,
+        }
+        chosen = [name for name, used in unsupported.items() if used]
+        if chosen:
+            raise ValueError(
+                f"use_liger_kernel=True computes the GRPO loss with liger's chunked kernel, which does not support "
+                f"{', '.join(chosen)}. Set use_liger_kernel=False to use them."
+            )
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+        return LigerFusedLinearGRPOLoss(
+            beta=args.beta,
+            compiled=self.accelerator.device.type == "cuda",
+            use_ref_model=args.beta != 0.0,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            loss_type=args.loss_type,
+            max_completion_length=args.max_completion_length,
+            importance_sampling_level=args.importance_sampling_level,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            temperature=args.temperature,
+            delta=args.delta,
+            use_bias_correction_kl=args.use_bias_correction_kl,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
+        )
+
+    def _needs_rollout_logps(self) -> bool:
+        # The chunked loss cannot compare the sampler's log-probs with its own on the fly: store the old ones.
+        needs_old = getattr(self, "liger_grpo_loss", None) is not None and self._uses_sampling_logps()
+        return super()._needs_rollout_logps() or needs_old
+
+    def _compute_liger_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """The GRPO loss through liger's fused LM head + loss (same normalisation as `normalize_per_token_loss`)."""
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        attended = inputs.get("completion_attention_mask")
+        attended = completion_mask if attended is None else attended
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, attended.long()], dim=1)
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        outputs = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=True,
+            logits_to_keep=1,
+            use_cache=False,
+        )
+        prompt_length = prompt_ids.shape[1]
+        hidden = outputs.hidden_states[-1][:, prompt_length - 1 : -1, :]
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
+        mask = completion_mask.to(hidden.dtype)
+        loss, metrics = self.liger_grpo_loss(
+            _input=hidden,
+            lin_weight=head.weight,
+            selected_token_ids=completion_ids,
+            attention_mask=mask,
+            advantages=inputs["advantages"].to(hidden.dtype),
+            bias=head.bias,
+            old_per_token_logps=inputs.get("old_per_token_logps"),
+            ref_per_token_logps=inputs.get("ref_per_token_logps"),
+            vllm_is_ratio=inputs.get("importance_sampling_ratio"),
+            num_items_in_batch=(
+                inputs.get("num_items_in_batch") if self.args.loss_type in ("dapo", "cispo", "vespo") else None
+            ),
+        )
+        if self.args.loss_type not in ("dapo", "cispo", "vespo") or inputs.get("num_items_in_batch") is None:
+            loss = loss / self._gradient_accumulation_divisor()
+        loss = self._add_aux_loss(loss, outputs)
+        with torch.no_grad():
+            if self.beta != 0.0:
+                self._record_metric("kl", metrics[0])
+            self._record_metric("clip_ratio/region_mean", metrics[-1])
+        return loss
 
     @staticmethod
     def _warn_loss_setup(args: GRPOConfig) -> None:
@@ -481,18 +583,43 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Loss
     # ------------------------------------------------------------------------------------------------------------
-    def _high_entropy_mask(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Tokens whose entropy is at or above the `1 - top_entropy_quantile` quantile (over all processes)."""
-        values = entropy.detach()[mask.bool()].float()
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """Boolean `(B, T)` mask of the tokens whose entropy is at least the `threshold` quantile of the entropies of
+        all unmasked tokens on all processes (TRL's helper; training passes `1 - top_entropy_quantile`). No unmasked
+        token gives an all-False mask."""
+        values = entropies.detach()[mask.bool()].float()
         padded = self.accelerator.pad_across_processes(values, dim=0, pad_index=float("nan"))
         gathered = self.accelerator.gather(padded)
         gathered = gathered[~torch.isnan(gathered)]
         if gathered.numel() == 0:
-            return torch.zeros_like(mask)
-        threshold = torch.quantile(gathered, 1.0 - self.args.top_entropy_quantile)
-        return ((entropy.detach() >= threshold) & mask.bool()).to(mask.dtype)
+            return torch.zeros_like(mask, dtype=torch.bool)
+        cutoff = torch.quantile(gathered, threshold)
+        return (entropies.detach() >= cutoff.to(entropies.dtype)) & mask.bool()
+
+    @staticmethod
+    def get_off_policy_mask(
+        advantages: torch.Tensor,
+        per_token_logps: torch.Tensor,
+        sampling_per_token_logps: torch.Tensor,
+        mask: torch.Tensor,
+        off_policy_threshold: float,
+    ) -> torch.Tensor:
+        """Off-policy sequence mask (TRL's helper): 0 for a sequence with a negative advantage whose mean per-token
+        KL from the sampler, `mean_t(sampling_logp - logp)` over its unmasked tokens, exceeds `off_policy_threshold`,
+        1 otherwise. `advantages` is `(B, 1)`; the result is `(B, 1)` in `mask`'s dtype."""
+        mask_f = mask.to(per_token_logps.dtype)
+        difference = (sampling_per_token_logps - per_token_logps) * mask_f
+        kl = difference.sum(dim=1, keepdim=True) / mask_f.sum(dim=1, keepdim=True).clamp(min=1.0)
+        dropped = (advantages < 0) & (kl > off_policy_threshold)
+        return (~dropped).to(mask.dtype)
+
+    def _high_entropy_mask(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Tokens whose entropy is at or above the `1 - top_entropy_quantile` quantile (over all processes)."""
+        return self.get_high_entropy_mask(entropy, mask, 1.0 - self.args.top_entropy_quantile).to(mask.dtype)
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        if self.liger_grpo_loss is not None:
+            return self._compute_liger_loss(model, inputs)
         args = self.args
         mode = self._mode
         logps, entropy, outputs = self._forward_logps(model, inputs, compute_entropy=True)
@@ -524,9 +651,10 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             per_token_loss = per_token_loss * is_ratio.to(per_token_loss.dtype)
         if args.off_policy_mask_threshold is not None:
             reference = inputs.get("sampling_per_token_logps", old)
-            sampling_kl = masked_mean(reference - logps.detach(), mask, dim=1)
-            keep = ~((advantages < 0) & (sampling_kl > args.off_policy_mask_threshold))
-            per_token_loss = per_token_loss * keep.unsqueeze(1).to(per_token_loss.dtype)
+            keep = self.get_off_policy_mask(
+                advantages.unsqueeze(1), logps.detach(), reference, mask, args.off_policy_mask_threshold
+            )
+            per_token_loss = per_token_loss * keep.to(per_token_loss.dtype)
         if args.top_entropy_quantile < 1.0:
             per_token_loss = per_token_loss * self._high_entropy_mask(entropy, mask)
 
@@ -560,16 +688,8 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             if per_token_kl is not None:
                 self._record_metric("kl", masked_mean(per_token_kl.detach(), mask))
             full_mask = mask.expand_as(per_token_loss)
-            low = masked_mean(stats["low_clipped"].expand_as(full_mask).float(), full_mask)
-            high = masked_mean(stats["high_clipped"].expand_as(full_mask).float(), full_mask)
-            region = masked_mean(
-                (stats["low_clipped"] | stats["high_clipped"]).expand_as(full_mask).float(), full_mask
-            )
-            self._record_metric("clip_ratio/low_mean", low)
-            self._record_reduced("clip_ratio/low_min", low, "min")
-            self._record_metric("clip_ratio/high_mean", high)
-            self._record_reduced("clip_ratio/high_max", high, "max")
-            self._record_metric("clip_ratio/region_mean", region)
+            if args.loss_type not in ("cispo", "sapo", "vespo"):  # their trust regions are not a clip (TRL)
+                self._record_clip_metrics(stats["low_clipped"], stats["high_clipped"], full_mask)
             if "cispo_clipped" in stats:
                 self._record_metric(
                     "cispo_clip_ratio", masked_mean(stats["cispo_clipped"].expand_as(full_mask).float(), full_mask)

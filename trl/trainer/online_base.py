@@ -215,6 +215,7 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
 
         # ---- Generation ----------------------------------------------------------------------------------------
         self.rollout_func = rollout_func
+        self.use_vllm = bool(getattr(args, "use_vllm", False))  # TRL's attribute (callbacks read it)
         settings = self._rollout_settings(args)
         self.num_generations = settings["num_generations"]
         self.num_generations_eval = settings["num_generations_eval"]
@@ -361,14 +362,17 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         if self.train_dataset is None:
             raise ValueError(f"{type(self).__name__}: training requires a train_dataset.")
         dataset = self.train_dataset
+        args = self.args
         if isinstance(dataset, IterableDataset):
-            args = self.args
+            if args.shuffle_dataset:  # as TRL: a seeded buffer shuffle, reseeded every epoch through set_epoch
+                dataset = dataset.shuffle(seed=args.seed)
             dataset = repeat_iterable_dataset(
                 dataset,
                 mini_repeat_count=self.num_generations,
                 batch_size=args.generation_batch_size // self.num_generations,
                 repeat_count=args.num_iterations * args.steps_per_generation,
             )
+            return self._iterable_dataloader(dataset, self._train_batch_size * args.steps_per_generation, "Training")
         return self._get_dataloader(
             dataset=dataset,
             description="Training",
@@ -397,16 +401,49 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
             dataset = self.eval_dataset[dataset]
         elif dataset is None:
             dataset = self.eval_dataset
-        if isinstance(dataset, IterableDataset):
-            dataset = repeat_iterable_dataset(dataset, mini_repeat_count=self.num_generations_eval)
         if dataset is None:
             raise ValueError(f"{type(self).__name__}: evaluation requires an eval_dataset.")
+        if isinstance(dataset, IterableDataset):
+            dataset = repeat_iterable_dataset(dataset.shuffle(seed=self.args.seed), self.num_generations_eval)
+            return self._iterable_dataloader(dataset, self.args.per_device_eval_batch_size, "Evaluation")
         return self._get_dataloader(
             dataset=dataset,
             description="Evaluation",
             batch_size=self.args.per_device_eval_batch_size,
             sampler_fn=self._get_eval_sampler,
         )
+
+    def _iterable_dataloader(self, dataset: torch.utils.data.IterableDataset, batch_size: int, description: str):
+        """DataLoader of a streaming dataset (already repeated into groups).
+
+        Read in the main process (no worker processes, whatever `dataloader_num_workers`): a `datasets`
+        IterableDataset splits its shards between workers, whose batches the DataLoader then interleaves, which would
+        break the groups and rounds of completions; reading it once keeps the order TRL produces. Never dispatched
+        from the main process either (the batches are lists of rows, not tensors): every process reads the stream and
+        keeps its slice of each global batch.
+        """
+        from torch.utils.data import DataLoader
+
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            collate_fn=self._get_collator_with_removed_columns(self.data_collator, description=description),
+            num_workers=0,
+            pin_memory=self.args.dataloader_pin_memory,
+        )
+        config = self.accelerator.dataloader_config
+        dispatch = config.dispatch_batches
+        config.dispatch_batches = False
+        try:
+            return self.accelerator.prepare(loader)
+        finally:
+            config.dispatch_batches = dispatch
+
+    def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
+        """A dataset given to `evaluate()` is used as the constructor's `eval_dataset` is: raw prompts (a `Dataset` or
+        an `IterableDataset`), generated from at evaluation time; only its `prompt` column is checked."""
+        self._check_prompt_dataset(dataset, name)
+        return dataset
 
     def _get_eval_sampler(self, eval_dataset: Any):
         return RepeatSampler(

@@ -58,7 +58,8 @@ def generate_with_shared_prompts(
         row_to_prompt: `(N,)` index of the prompt of each output row.
         generation_config: Sampling settings (`max_new_tokens`, eos/pad ids, ...).
         share_prompt_cache: Prefill once per prompt. Falls back to plain `generate` when False, when a prompt has
-            fewer than 2 tokens, when no prompt is repeated, or with a non-default `cache_implementation`.
+            fewer than 2 tokens, when no prompt is repeated, with a non-default `cache_implementation`, or with beam
+            search / `num_return_sequences > 1`.
         **generate_kwargs: Extra arguments for `generate`.
 
     Returns:
@@ -74,6 +75,10 @@ def generate_with_shared_prompts(
         and row_to_prompt.numel() > prompt_ids.shape[0]
         and int(prompt_mask.sum(dim=1).min()) >= 2
         and getattr(generation_config, "cache_implementation", None) in (None, "dynamic")
+        # Beam search and several sequences per row expand the batch inside `generate`: the prefilled cache rows
+        # would no longer line up, so such settings generate plainly.
+        and (getattr(generation_config, "num_beams", None) or 1) == 1
+        and (getattr(generation_config, "num_return_sequences", None) or 1) == 1
         and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
     )
     if share:

@@ -56,7 +56,7 @@ def group_advantages(
         )
     grouped = rewards.view(-1, num_generations)
     mean = grouped.mean(dim=1).repeat_interleave(num_generations)
-    group_std = grouped.std(dim=1).repeat_interleave(num_generations)
+    group_std = group_std_of(grouped).repeat_interleave(num_generations)
     advantages = rewards - mean
     if scale_rewards == "group":
         advantages = advantages / (group_std + eps)
@@ -67,18 +67,28 @@ def group_advantages(
     return advantages, group_std
 
 
+def group_std_of(grouped: torch.Tensor) -> torch.Tensor:
+    """Unbiased standard deviation of each row of `(groups, G)` rewards; 0 for groups of one completion (whose
+    advantage is then 0, as in TRL, instead of NaN)."""
+    if grouped.shape[1] < 2:
+        return torch.zeros(grouped.shape[0], dtype=grouped.dtype, device=grouped.device)
+    return grouped.std(dim=1)
+
+
 def leave_one_out_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """RLOO advantages: each reward minus the mean reward of the other completions of its prompt.
 
     Args:
         rewards: `(N,)` rewards, consecutive groups of `num_generations`.
-        num_generations: Group size G (at least 2).
+        num_generations: Group size G.
 
     Returns:
-        `(N,)` advantages `r_i - (sum_j r_j - r_i) / (G - 1)`.
+        `(N,)` advantages `r_i - (sum_j r_j - r_i) / (G - 1)` (0 when `G = 1`).
     """
-    if num_generations < 2:
-        raise ValueError(f"The leave-one-out baseline needs at least 2 completions per prompt; got {num_generations}.")
+    if num_generations < 1:
+        raise ValueError(f"The leave-one-out baseline needs completions per prompt; got {num_generations}.")
+    if num_generations == 1:  # no other completion to compare with (e.g. num_generations_eval=1): 0, as in TRL
+        return torch.zeros_like(rewards)
     grouped = rewards.view(-1, num_generations)
     baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (num_generations - 1)
     return (grouped - baseline).reshape(-1)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from accelerate.utils import gather_object
 
+from .online_math import group_std_of
+from .online_math import masked_mean as _masked_mean
 from .utils import nanstd, print_prompt_completions_sample
 
 
@@ -27,8 +29,12 @@ class _OnlineMetricsMixin:
     """
 
     def _record_reduced(self, name: str, value: torch.Tensor, reduction: str) -> None:
-        """Record a local scalar reduced across processes with `min`, `max` or `mean` (NaN-aware)."""
-        gathered = self.accelerator.gather(value.detach().float().reshape(1))
+        """Record local values (a scalar or a vector) reduced over all processes with `min`, `max` or `mean`
+        (NaN-aware: NaN entries are ignored; NaN when none is left)."""
+        local = value.detach().float().reshape(-1)
+        if self.accelerator.num_processes > 1:  # vectors may differ in length between processes
+            local = self.accelerator.pad_across_processes(local, dim=0, pad_index=float("nan"))
+        gathered = self.accelerator.gather(local)
         finite = gathered[~torch.isnan(gathered)]
         if finite.numel() == 0:
             result = float("nan")
@@ -39,6 +45,22 @@ class _OnlineMetricsMixin:
         else:
             result = finite.mean().item()
         self._metrics[self._mode][name].append(result)
+
+    def _record_clip_metrics(self, low_clipped: torch.Tensor, high_clipped: torch.Tensor, mask: torch.Tensor) -> None:
+        """`clip_ratio/*` as TRL defines them: the means are fractions of the micro-batch's completion tokens; the
+        `low_min` / `high_max` extremes are over the per-completion fractions of all processes (a completion without
+        loss tokens counts in neither; no completion at all gives None)."""
+        low = low_clipped.expand_as(mask).float()
+        high = high_clipped.expand_as(mask).float()
+        self._record_metric("clip_ratio/low_mean", _masked_mean(low, mask))
+        self._record_metric("clip_ratio/high_mean", _masked_mean(high, mask))
+        self._record_metric("clip_ratio/region_mean", _masked_mean(torch.maximum(low, high), mask))
+        counts = mask.sum(dim=1)
+        undefined = torch.full_like(counts, float("nan"))
+        per_low = torch.where(counts > 0, (low * mask).sum(dim=1) / counts.clamp(min=1.0), undefined)
+        per_high = torch.where(counts > 0, (high * mask).sum(dim=1) / counts.clamp(min=1.0), undefined)
+        self._record_reduced("clip_ratio/low_min", per_low, "min")
+        self._record_reduced("clip_ratio/high_max", per_high, "max")
 
     def _record_rollout_metrics(
         self,
@@ -76,12 +98,17 @@ class _OnlineMetricsMixin:
             metrics[f"rewards/{name}/mean"].append(torch.nanmean(column).item())
             metrics[f"rewards/{name}/std"].append(nanstd(column).item())
         rewards = self._aggregated_rewards(rewards_per_func)
-        group_std = rewards.view(-1, self._group_size()).std(dim=1)
+        group_std = group_std_of(self._rewards_for_zero_std(rewards).view(-1, self._group_size()))
         metrics["reward"].append(rewards.mean().item())
         # TRL's `reward_std` is the spread over the whole batch (not the mean of the per-group spreads).
         metrics["reward_std"].append(rewards.std().item())
         zero_std = torch.isclose(group_std, torch.zeros_like(group_std))
         metrics["frac_reward_zero_std"].append(zero_std.float().mean().item())
+
+    def _rewards_for_zero_std(self, rewards: torch.Tensor) -> torch.Tensor:
+        """The `(N,)` rewards whose per-group spread `frac_reward_zero_std` counts (those the advantages are computed
+        from; RLOO's include the KL penalty)."""
+        return rewards
 
     def _store_completions(
         self,

@@ -105,15 +105,18 @@ class _OnlineRewardsMixin:
             raise ValueError("reward_funcs is an empty list; give at least one reward function or reward model.")
         if reward_processing_classes is None:
             processing = [None] * len(funcs)
-        elif isinstance(reward_processing_classes, (list, tuple)):
-            processing = list(reward_processing_classes)
+        else:
+            # A single processing class stands for one reward function, never for several (as in TRL).
+            if isinstance(reward_processing_classes, (list, tuple)):
+                processing = list(reward_processing_classes)
+            else:
+                processing = [reward_processing_classes]
             if len(processing) != len(funcs):
                 raise ValueError(
-                    f"reward_processing_classes has {len(processing)} entries but there are {len(funcs)} reward "
-                    "functions; give one entry per reward function (None for plain callables)."
+                    f"The number of reward processing classes ({len(processing)}) must match the number of reward "
+                    f"functions ({len(funcs)}). Pass a list with one entry per reward function, None for plain "
+                    "callables and for reward models whose tokenizer is loaded from their path."
                 )
-        else:
-            processing = [reward_processing_classes] + [None] * (len(funcs) - 1)
         init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
         init_kwargs.pop("quantization_config", None)
         names = []

@@ -120,6 +120,8 @@ class RLOOTrainer(_OnlineTrainer):
         ),
     }
     _config_class = RLOOConfig
+    # As TRL: a metric undefined over the whole logging window (all-None rewards, no completion token) logs None.
+    _undefined_metric_value = None
     _default_suffix = "RLOO"
 
     def __init__(
@@ -166,12 +168,20 @@ class RLOOTrainer(_OnlineTrainer):
             mask = batch["completion_mask"].float()
             per_token_kl = batch["old_per_token_logps"] - batch["ref_per_token_logps"]
             sequence_kl = self.accelerator.gather((per_token_kl * mask).sum(dim=1))
-            self._record_metric("kl", sequence_kl.mean())
+            # Logged as TRL does: the mean per-token KL over all completion tokens (the reward uses sequence sums).
+            num_tokens = self.accelerator.gather(mask.sum(dim=1)).sum()
+            self._record_metric("kl", sequence_kl.sum() / num_tokens.clamp(min=1.0))
             rewards = rewards - args.beta * sequence_kl.to(rewards.device)
+        self._shaped_rewards = rewards
         advantages = leave_one_out_advantages(rewards, self._group_size())
         if args.normalize_advantages:
             advantages = (advantages - advantages.mean()) / (advantages.std() + ADVANTAGE_EPS)
         return advantages
+
+    def _rewards_for_zero_std(self, rewards: torch.Tensor) -> torch.Tensor:
+        # As TRL: a group counts as zero-spread on the rewards the baseline uses (clipped, minus the KL penalty).
+        shaped = getattr(self, "_shaped_rewards", None)
+        return shaped if shaped is not None and shaped.shape == rewards.shape else rewards
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         logps, entropy, outputs = self._forward_logps(model, inputs, compute_entropy=True)
@@ -189,11 +199,8 @@ class RLOOTrainer(_OnlineTrainer):
 
         with torch.no_grad():
             self._record_metric("entropy", masked_mean(entropy.detach(), mask))
-            low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).float().mean()
-            high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).float().mean()
-            self._record_metric("clip_ratio/low_mean", low)
-            self._record_reduced("clip_ratio/low_min", low, "min")
-            self._record_metric("clip_ratio/high_mean", high)
-            self._record_reduced("clip_ratio/high_max", high, "max")
-            self._record_metric("clip_ratio/region_mean", low + high)
+            low = (ratio < 1 - self.epsilon_low) & (advantages < 0)
+            high = (ratio > 1 + self.epsilon_high) & (advantages > 0)
+            # One ratio per completion, so each completion counts once (not weighted by its length), as in TRL.
+            self._record_clip_metrics(low.unsqueeze(1), high.unsqueeze(1), torch.ones_like(mask[:, :1]))
         return loss

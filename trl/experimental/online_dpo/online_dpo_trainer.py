@@ -334,6 +334,10 @@ class OnlineDPOTrainer(_OnlineTrainer):
         return Trainer._get_train_sampler(self, train_dataset)
 
     def get_eval_dataloader(self, eval_dataset: Any = None):
+        dataset = self.eval_dataset[eval_dataset] if isinstance(eval_dataset, str) else eval_dataset
+        dataset = self.eval_dataset if dataset is None else dataset
+        if isinstance(dataset, IterableDataset):  # batches are rows (strings): never dispatched (see the base)
+            return self._iterable_dataloader(dataset, self.args.per_device_eval_batch_size, "Evaluation")
         return Trainer.get_eval_dataloader(self, eval_dataset)
 
     def _get_eval_sampler(self, eval_dataset: Any):

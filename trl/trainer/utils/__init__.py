@@ -65,7 +65,13 @@ from .reporting import (
     log_table_to_comet_experiment,
     print_prompt_completions_sample,
 )
-from .sampling import RepeatSampler, repeat_iterable_dataset, shuffle_sequence_dict, split_tensor_dict
+from .sampling import (
+    RepeatedIterableDataset,
+    RepeatSampler,
+    repeat_iterable_dataset,
+    shuffle_sequence_dict,
+    split_tensor_dict,
+)
 from .tensors import flush_left, flush_right, nanmax, nanmin, nanstd, pad
 
 
@@ -101,6 +107,7 @@ __all__ = [
     "prepare_peft_model",
     "print_prompt_completions_sample",
     "remove_none_values",
+    "RepeatedIterableDataset",
     "repeat_iterable_dataset",
     "selective_log_softmax",
     "selective_log_softmax_and_entropy",

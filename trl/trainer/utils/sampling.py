@@ -67,12 +67,52 @@ class RepeatSampler(Sampler):
         return full * self.mini_repeat_count * self.repeat_count
 
 
+class RepeatedIterableDataset(torch.utils.data.IterableDataset):
+    """Streaming counterpart of [`RepeatSampler`]: iterates a (possibly unbounded) dataset and repeats its examples.
+
+    Examples are read `batch_size` at a time (an incomplete last batch is dropped); each batch is emitted
+    `repeat_count` times and inside it every example `mini_repeat_count` times in a row. `set_epoch` is forwarded to
+    the wrapped dataset, so a shuffled `datasets.IterableDataset` is reshuffled every epoch. The wrapper is picklable
+    (a class, not a generator closure).
+    """
+
+    def __init__(self, dataset: Iterable[dict], mini_repeat_count: int, batch_size: int = 1, repeat_count: int = 1):
+        super().__init__()
+        self.dataset = dataset
+        self.mini_repeat_count = mini_repeat_count
+        self.batch_size = batch_size
+        self.repeat_count = repeat_count
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    @property
+    def features(self) -> Any:
+        return getattr(self.dataset, "features", None)
+
+    @property
+    def column_names(self) -> Any:
+        return getattr(self.dataset, "column_names", None)
+
+    def __iter__(self) -> Iterator[dict]:
+        batch = []
+        for example in self.dataset:
+            batch.append(example)
+            if len(batch) == self.batch_size:
+                for _ in range(self.repeat_count):
+                    for item in batch:
+                        for _ in range(self.mini_repeat_count):
+                            yield item
+                batch = []
+
+
 def repeat_iterable_dataset(
     dataset: Iterable[dict],
     mini_repeat_count: int,
     batch_size: int = 1,
     repeat_count: int = 1,
-):
+) -> RepeatedIterableDataset:
     """Streaming counterpart of [`RepeatSampler`] for iterable datasets.
 
     Examples are read `batch_size` at a time (an incomplete last batch is dropped); each batch is emitted
@@ -85,23 +125,10 @@ def repeat_iterable_dataset(
         repeat_count: Number of times each batch is repeated.
 
     Returns:
-        A `datasets.IterableDataset` yielding the repeated examples.
+        A [`RepeatedIterableDataset`] (a `torch.utils.data.IterableDataset`) yielding the repeated examples; its
+        `set_epoch` reaches the wrapped dataset.
     """
-    from datasets import IterableDataset
-
-    def generate():
-        batch = []
-        for example in dataset:
-            batch.append(example)
-            if len(batch) == batch_size:
-                for _ in range(repeat_count):
-                    for item in batch:
-                        for _ in range(mini_repeat_count):
-                            yield item
-                batch = []
-
-    features = getattr(dataset, "features", None)
-    return IterableDataset.from_generator(generate, features=features)
+    return RepeatedIterableDataset(dataset, mini_repeat_count, batch_size, repeat_count)
 
 
 def _batch_length(values: Iterable[Any]) -> int:
