@@ -21,6 +21,10 @@ KNOWN_DIVERGENCES: dict[str, str] = {
 
 # Differences kept on purpose (reason in docs/parity.md); also strict xfail, so a change of mind shows up.
 DELIBERATE_DEVIATIONS: dict[str, str] = {
+    "dataclasses/DPOConfig": "two fields TRL 1.16 does not have: model_adapter_name, ref_adapter_name (TRL 0.x had "
+    "them; they select the trained and the reference adapter of a multi-adapter PEFT model, None is TRL's behaviour)",
+    "dataclasses/vllm_serve.ScriptArguments": "vllm-serve --host defaults to 127.0.0.1 (TRL: 0.0.0.0): the weight-sync "
+    "endpoints are not reachable from the network unless asked (issue 26)",
     "deviations/bf16_default_on_cpu": "bf16=None resolves to fp32 on a CPU-only machine (TRL: ValueError without "
     "use_cpu, bf16 autocast with use_cpu=True)",
 }

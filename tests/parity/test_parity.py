@@ -1,4 +1,4 @@
-"""Parity against real TRL 1.16: one test per case in cases.py, comparing the two workers' outputs (compare.py).
+"""Parity against real TRL 1.16: one test per case in cases/, comparing the two workers' outputs (compare.py).
 
 Run with `make test-parity` (builds `.venv-parity` first); `pytest -m parity tests/parity -k dpo` runs a subset (only
 the selected cases are executed by the workers). See docs/parity.md.
