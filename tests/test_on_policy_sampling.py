@@ -28,7 +28,14 @@ def _constant_reward(completions, **kwargs):
     return [0.0] * len(completions)
 
 
-def _trainer(tmp_path, trainer_class=GRPOTrainer, config_class=GRPOConfig, **overrides):
+def _trainer(
+    tmp_path,
+    trainer_class=GRPOTrainer,
+    config_class=GRPOConfig,
+    dataset_name="standard_prompt_only",
+    tools=None,
+    **overrides,
+):
     settings = dict(
         per_device_train_batch_size=NUM_GENERATIONS,
         num_generations=NUM_GENERATIONS,
@@ -38,10 +45,12 @@ def _trainer(tmp_path, trainer_class=GRPOTrainer, config_class=GRPOConfig, **ove
     )
     settings.update(overrides)
     args = args_builder(config_class)(tmp_path, **settings)
-    dataset = load_test_dataset("standard_prompt_only", split="train")
-    return trainer_class(
-        model=get_model_path(MODEL), reward_funcs=_constant_reward, args=args, train_dataset=dataset
-    ), dataset
+    dataset = load_test_dataset(dataset_name, split="train")
+    extra = {"tools": tools} if tools else {}
+    trainer = trainer_class(
+        model=get_model_path(MODEL), reward_funcs=_constant_reward, args=args, train_dataset=dataset, **extra
+    )
+    return trainer, dataset
 
 
 def _sample(trainer, dataset):
@@ -92,6 +101,24 @@ def test_grpo_samples_follow_the_policy(tmp_path, share_prompt_cache, temperatur
     trainer._share_prompt_cache = share_prompt_cache
     prompt_ids, completion_ids = _sample(trainer, dataset)
     logps, entropies, _, _ = _scored(trainer, prompt_ids, completion_ids, temperature)
+    _assert_on_policy(logps, entropies)
+
+
+def _multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: First factor.
+        b: Second factor.
+    """
+    return a * b
+
+
+def test_tool_loop_samples_follow_the_policy(tmp_path):
+    """The tool-calling rollout (`_ToolCallingMixin._rollout`) samples its turns through the same generation path."""
+    trainer, dataset = _trainer(tmp_path, dataset_name="conversational_prompt_only", tools=[_multiply])
+    prompt_ids, completion_ids = _sample(trainer, dataset)
+    logps, entropies, _, _ = _scored(trainer, prompt_ids, completion_ids, 1.0)
     _assert_on_policy(logps, entropies)
 
 
