@@ -1,7 +1,6 @@
 """Dataset-map functions of SFTTrainer's data preparation (module-level classes so `dataset_num_proc` can pickle
 them): EOS appending, tokenization, labels, truncation."""
 
-import json
 import logging
 from typing import Any
 
@@ -9,24 +8,10 @@ import torch
 from datasets import Dataset
 
 from ..data_utils import common_prefix_length
+from .utils.dataset_rows import parse_tools_column
 
 
 logger = logging.getLogger("trl.trainer.sft_trainer")
-
-
-def _desc(map_kwargs: dict[str, Any], text: str) -> dict[str, Any]:
-    return {**map_kwargs, "desc": text} if "num_proc" in map_kwargs else dict(map_kwargs)
-
-
-def _parse_tools(tools: Any) -> Any:
-    if isinstance(tools, str):
-        try:
-            return json.loads(tools)
-        except json.JSONDecodeError as error:
-            raise ValueError(
-                f"The `tools` column must hold a list of JSON schemas or a JSON string; got {tools!r}."
-            ) from error
-    return tools
 
 
 class _AppendEOS:
@@ -63,7 +48,7 @@ class _Tokenizer:
         return columns
 
     def _chat(self, messages, example, **kwargs) -> dict[str, list[int]]:
-        tools = _parse_tools(example.get("tools"))
+        tools = parse_tools_column(example.get("tools"))
         template_kwargs = dict(example.get("chat_template_kwargs") or {})
         try:
             out = self.processing_class.apply_chat_template(

@@ -31,10 +31,11 @@ from ..data_utils import (
     maybe_convert_to_chatml,
     pack_dataset,
 )
-from ._sft_data import _AppendEOS, _desc, _LabelBuilder, _shortest_prompt, _Tokenizer, _Truncator
+from ._sft_data import _AppendEOS, _LabelBuilder, _shortest_prompt, _Tokenizer, _Truncator
 from .base_trainer import _BaseTrainer
 from .sft_config import SFTConfig
 from .utils import entropy_from_logits, model_accepts_argument, pad
+from .utils.dataset_rows import map_kwargs_with_desc as _desc
 
 
 logger = logging.getLogger(__name__)
