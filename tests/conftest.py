@@ -91,3 +91,21 @@ def pytest_configure(config):
         import torch
 
         torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def rollout_trainer(tmp_path_factory, model_path, prompts):
+    """A GRPO trainer (low-id reward, groups of 4) and one scored generation round of 8 completions (2 prompts)."""
+    import torch
+    from trainer_utils import GROUP_ARGS, args_builder, low_id_reward
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = args_builder(GRPOConfig, **GROUP_ARGS)(
+        tmp_path_factory.mktemp("grpo"), per_device_train_batch_size=8, num_generations=4
+    )
+    trainer = GRPOTrainer(model_path, reward_funcs=low_id_reward, args=args, train_dataset=prompts)
+    trainer.model.train()
+    torch.manual_seed(0)
+    batch = trainer._generate_and_score([prompts[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)])
+    return trainer, batch
