@@ -11,7 +11,7 @@ torch:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_CPU_VERSION)"
 
 install: torch
-	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb, openai, sklearn" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
+	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb, openai, sklearn, math_verify, jmespath" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
 		|| $(PIP) install -q -e ".[test,quality,judges,bco]"
 
 test: install
