@@ -119,13 +119,29 @@ def test_sft_help_is_fast_and_lists_the_options():
     assert elapsed < 2.0, f"`trl sft --help` took {elapsed:.2f}s"
 
 
+def test_main_lets_the_exit_of_help_and_usage_errors_propagate(capsys):
+    """As in TRL: `trl.cli.main()` raises argparse's SystemExit (0 for --help, 2 for an unknown command)."""
+    from trl.cli import main
+
+    with pytest.raises(SystemExit) as exit_help:
+        main(["--help"])
+    assert exit_help.value.code == 0
+    with pytest.raises(SystemExit) as exit_error:
+        main(["no-such-command"])
+    assert exit_error.value.code == 2
+    assert "no-such-command" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not script_exists("sft"), reason="trl/scripts/sft.py has not landed")
 def test_sft_help_does_not_import_torch():
     code = (
         "import sys, contextlib, io\n"
         "from trl.cli import main\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
-        "    assert main(['sft', '--help']) == 0\n"
+        "    try:\n"
+        "        main(['sft', '--help'])\n"
+        "    except SystemExit as exit:\n"
+        "        assert exit.code == 0\n"
         "print(sorted(m for m in ('torch', 'transformers', 'accelerate', 'datasets') if m in sys.modules))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -595,16 +595,39 @@ def test_generate_model_card(tmp_path):
 
 
 def test_flops_and_mfu():
-    config = tiny_config()
-    assert compute_flops_per_token(config, seq_len=10, num_params=1000) == 6 * 1000 + 12 * 2 * 16 * 10
-    model = tiny_model()
-    num_params = sum(p.numel() for p in model.parameters())
-    assert compute_flops_per_token(model, seq_len=1) == 6 * num_params + 12 * 2 * 16
-    assert compute_mfu(100.0, 10.0, peak_flops=2000.0) == 0.5
-    assert compute_mfu(100.0, 10.0, peak_flops=1000.0, num_devices=2) == 0.5
-    assert compute_mfu(100.0, 10.0, peak_flops=None) is None
-    if not torch.cuda.is_available():
-        assert get_peak_flops() is None
+    """TRL's accounting, by hand: 6 x (weight matrices a token passes: q, k, v, o, 3 MLP, LM head) + 12 L A S."""
+    from transformers import Qwen2Config
+
+    from trl.trainer.utils import adjusted_mfu, get_peak_flops_per_device
+
+    config = Qwen2Config(
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=48,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        vocab_size=1000,
+    )
+    attention, key_value = 4 * 48, 2 * 48
+    per_layer = 128 * attention + 2 * 128 * key_value + attention * 128 + 3 * 128 * 256
+    num_params = 3 * per_layer + 1000 * 128
+    assert compute_flops_per_token(config, 7) == 6 * num_params + 12 * 3 * attention * 7
+    assert isinstance(compute_flops_per_token(config, 7), int)
+    # MFU in percent over world_size devices; the causal adjustment halves the attention term.
+    assert compute_mfu(1000, 10.0, 2, 1e4) == pytest.approx(50.0)
+    total = compute_flops_per_token(config, 100)
+    expected = 50.0 * (total - 6 * 3 * attention * 100) / total
+    assert adjusted_mfu(50.0, config, 100) == pytest.approx(expected)
+    assert get_peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+    assert get_peak_flops("Tesla T4", "bfloat16") is None and get_peak_flops("Tesla T4", "float16") == 65e12
+    assert get_peak_flops("NVIDIA A100-SXM4-80GB", "float32") is None
+    assert get_peak_flops("cpu", "bfloat16") is None
+
+    class _CPU:
+        device = torch.device("cpu")
+
+    assert get_peak_flops_per_device(_CPU(), "bfloat16") is None
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -14,16 +14,6 @@ class _HelpFormatter(argparse.HelpFormatter):
         self._action_max_length = 20
 
 
-def _exit_status(exit_request: SystemExit) -> int:
-    code = exit_request.code
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the `trl` command line.
 
@@ -54,8 +44,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0
         return commands[args.command].run(args, CommandContext(argv=argv))
-    except SystemExit as exit_request:
-        return _exit_status(exit_request)
     except KeyboardInterrupt:
         return 130
 

@@ -280,3 +280,63 @@ def _parse_response(ctx):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Throughput accounting (trl.trainer.utils): FLOPs per token, MFU, peak FLOP/s
+# ---------------------------------------------------------------------------------------------------------------------
+@case("data_utils/flops_and_mfu")
+def _flops_and_mfu(ctx):
+    from transformers import LlamaConfig, Qwen2Config
+
+    from trl.trainer.utils import adjusted_mfu, compute_flops_per_token, compute_mfu, get_peak_flops
+
+    configs = {
+        "qwen2_gqa": Qwen2Config(
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=256,
+            num_hidden_layers=3,
+            vocab_size=1000,
+        ),
+        "qwen2_head_dim": Qwen2Config(
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=48,
+            intermediate_size=256,
+            num_hidden_layers=3,
+            vocab_size=1000,
+        ),
+        "qwen2_tied": Qwen2Config(
+            hidden_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            vocab_size=1000,
+            tie_word_embeddings=True,
+        ),
+        "llama": LlamaConfig(
+            hidden_size=96,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            intermediate_size=200,
+            num_hidden_layers=2,
+            vocab_size=500,
+        ),
+    }
+    out = {}
+    for name, config in configs.items():
+        out[name] = {
+            "flops_per_token": [compute_flops_per_token(config, s) for s in (0, 7, 128)],
+            "adjusted_mfu": [adjusted_mfu(50.0, config, s) for s in (0, 7, 128)],
+        }
+    out["mfu"] = [compute_mfu(1000, 10.0, 2, 1e4), compute_mfu(123456, 789.0, 8, 312e12)]
+    out["peak"] = {
+        f"{device}|{dtype}": get_peak_flops(device, dtype)
+        for device in ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA L40S", "Tesla T4", "cpu")
+        for dtype in ("bfloat16", "float16", "float32")
+    }
+    return out

@@ -48,7 +48,7 @@ from .dataset_rows import (
     scored_completion_tokens,
 )
 from .distributed import ensure_master_addr_port, uses_sharding_engine
-from .flops import compute_flops_per_token, compute_mfu, get_peak_flops
+from .flops import adjusted_mfu, compute_flops_per_token, compute_mfu, get_peak_flops, get_peak_flops_per_device
 from .logprobs import TokenLogps, compute_token_logps, logits_statistics, model_accepts_argument
 from .packing import (
     PackedSequences,
@@ -77,6 +77,7 @@ from .tensors import flush_left, flush_right, nanmax, nanmin, nanstd, pad
 
 __all__ = [
     "RepeatSampler",
+    "adjusted_mfu",
     "compute_flops_per_token",
     "compute_mfu",
     "create_model_from_path",
@@ -92,6 +93,7 @@ __all__ = [
     "get_config_model_id",
     "get_kbit_device_map",
     "get_peak_flops",
+    "get_peak_flops_per_device",
     "get_peft_config",
     "get_quantization_config",
     "get_trackio_space_url",
