@@ -801,3 +801,20 @@ def test_trainers_need_a_pad_or_eos_token(name, tmp_path):
     tokenizer.eos_token = None
     with pytest.raises(ValueError, match="neither a pad_token nor an eos_token; set tokenizer.pad_token"):
         _trainer_with_tokenizer(name, tmp_path / "without", tokenizer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_selective_log_softmax_scores_several_tokens_per_position(dtype):
+    """`index` of shape `(..., K)`: each of the K tokens scored against the full softmax (values and gradients)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 11, dtype=dtype, requires_grad=True)
+    index = torch.randint(0, 11, (2, 3, 4))
+    got = selective_log_softmax(logits, index, temperature=0.7)
+    expected = torch.log_softmax(logits / 0.7, dim=-1).gather(-1, index)
+    assert got.shape == (2, 3, 4) and got.dtype == dtype
+    torch.testing.assert_close(got, expected)
+    (grad_got,) = torch.autograd.grad((got * torch.arange(4.0, dtype=dtype)).sum(), logits)
+    (grad_expected,) = torch.autograd.grad((expected * torch.arange(4.0, dtype=dtype)).sum(), logits)
+    torch.testing.assert_close(grad_got, grad_expected)
+    masked = selective_log_softmax(logits, index, row_mask=torch.tensor([True, False]))
+    assert torch.equal(masked[1], torch.zeros_like(masked[1]))

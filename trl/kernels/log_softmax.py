@@ -230,16 +230,40 @@ def selective_log_softmax(
 
     Args:
         logits: Tensor of shape `(..., vocab_size)`; float32, float64, bfloat16 or float16.
-        index: Integer tensor of shape `(...)` with the token ids to score.
+        index: Integer tensor of shape `(...)` with the token ids to score, or `(..., K)` to score `K` tokens at each
+            position.
         temperature: Logits are divided by this value before the softmax.
-        row_mask: Optional boolean tensor with the shape of `index` (or a leading part of it, e.g. `(batch,)`). Rows
-            where it is False are skipped entirely and get 0.
+        row_mask: Optional boolean tensor with the shape of `logits` without its last dimension (or a leading part of
+            it, e.g. `(batch,)`). Rows where it is False are skipped entirely and get 0.
 
     Returns:
         Tensor with the shape of `index` and the dtype of `logits`.
     """
+    if index.dim() == logits.dim() and tuple(index.shape[:-1]) == tuple(logits.shape[:-1]):
+        return _selective_log_softmax_multi(logits, index, temperature, row_mask)
     logps, _ = _log_softmax_stats(logits, index, temperature, row_mask, None, want_logps=True, want_entropy=False)
     return logps
+
+
+def _selective_log_softmax_multi(
+    logits: torch.Tensor, index: torch.Tensor, temperature: float, row_mask: torch.Tensor | None
+) -> torch.Tensor:
+    """`K` tokens per position (`index` of shape `(..., K)`): the chunked pass yields each row's log-normaliser
+    through the first token (`log Z = logit_0 / T - log p_0`), the other tokens are scored against it."""
+    index = index.to(torch.long)
+    first = index[..., 0]
+    first_logps = _log_softmax_stats(logits, first, temperature, row_mask, None, want_logps=True, want_entropy=False)[
+        0
+    ]
+    compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    scaled = logits.gather(-1, index).to(compute_dtype) / temperature
+    log_normaliser = scaled[..., :1] - first_logps.to(compute_dtype).unsqueeze(-1)
+    logps = scaled - log_normaliser
+    if row_mask is not None:
+        mask = _prepare_row_mask(row_mask, logits.shape[:-1])
+        if mask is not None:
+            logps = logps * mask.unsqueeze(-1).to(logps.dtype)
+    return logps.to(logits.dtype)
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Tensor:
