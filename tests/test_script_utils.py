@@ -425,3 +425,15 @@ def test_get_git_commit_hash():
     assert get_git_commit_hash("trl") == expected
     assert get_git_commit_hash("yaml") is None
     assert get_git_commit_hash("a_package_that_does_not_exist") is None
+
+
+def test_trl_parser_reads_config_through_plain_open():
+    """TRL's tests substitute `builtins.open` to feed a YAML config; the parser must read it that way."""
+    from unittest.mock import mock_open, patch
+
+    from trl import ScriptArguments, TrlParser
+
+    parser = TrlParser((ScriptArguments,))
+    with patch("builtins.open", mock_open(read_data="dataset_name: from-yaml\n")):
+        (script_args,) = parser.parse_args_and_config(args=["--config", "config.yaml"])
+    assert script_args.dataset_name == "from-yaml"

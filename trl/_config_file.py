@@ -49,10 +49,14 @@ def load_config_file(path: str) -> dict[str, Any]:
     """
     import yaml
 
-    if not os.path.isfile(path):
-        raise ValueError(f"Config file {path!r} does not exist; pass the path of a YAML file to `--config`.")
-    with open(path, encoding="utf-8") as f:
-        config = yaml.safe_load(f)
+    # Through the plain `open` (no existence check first), so code that substitutes `open` reads its config too.
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = yaml.safe_load(f)
+    except (FileNotFoundError, IsADirectoryError) as error:
+        raise ValueError(
+            f"Config file {path!r} does not exist; pass the path of a YAML file to `--config`."
+        ) from error
     if config is None:
         return {}
     if not isinstance(config, dict):
