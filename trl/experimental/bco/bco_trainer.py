@@ -25,7 +25,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from datasets import Dataset, IterableDataset
 from transformers import (
-    AutoModelForCausalLM,
     BaseImageProcessor,
     FeatureExtractionMixin,
     PreTrainedModel,
@@ -367,41 +366,6 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
                 "it with joblib, which are not installed. Run `pip install trl[bco]` (or `pip install scikit-learn "
                 "joblib`)."
             )
-
-    @staticmethod
-    def _load_causal_lm(model: Any, args: BCOConfig) -> nn.Module:
-        """Load a string `model` with `AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs)`."""
-        init_kwargs = dict(args.model_init_kwargs or {})
-        if not isinstance(model, str):
-            if init_kwargs:
-                warnings.warn(
-                    "args.model_init_kwargs is only used when `model` is a string; the model you passed is already "
-                    "instantiated, so these kwargs are ignored.",
-                    UserWarning,
-                    stacklevel=3,
-                )
-            return model
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(
-            model, revision=init_kwargs.get("revision"), trust_remote_code=args.trust_remote_code
-        )
-        if getattr(config, "is_encoder_decoder", False):
-            raise ValueError(
-                f"BCOTrainer trains decoder-only causal language models, but {model!r} is an encoder-decoder model "
-                f"({type(config).__name__}). Use a causal LM."
-            )
-        dtype = init_kwargs.get("dtype")
-        if isinstance(dtype, str) and dtype != "auto":
-            if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                raise ValueError(
-                    f"model_init_kwargs['dtype']={dtype!r} is not a torch dtype; use e.g. 'bfloat16', 'float16', "
-                    "'float32' or 'auto'."
-                )
-            init_kwargs["dtype"] = getattr(torch, dtype)
-        if args.trust_remote_code:
-            init_kwargs.setdefault("trust_remote_code", True)
-        return AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
 
     def _prepare_bco_dataset(self, dataset: Any, processing_class: Any, args: BCOConfig, name: str) -> Any:
         dataset = self._prepare_dataset(dataset, processing_class, args, name, kl_chunk_size=1)

@@ -138,3 +138,46 @@ def logits_statistics(logits: torch.Tensor, targets: torch.Tensor, sharpness: bo
     if sharp:
         stats["log_sum_sq_probs"] = torch.cat(sharp).reshape(targets.shape)
     return stats
+
+
+def mean_logits_from_hidden(model: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Mean over the vocabulary of the logits at every position, from the final hidden states, without the LM head.
+
+    The output projection is linear, so `mean_v(W h + b) = h . mean_v(W) + mean(b)`: one dot product per position
+    instead of a full-vocabulary matmul. Models that post-process their logits are handled: a `logit_scale` /
+    `logits_scaling` factor is applied, and a `final_logit_softcapping` (not linear) falls back to the exact mean of
+    the projected logits, chunk by chunk. Metrics only: computed without gradients.
+
+    Args:
+        model: The (possibly PEFT- or accelerate-wrapped) causal LM whose output embeddings produce the logits.
+        hidden_states: `(..., hidden)` final hidden states (after the last norm, `outputs.hidden_states[-1]`).
+
+    Returns:
+        `(...)` float32 tensor: the mean logit at each position.
+    """
+    target = getattr(model, "module", model)
+    head = target.get_output_embeddings()
+    config = getattr(target, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    weight = head.weight
+    with torch.no_grad():
+        hidden = hidden_states.detach()
+        softcap = getattr(text_config, "final_logit_softcapping", None)
+        if softcap:
+            flat = hidden.reshape(-1, hidden.shape[-1])
+            rows = max(1, _STATS_CHUNK_BYTES // (4 * weight.shape[0]))
+            means = []
+            for start in range(0, flat.shape[0], rows):
+                logits = head(flat[start : start + rows]).float()
+                means.append((torch.tanh(logits / softcap) * softcap).mean(dim=-1))
+            return torch.cat(means).reshape(hidden.shape[:-1])
+        mean = hidden.float() @ weight.float().mean(dim=0)
+        if getattr(head, "bias", None) is not None:
+            mean = mean + head.bias.float().mean()
+        scale = getattr(text_config, "logit_scale", None)
+        if isinstance(scale, (int, float)):
+            mean = mean * scale
+        divisor = getattr(text_config, "logits_scaling", None)
+        if isinstance(divisor, (int, float)) and divisor:
+            mean = mean / divisor
+        return mean
