@@ -25,6 +25,9 @@ DELIBERATE_DEVIATIONS: dict[str, str] = {
     "them; they select the trained and the reference adapter of a multi-adapter PEFT model, None is TRL's behaviour)",
     "dataclasses/vllm_serve.ScriptArguments": "vllm-serve --host defaults to 127.0.0.1 (TRL: 0.0.0.0): the weight-sync "
     "endpoints are not reachable from the network unless asked (issue 26)",
+    "cpo/max_length=14": "two training prompts are 14 tokens long: TRL keeps those pairs with empty completions "
+    "(log-prob 0, NaN for the length-normalised losses), here they are dropped with a warning, so the step and the "
+    "evaluation after it differ (eval_logps/chosen -28.762 vs -28.808); the evaluation before it matches (issue 19)",
     "deviations/bf16_default_on_cpu": "bf16=None resolves to fp32 on a CPU-only machine (TRL: ValueError without "
     "use_cpu, bf16 autocast with use_cpu=True)",
 }

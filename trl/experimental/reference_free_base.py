@@ -139,18 +139,22 @@ class DataCollatorForReferenceFreePreference:
     """Collate prepared pairs into one right-padded batch: the `n` chosen sequences, then the `n` rejected ones.
 
     Each example holds TRL's `prompt_input_ids`, `chosen_input_ids` and `rejected_input_ids` (the latter two starting
-    with the prompt). The batch keeps the padded positions (`pad_token_id`): TRL's `logits/*` metrics average over
-    them.
+    with the prompt). The batch keeps the padded positions: TRL's `logits/*` metrics average over them, so their
+    token ids matter. As in TRL, each half is padded to its own longest sequence with `pad_token_id`, and the shorter
+    half then to the common length with `padding_value`.
 
     Args:
         pad_token_id (`int`):
             Token used to pad `input_ids`.
+        padding_value (`int` or `None`, defaults to `None`):
+            Token filling the columns beyond the longest sequence of a half (`None`: `pad_token_id`).
 
     Returns:
         `input_ids`, `attention_mask`, `completion_mask`, each `(2 * n, T)`.
     """
 
     pad_token_id: int
+    padding_value: int | None = None
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         prompts = [list(example["prompt_input_ids"]) for example in examples]
@@ -159,7 +163,13 @@ class DataCollatorForReferenceFreePreference:
             for name in ("chosen", "rejected")
             for example, prompt in zip(examples, prompts)
         ]
-        return collate_prompt_completions(prompts * 2, completions, self.pad_token_id)
+        batch = collate_prompt_completions(prompts * 2, completions, self.pad_token_id)
+        if self.padding_value is not None and self.padding_value != self.pad_token_id:
+            n = len(examples)
+            for half in (slice(0, n), slice(n, 2 * n)):
+                longest = int(batch["attention_mask"][half].sum(dim=1).max())
+                batch["input_ids"][half, longest:] = self.padding_value
+        return batch
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -232,14 +242,13 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
         model, processing_class, tokenizer = self._load_policy(model, None, processing_class, args, peft_config)
         if args.disable_dropout:
             disable_dropout_in_model(model)
-        padding_value = getattr(args, "padding_value", None)
-        self.pad_token_id = (
-            padding_value if padding_value is not None else tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
-        )
+        self.pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
         # TRL's `logits/*` metrics average over the padded positions too: the batch keeps them.
         self._layout = "padded"
         if data_collator is None:
-            data_collator = DataCollatorForReferenceFreePreference(pad_token_id=self.pad_token_id)
+            data_collator = DataCollatorForReferenceFreePreference(
+                pad_token_id=self.pad_token_id, padding_value=getattr(args, "padding_value", None)
+            )
 
         # ---- Datasets ------------------------------------------------------------------------------------------
         train_dataset = self._prepare_dataset(train_dataset, processing_class, args, "train")
@@ -440,6 +449,11 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
         # Predictions: the chosen and rejected rewards of every pair; labels: index 0 (the chosen one is preferred).
         logits = torch.stack([outputs["chosen_rewards"], outputs["rejected_rewards"]], dim=1)
         return logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        # TRL's CPO / ORPO batches hold no `input_ids` key, so transformers counts no FLOPs there and `total_flos`
+        # stays 0; the same is reported here so that logs compare equal.
+        return 0
 
     def store_metrics(self, metrics: dict[str, float], train_eval: str = "train") -> None:
         """Store already-reduced metric values for the next log."""
