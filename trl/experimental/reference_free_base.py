@@ -269,7 +269,6 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
             optimizers=optimizers,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
         )
-        del self.ref_model  # set by the shared initialisation; these methods have no reference model at all
         self._add_model_tags(self.model)
 
     def _load_model(self, model: Any, args: Any, architecture: Any = None, quantization_config: Any = None, **_: Any):
