@@ -15,12 +15,14 @@ PAIRWISE_ARGS = ["--max_new_tokens", "4"]
 # Extra flags per script (kept small so that each run takes seconds); every example must be listed here.
 SCRIPT_ARGS = {
     "bco.py": [],
+    "cpo.py": ["--max_length", "64", "--loss_type", "simpo"],
     "dpo.py": ["--max_length", "64"],
     "grpo.py": ONLINE_ARGS,
     "grpo_tools.py": ONLINE_ARGS + ["--num_questions", "4"],
     "kto.py": ["--max_length", "64"],
     "nash_md.py": PAIRWISE_ARGS,
     "online_dpo.py": PAIRWISE_ARGS,
+    "orpo.py": ["--max_length", "64"],
     "prm.py": [],
     "reward_modeling.py": ["--max_length", "64"],
     "rloo.py": ONLINE_ARGS,
