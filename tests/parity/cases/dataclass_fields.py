@@ -18,6 +18,8 @@ PUBLIC_DATACLASSES = [
     ("KTOConfig", "trl", "KTOConfig"),
     ("RewardConfig", "trl", "RewardConfig"),
     ("RLOOConfig", "trl", "RLOOConfig"),
+    ("CPOConfig", "trl.experimental.cpo", "CPOConfig"),
+    ("ORPOConfig", "trl.experimental.orpo", "ORPOConfig"),
     ("ModelConfig", "trl", "ModelConfig"),
     ("ScriptArguments", "trl", "ScriptArguments"),
     ("DatasetMixtureConfig", "trl", "DatasetMixtureConfig"),
