@@ -85,7 +85,98 @@ def resolve_generation_batch(args: Any) -> None:
 
 
 @dataclass
-class _OnlineConfig(_BaseConfig):
+class _GenerationFields:
+    """Sampling and vLLM fields shared by every config whose trainer generates with the policy (GRPO, RLOO,
+    distillation); a mixin placed before `_BaseConfig` in the bases so that `output_dir` stays the first field."""
+
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling probability mass, in (0, 1]."})
+    top_k: int = field(default=0, metadata={"help": "Top-k filtering; 0 disables it."})
+    min_p: float | None = field(
+        default=None, metadata={"help": "Min-p sampling threshold relative to the top token's probability."}
+    )
+    generation_kwargs: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Extra generation arguments (GenerationConfig or vLLM SamplingParams); override the others."
+        },
+    )
+    chat_template_kwargs: dict | str | None = field(
+        default=None, metadata={"help": "Extra keyword arguments for `apply_chat_template` on prompts."}
+    )
+    repetition_penalty: float = field(
+        default=1.0, metadata={"help": "Repetition penalty: > 1 discourages repeated tokens, < 1 encourages them."}
+    )
+    cache_implementation: str | None = field(
+        default=None, metadata={"help": "transformers KV-cache implementation used by `generate` (not vLLM)."}
+    )
+
+    # vLLM
+    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM instead of `model.generate`."})
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={"help": "vLLM placement: inside the trainer processes or a remote server.", "choices": _VLLM_MODES},
+    )
+    vllm_model_impl: str = field(
+        default="vllm",
+        metadata={"help": "Model implementation used inside vLLM.", "choices": _VLLM_MODEL_IMPLS},
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False, metadata={"help": "Offload the colocated vLLM engine during the optimizer step."}
+    )
+    vllm_structured_outputs_regex: str | None = field(
+        default=None, metadata={"help": "Regex constraining vLLM decoding; None disables it."}
+    )
+    vllm_server_base_url: str | None = field(
+        default=None, metadata={"help": "Full URL of the vLLM server; overrides host and port."}
+    )
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host (server mode)."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port (server mode)."})
+    vllm_server_timeout: float = field(
+        default=240.0, metadata={"help": "Seconds to wait for the vLLM server before a ConnectionError."}
+    )
+    vllm_group_port: int = field(default=51216, metadata={"help": "Port of the weight-synchronisation group."})
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "Colocate mode: fraction of GPU memory given to vLLM."}
+    )
+    vllm_max_model_length: int | None = field(
+        default=None, metadata={"help": "Colocate mode: vLLM context length. None: from the model config."}
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1, metadata={"help": "Colocate mode: tensor-parallel size of the vLLM engine."}
+    )
+
+    def _check_generation_fields(self) -> None:
+        """Value checks of the fields above and of `max_completion_length` (called from `__post_init__`)."""
+        _check_choice("vllm_mode", self.vllm_mode, _VLLM_MODES)
+        _check_choice("vllm_model_impl", self.vllm_model_impl, _VLLM_MODEL_IMPLS)
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be a positive integer; got {self.max_completion_length}.")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0; got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it); got {self.top_k}.")
+        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
+            raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1]; got {self.vllm_gpu_memory_utilization}.")
+        if self.vllm_tensor_parallel_size < 1:
+            raise ValueError(f"vllm_tensor_parallel_size must be >= 1; got {self.vllm_tensor_parallel_size}.")
+
+    def _reject_context_parallelism(self) -> None:
+        """Generation needs whole sequences on every process: context/sequence parallelism is refused."""
+        parallelism = getattr(self, "parallelism_config", None)
+        if parallelism is not None and (
+            (getattr(parallelism, "cp_size", 1) or 1) > 1 or (getattr(parallelism, "sp_size", 1) or 1) > 1
+        ):
+            raise ValueError(
+                f"Context/sequence parallelism is not supported by {type(self).__name__}; remove the cp_size/sp_size "
+                "settings from parallelism_config."
+            )
+
+
+@dataclass
+class _OnlineConfig(_GenerationFields, _BaseConfig):
     """Fields shared by online trainer configs (see the subclasses for the documentation of each field)."""
 
     _VALID_DICT_FIELDS = _BaseConfig._VALID_DICT_FIELDS + [
@@ -145,63 +236,6 @@ class _OnlineConfig(_BaseConfig):
         default=None,
         metadata={"help": "Micro-steps that consume one generation round. None: gradient_accumulation_steps."},
     )
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling probability mass, in (0, 1]."})
-    top_k: int = field(default=0, metadata={"help": "Top-k filtering; 0 disables it."})
-    min_p: float | None = field(
-        default=None, metadata={"help": "Min-p sampling threshold relative to the top token's probability."}
-    )
-    generation_kwargs: dict | str | None = field(
-        default=None,
-        metadata={
-            "help": "Extra generation arguments (GenerationConfig or vLLM SamplingParams); override the others."
-        },
-    )
-    chat_template_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Extra keyword arguments for `apply_chat_template` on prompts."}
-    )
-    repetition_penalty: float = field(
-        default=1.0, metadata={"help": "Repetition penalty: > 1 discourages repeated tokens, < 1 encourages them."}
-    )
-    cache_implementation: str | None = field(
-        default=None, metadata={"help": "transformers KV-cache implementation used by `generate` (not vLLM)."}
-    )
-
-    # vLLM
-    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM instead of `model.generate`."})
-    vllm_mode: str = field(
-        default="colocate",
-        metadata={"help": "vLLM placement: inside the trainer processes or a remote server.", "choices": _VLLM_MODES},
-    )
-    vllm_model_impl: str = field(
-        default="vllm",
-        metadata={"help": "Model implementation used inside vLLM.", "choices": _VLLM_MODEL_IMPLS},
-    )
-    vllm_enable_sleep_mode: bool = field(
-        default=False, metadata={"help": "Offload the colocated vLLM engine during the optimizer step."}
-    )
-    vllm_structured_outputs_regex: str | None = field(
-        default=None, metadata={"help": "Regex constraining vLLM decoding; None disables it."}
-    )
-    vllm_server_base_url: str | None = field(
-        default=None, metadata={"help": "Full URL of the vLLM server; overrides host and port."}
-    )
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host (server mode)."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port (server mode)."})
-    vllm_server_timeout: float = field(
-        default=240.0, metadata={"help": "Seconds to wait for the vLLM server before a ConnectionError."}
-    )
-    vllm_group_port: int = field(default=51216, metadata={"help": "Port of the weight-synchronisation group."})
-    vllm_gpu_memory_utilization: float = field(
-        default=0.3, metadata={"help": "Colocate mode: fraction of GPU memory given to vLLM."}
-    )
-    vllm_max_model_length: int | None = field(
-        default=None, metadata={"help": "Colocate mode: vLLM context length. None: from the model config."}
-    )
-    vllm_tensor_parallel_size: int = field(
-        default=1, metadata={"help": "Colocate mode: tensor-parallel size of the vLLM engine."}
-    )
-
     # Training
     num_iterations: int = field(default=1, metadata={"help": "Optimisation passes over each generated batch (mu)."})
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping epsilon of the importance ratio."})
@@ -263,35 +297,15 @@ class _OnlineConfig(_BaseConfig):
             )
         super().__post_init__()
 
-        parallelism = getattr(self, "parallelism_config", None)
-        if parallelism is not None and (
-            (getattr(parallelism, "cp_size", 1) or 1) > 1 or (getattr(parallelism, "sp_size", 1) or 1) > 1
-        ):
-            raise ValueError(
-                f"Context/sequence parallelism is not supported by {type(self).__name__}; remove the cp_size/sp_size "
-                "settings from parallelism_config."
-            )
+        self._reject_context_parallelism()
         resolve_generation_batch(self)
 
         # Value checks shared by every online trainer.
-        _check_choice("vllm_mode", self.vllm_mode, _VLLM_MODES)
-        _check_choice("vllm_model_impl", self.vllm_model_impl, _VLLM_MODEL_IMPLS)
-        if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be a positive integer; got {self.max_completion_length}.")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0; got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}.")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it); got {self.top_k}.")
+        self._check_generation_fields()
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be a positive integer; got {self.num_iterations}.")
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise ValueError(f"epsilon/epsilon_high must be >= 0; got {self.epsilon} and {self.epsilon_high}.")
-        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
-            raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1]; got {self.vllm_gpu_memory_utilization}.")
-        if self.vllm_tensor_parallel_size < 1:
-            raise ValueError(f"vllm_tensor_parallel_size must be >= 1; got {self.vllm_tensor_parallel_size}.")
         if self.reward_weights is not None:
             self.reward_weights = [float(w) for w in self.reward_weights]
         if self.num_completions_to_print is not None and self.num_completions_to_print < 0:
