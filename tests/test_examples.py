@@ -15,6 +15,7 @@ PAIRWISE_ARGS = ["--max_new_tokens", "4"]
 # Extra flags per script (kept small so that each run takes seconds); every example must be listed here.
 SCRIPT_ARGS = {
     "bco.py": [],
+    "distillation.py": ["--max_completion_length", "8"],
     "dpo.py": ["--max_length", "64"],
     "grpo.py": ONLINE_ARGS,
     "grpo_tools.py": ONLINE_ARGS + ["--num_questions", "4"],
