@@ -149,9 +149,10 @@ class _OnlineMetricsMixin:
         rows = self._completion_logs[mode]
         if not (getattr(self.args, "log_completions", False) and rows):
             return
-        self._completion_logs[mode] = []
         if not self.accelerator.is_main_process:
             return
+        # As TRL: the latest rows (one generation batch at most) are logged at every logging step, stamped with it.
+        rows = [{**row, "step": self.state.global_step} for row in rows]
         if self.args.log_unique_prompts:
             seen, unique_rows = set(), []
             for row in rows:
