@@ -11,6 +11,7 @@ import pytest
 import torch
 from datasets import Dataset
 from trainer_utils import (
+    ROLLOUT_METRICS,
     args_builder,
     assert_saved_model_reloads,
     changed_params,
@@ -27,17 +28,7 @@ from trl.assets import get_dataset_path, get_model_path, load_test_dataset
 TEACHER = "small-Qwen2ForCausalLM"
 GREEDY = {"do_sample": False}
 
-DISTILLATION_METRICS = [
-    "num_tokens",
-    "completions/mean_length",
-    "completions/min_length",
-    "completions/max_length",
-    "completions/clipped_ratio",
-    "completions/mean_terminated_length",
-    "completions/min_terminated_length",
-    "completions/max_terminated_length",
-    "entropy",
-]
+DISTILLATION_METRICS = [*ROLLOUT_METRICS, "entropy"]
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

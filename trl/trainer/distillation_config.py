@@ -4,11 +4,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .base_config import _BaseConfig
-from .online_config import _GenerationFields
+from .online_config import _RolloutFields
 
 
 @dataclass
-class DistillationConfig(_GenerationFields, _BaseConfig):
+class DistillationConfig(_RolloutFields, _BaseConfig):
     r"""Configuration for [`DistillationTrainer`]: on-policy knowledge distillation.
 
     The student samples one completion per prompt and is trained to match a frozen teacher's next-token distribution
@@ -45,14 +45,9 @@ class DistillationConfig(_GenerationFields, _BaseConfig):
 
         max_completion_length (`int` or `None`, defaults to `512`):
             Maximum number of tokens the student generates per completion.
-        ds3_gather_for_generation (`bool`, defaults to `True`):
-            Under DeepSpeed ZeRO-3, gather the full weights before generating (fast). `False` generates with sharded
-            weights, which allows models larger than one device (slow; not with vLLM).
-        shuffle_dataset (`bool` or `None`, defaults to `True`):
-            Shuffle the training prompts.
-        pad_to_multiple_of (`int`, `str` or `None`, defaults to `"auto"`):
-            Pad sequence lengths to a multiple of this value. `"auto"` means 128 on Neuron devices and `None`
-            elsewhere; the strings `"none"`/`"null"` mean `None`.
+        ds3_gather_for_generation (`bool`, defaults to `True`), shuffle_dataset (`bool` or `None`, defaults to
+        `True`), pad_to_multiple_of (`int`, `str` or `None`, defaults to `"auto"`):
+            ZeRO-3 weight gathering for generation, prompt shuffling and length padding, as in [`GRPOConfig`].
         temperature (`float`, defaults to `1.0`):
             Sampling temperature, and the temperature both models' logits are divided by in the divergence.
         top_p (`float`, defaults to `1.0`), top_k (`int`, defaults to `0`), min_p (`float` or `None`, defaults to
@@ -105,19 +100,8 @@ class DistillationConfig(_GenerationFields, _BaseConfig):
     mask_truncated_completions: ClassVar[bool] = False
     reward_weights: ClassVar[None] = None
 
-    learning_rate: float = field(default=1e-6, metadata={"help": "Initial learning rate for AdamW."})
-    remove_unused_columns: bool | None = field(
-        default=False, metadata={"help": "Keep the dataset columns other than `prompt`."}
-    )
-
-    # Models
-    model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None,
-        metadata={"help": "Keyword arguments for the student's `from_pretrained` (dict or JSON string)."},
-    )
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "Allow custom modelling code from the model repositories."}
-    )
+    # Models (the student's `model_init_kwargs`, `trust_remote_code`, `disable_dropout`, the generation, sampling,
+    # vLLM and logging fields come from `_RolloutFields`)
     teacher_model_name_or_path: str | None = field(
         default=None, metadata={"help": "Path or hub id of the teacher when no teacher model is passed."}
     )
@@ -127,19 +111,6 @@ class DistillationConfig(_GenerationFields, _BaseConfig):
     teacher_model_init_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata={"help": "Keyword arguments for the teacher's `from_pretrained` (dict or JSON string)."},
-    )
-    disable_dropout: bool = field(default=False, metadata={"help": "Zero every dropout of student and teacher."})
-
-    # Generation (the sampling and vLLM fields come from `_GenerationFields`)
-    max_completion_length: int | None = field(
-        default=512, metadata={"help": "Maximum tokens generated per completion."}
-    )
-    ds3_gather_for_generation: bool = field(
-        default=True, metadata={"help": "DeepSpeed ZeRO-3: gather the full weights to generate."}
-    )
-    shuffle_dataset: bool | None = field(default=True, metadata={"help": "Shuffle the training prompts."})
-    pad_to_multiple_of: int | str | None = field(
-        default="auto", metadata={"help": "Pad lengths to a multiple of this. 'auto': 128 on Neuron, else None."}
     )
 
     # Divergence
@@ -153,24 +124,8 @@ class DistillationConfig(_GenerationFields, _BaseConfig):
         default=None, metadata={"help": "Maximum rounds of tool calls per completion. None: no limit."}
     )
 
-    # Logging
-    log_completions: bool = field(
-        default=False, metadata={"help": "Log a table of sampled prompts and completions at each log step."}
-    )
-    num_completions_to_print: int | None = field(
-        default=None, metadata={"help": "Completion rows printed to the console. None: all."}
-    )
-    log_unique_prompts: bool = field(default=False, metadata={"help": "Log each prompt only once."})
-
     def __post_init__(self):
-        from .sft_config import _resolve_pad_to_multiple_of
-
-        self.pad_to_multiple_of = _resolve_pad_to_multiple_of(self.pad_to_multiple_of)
-        if getattr(self, "auto_find_batch_size", False):
-            raise ValueError(
-                "auto_find_batch_size=True is not supported by DistillationConfig: a batch is generated for a whole "
-                "optimizer step and cannot be shrunk automatically. Set per_device_train_batch_size yourself."
-            )
+        self._prepare_rollout_fields()
         super().__post_init__()
         self._reject_context_parallelism()
         if not 0.0 <= self.beta <= 1.0:
@@ -183,8 +138,6 @@ class DistillationConfig(_GenerationFields, _BaseConfig):
             raise ValueError(
                 f"max_tool_calling_iterations must be >= 0 or None; got {self.max_tool_calling_iterations}."
             )
-        if self.num_completions_to_print is not None and self.num_completions_to_print < 0:
-            raise ValueError(f"num_completions_to_print must be >= 0 or None; got {self.num_completions_to_print}.")
 
     @property
     def steps_per_generation(self) -> int:
