@@ -551,7 +551,7 @@ def test_sft_run_with_yaml_mixture_and_flag_override(tmp_path):
 # --- example configs -------------------------------------------------------------------------------------------------
 
 _EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "cli_configs")
-_EXAMPLES = ["dpo", "grpo", "kto", "reward", "rloo", "sft"]
+_EXAMPLES = ["distillation", "dpo", "grpo", "kto", "reward", "rloo", "sft"]
 
 
 def test_every_training_command_has_an_example_config():

@@ -16,6 +16,7 @@ PAIRWISE_ARGS = ["--max_new_tokens", "4"]
 SCRIPT_ARGS = {
     "bco.py": [],
     "cpo.py": ["--max_length", "64", "--loss_type", "simpo"],
+    "distillation.py": ["--max_completion_length", "8"],
     "dpo.py": ["--max_length", "64"],
     "grpo.py": ONLINE_ARGS,
     "grpo_tools.py": ONLINE_ARGS + ["--num_questions", "4"],

@@ -8,6 +8,7 @@ import torch
 from datasets import Dataset
 from trainer_utils import (
     GROUP_ARGS,
+    ROLLOUT_METRICS,
     args_builder,
     changed_params,
     low_id_reward,
@@ -26,14 +27,7 @@ from trl.trainer.utils import split_tensor_dict
 MODEL = "tiny-Qwen2ForCausalLM"
 
 RLOO_METRICS = [
-    "num_tokens",
-    "completions/mean_length",
-    "completions/min_length",
-    "completions/max_length",
-    "completions/clipped_ratio",
-    "completions/mean_terminated_length",
-    "completions/min_terminated_length",
-    "completions/max_terminated_length",
+    *ROLLOUT_METRICS,
     "rewards/low_id_reward/mean",
     "rewards/low_id_reward/std",
     "reward",

@@ -36,6 +36,7 @@ from trl.trainer.model_config import ModelConfig
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "trl_config_fields.json")
 
 TRAINER_CONFIGS = {
+    "DistillationConfig": trl.DistillationConfig,
     "SFTConfig": trl.SFTConfig,
     "DPOConfig": trl.DPOConfig,
     "GRPOConfig": trl.GRPOConfig,

@@ -37,6 +37,19 @@ GROUP_ARGS = dict(
 PREFERENCE_ARGS = dict(max_steps=2, per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=1e-2)
 
 
+# Metrics of every online trainer's rollouts (GRPO, RLOO, distillation): tokens and completion lengths.
+ROLLOUT_METRICS = [
+    "num_tokens",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+    "completions/min_terminated_length",
+    "completions/max_terminated_length",
+]
+
+
 def args_builder(config_class, **defaults):
     """Return `make_args(tmp_path, config_class=config_class, **overrides)` building a config for a test.
 

@@ -35,6 +35,7 @@ MODELS = (
     "tiny-Qwen2ForSequenceClassification",
     "tiny-LlamaForCausalLM",
     "tiny-LlamaForSequenceClassification",
+    "small-Qwen2ForCausalLM",  # distillation teacher (same tokenizer and vocabulary as tiny-Qwen2)
 )
 TOKENIZERS = ("qwen2_5", "llama3")
 

@@ -1,6 +1,6 @@
 """Steps every training script shares: model init kwargs, dataset loading, and finishing a run.
 
-The scripts `trl/scripts/{sft,dpo,kto,reward,grpo,rloo}.py` keep only what is their own (trainer class, config,
+The scripts `trl/scripts/{sft,dpo,kto,reward,grpo,rloo,distillation}.py` keep only what is their own (trainer class, config,
 extra trainer arguments) and hand the rest to `train_with_trainer`, `make_script_parser` and `run_script`.
 """
 

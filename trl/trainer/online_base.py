@@ -573,6 +573,23 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
     # ------------------------------------------------------------------------------------------------------------
     # Log-probabilities
     # ------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _sequence_inputs(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`(input_ids, attention_mask, position_ids)` of prompt + completion, each `(B, P + T)`.
+
+        Positions are counted from each prompt's first real token, as during generation.
+        """
+        prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        # Completion tokens outside the loss mask (padding, masked truncated rows) are not attended to either; they
+        # are never scored, so this changes no log-probability that is used. Multi-turn rollouts give the tokens to
+        # attend to separately: tool results are context, yet outside the loss.
+        attended = inputs.get("completion_attention_mask")
+        attended = completion_mask if attended is None else attended
+        attention_mask = torch.cat([prompt_mask, attended.long()], dim=1)
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        return input_ids, attention_mask, position_ids
+
     def _forward_logps(
         self, model: nn.Module, inputs: dict[str, Any], compute_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
@@ -581,17 +598,9 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         The LM head runs only on completion positions (see `compute_token_logps`); positions are counted from each
         prompt's first real token, as during generation.
         """
-        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        # Completion tokens outside the loss mask (padding, masked truncated rows) are not attended to either; they
-        # are never scored, so this changes no log-probability that is used. Multi-turn rollouts give the tokens to
-        # attend to separately: tool results are context, yet outside the loss.
-        attended = inputs.get("completion_attention_mask")
-        attended = completion_mask if attended is None else attended
-        attention_mask = torch.cat([prompt_mask, attended.long()], dim=1)
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        prompt_length = prompt_ids.shape[1]
+        input_ids, attention_mask, position_ids = self._sequence_inputs(inputs)
+        completion_mask = inputs["completion_mask"]
+        prompt_length = inputs["prompt_ids"].shape[1]
         target_mask = torch.zeros(
             input_ids.shape[0], input_ids.shape[1] - 1, dtype=torch.bool, device=input_ids.device
         )

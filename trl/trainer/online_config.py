@@ -85,20 +85,17 @@ def resolve_generation_batch(args: Any) -> None:
 
 
 @dataclass
-class _OnlineConfig(_BaseConfig):
-    """Fields shared by online trainer configs (see the subclasses for the documentation of each field)."""
-
-    _VALID_DICT_FIELDS = _BaseConfig._VALID_DICT_FIELDS + [
-        "model_init_kwargs",
-        "generation_kwargs",
-        "chat_template_kwargs",
-        "transformers_continuous_batching_config",
-    ]
+class _RolloutFields:
+    """Fields shared by every config whose trainer generates with the policy (GRPO, RLOO, distillation): model
+    loading, prompts, sampling, vLLM and completion logging. A mixin placed before `_BaseConfig` in the bases, so that
+    `output_dir` stays the first field and the overridden `TrainingArguments` defaults keep their positions."""
 
     learning_rate: float = field(default=1e-6, metadata={"help": "Initial learning rate for AdamW."})
     remove_unused_columns: bool | None = field(
         default=False,
-        metadata={"help": "Keep extra dataset columns: they are passed to the reward functions."},
+        metadata={
+            "help": "Keep the dataset columns other than `prompt`: reward functions and per-row options read them."
+        },
     )
 
     # Model
@@ -109,21 +106,11 @@ class _OnlineConfig(_BaseConfig):
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Allow custom modelling code from the model repository."}
     )
-    router_aux_loss_coef: float | None = field(
-        default=None,
-        metadata={"help": "Weight of the MoE load-balancing loss. None: model config value; 0.0 disables it."},
-    )
     disable_dropout: bool = field(
         default=False, metadata={"help": "Zero every dropout layer of the trained (and reference) model."}
     )
 
     # Data and generation
-    num_generations: int | None = field(
-        default=8, metadata={"help": "Completions sampled per prompt (group size G). At least 2."}
-    )
-    num_generations_eval: int | None = field(
-        default=None, metadata={"help": "Completions per prompt during evaluation. None: num_generations."}
-    )
     max_completion_length: int | None = field(default=512, metadata={"help": "Maximum generated tokens."})
     ds3_gather_for_generation: bool = field(
         default=True,
@@ -134,17 +121,20 @@ class _OnlineConfig(_BaseConfig):
         default="auto",
         metadata={"help": "Pad lengths to a multiple of this value. 'auto': 128 on Neuron devices, else None."},
     )
-    generation_batch_size: int | None = field(
-        default=None,
-        metadata={
-            "help": "Completions generated per round (prompts * num_generations). None: per_device_train_batch_size "
-            "* num_processes * steps_per_generation. Exclusive with steps_per_generation."
-        },
+
+    # Logging
+    log_completions: bool = field(
+        default=False,
+        metadata={"help": "Log a table of sampled prompts and completions (and rewards) at each log step."},
     )
-    steps_per_generation: int | None = field(
-        default=None,
-        metadata={"help": "Micro-steps that consume one generation round. None: gradient_accumulation_steps."},
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "Rows printed to the console. None: all."}
     )
+    log_unique_prompts: bool = field(
+        default=False, metadata={"help": "Show each prompt only once in the logged tables."}
+    )
+
+    # Sampling
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling probability mass, in (0, 1]."})
     top_k: int = field(default=0, metadata={"help": "Top-k filtering; 0 disables it."})
@@ -202,6 +192,83 @@ class _OnlineConfig(_BaseConfig):
         default=1, metadata={"help": "Colocate mode: tensor-parallel size of the vLLM engine."}
     )
 
+    def _prepare_rollout_fields(self) -> None:
+        """Resolve `pad_to_multiple_of` and refuse `auto_find_batch_size` (called first in `__post_init__`)."""
+        from .sft_config import _resolve_pad_to_multiple_of
+
+        self.pad_to_multiple_of = _resolve_pad_to_multiple_of(self.pad_to_multiple_of)
+        if getattr(self, "auto_find_batch_size", False):
+            raise ValueError(
+                f"auto_find_batch_size=True is not supported by {type(self).__name__}: a generation round is sampled "
+                "for a whole batch and cannot be shrunk automatically. Set per_device_train_batch_size yourself."
+            )
+
+    def _check_generation_fields(self) -> None:
+        """Value checks of the fields above (called from `__post_init__`)."""
+        _check_choice("vllm_mode", self.vllm_mode, _VLLM_MODES)
+        _check_choice("vllm_model_impl", self.vllm_model_impl, _VLLM_MODEL_IMPLS)
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length must be a positive integer; got {self.max_completion_length}.")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0; got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}.")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it); got {self.top_k}.")
+        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
+            raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1]; got {self.vllm_gpu_memory_utilization}.")
+        if self.vllm_tensor_parallel_size < 1:
+            raise ValueError(f"vllm_tensor_parallel_size must be >= 1; got {self.vllm_tensor_parallel_size}.")
+        if self.num_completions_to_print is not None and self.num_completions_to_print < 0:
+            raise ValueError(f"num_completions_to_print must be >= 0 or None; got {self.num_completions_to_print}.")
+
+    def _reject_context_parallelism(self) -> None:
+        """Generation needs whole sequences on every process: context/sequence parallelism is refused."""
+        parallelism = getattr(self, "parallelism_config", None)
+        if parallelism is not None and (
+            (getattr(parallelism, "cp_size", 1) or 1) > 1 or (getattr(parallelism, "sp_size", 1) or 1) > 1
+        ):
+            raise ValueError(
+                f"Context/sequence parallelism is not supported by {type(self).__name__}; remove the cp_size/sp_size "
+                "settings from parallelism_config."
+            )
+
+
+@dataclass
+class _OnlineConfig(_RolloutFields, _BaseConfig):
+    """Fields shared by online trainer configs (see the subclasses for the documentation of each field)."""
+
+    _VALID_DICT_FIELDS = _BaseConfig._VALID_DICT_FIELDS + [
+        "model_init_kwargs",
+        "generation_kwargs",
+        "chat_template_kwargs",
+        "transformers_continuous_batching_config",
+    ]
+
+    # Model
+    router_aux_loss_coef: float | None = field(
+        default=None,
+        metadata={"help": "Weight of the MoE load-balancing loss. None: model config value; 0.0 disables it."},
+    )
+
+    # Data and generation
+    num_generations: int | None = field(
+        default=8, metadata={"help": "Completions sampled per prompt (group size G). At least 2."}
+    )
+    num_generations_eval: int | None = field(
+        default=None, metadata={"help": "Completions per prompt during evaluation. None: num_generations."}
+    )
+    generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Completions generated per round (prompts * num_generations). None: per_device_train_batch_size "
+            "* num_processes * steps_per_generation. Exclusive with steps_per_generation."
+        },
+    )
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={"help": "Micro-steps that consume one generation round. None: gradient_accumulation_steps."},
+    )
     # Training
     num_iterations: int = field(default=1, metadata={"help": "Optimisation passes over each generated batch (mu)."})
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping epsilon of the importance ratio."})
@@ -223,16 +290,7 @@ class _OnlineConfig(_BaseConfig):
     ref_model_sync_steps: int = field(default=512, metadata={"help": "Blend the reference every N global steps."})
 
     # Logging
-    log_completions: bool = field(
-        default=False, metadata={"help": "Log a table of sampled prompts, completions and rewards at each log step."}
-    )
     log_multimodal: bool = field(default=True, metadata={"help": "Include images in the completion logs."})
-    num_completions_to_print: int | None = field(
-        default=None, metadata={"help": "Rows printed to the console. None: all."}
-    )
-    log_unique_prompts: bool = field(
-        default=False, metadata={"help": "Show each prompt only once in the logged tables."}
-    )
 
     # transformers continuous batching
     use_transformers_continuous_batching: bool = field(
@@ -246,9 +304,7 @@ class _OnlineConfig(_BaseConfig):
     )
 
     def __post_init__(self):
-        from .sft_config import _resolve_pad_to_multiple_of
-
-        self.pad_to_multiple_of = _resolve_pad_to_multiple_of(self.pad_to_multiple_of)
+        self._prepare_rollout_fields()
         if self.use_transformers_paged:
             warnings.warn(
                 "use_transformers_paged is deprecated; use use_transformers_continuous_batching=True instead.",
@@ -256,43 +312,16 @@ class _OnlineConfig(_BaseConfig):
                 stacklevel=3,
             )
             self.use_transformers_continuous_batching = True
-        if getattr(self, "auto_find_batch_size", False):
-            raise ValueError(
-                f"auto_find_batch_size=True is not supported by {type(self).__name__}: the generation batch is tied "
-                "to num_generations and cannot be shrunk automatically. Set per_device_train_batch_size yourself."
-            )
         super().__post_init__()
 
-        parallelism = getattr(self, "parallelism_config", None)
-        if parallelism is not None and (
-            (getattr(parallelism, "cp_size", 1) or 1) > 1 or (getattr(parallelism, "sp_size", 1) or 1) > 1
-        ):
-            raise ValueError(
-                f"Context/sequence parallelism is not supported by {type(self).__name__}; remove the cp_size/sp_size "
-                "settings from parallelism_config."
-            )
+        self._reject_context_parallelism()
         resolve_generation_batch(self)
 
         # Value checks shared by every online trainer.
-        _check_choice("vllm_mode", self.vllm_mode, _VLLM_MODES)
-        _check_choice("vllm_model_impl", self.vllm_model_impl, _VLLM_MODEL_IMPLS)
-        if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be a positive integer; got {self.max_completion_length}.")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0; got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}.")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it); got {self.top_k}.")
+        self._check_generation_fields()
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be a positive integer; got {self.num_iterations}.")
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
             raise ValueError(f"epsilon/epsilon_high must be >= 0; got {self.epsilon} and {self.epsilon_high}.")
-        if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
-            raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1]; got {self.vllm_gpu_memory_utilization}.")
-        if self.vllm_tensor_parallel_size < 1:
-            raise ValueError(f"vllm_tensor_parallel_size must be >= 1; got {self.vllm_tensor_parallel_size}.")
         if self.reward_weights is not None:
             self.reward_weights = [float(w) for w in self.reward_weights]
-        if self.num_completions_to_print is not None and self.num_completions_to_print < 0:
-            raise ValueError(f"num_completions_to_print must be >= 0 or None; got {self.num_completions_to_print}.")

@@ -28,6 +28,10 @@ class _OnlineMetricsMixin:
     `_completion_logs`, `_logged_extra`, `_aggregated_rewards` and `_group_size`.
     """
 
+    # Whether completions are scored by reward functions (False for distillation, whose signal is the teacher): when
+    # False, no reward metrics are recorded and the completions table has no reward or advantage columns.
+    _logs_rewards = True
+
     def _record_reduced(self, name: str, value: torch.Tensor, reduction: str) -> None:
         """Record local values (a scalar or a vector) reduced over all processes with `min`, `max` or `mean`
         (NaN-aware: NaN entries are ignored; NaN when none is left)."""
@@ -93,6 +97,8 @@ class _OnlineMetricsMixin:
         metrics["completions/max_terminated_length"].append(terminated_lengths.max().item())
         metrics["completions/clipped_ratio"].append(1.0 - all_terminated.float().mean().item())
 
+        if not self._logs_rewards:
+            return
         for i, name in enumerate(self.reward_func_names):
             column = rewards_per_func[:, i]
             metrics[f"rewards/{name}/mean"].append(torch.nanmean(column).item())
@@ -126,11 +132,13 @@ class _OnlineMetricsMixin:
         rows = []
         for k, (prompt, completion) in enumerate(zip(all_prompts, all_completions)):
             row = {"step": self.state.global_step, "prompt": prompt, "completion": completion}
-            for i, name in enumerate(self.reward_func_names):
-                row[name] = rewards[k, i].item()
+            if self._logs_rewards:
+                for i, name in enumerate(self.reward_func_names):
+                    row[name] = rewards[k, i].item()
             for name, values in extra.items():
                 row[name] = values[k] if k < len(values) else None
-            row["advantage"] = advantages[k].item()
+            if self._logs_rewards:
+                row["advantage"] = advantages[k].item()
             rows.append(row)
         limit = self.args.generation_batch_size
         self._completion_logs[mode] = (self._completion_logs[mode] + rows)[-limit:]
@@ -141,9 +149,10 @@ class _OnlineMetricsMixin:
         rows = self._completion_logs[mode]
         if not (getattr(self.args, "log_completions", False) and rows):
             return
-        self._completion_logs[mode] = []
         if not self.accelerator.is_main_process:
             return
+        # As TRL: the latest rows (one generation batch at most) are logged at every logging step, stamped with it.
+        rows = [{**row, "step": self.state.global_step} for row in rows]
         if self.args.log_unique_prompts:
             seen, unique_rows = set(), []
             for row in rows:
@@ -159,7 +168,7 @@ class _OnlineMetricsMixin:
                 [row["prompt"] for row in rows],
                 [row["completion"] for row in rows],
                 {name: [row[name] for row in rows] for name in self.reward_func_names},
-                [row["advantage"] for row in rows],
+                [row["advantage"] for row in rows] if self._logs_rewards else None,
                 self.state.global_step,
                 self.args.num_completions_to_print,
                 extra={name: [row.get(name) for row in rows] for name in extra_names} or None,

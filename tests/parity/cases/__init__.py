@@ -192,4 +192,15 @@ def tokenizer(ctx, name: str = QWEN):
 
 
 # Importing the group modules registers their cases (they import the helpers above, so this comes last).
-from . import collators, cpo_orpo, data, dataclass_fields, deviations, errors, offline, online  # noqa: E402, F401
+from . import (  # noqa: E402, F401
+    collators,
+    cpo_orpo,
+    data,
+    dataclass_fields,
+    deviations,
+    distillation,
+    distillation_online,
+    errors,
+    offline,
+    online,
+)

@@ -44,7 +44,7 @@ def print_prompt_completions_sample(
     prompts: list,
     completions: list,
     rewards: dict[str, list[float]],
-    advantages: list[float],
+    advantages: list[float] | None,
     step: int,
     num_samples: int | None = None,
     extra: dict[str, list] | None = None,
@@ -55,7 +55,7 @@ def print_prompt_completions_sample(
         prompts: Prompts (strings or lists of chat messages).
         completions: Completions, aligned with `prompts`.
         rewards: Mapping of reward-function name to one reward per completion.
-        advantages: One advantage per completion.
+        advantages: One advantage per completion, or None for no advantage column (distillation).
         step: Training step shown in the title.
         num_samples: If set (and smaller than the number of rows), print this many randomly chosen rows.
         extra: Optional extra columns, name -> one value per completion.
@@ -72,7 +72,8 @@ def print_prompt_completions_sample(
     table.add_column("Completion", style="bright_green")
     for name in rewards:
         table.add_column(name, style="bold cyan", justify="right")
-    table.add_column("Advantage", style="bold magenta", justify="right")
+    if advantages is not None:
+        table.add_column("Advantage", style="bold magenta", justify="right")
     extra = extra or {}
     for name in extra:
         table.add_column(name, justify="right")
@@ -89,7 +90,8 @@ def print_prompt_completions_sample(
     for i in rows:
         cells = [_render_messages(prompts[i]), _render_messages(completions[i])]
         cells += [fmt(values[i]) for values in rewards.values()]
-        cells.append(fmt(advantages[i]))
+        if advantages is not None:
+            cells.append(fmt(advantages[i]))
         cells += [fmt(values[i]) for values in extra.values()]
         table.add_row(*cells)
     console.print(Panel(table, expand=False, title=f"Step {step}", border_style="bold white"))
