@@ -11,6 +11,7 @@
 | `reporting` | console sample tables, tracker URLs and tables, model cards |
 | `flops` | FLOPs per token, accelerator peak FLOP/s, MFU |
 | `callables` | identity, callable names, async detection |
+| `divergence` | generalized Jensen-Shannon divergence between student and teacher, chunked over positions |
 | `distributed` | `MASTER_ADDR`/`MASTER_PORT`, whether DeepSpeed or FSDP shards the model |
 
 Chunked log-softmax kernels live in `trl.kernels.log_softmax`; model loading, PEFT preparation and model-level
@@ -48,6 +49,7 @@ from .dataset_rows import (
     scored_completion_tokens,
 )
 from .distributed import ensure_master_addr_port, uses_sharding_engine
+from .divergence import generalized_jsd_loss, per_token_generalized_jsd
 from .flops import adjusted_mfu, compute_flops_per_token, compute_mfu, get_peak_flops, get_peak_flops_per_device
 from .logprobs import TokenLogps, compute_token_logps, logits_statistics, model_accepts_argument
 from .packing import (
@@ -87,6 +89,7 @@ __all__ = [
     "entropy_from_logits",
     "flush_left",
     "flush_right",
+    "generalized_jsd_loss",
     "generate_model_card",
     "get_callable_name",
     "get_comet_experiment_url",
@@ -106,6 +109,7 @@ __all__ = [
     "nanstd",
     "pad",
     "peft_module_casting_to_bf16",
+    "per_token_generalized_jsd",
     "prepare_peft_model",
     "print_prompt_completions_sample",
     "remove_none_values",
