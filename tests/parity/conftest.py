@@ -35,6 +35,7 @@ MODELS = (
     "tiny-Qwen2ForSequenceClassification",
     "tiny-LlamaForCausalLM",
     "tiny-LlamaForSequenceClassification",
+    "small-Qwen2ForCausalLM",  # a larger teacher with the tiny Qwen's tokenizer (distillation cases)
 )
 TOKENIZERS = ("qwen2_5", "llama3")
 
