@@ -1,6 +1,7 @@
 """Generalized Knowledge Distillation (GKD) trainer: SFT where the target is the teacher's distribution."""
 
 import json
+import os
 import random
 from collections.abc import Callable
 from typing import Any
@@ -229,6 +230,11 @@ class GKDTrainer(SFTTrainer):
             return
         from transformers import AutoTokenizer
 
+        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+        if os.path.isdir(teacher_path) and not any(
+            os.path.isfile(os.path.join(teacher_path, name)) for name in tokenizer_files
+        ):
+            return  # weights only: the sizes were all there was to check
         try:
             teacher_tokenizer = AutoTokenizer.from_pretrained(teacher_path, trust_remote_code=args.trust_remote_code)
         except (OSError, ValueError):
