@@ -16,6 +16,7 @@ PAIRWISE_ARGS = ["--max_new_tokens", "4"]
 SCRIPT_ARGS = {
     "bco.py": [],
     "dpo.py": ["--max_length", "64"],
+    "gkd.py": ["--max_new_tokens", "4", "--lmbda", "1.0"],
     "grpo.py": ONLINE_ARGS,
     "grpo_tools.py": ONLINE_ARGS + ["--num_questions", "4"],
     "kto.py": ["--max_length", "64"],
