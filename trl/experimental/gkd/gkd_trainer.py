@@ -256,26 +256,8 @@ class GKDTrainer(SFTTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Training
     # ------------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def generalized_jsd_loss(
-        student_logits: torch.Tensor,
-        teacher_logits: torch.Tensor,
-        labels: torch.Tensor | None = None,
-        beta: float = 0.5,
-        temperature: float = 1.0,
-        reduction: str = "batchmean",
-        num_items_in_batch: int | torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The generalized JSD loss; see [`~trl.trainer.utils.generalized_jsd_loss`]."""
-        return generalized_jsd_loss(
-            student_logits,
-            teacher_logits,
-            labels=labels,
-            beta=beta,
-            temperature=temperature,
-            reduction=reduction,
-            num_items_in_batch=num_items_in_batch,
-        )
+    # TRL exposes the loss as a static method; it is the shared chunked implementation.
+    generalized_jsd_loss = staticmethod(generalized_jsd_loss)
 
     @torch.no_grad()
     def generate_on_policy_outputs(
