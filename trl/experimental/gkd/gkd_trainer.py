@@ -216,8 +216,8 @@ class GKDTrainer(SFTTrainer):
         student_size, teacher_size = self._vocab_size(student), self._vocab_size(teacher)
         hint = (
             "GKD compares the two next-token distributions position by position and token by token, so the teacher "
-            "must use the student's tokenizer. Use such a teacher, or trl.experimental.gold.GOLDTrainer for "
-            "distillation across tokenizers."
+            "must use the student's tokenizer. Use a teacher built on the student's tokenizer; distilling across "
+            "tokenizers needs a cross-tokenizer method (TRL's GOLD), which GKD is not."
         )
         if student_size is not None and teacher_size is not None and student_size != teacher_size:
             raise ValueError(
