@@ -379,3 +379,20 @@ def test_static_loss_is_the_shared_divergence():
         GKDTrainer.generalized_jsd_loss(student, teacher, labels, beta=0.2),
         generalized_jsd_loss(student, teacher, labels, beta=0.2),
     )
+
+
+def test_peft_student_trains_only_its_adapters(tmp_path, model_path, teacher_path, conversations):
+    from peft import LoraConfig
+    from trainer_utils import TINY_LORA
+
+    trainer = GKDTrainer(
+        model=model_path,
+        teacher_model=teacher_path,
+        args=make_args(tmp_path, lmbda=0.5, learning_rate=1e-2),
+        train_dataset=conversations[0],
+        peft_config=LoraConfig(**TINY_LORA),
+    )
+    before = snapshot(trainer.model)
+    trainer.train()
+    changed = changed_params(before, trainer.model)
+    assert changed and all("lora" in name for name in changed)
