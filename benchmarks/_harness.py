@@ -77,6 +77,20 @@ def peak_rss_mb(ndigits: int | None = 1) -> float:
     return peak if ndigits is None else round(peak, ndigits)
 
 
+def extra_peak_and_time(step: Callable[[], Any], repeats: int) -> dict:
+    """Run `step` once to measure how far it raises the peak RSS ("extra_peak_mib"), then `repeats` more times for
+    the median wall time ("time_s"). Meant for a fresh child process, whose peak is then the step's own."""
+    before = peak_rss_mb(ndigits=None)
+    step()
+    extra = peak_rss_mb(ndigits=None) - before
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return {"extra_peak_mib": extra, "time_s": statistics.median(times)}
+
+
 def params_millions(model: Any) -> float:
     """Number of parameters of a torch module, in millions, rounded to 0.1."""
     return round(sum(p.numel() for p in model.parameters()) / 1e6, 1)

@@ -8,8 +8,6 @@ Usage:
 """
 
 import argparse
-import statistics
-import time
 
 import _harness
 
@@ -41,15 +39,7 @@ def _run_case(variant: str, mode: str, batch: int, seq: int, vocab: int, dtype_n
         logits.grad = None
         return grad
 
-    before = _harness.peak_rss_mb(ndigits=None)
-    step()  # first call: measures the memory peak
-    extra = _harness.peak_rss_mb(ndigits=None) - before
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return {"extra_peak_mib": extra, "time_s": statistics.median(times)}
+    return _harness.extra_peak_and_time(step, repeats)
 
 
 def main() -> None:

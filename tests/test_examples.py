@@ -18,6 +18,7 @@ SCRIPT_ARGS = {
     "cpo.py": ["--max_length", "64", "--loss_type", "simpo"],
     "distillation.py": ["--max_completion_length", "8"],
     "dpo.py": ["--max_length", "64"],
+    "gkd.py": ["--max_new_tokens", "4", "--lmbda", "1.0"],
     "grpo.py": ONLINE_ARGS,
     "grpo_tools.py": ONLINE_ARGS + ["--num_questions", "4"],
     "kto.py": ["--max_length", "64"],

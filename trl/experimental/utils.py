@@ -9,6 +9,7 @@ import torch.nn as nn
 from ..data_utils import truncate_dataset
 from ..models.utils import LAYER_PATTERNS, _create_reference_model
 from ..trainer.utils import peft_module_casting_to_bf16, prepare_peft_model
+from ._chatml_collator import DataCollatorForChatML
 
 
 def create_reference_model(
@@ -188,6 +189,7 @@ def empty_cache() -> None:
 
 __all__ = [
     "LAYER_PATTERNS",
+    "DataCollatorForChatML",
     "add_bos_token_if_needed",
     "add_eos_token_if_needed",
     "create_reference_model",
