@@ -35,6 +35,7 @@ MODELS = (
     "tiny-Qwen2ForSequenceClassification",
     "tiny-LlamaForCausalLM",
     "tiny-LlamaForSequenceClassification",
+    "tiny-T5ForConditionalGeneration",
 )
 TOKENIZERS = ("qwen2_5", "llama3")
 
