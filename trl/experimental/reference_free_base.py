@@ -443,7 +443,9 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
         )
         encoder_decoder = self.is_encoder_decoder
         if encoder_decoder:
-            columns_fn: Any = partial(encoder_decoder_token_columns, max_completion_length=self._completion_limit(args))
+            columns_fn: Any = partial(
+                encoder_decoder_token_columns, max_completion_length=self._completion_limit(args)
+            )
         else:
             columns_fn = partial(pair_token_columns, max_length=args.max_length)
         if encoder_decoder and all(c in columns for c in _ENCODER_DECODER_COLUMNS):
