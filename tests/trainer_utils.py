@@ -92,6 +92,23 @@ def perturb(model, seed=0, scale=0.05, all_params=False):
                 p.add_(torch.randn(p.shape, generator=generator) * scale)
 
 
+def train_and_check_metrics(trainer, metrics):
+    """Train `trainer`, check that its parameters changed and that the last training log and `evaluate()` hold every
+    name of `metrics` (finite in the log). Returns the evaluation metrics."""
+    import math
+
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert changed_params(before, trainer.model)
+    last = train_logs(trainer)[-1]
+    for key in metrics:
+        assert key in last and math.isfinite(last[key]), key
+    evaluation = trainer.evaluate()
+    for key in metrics:
+        assert f"eval_{key}" in evaluation, key
+    return evaluation
+
+
 def assert_saved_model_reloads(trainer, directory, model_class=AutoModelForCausalLM):
     """Save the trainer's model to `directory` and check that it reloads with exactly the same parameters."""
     trainer.save_model(str(directory))

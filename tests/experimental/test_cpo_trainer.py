@@ -15,7 +15,7 @@ from trainer_utils import (
     read_model_card,
     resume_from_first_checkpoint,
     snapshot,
-    train_logs,
+    train_and_check_metrics,
     train_peft_adapters_only,
 )
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
@@ -223,15 +223,7 @@ def test_train_changes_params_and_logs_every_metric(tmp_path, model_path, datase
     trainer = CPOTrainer(
         model_path, args=make_args(tmp_path, loss_type="simpo"), train_dataset=train, eval_dataset=test
     )
-    before = snapshot(trainer.model)
-    trainer.train()
-    assert changed_params(before, trainer.model)
-    logs = train_logs(trainer)
-    for key in METRICS:
-        assert key in logs[-1] and math.isfinite(logs[-1][key]), key
-    metrics = trainer.evaluate()
-    for key in METRICS:
-        assert f"eval_{key}" in metrics, key
+    train_and_check_metrics(trainer, METRICS)
 
 
 def test_pretokenized_datasets_train(tmp_path, model_path, tokenizer):
@@ -392,15 +384,7 @@ def test_encoder_decoder_trains_logs_every_metric_and_evaluates(tmp_path, datase
     train, test = small(dataset_name, "train"), small(dataset_name, "test", 4)
     trainer = CPOTrainer(get_model_path(T5), args=t5_args(tmp_path), train_dataset=train, eval_dataset=test)
     assert set(trainer.train_dataset.column_names) >= {"prompt_input_ids", "chosen_labels", "rejected_labels"}
-    before = snapshot(trainer.model)
-    trainer.train()
-    assert changed_params(before, trainer.model)
-    logs = train_logs(trainer)
-    for key in METRICS:
-        assert key in logs[-1] and math.isfinite(logs[-1][key]), key
-    metrics = trainer.evaluate()
-    for key in METRICS:
-        assert f"eval_{key}" in metrics and math.isfinite(metrics[f"eval_{key}"]), key
+    train_and_check_metrics(trainer, METRICS)
     assert_saved_model_reloads(trainer, tmp_path / "saved", model_class=AutoModelForSeq2SeqLM)
 
 
