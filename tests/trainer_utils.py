@@ -105,6 +105,23 @@ def perturb(model, seed=0, scale=0.05, all_params=False):
                 p.add_(torch.randn(p.shape, generator=generator) * scale)
 
 
+def train_and_check_metrics(trainer, metrics):
+    """Train `trainer`, check that its parameters changed and that the last training log and `evaluate()` hold every
+    name of `metrics` (finite in the log). Returns the evaluation metrics."""
+    import math
+
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert changed_params(before, trainer.model)
+    last = train_logs(trainer)[-1]
+    for key in metrics:
+        assert key in last and math.isfinite(last[key]), key
+    evaluation = trainer.evaluate()
+    for key in metrics:
+        assert f"eval_{key}" in evaluation, key
+    return evaluation
+
+
 def assert_saved_model_reloads(trainer, directory, model_class=AutoModelForCausalLM):
     """Save the trainer's model to `directory` and check that it reloads with exactly the same parameters."""
     trainer.save_model(str(directory))
@@ -251,3 +268,23 @@ def padded_completion_logps(model, batch):
     token_logps = torch.log_softmax(logits, dim=-1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
     mask = (batch["completion_mask"][:, 1:] * batch["attention_mask"][:, 1:]).float()
     return token_logps, mask, logits
+
+
+def encoder_decoder_pair_logps(model, rows):
+    """Oracle for encoder-decoder preference rows (TRL's `prompt_input_ids`, `chosen_labels`, `rejected_labels`).
+
+    The `n` chosen then the `n` rejected completions are scored as decoder labels after their prompt, the model
+    building its decoder input from `labels` itself, with a full log-softmax. Returns `(token_logps, mask, logits)`:
+    `(2n, L)` log-probs of the label tokens, the float mask of real label tokens and the float logits `(2n, L, V)`.
+    """
+    prompts = [list(row["prompt_input_ids"]) for row in rows] * 2
+    labels = [list(row[f"{name}_labels"]) for name in ("chosen", "rejected") for row in rows]
+    width, length = max(map(len, prompts)), max(map(len, labels))
+    input_ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    attention_mask = torch.tensor([[1] * len(p) + [0] * (width - len(p)) for p in prompts])
+    label_ids = torch.tensor([x + [-100] * (length - len(x)) for x in labels])
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, labels=label_ids).logits.float()
+    mask = label_ids != -100
+    token_logps = torch.log_softmax(logits, -1).gather(-1, label_ids.clamp(min=0)[..., None]).squeeze(-1) * mask
+    return token_logps, mask.float(), logits

@@ -11,13 +11,14 @@ from trainer_utils import (
     args_builder,
     assert_saved_model_reloads,
     changed_params,
+    encoder_decoder_pair_logps,
     read_model_card,
     resume_from_first_checkpoint,
     snapshot,
-    train_logs,
+    train_and_check_metrics,
     train_peft_adapters_only,
 )
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
 from trl.assets import get_model_path, load_test_dataset
 from trl.experimental.cpo import CPOConfig, CPOTrainer
@@ -222,15 +223,7 @@ def test_train_changes_params_and_logs_every_metric(tmp_path, model_path, datase
     trainer = CPOTrainer(
         model_path, args=make_args(tmp_path, loss_type="simpo"), train_dataset=train, eval_dataset=test
     )
-    before = snapshot(trainer.model)
-    trainer.train()
-    assert changed_params(before, trainer.model)
-    logs = train_logs(trainer)
-    for key in METRICS:
-        assert key in logs[-1] and math.isfinite(logs[-1][key]), key
-    metrics = trainer.evaluate()
-    for key in METRICS:
-        assert f"eval_{key}" in metrics, key
+    train_and_check_metrics(trainer, METRICS)
 
 
 def test_pretokenized_datasets_train(tmp_path, model_path, tokenizer):
@@ -333,16 +326,114 @@ def test_non_preference_data_fails_before_training(tmp_path, model_path, data, m
         CPOTrainer(model_path, args=make_args(tmp_path), train_dataset=Dataset.from_dict(data))
 
 
-def test_encoder_decoder_and_wrong_args_fail_clearly(tmp_path):
-    t5 = get_model_path("tiny-T5ForConditionalGeneration")
-    data = small("standard_preference", "train")
-    with pytest.raises(ValueError, match="decoder-only"):
-        CPOTrainer(t5, args=make_args(tmp_path), train_dataset=data)
-    with pytest.raises(ValueError, match="decoder-only"):
+def test_wrong_args_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="train_dataset"):
+        CPOTrainer(get_model_path("tiny-Qwen2ForCausalLM"), args=make_args(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Encoder-decoder models (tiny T5): prompt to the encoder, completions as decoder labels
+# ---------------------------------------------------------------------------------------------------------------------
+T5 = "tiny-T5ForConditionalGeneration"
+
+
+def t5_args(tmp_path, **overrides):
+    return make_args(tmp_path, **{"max_completion_length": 16, **overrides})
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"loss_type": "sigmoid", "cpo_alpha": 0.7, "label_smoothing": 0.1},
+        {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0},
+        {"loss_type": "alphapo", "alpha": 0.3, "beta": 2.0},
+    ],
+)
+def test_encoder_decoder_loss_matches_full_logits_oracle(tmp_path, overrides):
+    trainer = CPOTrainer(
+        get_model_path(T5), args=t5_args(tmp_path, **overrides), train_dataset=small("standard_preference", "train")
+    )
+    assert trainer.is_encoder_decoder and type(trainer.model).__name__ == "T5ForConditionalGeneration"
+    args = trainer.args
+    rows = [trainer.train_dataset[i] for i in range(4)]
+    trainer.model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, trainer.data_collator(rows))
+    token_logps, mask, logits = encoder_decoder_pair_logps(trainer.model, rows)
+    sums = token_logps.sum(1)
+    logps = sums / mask.sum(1) if args.loss_type in ("ipo", "simpo") else sums
+    chosen, rejected = logps[:4], logps[4:]
+    nll = -token_logps[:4].sum() / mask[:4].sum()  # the chosen completions' tokens only
+    hand = [
+        hand_loss(args.loss_type, c, r, args.beta, args.label_smoothing, args.simpo_gamma, args.alpha)
+        for c, r in zip(chosen.tolist(), rejected.tolist())
+    ]
+    assert loss.item() == pytest.approx(sum(hand) / len(hand) + args.cpo_alpha * nll.item(), rel=1e-5)
+    metrics = {key: values[-1] for key, values in trainer._metrics["eval"].items()}
+    assert list(metrics) == METRICS
+    assert metrics["logps/chosen"] == pytest.approx(chosen.mean().item(), rel=1e-5)
+    assert metrics["logps/rejected"] == pytest.approx(rejected.mean().item(), rel=1e-5)
+    assert metrics["nll_loss"] == pytest.approx(nll.item() if args.cpo_alpha else 0.0, rel=1e-5)
+    # logits/* average every decoder position, the label padding included
+    assert metrics["logits/chosen"] == pytest.approx(logits[:4].mean().item(), abs=1e-7)
+    assert metrics["logits/rejected"] == pytest.approx(logits[4:].mean().item(), abs=1e-7)
+
+
+@pytest.mark.parametrize("dataset_name", ["standard_preference", "conversational_preference"])
+def test_encoder_decoder_trains_logs_every_metric_and_evaluates(tmp_path, dataset_name):
+    train, test = small(dataset_name, "train"), small(dataset_name, "test", 4)
+    trainer = CPOTrainer(get_model_path(T5), args=t5_args(tmp_path), train_dataset=train, eval_dataset=test)
+    assert set(trainer.train_dataset.column_names) >= {"prompt_input_ids", "chosen_labels", "rejected_labels"}
+    train_and_check_metrics(trainer, METRICS)
+    assert_saved_model_reloads(trainer, tmp_path / "saved", model_class=AutoModelForSeq2SeqLM)
+
+
+def test_encoder_decoder_tokenization(tmp_path):
+    t5 = get_model_path(T5)
+    tokenizer = AutoTokenizer.from_pretrained(t5)
+    train = Dataset.from_dict({"prompt": ["one two three four five six"], "chosen": [" a b c d"], "rejected": [" x"]})
+    trainer = CPOTrainer(t5, args=t5_args(tmp_path, max_completion_length=2, max_length=4), train_dataset=train)
+    row = trainer.train_dataset[0]
+    # the prompt is kept whole (max_length does not apply), the completions cut to max_completion_length
+    assert row["prompt_input_ids"] == tokenizer("one two three four five six")["input_ids"]
+    assert row["chosen_labels"] == tokenizer(" a b c d")["input_ids"][:2]
+    assert row["rejected_labels"] == tokenizer(" x")["input_ids"]
+    with pytest.warns(UserWarning, match="128 tokens are used"):
+        CPOTrainer(t5, args=make_args(tmp_path), train_dataset=train)
+    pretokenized = Dataset.from_dict({"prompt_ids": [[5, 6, 7]], "chosen_ids": [[8, 9]], "rejected_ids": [[10]]})
+    again = CPOTrainer(t5, args=t5_args(tmp_path), train_dataset=pretokenized)
+    assert (again.train_dataset[0]["prompt_input_ids"], again.train_dataset[0]["chosen_labels"]) == ([5, 6, 7], [8, 9])
+    with pytest.raises(ValueError, match="empty rejected completion"):
+        CPOTrainer(t5, args=t5_args(tmp_path), train_dataset=pretokenized.map(lambda _: {"rejected_ids": []}))
+
+
+def test_encoder_decoder_flag_with_model_init_and_contradictions(tmp_path):
+    t5 = get_model_path(T5)
+    train = small("standard_preference", "train", 4)
+    trainer = CPOTrainer(
+        model_init=lambda: AutoModelForSeq2SeqLM.from_pretrained(t5),
+        args=t5_args(tmp_path, is_encoder_decoder=True),
+        train_dataset=train,
+        processing_class=AutoTokenizer.from_pretrained(t5),
+    )
+    assert trainer.is_encoder_decoder and "chosen_labels" in trainer.train_dataset.column_names
+    with pytest.raises(ValueError, match="is an encoder-decoder model"):
+        CPOTrainer(t5, args=t5_args(tmp_path, is_encoder_decoder=False), train_dataset=train)
+    with pytest.raises(ValueError, match="is a decoder-only model"):
         CPOTrainer(
             model_init=lambda: AutoModelForCausalLM.from_pretrained(get_model_path("tiny-Qwen2ForCausalLM")),
             args=make_args(tmp_path, is_encoder_decoder=True),
-            train_dataset=data,
+            train_dataset=train,
         )
-    with pytest.raises(ValueError, match="train_dataset"):
-        CPOTrainer(get_model_path("tiny-Qwen2ForCausalLM"), args=make_args(tmp_path))
+
+
+def test_encoder_decoder_generation_returns_prompt_and_completion(tmp_path):
+    t5 = get_model_path(T5)
+    tokenizer = AutoTokenizer.from_pretrained(t5)
+    trainer = CPOTrainer(
+        t5, args=t5_args(tmp_path, max_completion_length=4), train_dataset=small("standard_preference", "train", 2)
+    )
+    rows = [trainer.train_dataset[i] for i in range(2)]
+    texts = trainer.generate_from_model(trainer.model, trainer.data_collator(rows))
+    for row, text in zip(rows, texts):
+        assert text.startswith(tokenizer.decode(row["prompt_input_ids"], skip_special_tokens=True))

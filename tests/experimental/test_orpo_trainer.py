@@ -11,12 +11,14 @@ from trainer_utils import (
     args_builder,
     assert_saved_model_reloads,
     changed_params,
+    encoder_decoder_pair_logps,
     read_model_card,
     resume_from_first_checkpoint,
     snapshot,
-    train_logs,
+    train_and_check_metrics,
     train_peft_adapters_only,
 )
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 from trl.assets import get_model_path, load_test_dataset
 from trl.experimental.orpo import ORPOConfig, ORPOTrainer
@@ -103,19 +105,25 @@ def test_batch_loss_and_metrics_match_full_logits_oracle(tmp_path, model_path, b
     # ORPO's NLL covers the whole chosen sequence, prompt included
     real = mask[:4, 1:].bool()
     nll = -(token_logps[:4] * real).sum() / real.sum()
+    # logits/* average every position of the padded batch but the last
+    check_loss_and_metrics(trainer, loss, chosen, rejected, nll, logits[:, :-1], beta)
+
+
+def check_loss_and_metrics(trainer, loss, chosen, rejected, nll, logits, beta):
+    """The batch loss and eval metrics against the oracle's mean log-probs, NLL and the logits `logits/*` average."""
     p_c, p_r = chosen.exp(), rejected.exp()
     log_odds = torch.log(p_c / (1 - p_c)) - torch.log(p_r / (1 - p_r))
     expected = nll - beta * torch.nn.functional.logsigmoid(log_odds).mean()
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
-
     metrics = {key: values[-1] for key, values in trainer._metrics["eval"].items()}
     assert list(metrics) == METRICS
     assert metrics["nll_loss"] == pytest.approx(nll.item(), rel=1e-5)
     assert metrics["log_odds_chosen"] == pytest.approx(log_odds.mean().item(), rel=1e-3, abs=1e-6)
     assert metrics["rewards/chosen"] == pytest.approx(beta * chosen.mean().item(), rel=1e-5)
-    # logits/* average every position of the padded batch but the last
-    assert metrics["logits/chosen"] == pytest.approx(logits[:4, :-1].mean().item(), abs=1e-7)
-    assert metrics["logits/rejected"] == pytest.approx(logits[4:, :-1].mean().item(), abs=1e-7)
+    assert metrics["rewards/rejected"] == pytest.approx(beta * rejected.mean().item(), rel=1e-5)
+    n = len(chosen)
+    assert metrics["logits/chosen"] == pytest.approx(logits[:n].mean().item(), abs=1e-7)
+    assert metrics["logits/rejected"] == pytest.approx(logits[n:].mean().item(), abs=1e-7)
 
 
 def test_padding_value_fills_beyond_each_half(tmp_path, model_path):
@@ -154,15 +162,7 @@ def test_train_changes_params_and_logs_every_metric(tmp_path, model_path, datase
     train, test = small(dataset_name, "train"), small(dataset_name, "test", 4)
     trainer = ORPOTrainer(model_path, args=make_args(tmp_path), train_dataset=train, eval_dataset=test)
     assert trainer.ref_model is None
-    before = snapshot(trainer.model)
-    trainer.train()
-    assert changed_params(before, trainer.model)
-    logs = train_logs(trainer)
-    for key in METRICS:
-        assert key in logs[-1] and math.isfinite(logs[-1][key]), key
-    metrics = trainer.evaluate()
-    for key in METRICS:
-        assert f"eval_{key}" in metrics, key
+    train_and_check_metrics(trainer, METRICS)
 
 
 def test_pretokenized_dataset_trains(tmp_path, model_path, tokenizer):
@@ -202,13 +202,47 @@ def test_bad_inputs_fail_before_training(tmp_path, model_path):
         ORPOTrainer(
             model_path, args=make_args(tmp_path), train_dataset=Dataset.from_dict({"prompt": ["a"], "rejected": ["b"]})
         )
-    with pytest.raises(ValueError, match="decoder-only"):
-        ORPOTrainer(
-            get_model_path("tiny-T5ForConditionalGeneration"),
-            args=make_args(tmp_path),
-            train_dataset=small("standard_preference", "train"),
-        )
     with pytest.raises(TypeError, match="needs args of type ORPOConfig"):
         from trl.experimental.cpo import CPOConfig
 
         ORPOTrainer(model_path, args=CPOConfig(str(tmp_path)), train_dataset=small("standard_preference", "train"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Encoder-decoder models (tiny T5): prompt to the encoder, completions as decoder labels
+# ---------------------------------------------------------------------------------------------------------------------
+T5 = "tiny-T5ForConditionalGeneration"
+
+
+def test_encoder_decoder_loss_matches_full_logits_oracle(tmp_path):
+    beta = 0.5
+    trainer = ORPOTrainer(
+        get_model_path(T5),
+        args=make_args(tmp_path, beta=beta, max_completion_length=16),
+        train_dataset=small("standard_preference", "train"),
+    )
+    assert trainer.is_encoder_decoder
+    rows = [trainer.train_dataset[i] for i in range(4)]
+    trainer.model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, trainer.data_collator(rows))
+    token_logps, mask, logits = encoder_decoder_pair_logps(trainer.model, rows)
+    mean_logps = token_logps.sum(1) / mask.sum(1)
+    chosen, rejected = mean_logps[:4], mean_logps[4:]
+    # the decoder holds no prompt: the NLL covers the chosen completions only; logits/* average every decoder
+    # position (the last one included, unlike decoder-only models)
+    nll = -token_logps[:4].sum() / mask[:4].sum()
+    check_loss_and_metrics(trainer, loss, chosen, rejected, nll, logits, beta)
+
+
+def test_encoder_decoder_trains_logs_every_metric_and_evaluates(tmp_path):
+    t5 = get_model_path(T5)
+    train, test = small("conversational_preference", "train"), small("conversational_preference", "test", 4)
+    trainer = ORPOTrainer(
+        model_init=lambda: AutoModelForSeq2SeqLM.from_pretrained(t5),
+        args=make_args(tmp_path, is_encoder_decoder=True, max_completion_length=16, padding_value=0),
+        train_dataset=train,
+        eval_dataset=test,
+        processing_class=AutoTokenizer.from_pretrained(t5),
+    )
+    train_and_check_metrics(trainer, METRICS)

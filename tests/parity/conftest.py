@@ -36,6 +36,7 @@ MODELS = (
     "tiny-LlamaForCausalLM",
     "tiny-LlamaForSequenceClassification",
     "small-Qwen2ForCausalLM",  # distillation teacher (same tokenizer and vocabulary as tiny-Qwen2)
+    "tiny-T5ForConditionalGeneration",
 )
 TOKENIZERS = ("qwen2_5", "llama3")
 

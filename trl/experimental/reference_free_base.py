@@ -7,11 +7,18 @@ behaviour-cloning term). [`_ReferenceFreePreferenceTrainer`] holds everything th
 TRL's columns, the collator, the single forward pass over chosen and rejected, the sequence log-probabilities, the
 NLL and the metrics. A subclass supplies the preference loss and three switches (length-normalised log-probs, NLL
 over the prompt too, the positions of the `logits/*` metrics).
+
+Encoder-decoder models (T5, BART, ...) take the same path with another layout: the prompt is the encoder input, the
+chosen / rejected completions are the decoder labels, and the forward pass stacks both completions along the batch
+with the encoder input repeated.
 """
 
+import logging
 import random
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,7 +27,7 @@ from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, TrainerCallback
 from transformers.trainer_utils import EvalLoopOutput
 
-from ..data_utils import is_conversational, maybe_extract_prompt
+from ..data_utils import is_conversational, maybe_apply_chat_template, maybe_extract_prompt
 from ..import_utils import is_comet_available, is_wandb_available
 from ..trainer.preference_base import _PreferenceTrainer
 from ..trainer.utils import (
@@ -30,10 +37,13 @@ from ..trainer.utils import (
     disable_dropout_in_model,
     log_table_to_comet_experiment,
     map_kwargs_with_desc,
+    pad,
     selective_log_softmax,
 )
 from ..trainer.utils.logprobs import mean_logits_from_hidden
 
+
+logger = logging.getLogger(__name__)
 
 # The token columns of a prepared dataset, named as in TRL (`chosen_input_ids` holds the prompt too).
 TOKEN_COLUMNS = (
@@ -47,6 +57,10 @@ TOKEN_COLUMNS = (
     "prompt_attention_mask",
 )
 _COLLATED_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+# The columns of a dataset prepared for an encoder-decoder model (TRL's names: the completions are decoder labels).
+_ENCODER_DECODER_COLUMNS = ("prompt_input_ids", "chosen_labels", "rejected_labels")
+# Completion length limit of encoder-decoder models when `max_completion_length` is None (TRL's default).
+DEFAULT_ENCODER_DECODER_COMPLETION_LENGTH = 128
 # Pre-tokenized input in the column names of `DPOTrainer` (completions without the prompt).
 _DPO_TOKEN_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 _LABEL_PAD = -100
@@ -75,6 +89,26 @@ def pair_token_columns(
     columns["prompt_input_ids"] = list(prompt_ids)
     columns["prompt_attention_mask"] = [1] * len(prompt_ids)
     return columns
+
+
+def encoder_decoder_token_columns(
+    prompt_ids: list[int], chosen_ids: list[int], rejected_ids: list[int], max_completion_length: int | None
+) -> dict[str, list[int]]:
+    """TRL's token columns of one pair for an encoder-decoder model: the prompt (encoder input, kept whole) and the
+    two completions as decoder labels, each cut to `max_completion_length` tokens."""
+    chosen_ids, rejected_ids = list(chosen_ids)[:max_completion_length], list(rejected_ids)[:max_completion_length]
+    if not chosen_ids or not rejected_ids:
+        empty = "chosen" if not chosen_ids else "rejected"
+        raise ValueError(
+            f"A pair has an empty {empty} completion (prompt ids {list(prompt_ids)[:20]}...): an encoder-decoder model "
+            "scores the completion tokens only, so there is nothing to train on. Remove such pairs from the dataset."
+        )
+    return {
+        "prompt_input_ids": list(prompt_ids),
+        "prompt_attention_mask": [1] * len(prompt_ids),
+        "chosen_labels": chosen_ids,
+        "rejected_labels": rejected_ids,
+    }
 
 
 class _PairTokenizer:
@@ -110,16 +144,14 @@ class _PreTokenizedPair:
     """TRL's token columns from pre-tokenized rows (`prompt_ids`/`chosen_ids`/`rejected_ids`, or TRL's own columns,
     whose `chosen_input_ids` start with the prompt); the ids are used as given, only truncated."""
 
-    def __init__(self, max_length: int | None, with_prompt: bool):
-        self.max_length = max_length
+    def __init__(self, columns_fn: Callable[[list[int], list[int], list[int]], dict[str, Any]], with_prompt: bool):
+        self.columns_fn = columns_fn  # `(prompt, chosen, rejected) -> columns` (`pair_token_columns` with its limit)
         self.with_prompt = with_prompt
 
     def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
         if not self.with_prompt:
             prompt = list(example["prompt_ids"])
-            return pair_token_columns(
-                prompt, list(example["chosen_ids"]), list(example["rejected_ids"]), self.max_length
-            )
+            return self.columns_fn(prompt, list(example["chosen_ids"]), list(example["rejected_ids"]))
         prompt = list(example["prompt_input_ids"])
         completions = []
         for name in ("chosen", "rejected"):
@@ -131,7 +163,39 @@ class _PreTokenizedPair:
                     "as prompt_ids / chosen_ids / rejected_ids instead."
                 )
             completions.append(ids[len(prompt) :])
-        return pair_token_columns(prompt, completions[0], completions[1], self.max_length)
+        return self.columns_fn(prompt, completions[0], completions[1])
+
+
+def _encoder_decoder_columns_of(example: dict[str, Any], columns_fn: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    """A row already holding TRL's encoder-decoder columns, truncated and checked again by `columns_fn`."""
+    return columns_fn(example["prompt_input_ids"], example["chosen_labels"], example["rejected_labels"])
+
+
+class _EncoderDecoderPairTokenizer:
+    """TRL's encoder-decoder columns of one `{prompt, chosen, rejected}` row (text or messages).
+
+    Conversational rows are rendered with the chat template first (the prompt with the generation prompt, each
+    completion as the template's continuation of it); then, as in TRL, the prompt and the two completions are
+    tokenized separately with the tokenizer's own special tokens, the completions cut to `max_completion_length`.
+    """
+
+    def __init__(self, processing_class: Any, max_completion_length: int):
+        self.processing_class = processing_class
+        self.tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        self.max_completion_length = max_completion_length
+
+    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
+        texts = maybe_apply_chat_template(
+            {key: example[key] for key in ("prompt", "chosen", "rejected")}, self.processing_class
+        )
+        prompt_ids = self.tokenizer(texts["prompt"], add_special_tokens=True)["input_ids"]
+        chosen_ids, rejected_ids = (
+            self.tokenizer(
+                texts[name], truncation=True, max_length=self.max_completion_length, add_special_tokens=True
+            )["input_ids"]
+            for name in ("chosen", "rejected")
+        )
+        return encoder_decoder_token_columns(prompt_ids, chosen_ids, rejected_ids, None)
 
 
 @dataclass
@@ -172,6 +236,42 @@ class DataCollatorForReferenceFreePreference:
         return batch
 
 
+@dataclass
+class DataCollatorForEncoderDecoderPreference:
+    """Collate pairs prepared for an encoder-decoder model: the prompts twice (encoder input of the `n` chosen, then
+    of the `n` rejected completions) and the completions as decoder labels.
+
+    Each example holds TRL's `prompt_input_ids`, `chosen_labels` and `rejected_labels`.
+
+    Args:
+        pad_token_id (`int`):
+            Token used to pad the prompts (`attention_mask` hides them).
+        padding_value (`int` or `None`, defaults to `None`):
+            Token used instead of `pad_token_id` when set.
+
+    Returns:
+        `input_ids`, `attention_mask` (`(2 * n, P)`, right-padded prompts) and `labels` (`(2 * n, L)`, -100 after the
+        end of each completion).
+    """
+
+    pad_token_id: int
+    padding_value: int | None = None
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        prompts = [torch.tensor(example["prompt_input_ids"], dtype=torch.long) for example in examples] * 2
+        labels = [
+            torch.tensor(example[f"{name}_labels"], dtype=torch.long)
+            for name in ("chosen", "rejected")
+            for example in examples
+        ]
+        pad_id = self.pad_token_id if self.padding_value is None else self.padding_value
+        return {
+            "input_ids": pad(prompts, pad_id),
+            "attention_mask": pad([torch.ones_like(prompt) for prompt in prompts], 0),
+            "labels": pad(labels, _LABEL_PAD),
+        }
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Trainer
 # ----------------------------------------------------------------------------------------------------------------
@@ -180,8 +280,10 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
 
     Chosen and rejected sequences go through the model in one forward pass on a right-padded batch; the LM head runs
     only where a token is scored, and the `logits/*` metrics come from the final hidden states (see
-    `mean_logits_from_hidden`). A subclass sets `_config_class`, `_suffix` and implements [`_preference_loss`];
-    the switches below pick what differs between the methods.
+    `mean_logits_from_hidden`). Encoder-decoder models (`is_encoder_decoder`, read from the model's config unless
+    `args.is_encoder_decoder` declares it) get the prompts as encoder input and the completions as decoder labels,
+    scored from the decoder's logits. A subclass sets `_config_class`, `_suffix` and implements
+    [`_preference_loss`]; the switches below pick what differs between the methods.
     """
 
     _config_class: type = None
@@ -228,25 +330,33 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
                 "generate_during_eval=True logs sampled completions to Weights & Biases or Comet, but neither wandb "
                 "nor comet_ml is installed. Install one (`pip install wandb`) or set generate_during_eval=False."
             )
-        is_encoder_decoder = args.is_encoder_decoder
-        if is_encoder_decoder is None:
-            is_encoder_decoder = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
-        if is_encoder_decoder:
-            raise ValueError(
-                f"{name} trains decoder-only causal language models (the preference pipeline it shares with DPO "
-                f"scores next tokens of one sequence), but {type(model).__name__} is an encoder-decoder model. Use a "
-                "causal LM (AutoModelForCausalLM)."
-            )
 
         # ---- Model, processing class, MoE router loss, PEFT (no reference model: the methods need none) ---------
         model, processing_class, tokenizer = self._load_policy(model, None, processing_class, args, peft_config)
+        self.is_encoder_decoder = self._resolve_encoder_decoder(model, args, name)
         if args.disable_dropout:
             disable_dropout_in_model(model)
         self.pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
+        if self.is_encoder_decoder:
+            config = getattr(model, "config", None)
+            self._decoder_start_token_id = getattr(config, "decoder_start_token_id", None)
+            if self._decoder_start_token_id is None:
+                raise ValueError(
+                    f"The encoder-decoder model {type(model).__name__} has no config.decoder_start_token_id, so the "
+                    "decoder input cannot be built from the labels. Set model.config.decoder_start_token_id (usually "
+                    "the pad or BOS token id)."
+                )
+            pad_id = getattr(config, "pad_token_id", None)
+            self._decoder_pad_token_id = self.pad_token_id if pad_id is None else pad_id
         # TRL's `logits/*` metrics average over the padded positions too: the batch keeps them.
         self._layout = "padded"
         if data_collator is None:
-            data_collator = DataCollatorForReferenceFreePreference(
+            collator_class = (
+                DataCollatorForEncoderDecoderPreference
+                if self.is_encoder_decoder
+                else DataCollatorForReferenceFreePreference
+            )
+            data_collator = collator_class(
                 pad_token_id=self.pad_token_id, padding_value=getattr(args, "padding_value", None)
             )
 
@@ -272,8 +382,54 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
         self._add_model_tags(self.model)
 
     def _load_model(self, model: Any, args: Any, architecture: Any = None, quantization_config: Any = None, **_: Any):
-        # As in TRL, a string is loaded with AutoModelForCausalLM.from_pretrained (no float32 default).
-        return self._load_causal_lm(model, args)
+        # As in TRL, a string is loaded with AutoModelForCausalLM.from_pretrained (no float32 default); an
+        # encoder-decoder checkpoint with AutoModelForSeq2SeqLM.
+        return self._load_causal_lm(model, args, encoder_decoder=True)
+
+    @staticmethod
+    def _resolve_encoder_decoder(model: nn.Module, args: Any, trainer_name: str) -> bool:
+        """Whether `model` is an encoder-decoder model: `args.is_encoder_decoder` when set, else the model's config.
+
+        A declaration that contradicts the model's config is an error; for an encoder-decoder model, a warning tells
+        how completions are limited (`max_completion_length`, 128 tokens when None; `max_length` does not apply).
+        """
+        from_config = getattr(getattr(model, "config", None), "is_encoder_decoder", None)
+        declared = args.is_encoder_decoder
+        if declared is not None and from_config is not None and bool(declared) != bool(from_config):
+            found = "an encoder-decoder" if from_config else "a decoder-only"
+            raise ValueError(
+                f"args.is_encoder_decoder={declared}, but the model ({type(model).__name__}) is {found} model "
+                f"(config.is_encoder_decoder={from_config}). Set is_encoder_decoder=None to read it from the model's "
+                f"config, or pass the model {trainer_name} should train."
+            )
+        is_encoder_decoder = bool(from_config if declared is None else declared)
+        if is_encoder_decoder and not hasattr(model, "get_encoder"):
+            raise ValueError(
+                f"args.is_encoder_decoder=True, but {type(model).__name__} has no encoder (no `get_encoder()`). "
+                "Pass an encoder-decoder model (e.g. AutoModelForSeq2SeqLM) or set is_encoder_decoder=False."
+            )
+        if is_encoder_decoder:
+            if args.max_completion_length is None:
+                warnings.warn(
+                    f"{trainer_name} with an encoder-decoder model truncates the completions (decoder labels) to "
+                    f"max_completion_length, which is None: {DEFAULT_ENCODER_DECODER_COMPLETION_LENGTH} tokens are "
+                    "used, as in TRL. Set max_completion_length in the config to choose.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            max_length_default = type(args).__dataclass_fields__["max_length"].default
+            if args.max_length != max_length_default:
+                logger.warning(
+                    "max_length=%s does not apply to encoder-decoder models (prompts are kept whole, as in TRL); "
+                    "completions are limited by max_completion_length.",
+                    args.max_length,
+                )
+        return is_encoder_decoder
+
+    @staticmethod
+    def _completion_limit(args: Any) -> int:
+        """Completion length limit of an encoder-decoder model (`max_completion_length`, else TRL's 128)."""
+        return args.max_completion_length or DEFAULT_ENCODER_DECODER_COMPLETION_LENGTH
 
     # ------------------------------------------------------------------------------------------------------------
     # Dataset preparation
@@ -285,10 +441,19 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
         dataset, first, columns, map_kwargs, is_iterable = self._open_dataset(
             dataset, args, dataset_name, {}, f"The {dataset_name} dataset is empty; {name} needs at least one pair."
         )
-        if all(c in columns for c in _COLLATED_COLUMNS):
-            row_fn: Any = _PreTokenizedPair(args.max_length, with_prompt=True)
+        encoder_decoder = self.is_encoder_decoder
+        if encoder_decoder:
+            columns_fn: Any = partial(
+                encoder_decoder_token_columns, max_completion_length=self._completion_limit(args)
+            )
+        else:
+            columns_fn = partial(pair_token_columns, max_length=args.max_length)
+        if encoder_decoder and all(c in columns for c in _ENCODER_DECODER_COLUMNS):
+            row_fn: Any = partial(_encoder_decoder_columns_of, columns_fn=columns_fn)
+        elif all(c in columns for c in _COLLATED_COLUMNS):
+            row_fn = _PreTokenizedPair(columns_fn, with_prompt=True)
         elif all(c in columns for c in _DPO_TOKEN_COLUMNS):
-            row_fn = _PreTokenizedPair(args.max_length, with_prompt=False)
+            row_fn = _PreTokenizedPair(columns_fn, with_prompt=False)
         else:
             missing = [c for c in ("chosen", "rejected") if c not in columns]
             if missing:
@@ -305,12 +470,16 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
             dataset = dataset.map(
                 maybe_extract_prompt, **map_kwargs_with_desc(map_kwargs, f"Extracting prompt in {dataset_name}")
             )
-            row_fn = _PairTokenizer(processing_class, conversational, args.max_length)
+            if encoder_decoder:
+                row_fn = _EncoderDecoderPairTokenizer(processing_class, self._completion_limit(args))
+            else:
+                row_fn = _PairTokenizer(processing_class, conversational, args.max_length)
         tokenized = dataset.map(row_fn, **map_kwargs_with_desc(map_kwargs, f"Tokenizing {dataset_name}"))
 
         # A prompt that fills max_length leaves nothing to score (and NaN for length-normalised losses): drop it.
+        # (Encoder-decoder prompts are not truncated and empty completions are refused when tokenizing.)
         max_length = args.max_length
-        if max_length is None:
+        if max_length is None or encoder_decoder:
             return tokenized
         if is_iterable:
             return tokenized.filter(lambda example: len(example["prompt_input_ids"]) < max_length)
@@ -330,10 +499,12 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
-            self._signature_columns = list(_COLLATED_COLUMNS)
+            self._signature_columns = list(_ENCODER_DECODER_COLUMNS if self.is_encoder_decoder else _COLLATED_COLUMNS)
 
     def tokenize_row(self, feature: dict[str, Any], model: Any = None) -> dict[str, list[int]]:
         """TRL's token columns of one `{prompt, chosen, rejected}` row (text or messages, explicit prompt)."""
+        if self.is_encoder_decoder:
+            return _EncoderDecoderPairTokenizer(self.processing_class, self._completion_limit(self.args))(feature)
         row_fn = _PairTokenizer(self.processing_class, is_conversational(feature), self.args.max_length)
         return row_fn(feature)
 
@@ -378,15 +549,16 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
         """`(per-pair losses, chosen rewards, rejected rewards, extra metrics)` from the sequence log-probs."""
         raise NotImplementedError
 
-    def compute_loss(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor | Any],
-        return_outputs: bool = False,
-        num_items_in_batch: torch.Tensor | int | None = None,
-    ):
-        mode = self._mode
-        num_pairs = inputs["input_ids"].shape[0] // 2
+    def _decoder_only_forward(
+        self, model: nn.Module, inputs: dict[str, torch.Tensor], num_pairs: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """One forward pass of a causal LM over the `2 * num_pairs` sequences `prompt + completion`.
+
+        Returns:
+            `(token_logps, completion_targets, nll_targets, mean_logits, outputs)`: the next-token log-probs
+            `(2n, T - 1)` where scored, the completion targets, the NLL targets of the chosen half `(n, T - 1)`, the
+            mean logit of every position the `logits/*` metrics average and the model outputs.
+        """
         attention = inputs["attention_mask"][:, 1:].bool()
         completion_targets = self._target_mask(inputs)
         nll_targets = attention[:num_pairs] if self._nll_includes_prompt else completion_targets[:num_pairs]
@@ -401,7 +573,56 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
             pad_token_id=self.pad_token_id,
             output_hidden_states=True,
         )
-        token_logps = result.logps.float()
+        with torch.no_grad():
+            mean_logits = mean_logits_from_hidden(model, result.outputs.hidden_states[-1])
+            if self._logits_metric_drops_last:
+                mean_logits = mean_logits[:, :-1]
+        return result.logps, completion_targets, nll_targets, mean_logits, result.outputs
+
+    def _encoder_decoder_forward(
+        self, model: nn.Module, inputs: dict[str, torch.Tensor], num_pairs: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """One forward pass of an encoder-decoder model: prompts (repeated) to the encoder, completions as labels.
+
+        The decoder reads the labels shifted right (see [`shift_labels_right`]) and scores every label token, so the
+        NLL covers the chosen completions for both methods and the `logits/*` metrics average every decoder position
+        (padding included), as in TRL. The decoder is short, so its full logits are used.
+
+        Returns:
+            Same as [`_decoder_only_forward`], over the `(2n, L)` decoder positions.
+        """
+        labels = inputs["labels"]
+        targets = labels != _LABEL_PAD
+        outputs = model(
+            input_ids=inputs["input_ids"],
+            attention_mask=inputs["attention_mask"],
+            decoder_input_ids=self.shift_labels_right(labels),
+            use_cache=False,
+        )
+        token_logps = selective_log_softmax(outputs.logits, labels.masked_fill(~targets, 0)).masked_fill(~targets, 0)
+        with torch.no_grad():
+            mean_logits = outputs.logits.detach().float().mean(dim=-1)
+        return token_logps, targets, targets[:num_pairs], mean_logits, outputs
+
+    def shift_labels_right(self, labels: torch.Tensor) -> torch.Tensor:
+        """Decoder input ids of an encoder-decoder model: the labels shifted one step right after the model's
+        `decoder_start_token_id`, with the -100 padding replaced by the model's pad token."""
+        shifted = labels.new_full(labels.shape, self._decoder_start_token_id)
+        shifted[:, 1:] = labels[:, :-1]
+        return shifted.masked_fill(shifted == _LABEL_PAD, self._decoder_pad_token_id)
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        mode = self._mode
+        num_pairs = inputs["input_ids"].shape[0] // 2
+        forward = self._encoder_decoder_forward if self.is_encoder_decoder else self._decoder_only_forward
+        token_logps, completion_targets, nll_targets, mean_logits, outputs = forward(model, inputs, num_pairs)
+        token_logps = token_logps.float()
         mask = completion_targets.to(token_logps.dtype)
         sums, counts = (token_logps * mask).sum(dim=1), mask.sum(dim=1)
         sequence_logps = sums / counts if self._length_normalized else sums
@@ -416,14 +637,11 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
             loss = loss + weight * nll_loss
         else:
             nll_loss = token_logps.new_zeros(())  # not computed (TRL logs 0)
-        aux_loss = getattr(result.outputs, "aux_loss", None) if self._aux_loss_enabled else None
+        aux_loss = getattr(outputs, "aux_loss", None) if self._aux_loss_enabled else None
         if aux_loss is not None:
             loss = loss + self._aux_loss_coef * aux_loss
 
         with torch.no_grad():
-            mean_logits = mean_logits_from_hidden(model, result.outputs.hidden_states[-1])
-            if self._logits_metric_drops_last:
-                mean_logits = mean_logits[:, :-1]
             chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
             means = {
                 "rewards/chosen": chosen_rewards.mean(),
@@ -467,6 +685,8 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
         from ..models.utils import unwrap_model_for_generation
 
         n = batch["input_ids"].shape[0] // 2
+        if self.is_encoder_decoder:
+            return self._generate_encoder_decoder(model, batch["input_ids"][:n], batch["attention_mask"][:n])
         prompt_mask = (batch["attention_mask"][:n] * (1 - batch["completion_mask"][:n])).bool()
         prompts = [row[mask] for row, mask in zip(batch["input_ids"][:n], prompt_mask)]
         width = max(1, max(len(p) for p in prompts))
@@ -487,6 +707,28 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
             )
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         return [tokenizer.decode(ids.tolist(), skip_special_tokens=True) for ids in output]
+
+    def _generate_encoder_decoder(
+        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> list[str]:
+        """Sample one completion per prompt with an encoder-decoder model; returns the decoded prompt + completion
+        texts (the decoder output holds the completion only)."""
+        from ..models.utils import unwrap_model_for_generation
+
+        with torch.no_grad(), unwrap_model_for_generation(model, self.accelerator) as unwrapped:
+            output = unwrapped.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=self._completion_limit(self.args),
+                do_sample=True,
+                pad_token_id=self.pad_token_id,
+            )
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        return [
+            tokenizer.decode(prompt[mask.bool()].tolist(), skip_special_tokens=True)
+            + tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+            for prompt, mask, ids in zip(input_ids, attention_mask, output)
+        ]
 
     def evaluation_loop(
         self,

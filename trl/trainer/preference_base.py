@@ -103,11 +103,12 @@ class _PreferenceTrainer(_BaseTrainer):
         return policy, processing_class, tokenizer
 
     @classmethod
-    def _load_causal_lm(cls, model: Any, args: Any) -> nn.Module:
+    def _load_causal_lm(cls, model: Any, args: Any, encoder_decoder: bool = False) -> nn.Module:
         """Load a string `model` with `AutoModelForCausalLM.from_pretrained(model, **args.model_init_kwargs)`.
 
         The loading of the experimental trainers (BCO, CPO, ORPO): no float32 default, a string `dtype` turned into
-        the `torch.dtype` (`"auto"` kept); encoder-decoder checkpoints are refused. An instance is returned as is.
+        the `torch.dtype` (`"auto"` kept); encoder-decoder checkpoints are loaded with `AutoModelForSeq2SeqLM` when
+        `encoder_decoder` is True and refused otherwise. An instance is returned as is.
         """
         init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
         if not isinstance(model, str):
@@ -125,7 +126,12 @@ class _PreferenceTrainer(_BaseTrainer):
         config = AutoConfig.from_pretrained(
             model, revision=init_kwargs.get("revision"), trust_remote_code=trust_remote_code
         )
-        if getattr(config, "is_encoder_decoder", False):
+        loader = AutoModelForCausalLM
+        if getattr(config, "is_encoder_decoder", False) and encoder_decoder:
+            from transformers import AutoModelForSeq2SeqLM
+
+            loader = AutoModelForSeq2SeqLM
+        elif getattr(config, "is_encoder_decoder", False):
             raise ValueError(
                 f"{cls.__name__} trains decoder-only causal language models, but {model!r} is an encoder-decoder "
                 f"model ({type(config).__name__}). Use a causal LM."
@@ -140,7 +146,7 @@ class _PreferenceTrainer(_BaseTrainer):
             init_kwargs["dtype"] = getattr(torch, dtype)
         if trust_remote_code:
             init_kwargs.setdefault("trust_remote_code", True)
-        return AutoModelForCausalLM.from_pretrained(model, **init_kwargs)
+        return loader.from_pretrained(model, **init_kwargs)
 
     def _select_adapters(self, model: nn.Module, model_adapter_name: str | None, ref_adapter_name: str | None) -> None:
         """Check the adapters named for training / as the reference (PEFT only) and activate the trained one."""

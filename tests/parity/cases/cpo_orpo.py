@@ -8,10 +8,14 @@ from . import COMMON_ARGS, QWEN, register, run_trainer
 
 
 TINY_LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+T5 = "tiny-T5ForConditionalGeneration"
 
 
 def build_reference_free(ctx, kind: str, dataset="standard_preference", model=QWEN, peft=False, **config):
-    """`CPOTrainer` / `ORPOTrainer` (kind `cpo` / `orpo`) on 8 training and 8 test rows; returns (trainer, test)."""
+    """`CPOTrainer` / `ORPOTrainer` (kind `cpo` / `orpo`) on 8 training and 8 test rows; returns (trainer, test).
+
+    An encoder-decoder `model` is passed as an instance with its tokenizer (TRL loads a model path as a causal LM).
+    """
     import importlib
 
     module = importlib.import_module(f"trl.experimental.{kind}")
@@ -23,8 +27,14 @@ def build_reference_free(ctx, kind: str, dataset="standard_preference", model=QW
         from peft import LoraConfig
 
         kwargs["peft_config"] = LoraConfig(**TINY_LORA, task_type="CAUSAL_LM")
+    model_arg = ctx.model(model)
+    if model == T5:
+        from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+
+        kwargs["processing_class"] = AutoTokenizer.from_pretrained(model_arg)
+        model_arg = AutoModelForSeq2SeqLM.from_pretrained(model_arg)
     trainer = getattr(module, f"{prefix}Trainer")(
-        model=ctx.model(model), args=args, train_dataset=train, eval_dataset=test, **kwargs
+        model=model_arg, args=args, train_dataset=train, eval_dataset=test, **kwargs
     )
     return trainer, test
 
@@ -68,3 +78,10 @@ _register("orpo/conversational_preference", "orpo", dataset="conversational_pref
 _register("orpo/standard_implicit_prompt_preference", "orpo", dataset="standard_implicit_prompt_preference")
 _register("orpo/llama", "orpo", dataset="conversational_preference", model="tiny-LlamaForCausalLM")
 _register("orpo/peft_lora", "orpo", peft=True)
+
+# Encoder-decoder (tiny T5): the prompt is the encoder input, the completions the decoder labels
+_register("cpo/t5/loss_type=sigmoid", "cpo", model=T5)
+_register("cpo/t5/loss_type=simpo", "cpo", model=T5, loss_type="simpo")
+_register("cpo/t5/conversational_preference", "cpo", model=T5, dataset="conversational_preference")
+_register("orpo/t5/standard_preference", "orpo", model=T5)
+_register("orpo/t5/max_completion_length=3", "orpo", model=T5, max_completion_length=3)

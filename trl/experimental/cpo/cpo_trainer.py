@@ -96,12 +96,14 @@ class CPOTrainer(_ReferenceFreePreferenceTrainer):
 
     Args:
         model (`str`, `PreTrainedModel` or `None`):
-            Causal language model to train, or a path / hub id loaded with `AutoModelForCausalLM.from_pretrained`
-            and `args.model_init_kwargs`. `None` requires `model_init`.
+            Causal or encoder-decoder language model to train, or a path / hub id loaded with
+            `AutoModelForCausalLM.from_pretrained` (`AutoModelForSeq2SeqLM` for an encoder-decoder checkpoint) and
+            `args.model_init_kwargs`. `None` requires `model_init`.
         args (`CPOConfig` or `None`, defaults to `None`):
             Training configuration. `None` builds `CPOConfig(f"{model_name}-CPO")`.
         data_collator (`Callable` or `None`, defaults to `None`):
-            Batch collator; defaults to `DataCollatorForReferenceFreePreference`.
+            Batch collator; defaults to `DataCollatorForReferenceFreePreference`
+            (`DataCollatorForEncoderDecoderPreference` for an encoder-decoder model).
         train_dataset (`Dataset` or `IterableDataset`):
             Preference data: `prompt`, `chosen`, `rejected` (explicit prompt) or `chosen`, `rejected` (implicit
             prompt, extracted), standard or conversational; or pre-tokenized `prompt_ids`, `chosen_ids`,

@@ -19,9 +19,11 @@ class ORPOConfig(_BaseConfig):
         max_length (`int` or `None`, defaults to `1024`):
             Maximum length of prompt + completion, in tokens. Prompts are kept whole and completions are cut to the
             room left; pairs whose prompt alone reaches the limit are dropped (with a warning). `None` disables it.
+            Not used for encoder-decoder models (see `max_completion_length`).
         max_completion_length (`int` or `None`, defaults to `None`):
             Number of tokens sampled per prompt by `generate_during_eval` (`None`: up to `max_length`). Training
-            completions are limited by `max_length` only, as in TRL.
+            completions of decoder-only models are limited by `max_length` only, as in TRL; those of encoder-decoder
+            models are cut to this length (128 when `None`).
         beta (`float`, defaults to `0.1`):
             Weight (lambda in the paper) of the odds-ratio term added to the NLL of the chosen sequences.
         disable_dropout (`bool`, defaults to `True`):
@@ -32,11 +34,13 @@ class ORPOConfig(_BaseConfig):
             At every evaluation, sample completions for a batch of evaluation prompts and log them as a table to
             Weights & Biases or Comet (one of them must be installed and in `report_to`).
         is_encoder_decoder (`bool` or `None`, defaults to `None`):
-            Declares whether the model built by `model_init` is an encoder-decoder model; `None` reads it from the
-            model's config. This trainer supports decoder-only causal language models.
+            Declares whether the model (e.g. the one built by `model_init`) is an encoder-decoder model; `None`
+            reads it from the model's config. Encoder-decoder models get the prompt as encoder input and the
+            completions as decoder labels; a declaration contradicting the model's config is an error.
         model_init_kwargs (`dict[str, Any]`, `str` or `None`, defaults to `None`):
-            Keyword arguments for `AutoModelForCausalLM.from_pretrained` when `model` is a string (a dict, or a JSON
-            string on the command line). A string `dtype` is turned into the `torch.dtype`; `"auto"` is kept.
+            Keyword arguments for `AutoModelForCausalLM.from_pretrained` (`AutoModelForSeq2SeqLM` for an
+            encoder-decoder checkpoint) when `model` is a string (a dict, or a JSON string on the command line). A
+            string `dtype` is turned into the `torch.dtype`; `"auto"` is kept.
         trust_remote_code (`bool`, defaults to `False`):
             Allow custom modelling code from the model repository when the trainer loads the model or processor.
         dataset_num_proc (`int` or `None`, defaults to `None`):

@@ -74,13 +74,15 @@ class ORPOTrainer(_ReferenceFreePreferenceTrainer):
 
     Args:
         model (`str`, `PreTrainedModel` or `None`):
-            Causal language model to train, or a path / hub id loaded with `AutoModelForCausalLM.from_pretrained`
-            and `args.model_init_kwargs`. `None` requires `model_init`.
+            Causal or encoder-decoder language model to train, or a path / hub id loaded with
+            `AutoModelForCausalLM.from_pretrained` (`AutoModelForSeq2SeqLM` for an encoder-decoder checkpoint) and
+            `args.model_init_kwargs`. `None` requires `model_init`.
         args (`ORPOConfig` or `None`, defaults to `None`):
             Training configuration. `None` builds `ORPOConfig(f"{model_name}-ORPO")`.
         data_collator (`Callable` or `None`, defaults to `None`):
-            Batch collator; defaults to `DataCollatorForReferenceFreePreference` (padding with
-            `args.padding_value` when set).
+            Batch collator; defaults to `DataCollatorForReferenceFreePreference`
+            (`DataCollatorForEncoderDecoderPreference` for an encoder-decoder model), padding with
+            `args.padding_value` when set.
         train_dataset (`Dataset` or `IterableDataset`):
             Preference data, in the formats of `CPOTrainer`.
         eval_dataset (`Dataset`, `IterableDataset`, dict of them or `None`, defaults to `None`):
