@@ -130,6 +130,8 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
     _default_suffix: str = "Online"
     # `compute_loss` normalises for gradient accumulation itself; the Trainer must not divide again.
     loss_is_scaled_for_ga = True
+    # GRPO and RLOO log each step's wall time (`step_time`) as TRL does; TRL's Online DPO family does not.
+    _logs_step_time = True
 
     def __init__(
         self,
@@ -657,9 +659,11 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         loss = super().training_step(model, inputs, num_items_in_batch)
         elapsed = time.perf_counter() - start
         metrics = self._metrics["train"]
-        metrics["step_time"].append(elapsed)
         if not _log_timing():
+            if self._logs_step_time:
+                metrics["step_time"].append(elapsed)
             return loss
+        metrics["step_time"].append(elapsed)
         # Per micro-step times (0 rollout time on micro-steps served from the buffer), so interval means are
         # amortised costs per step.
         metrics["timing/rollout"].append(self._timing["rollout"])

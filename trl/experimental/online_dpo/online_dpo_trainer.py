@@ -190,6 +190,9 @@ class OnlineDPOTrainer(_OnlineTrainer):
     _policy_samples_per_prompt = 2
     # Nash-MD uses the probability that the first completion wins; Online DPO and XPO only need the winner.
     _soft_preferences = False
+    # As in TRL: no `step_time` metric, and reward functions get no `log_extra` / `log_metric` callbacks.
+    _logs_step_time = False
+    _reward_logging_callbacks = False
 
     def __init__(
         self,
@@ -397,13 +400,19 @@ class OnlineDPOTrainer(_OnlineTrainer):
     def _generate_pairs(self, rows: list[dict[str, Any]]) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
         """The two completions of each prompt: `(prompt_ids, first_completion_ids, second_completion_ids)` lists.
 
-        Online DPO samples both from the policy; each prompt is passed twice in a row to `_generate`, so the
-        transformers path computes its prompt cache once and vLLM receives a group of two.
+        Online DPO samples both from the policy. vLLM gets each prompt twice in a row (a group of two); transformers
+        gets the whole batch twice, as TRL samples it, so the same seed draws the same tokens (identical prompts still
+        share one prefill).
         """
-        doubled = [row for row in rows for _ in range(2)]
-        output = self._generate([row["prompt"] for row in doubled], doubled)
-        completions = output["completion_ids"]
-        return output["prompt_ids"][0::2], completions[0::2], completions[1::2]
+        if getattr(self, "vllm_generation", None) is not None:
+            doubled = [row for row in rows for _ in range(2)]
+            output = self._generate([row["prompt"] for row in doubled], doubled)
+            completions = output["completion_ids"]
+            return output["prompt_ids"][0::2], completions[0::2], completions[1::2]
+        twice = rows + rows
+        output = self._generate([row["prompt"] for row in twice], twice)
+        completions, n = output["completion_ids"], len(rows)
+        return output["prompt_ids"][:n], completions[:n], completions[n:]
 
     @contextlib.contextmanager
     def _unwrapped_for_generation(self, model: nn.Module):
