@@ -223,7 +223,9 @@ def pytest_terminal_summary(terminalreporter, config):
     if not _OUTCOMES:
         return
     columns = ["cases", "match", "keys only", "values/raises", "numbers match", "xfail", "failed", "xpass"]
-    terminalreporter.section("parity against real TRL (1.16; 1.12 for the experimental trainers it alone ships), per group")
+    terminalreporter.section(
+        "parity against real TRL (1.16; 1.12 for the experimental trainers it alone ships), per group"
+    )
     terminalreporter.write_line(f"{'group':<20}" + "".join(f"{c:>14}" for c in columns))
     total = Counter()
     for group in sorted(_OUTCOMES):

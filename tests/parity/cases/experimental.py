@@ -64,7 +64,8 @@ def online_pair_case(
     RECORDED_COMPLETIONS.clear()
     if reward == "model":
         reward_funcs = AutoModelForSequenceClassification.from_pretrained(ctx.model(QWEN_RM))
-        reward_kwargs = {"reward_processing_classes": tokenizer(ctx, QWEN_RM)}
+        # TRL 1.12's Nash-MD takes no reward tokenizer (it scores the policy's token ids).
+        reward_kwargs = {} if kind == "nash_md" else {"reward_processing_classes": tokenizer(ctx, QWEN_RM)}
     else:
         reward_funcs, reward_kwargs = recording_reward, {}
     test = ctx.dataset(dataset, "test", 8)
@@ -100,6 +101,8 @@ for _kind in ONLINE_PAIR_TRAINERS:
 
     _register("reward_model")
     _register("missing_eos_penalty=1.0", missing_eos_penalty=1.0)
+    # A second step, where the policy no longer equals the reference (KL terms and metrics become non-zero).
+    _register("max_steps=2", max_steps=2)
     if _kind == "online_dpo":
         # TRL 1.12's XPO and Nash-MD take a reward model only; 1.16's Online DPO also takes reward functions.
         _register("reward_func", reward="func")
