@@ -340,16 +340,17 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
 
     @staticmethod
     def _cast_lm_head_to_fp32(model: nn.Module) -> None:
-        """Keep the output projection in float32 and feed it float32 hidden states (ScaleRL)."""
-        config = getattr(model, "config", None)
-        if getattr(config, "tie_word_embeddings", False):
-            raise ValueError(
-                "cast_lm_head_to_fp32=True needs untied input/output embeddings, but this model ties them "
-                "(config.tie_word_embeddings=True). Set cast_lm_head_to_fp32=False."
-            )
+        """Keep the output projection in float32 and feed it float32 hidden states (ScaleRL).
+
+        A head tied to the input embeddings gets its own float32 copy of the shared weight (the embeddings keep
+        their dtype; `config.tie_word_embeddings` is left as it is), as TRL does.
+        """
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if head is None:
             raise ValueError("cast_lm_head_to_fp32=True, but the model has no output embeddings (LM head).")
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if embeddings is not None and head.weight is embeddings.weight:
+            head.weight = nn.Parameter(head.weight.detach().float().clone(), requires_grad=head.weight.requires_grad)
         head.float()
         head.register_forward_pre_hook(lambda module, inputs: tuple(x.float() for x in inputs))
 

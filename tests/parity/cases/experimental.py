@@ -1,8 +1,9 @@
 """Parity cases: the experimental trainers. Online DPO against TRL 1.16 (`trl.experimental.online_dpo`); BCO, PRM, XPO
 and Nash-MD against TRL 1.12 (`oracle="1.12"`), the last release this suite keeps that ships them.
 
-Each case is the standard scenario of `run_trainer` (evaluate, one optimizer step, evaluate; gradients and update
-fingerprinted). The online trainers sample with a fixed seed (the sampled ids are compared through the rewards'
+Each case is the scenario of `run_trainer` (evaluate, one optimizer step, evaluate; gradients and update
+fingerprinted), without the evaluations where TRL's `evaluate()` raises (Online DPO, XPO, Nash-MD, BCO: see the case
+functions). The online trainers sample with a fixed seed (the sampled ids are compared through the rewards'
 inputs) and rank pairs with a deterministic reward: the tiny sequence-classification model or a toy function.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from . import COMMON_ARGS, QWEN, QWEN_RM, register, run_trainer, to_jsonable, tokenizer
+from . import COMMON_ARGS, QWEN, QWEN_RM, case, register, run_trainer, tokenizer
 
 
 QWEN_TOKEN_CLS = "tiny-Qwen2ForTokenClassification"
@@ -48,11 +49,11 @@ ONLINE_PAIR_TRAINERS = {
 }
 
 
-def online_pair_case(
-    ctx, kind: str, reward: str = "model", dataset: str = "standard_prompt_only", raw_eval: bool = False, **config
-) -> dict:
+def online_pair_case(ctx, kind: str, reward: str = "model", dataset: str = "standard_prompt_only", **config) -> dict:
     """The pair trainer of `kind` on 8 prompts, ranked by the tiny reward model (`reward="model"`) or by
-    `recording_reward` (`"func"`); `raw_eval` evaluates on the raw test split and a dict of two instead of training.
+    `recording_reward` (`"func"`). Training only: `evaluate()` raises in TRL (1.16's Online DPO and 1.12's XPO and
+    Nash-MD run the plain transformers evaluation on prompt-only rows: ValueError "You must specify exactly one of
+    input_ids or inputs_embeds").
 
     Models are passed as loaded modules: TRL 1.12's XPO and Nash-MD take no model paths.
     """
@@ -68,25 +69,15 @@ def online_pair_case(
         reward_kwargs = {} if kind == "nash_md" else {"reward_processing_classes": tokenizer(ctx, QWEN_RM)}
     else:
         reward_funcs, reward_kwargs = recording_reward, {}
-    test = ctx.dataset(dataset, "test", 8)
     trainer = trainer_cls(
         model=AutoModelForCausalLM.from_pretrained(ctx.model(QWEN)),
         reward_funcs=reward_funcs,
         args=args,
         train_dataset=ctx.dataset(dataset, "train", 8),
-        eval_dataset=test,
+        eval_dataset=ctx.dataset(dataset, "test", 8),
         processing_class=tokenizer(ctx, QWEN),
         **reward_kwargs,
     )
-    if raw_eval:
-        return to_jsonable(
-            {
-                "raw": trainer.evaluate(eval_dataset=test),
-                "dict": trainer.evaluate(
-                    eval_dataset={"first": test.select(range(4)), "second": test.select(range(4, 8))}
-                ),
-            }
-        )
     out = run_trainer(trainer, evaluate=False)
     if reward == "func":
         out["completions"] = list(RECORDED_COMPLETIONS)
@@ -119,20 +110,21 @@ for _kind in ONLINE_PAIR_TRAINERS:
 # ---------------------------------------------------------------------------------------------------------------------
 # BCO and PRM (TRL 1.12)
 # ---------------------------------------------------------------------------------------------------------------------
-def bco_case(ctx, dataset: str = "standard_unpaired_preference", raw_eval: bool = False, **config) -> dict:
-    """BCO on 8 unpaired rows (the running reward mean `delta` starts from the first batch)."""
+def bco_case(ctx, dataset: str = "standard_unpaired_preference", **config) -> dict:
+    """BCO on 8 unpaired rows (the running reward mean `delta` starts from the first batch). Training only: TRL
+    1.12's `evaluate()` raises under the pinned libraries (RuntimeError, `mean()` of an integer tensor)."""
     config_cls, trainer_cls = _experimental("bco", "BCO")
     args = config_cls(output_dir=ctx.tmpdir(), **{**COMMON_ARGS, **config})
-    test = ctx.dataset(dataset, "test", 8)
     trainer = trainer_cls(
-        model=ctx.model(QWEN), args=args, train_dataset=ctx.dataset(dataset, "train", 8), eval_dataset=test
+        model=ctx.model(QWEN),
+        args=args,
+        train_dataset=ctx.dataset(dataset, "train", 8),
+        eval_dataset=ctx.dataset(dataset, "test", 8),
     )
-    if raw_eval:
-        return to_jsonable({"raw": trainer.evaluate(eval_dataset=test)})
-    return run_trainer(trainer)
+    return run_trainer(trainer, evaluate=False)
 
 
-def prm_case(ctx, dataset: str = "standard_stepwise_supervision", raw_eval: bool = False, **config) -> dict:
+def prm_case(ctx, dataset: str = "standard_stepwise_supervision", **config) -> dict:
     """PRM on 8 stepwise-supervision rows with the tiny token-classification model (TRL 1.12 takes no model path)."""
     from transformers import AutoModelForTokenClassification
 
@@ -146,8 +138,6 @@ def prm_case(ctx, dataset: str = "standard_stepwise_supervision", raw_eval: bool
         eval_dataset=test,
         processing_class=tokenizer(ctx, QWEN_TOKEN_CLS),
     )
-    if raw_eval:
-        return to_jsonable({"raw": trainer.evaluate(eval_dataset=test)})
     return run_trainer(trainer)
 
 
@@ -158,8 +148,69 @@ register(
     oracle="1.12",
 )
 register("bco/beta=0.5", partial(bco_case, beta=0.5), oracle="1.12")
-register("bco/evaluate_raw_dataset", partial(bco_case, raw_eval=True), oracle="1.12")
 register("prm/standard_stepwise_supervision", prm_case, oracle="1.12")
 register("prm/train_on_last_step_only=True", partial(prm_case, train_on_last_step_only=True), oracle="1.12")
 register("prm/step_separator", partial(prm_case, step_separator=" | "), oracle="1.12")
-register("prm/evaluate_raw_dataset", partial(prm_case, raw_eval=True), oracle="1.12")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Model utilities: hash_module, GRPO's cast_lm_head_to_fp32 with tied and untied embeddings
+# ---------------------------------------------------------------------------------------------------------------------
+@case("data_utils/hash_module")
+def _hash_module(ctx) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trl.trainer.utils import hash_module
+
+    torch.manual_seed(0)
+    modules = {
+        "linear": torch.nn.Linear(3, 2),
+        "batchnorm": torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)),  # an int64 buffer
+        "bfloat16": torch.nn.Linear(2, 2).to(torch.bfloat16),
+        "float16": torch.nn.Linear(2, 2).to(torch.float16),
+        "empty": torch.nn.Module(),
+        "tiny_qwen2": AutoModelForCausalLM.from_pretrained(ctx.model(QWEN)),
+    }
+    return {name: hash_module(module) for name, module in modules.items()}
+
+
+def cast_lm_head_case(ctx, tied: bool) -> dict:
+    """GRPO with `cast_lm_head_to_fp32=True` on a bfloat16 policy: dtypes of the head and the embeddings, whether
+    they still share their weight, and the step's loss."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import trl
+
+    model = AutoModelForCausalLM.from_pretrained(ctx.model(QWEN), tie_word_embeddings=tied, dtype=torch.bfloat16)
+    args = trl.GRPOConfig(
+        output_dir=ctx.tmpdir(),
+        **{**COMMON_ARGS, "per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 4},
+        cast_lm_head_to_fp32=True,
+    )
+
+    def reward(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    trainer = trl.GRPOTrainer(
+        model=model, reward_funcs=reward, args=args, train_dataset=ctx.dataset("standard_prompt_only", "train", 4)
+    )
+    model = trainer.model
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    out = {
+        "lm_head_dtype": str(head.weight.dtype),
+        "embed_dtype": str(embed.weight.dtype),
+        "shared": head.weight is embed.weight,
+        "config_tie_word_embeddings": model.config.tie_word_embeddings,
+    }
+    trainer.train()
+    out.update(
+        lm_head_dtype_after=str(head.weight.dtype),
+        shared_after=model.get_output_embeddings().weight is model.get_input_embeddings().weight,
+    )
+    return out
+
+
+register("grpo/cast_lm_head_to_fp32/tied", partial(cast_lm_head_case, tied=True))
+register("grpo/cast_lm_head_to_fp32/untied", partial(cast_lm_head_case, tied=False))
