@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: install torch assets deepspeed test test-slow test-distributed vllm-env test-vllm parity-env test-parity demo bench lint format clean
+.PHONY: install torch assets deepspeed test test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 test-parity demo bench lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
@@ -63,26 +63,38 @@ test-vllm: vllm-env
 # Real TRL lives in its own virtual environment, pinned to this environment's torch/transformers/accelerate/datasets/
 # peft versions (read at build time). Built once per pin set (stamp file holds the pins), then reused.
 PARITY_VENV ?= .venv-parity
-PARITY_PYTHON = $(PARITY_VENV)/bin/python
 PARITY_TRL_VERSION ?= 1.16.0
-PARITY_STAMP = $(PARITY_VENV)/.trl-parity-env
-PARITY_PINS = $(PYTHON) -c "import importlib.metadata as m; print('trl==$(PARITY_TRL_VERSION)'); print('torch==$(TORCH_CPU_VERSION)'); [print(p + '==' + m.version(p)) for p in ('transformers', 'accelerate', 'datasets', 'peft')]"
+# A second oracle for the experimental methods TRL 1.16 no longer ships (BCO, PRM, XPO, Nash-MD): the last release
+# with them, in its own venv under the same pins; its online trainers import `requests` (the vLLM client) without
+# depending on it. Cases name it with `oracle="1.12"` (tests/parity/cases/__init__.py).
+PARITY_VENV_112 ?= .venv-parity-112
+PARITY_TRL_VERSION_112 ?= 1.12.0
+PARITY_PINS = $(PYTHON) -c "import importlib.metadata as m; print('torch==$(TORCH_CPU_VERSION)'); [print(p + '==' + m.version(p)) for p in ('transformers', 'accelerate', 'datasets', 'peft')]"
 
-parity-env: install
-	@pins="$$($(PARITY_PINS))"; \
-	if [ -f $(PARITY_STAMP) ] && [ "$$(cat $(PARITY_STAMP))" = "$$pins" ] && $(PARITY_PYTHON) -c "import trl, peft" 2>/dev/null; then \
-		echo "parity-env: $(PARITY_VENV) is ready (trl $(PARITY_TRL_VERSION))"; \
+# $(call parity_env,VENV,TRL_VERSION[,EXTRA]): build VENV with trl==TRL_VERSION, peft and the EXTRA packages under the
+# pins, unless its stamp file already holds the same pins (and extras) and trl imports.
+define parity_env
+	@pins="$$(echo 'trl==$(2)'; $(PARITY_PINS); $(if $(3),echo '# with: $(3)'))"; \
+	if [ -f $(1)/.trl-parity-env ] && [ "$$(cat $(1)/.trl-parity-env)" = "$$pins" ] && $(1)/bin/python -c "import trl, peft" 2>/dev/null; then \
+		echo "parity-env: $(1) is ready (trl $(2))"; \
 	else \
 		set -e; start=$$(date +%s); \
-		rm -rf $(PARITY_VENV); $(PYTHON) -m venv $(PARITY_VENV); \
-		echo "$$pins" > $(PARITY_VENV)/constraints.txt; \
-		$(PARITY_PYTHON) -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
-		$(PARITY_PYTHON) -m pip install -q -c $(PARITY_VENV)/constraints.txt "trl==$(PARITY_TRL_VERSION)" peft; \
-		echo "$$pins" > $(PARITY_STAMP); \
-		echo "parity-env: built $(PARITY_VENV) in $$(( $$(date +%s) - start ))s ($$(du -sh $(PARITY_VENV) | cut -f1))"; \
+		rm -rf $(1); $(PYTHON) -m venv $(1); \
+		echo "$$pins" > $(1)/constraints.txt; \
+		$(1)/bin/python -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
+		$(1)/bin/python -m pip install -q -c $(1)/constraints.txt "trl==$(2)" peft $(3); \
+		echo "$$pins" > $(1)/.trl-parity-env; \
+		echo "parity-env: built $(1) in $$(( $$(date +%s) - start ))s ($$(du -sh $(1) | cut -f1))"; \
 	fi
+endef
 
-test-parity: parity-env
+parity-env: install
+	$(call parity_env,$(PARITY_VENV),$(PARITY_TRL_VERSION))
+
+parity-env-112: install
+	$(call parity_env,$(PARITY_VENV_112),$(PARITY_TRL_VERSION_112),requests)
+
+test-parity: parity-env parity-env-112
 	$(PYTHON) -m pytest -m parity -q -p no:cacheprovider tests/parity
 
 # The example YAMLs (examples/cli_configs/*.yaml) point at .trl-assets/v1/...: build the offline assets there once.

@@ -543,6 +543,48 @@ def test_hash_module():
     assert hash_module(model) != hash_module(copy)
 
 
+def test_hash_module_matches_hand_computed_digest():
+    """TRL's digest: state-dict entries in sorted key order, each as its dtype name then its bytes (bfloat16 as
+    float32 bytes); names and shapes are not hashed."""
+    import hashlib
+
+    model = nn.Sequential(nn.Linear(2, 1), nn.BatchNorm1d(1))  # keys 0.bias, 0.weight, 1.bias, ..., an int64 buffer
+    expected = hashlib.sha256()
+    for key in sorted(model.state_dict()):
+        tensor = model.state_dict()[key]
+        expected.update(str(tensor.dtype).encode() + tensor.numpy().tobytes())
+    assert hash_module(model) == expected.hexdigest()
+    assert hash_module(nn.Module()) == hashlib.sha256(b"").hexdigest()
+
+    half = nn.Linear(2, 2, bias=False).to(torch.bfloat16)
+    as_float = half.weight.detach().float().numpy().tobytes()
+    assert hash_module(half) == hashlib.sha256(b"torch.bfloat16" + as_float).hexdigest()
+    # a parameter and a buffer with the same values and dtype hash alike (names are not part of the digest)
+    first, second = nn.Module(), nn.Module()
+    first.w = nn.Parameter(torch.tensor([1.0, 2.0]))
+    second.register_buffer("other", torch.tensor([[1.0, 2.0]]))
+    assert hash_module(first) == hash_module(second)
+
+
+def test_cast_lm_head_to_fp32_unties_tied_embeddings():
+    from trl.trainer.online_base import _OnlineTrainer
+
+    config = Qwen2Config(
+        vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    shared = model.lm_head.weight.detach().clone()
+    _OnlineTrainer._cast_lm_head_to_fp32(model)
+    # the head gets its own float32 copy; the embeddings keep bfloat16; the config flag is left as it is (as TRL)
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.equal(model.lm_head.weight.to(torch.bfloat16), shared) and model.config.tie_word_embeddings
+    ids = torch.tensor([[1, 2, 3]])
+    assert model(input_ids=ids).logits.dtype == torch.float32
+
+
 def test_get_callable_name_and_is_async_callable():
     def reward_fn(x):
         return x

@@ -237,14 +237,19 @@ def single_token_reference(model_path, token=REF_TOKEN):
     return model
 
 
-def row_logp(model, prompt_ids, completion_ids):
-    """Summed log-probability of a completion after its prompt, from a plain forward pass on the unpadded tokens."""
+def row_token_logps(model, prompt_ids, completion_ids):
+    """Log-probability of each completion token after its prompt, from a plain forward pass on the unpadded tokens."""
     ids = torch.cat([prompt_ids, completion_ids]).unsqueeze(0)
     with torch.no_grad():
         logps = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
     targets = ids[0, 1:]
     token_logps = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return token_logps[len(prompt_ids) - 1 :].sum()
+    return token_logps[len(prompt_ids) - 1 :]
+
+
+def row_logp(model, prompt_ids, completion_ids):
+    """Summed log-probability of a completion after its prompt (see `row_token_logps`)."""
+    return row_token_logps(model, prompt_ids, completion_ids).sum()
 
 
 def batch_rows(batch):

@@ -12,7 +12,7 @@ from trainer_utils import (
     batch_rows,
     changed_params,
     resume_from_first_checkpoint,
-    row_logp,
+    row_token_logps,
     single_token_reference,
     snapshot,
     token_sum_reward,
@@ -49,9 +49,8 @@ NASH_MD_METRICS = [
     "val/ref_contain_eos_token",
     "mixture_coef",
     "beta",
-    "non_score_reward",
 ]
-SCORE_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins")
+SCORE_METRICS = ("rewards/chosen", "rewards/rejected")
 
 
 def distinct_reward(completion_ids, **kwargs):
@@ -73,20 +72,25 @@ class PatternJudge(BasePairwiseJudge):
 # Formulas
 # ---------------------------------------------------------------------------------------------------------------------
 def test_nash_md_loss_values_and_gradient():
-    logps = torch.tensor([-5.0, -2.0, -8.0], requires_grad=True)
-    ref = torch.tensor([-4.0, -2.5, -8.0])
-    probability = torch.tensor([0.9, 0.2, 0.5])
+    # Two completions of 2 tokens (the second has one padding position).
+    token_logps = torch.tensor([[-2.0, -3.0], [-2.0, -7.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -2.5], [-2.5, -1.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    probability = torch.tensor([0.9, 0.2])
     beta = 0.3
-    losses, scores, kl = nash_md_loss(logps, ref, probability, beta)
-    expected_kl = [-1.0, 0.5, 0.0]
-    expected_scores = [0.4 * -5.0, -0.3 * -2.0, 0.0]
-    expected = [beta * k * lp - s for k, lp, s in zip(expected_kl, [-5.0, -2.0, -8.0], expected_scores)]
+    losses, scores, kl = nash_md_loss(token_logps, ref, mask, probability, beta)
+    # by hand: r_t = logp_t - ref_t on real tokens; KL = sum r_t; KL term = sum r_t * logp_t; score = (P - 1/2) * logp
+    expected_kl = [-0.5 + -0.5, 0.5]
+    expected_scores = [0.4 * -5.0, -0.3 * -2.0]
+    kl_terms = [-0.5 * -2.0 + -0.5 * -3.0, 0.5 * -2.0]
+    expected = [beta * k - s for k, s in zip(kl_terms, expected_scores)]
     torch.testing.assert_close(kl, torch.tensor(expected_kl))
     torch.testing.assert_close(scores.detach(), torch.tensor(expected_scores))
     torch.testing.assert_close(losses.detach(), torch.tensor(expected))
     losses.sum().backward()
-    # d loss / d logp = beta * KL - (P - 1/2): the KL enters as a constant (REINFORCE estimator)
-    torch.testing.assert_close(logps.grad, torch.tensor([beta * -1.0 - 0.4, beta * 0.5 + 0.3, 0.0]))
+    # d loss / d logp_t = beta * r_t - (P - 1/2): the log-ratio enters as a constant (REINFORCE estimator, per token)
+    expected_grad = [[beta * -0.5 - 0.4, beta * -0.5 - 0.4], [beta * 0.5 + 0.3, 0.0]]
+    torch.testing.assert_close(token_logps.grad, torch.tensor(expected_grad))
 
 
 def test_mixture_processor_matches_full_forward_with_left_padding(model_path):
@@ -160,9 +164,12 @@ def test_reward_probabilities_mixture_samples_and_loss_against_plain_forward(tmp
     probability = torch.sigmoid(scores[:3] - scores[3:])
     torch.testing.assert_close(batch["first_win_prob"], probability)
 
-    policy = torch.stack([row_logp(trainer.model, p, c) for p, c in rows[:3]])
-    reference = torch.stack([row_logp(ref_model, p, c) for p, c in rows[:3]])
-    expected = (0.2 * (policy - reference) * policy - (probability - 0.5) * policy).mean()
+    policy = [row_token_logps(trainer.model, p, c) for p, c in rows[:3]]
+    reference = [row_token_logps(ref_model, p, c) for p, c in rows[:3]]
+    # the KL term is token-level: sum_t (log pi - log pi_ref)_t * log pi_t
+    kl_terms = torch.stack([((lp - lr) * lp).sum() for lp, lr in zip(policy, reference)])
+    sequence_logps = torch.stack([lp.sum() for lp in policy])
+    expected = (0.2 * kl_terms - (probability - 0.5) * sequence_logps).mean()
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, batch)
     torch.testing.assert_close(loss, expected, atol=1e-3, rtol=1e-4)
@@ -183,7 +190,7 @@ def test_train_with_reward_model_logs_every_metric_and_saves(tmp_path, model_pat
         missing = [m for m in NASH_MD_METRICS if m not in log]
         assert not missing, missing
         assert log["mixture_coef"] == pytest.approx(0.5) and 0.0 <= log["rewards/probabilities"] <= 1.0
-        assert log["non_score_reward"] == pytest.approx(0.1 * log["loss/kl"], abs=1e-4)
+        assert log["rewards/margins"] == pytest.approx(log["logps/chosen"] - log["logps/rejected"], abs=1e-3)
     assert logs[0]["loss/kl"] == pytest.approx(0.0, abs=1e-4)
     trainer.save_model(str(tmp_path / "saved"))
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))

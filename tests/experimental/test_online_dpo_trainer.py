@@ -172,9 +172,9 @@ def test_train_with_reward_model_logs_metrics_evaluates_and_saves(tmp_path, mode
         assert not missing, missing
         assert math.isfinite(log["loss"]) and log["beta"] == pytest.approx(0.1)
         assert 0.0 <= log["rewards/accuracies"] <= 1.0 and 0.0 <= log["val/contain_eos_token"] <= 1.0
-        # objective/rlhf_reward = scores - non_score_reward (both averaged over the same completions)
+        # objective/rlhf_reward = scores + non_score_reward (the KL penalty -beta * KL; both averaged over the same completions)
         assert log["objective/rlhf_reward"] == pytest.approx(
-            log["objective/scores"] - log["objective/non_score_reward"], abs=1e-4
+            log["objective/scores"] + log["objective/non_score_reward"], abs=1e-4
         )
     # First step: policy == reference, so the implicit rewards vanish and the sigmoid loss is log 2.
     assert logs[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)

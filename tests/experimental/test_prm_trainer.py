@@ -126,8 +126,8 @@ def test_train_and_evaluate(tmp_path, model_path):
     trainer.train()
     assert any(not torch.equal(before[n], p.detach()) for n, p in trainer.model.named_parameters())
     train_logs = [log for log in trainer.state.log_history if "loss" in log]
-    assert len(train_logs) == 3 and all({"accuracy", "num_tokens"} <= set(log) for log in train_logs)
-    assert train_logs[-1]["num_tokens"] > train_logs[0]["num_tokens"] > 0
+    # as TRL 1.12: training logs the loss, no step accuracy or token count
+    assert len(train_logs) == 3 and not any({"accuracy", "num_tokens"} & set(log) for log in train_logs)
     eval_logs = [log for log in trainer.state.log_history if "eval_loss" in log]
     assert 0.0 <= eval_logs[-1]["eval_accuracy"] <= 1.0
 

@@ -1,14 +1,17 @@
 """Session fixture of the parity suite: run the selected cases under real TRL and under this project, once each.
 
-The two worker processes (tests/parity/worker.py) run in parallel from a scratch working directory:
+The worker processes (tests/parity/worker.py) run in parallel from a scratch working directory:
 
-- real TRL: `.venv-parity/bin/python` (built by `make parity-env`), no PYTHONPATH, user site disabled; the worker
-  checks that `trl` comes from that venv's site-packages;
-- this project: the current python with PYTHONPATH set to this checkout; the worker checks `trl` comes from here.
+- real TRL, one worker per oracle a selected case names (`Case.oracle`): `.venv-parity/bin/python` for 1.16 (built by
+  `make parity-env`, `PARITY_VENV` overrides it), `.venv-parity-112/bin/python` for 1.12 (`make parity-env-112`,
+  `PARITY_VENV_112`), each with only its own cases; no PYTHONPATH, user site disabled; the worker checks that `trl`
+  comes from that venv's site-packages and has the oracle's version;
+- this project: the current python with PYTHONPATH set to this checkout, every case; the worker checks `trl` comes
+  from here.
 
 Asset paths are resolved here, with this project's `trl.assets` (real TRL has none), in a dedicated cache
 (`TRL_ASSETS_CACHE`, default `.trl-assets-parity/`), and passed to both workers as a JSON file.
-Set `PARITY_OUT_DIR` to keep both workers' JSON outputs.
+Set `PARITY_OUT_DIR` to keep the workers' JSON outputs (`real.json` for 1.16, `real-112.json` for 1.12, `ours.json`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-PARITY_VENV = Path(os.environ.get("PARITY_VENV", REPO / ".venv-parity"))
+# Oracle (a key of cases.ORACLES) -> (venv, make target building it, output file tag)
+ORACLE_VENVS = {
+    "1.16": (Path(os.environ.get("PARITY_VENV", REPO / ".venv-parity")), "parity-env", "real"),
+    "1.12": (Path(os.environ.get("PARITY_VENV_112", REPO / ".venv-parity-112")), "parity-env-112", "real-112"),
+}
 WORKER_TIMEOUT_S = int(os.environ.get("PARITY_WORKER_TIMEOUT", "1500"))
 
 MODELS = (
@@ -37,6 +44,7 @@ MODELS = (
     "tiny-LlamaForSequenceClassification",
     "small-Qwen2ForCausalLM",  # distillation teacher (same tokenizer and vocabulary as tiny-Qwen2)
     "tiny-T5ForConditionalGeneration",
+    "tiny-Qwen2ForTokenClassification",
 )
 TOKENIZERS = ("qwen2_5", "llama3")
 
@@ -77,23 +85,40 @@ def _worker_env(scratch: Path, pythonpath: str | None) -> dict[str, str]:
 
 
 class ParityOutputs:
-    def __init__(self, real: dict, ours: dict, logs: dict[str, str]):
-        self.real, self.ours, self.logs = real, ours, logs
+    """Both sides' outputs: `real` maps an oracle to its worker's results, `problems` an oracle that could not run
+    (its venv is missing) to the reason, `logs` a side to the end of its stderr."""
+
+    def __init__(self, real: dict[str, dict], ours: dict, logs: dict[str, str], problems: dict[str, str]):
+        self.real, self.ours, self.logs, self.problems = real, ours, logs, problems
 
     def get(self, name: str) -> tuple[dict, dict]:
-        for side, result in (("real TRL", self.real), ("this project", self.ours)):
+        from cases import CASES
+
+        oracle = CASES[name].oracle
+        if oracle in self.problems:
+            pytest.fail(self.problems[oracle], pytrace=False)
+        for side, result in ((f"real TRL {oracle}", self.real[oracle]), ("this project", self.ours)):
             if name not in result.get("cases", {}):
                 pytest.fail(
                     f"the {side} worker produced no output for {name!r}; its stderr ends with:\n{self.logs[side]}"
                 )
-        return self.real["cases"][name]["output"], self.ours["cases"][name]["output"]
+        return self.real[oracle]["cases"][name]["output"], self.ours["cases"][name]["output"]
+
+
+def _site_packages(python: Path, env: dict[str, str]) -> str:
+    return subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout.strip()
 
 
 @pytest.fixture(scope="session")
 def parity_outputs(request) -> ParityOutputs:
-    real_python = PARITY_VENV / "bin" / "python"
-    if not real_python.exists():
-        pytest.fail(f"{real_python} is missing: build the real-TRL environment with `make parity-env`")
+    from cases import CASES, ORACLES
+
     names = []
     for item in request.session.items:
         callspec = getattr(item, "callspec", None)
@@ -104,24 +129,29 @@ def parity_outputs(request) -> ParityOutputs:
     out_dir.mkdir(parents=True, exist_ok=True)
     assets_file = out_dir / "assets.json"
     assets_file.write_text(json.dumps(_resolve_assets(), indent=1))
-    real_root = subprocess.run(
-        [str(real_python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=_worker_env(out_dir, None),
-    ).stdout.strip()
 
-    sides = {"real TRL": (str(real_python), real_root, None), "this project": (sys.executable, str(REPO), str(REPO))}
+    # side -> (python, trl root, PYTHONPATH, output tag, cases, trl version)
+    sides, problems = {}, {}
+    for oracle, (venv, target, tag) in ORACLE_VENVS.items():
+        oracle_cases = [n for n in names if CASES[n].oracle == oracle]
+        if not oracle_cases:
+            continue
+        python = venv / "bin" / "python"
+        if not python.exists():
+            problems[oracle] = f"{python} is missing: build the real-TRL {oracle} environment with `make {target}`"
+            continue
+        root = _site_packages(python, _worker_env(out_dir, None))
+        sides[f"real TRL {oracle}"] = (str(python), root, None, tag, oracle_cases, ORACLES[oracle])
+    sides["this project"] = (sys.executable, str(REPO), str(REPO), "ours", names, None)
+
     procs = {}
-    for side, (python, trl_root, pythonpath) in sides.items():
-        tag = "real" if side == "real TRL" else "ours"
+    for side, (python, trl_root, pythonpath, tag, side_cases, trl_version) in sides.items():
         scratch = Path(tempfile.mkdtemp(prefix=f"trl-parity-{tag}-"))
         cmd = [
             python,
             str(HERE / "worker.py"),
             "--cases",
-            ",".join(names),
+            ",".join(side_cases),
             "--assets",
             str(assets_file),
             "--trl-root",
@@ -129,6 +159,8 @@ def parity_outputs(request) -> ParityOutputs:
             "--out",
             str(out_dir / f"{tag}.json"),
         ]
+        if trl_version:
+            cmd += ["--trl-version", trl_version]
         if tag == "ours":
             cmd.append("--tracebacks")
         stderr = open(out_dir / f"{tag}.stderr", "w")  # noqa: SIM115 - closed after the process ends
@@ -156,7 +188,8 @@ def parity_outputs(request) -> ParityOutputs:
     request.config._parity_timing = {
         side: sum(c["seconds"] for c in r["cases"].values()) for side, r in results.items()
     }
-    return ParityOutputs(results["real TRL"], results["this project"], logs)
+    real = {oracle: results.get(f"real TRL {oracle}", {"cases": {}}) for oracle in ORACLE_VENVS}
+    return ParityOutputs(real, results["this project"], logs, problems)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -192,7 +225,9 @@ def pytest_terminal_summary(terminalreporter, config):
     if not _OUTCOMES:
         return
     columns = ["cases", "match", "keys only", "values/raises", "numbers match", "xfail", "failed", "xpass"]
-    terminalreporter.section("parity against TRL 1.16, per group")
+    terminalreporter.section(
+        "parity against real TRL (1.16; 1.12 for the experimental trainers it alone ships), per group"
+    )
     terminalreporter.write_line(f"{'group':<20}" + "".join(f"{c:>14}" for c in columns))
     total = Counter()
     for group in sorted(_OUTCOMES):

@@ -4,7 +4,8 @@
     python tests/parity/report.py /tmp/parity            # markdown table + per-case lines
     python tests/parity/report.py /tmp/parity --known    # entries for known_divergences.py
 
-Reads `real.json` and `ours.json` written by the two workers (see conftest.py).
+Reads `ours.json` and the real-TRL outputs written by the workers (see conftest.py): `real.json` (1.16) and
+`real-112.json` (1.12, the experimental trainers' oracle), whichever exist.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from known_divergences import DELIBERATE_DEVIATIONS, KNOWN_DIVERGENCES
 
 
 def main(out_dir: str, known: bool = False) -> int:
-    real = json.loads((Path(out_dir) / "real.json").read_text())["cases"]
+    real = {}
+    for path in sorted(Path(out_dir).glob("real*.json")):
+        real.update(json.loads(path.read_text())["cases"])
     ours = json.loads((Path(out_dir) / "ours.json").read_text())["cases"]
     counts: dict[str, Counter] = defaultdict(Counter)
     lines = []

@@ -30,7 +30,7 @@ def test_parity(case, parity_outputs, record_property):
     record_property("parity_kind", result.kind)
     record_property("parity_numbers_match", result.numbers_match)
     if not result.matches:
-        pytest.fail(f"{case}: differs from TRL 1.16\n" + "\n".join(result.problems()), pytrace=False)
+        pytest.fail(f"{case}: differs from TRL {CASES[case].oracle}\n" + "\n".join(result.problems()), pytrace=False)
 
 
 def test_known_divergences_name_existing_cases():

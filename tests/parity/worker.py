@@ -1,11 +1,12 @@
 """Run a list of parity cases in one process and write their outputs as JSON.
 
-    python tests/parity/worker.py --cases a,b,c --assets assets.json --trl-root DIR --out out.json
+    python tests/parity/worker.py --cases a,b,c --assets assets.json --trl-root DIR --out out.json [--trl-version V]
 
-Started twice by `conftest.py`: with `.venv-parity/bin/python` (real TRL) and with this project's python (this
-project's `trl` on PYTHONPATH). Run it by file path from a scratch directory, so no `trl/` package in the working
+Started by `conftest.py` once per oracle (`.venv-parity/bin/python` for real TRL 1.16, `.venv-parity-112/bin/python`
+for 1.12, each with its own cases) and once with this project's python (this project's `trl` on PYTHONPATH, every
+case). Run it by file path from a scratch directory, so no `trl/` package in the working
 directory shadows the one the side is meant to import; `--trl-root` names the directory the imported `trl` must live
-in, and the worker refuses to run otherwise. Each case runs isolated: an exception it raises becomes its output
+in, and `--trl-version` the version it must have; the worker refuses to run otherwise. Each case runs isolated: an exception it raises becomes its output
 (`{"__exception__": {...}}`). The JSON file is rewritten after every case, so a crash keeps the earlier results.
 """
 
@@ -60,6 +61,7 @@ def main() -> int:
     parser.add_argument("--assets", required=True, help="JSON file: '<kind>/<name>' -> local asset directory")
     parser.add_argument("--trl-root", required=True, help="directory the imported `trl` package must lie in")
     parser.add_argument("--out", required=True, help="output JSON file")
+    parser.add_argument("--trl-version", help="the version the imported `trl` must have (an oracle's venv)")
     parser.add_argument(
         "--tracebacks",
         action="store_true",
@@ -73,6 +75,11 @@ def main() -> int:
     expected = os.path.realpath(args.trl_root)
     if os.path.dirname(trl_dir) != expected:
         print(f"worker: imported trl from {trl_dir}, expected it under {expected}", file=sys.stderr)
+        return 3
+    from importlib.metadata import version
+
+    if args.trl_version and version("trl") != args.trl_version:
+        print(f"worker: imported trl {version('trl')}, expected {args.trl_version}", file=sys.stderr)
         return 3
 
     import torch
@@ -88,8 +95,6 @@ def main() -> int:
     if unknown:
         print(f"worker: unknown cases {unknown}", file=sys.stderr)
         return 2
-
-    from importlib.metadata import version
 
     results = {
         "meta": {

@@ -378,12 +378,17 @@ def disable_dropout_in_model(model: nn.Module) -> None:
 
 
 def hash_module(module: nn.Module) -> str:
-    """SHA-256 hex digest of a module's parameters and buffers (names, dtypes, shapes and values)."""
+    """SHA-256 hex digest of a module's state dict, equal to TRL's.
+
+    Entries are taken in sorted key order; each contributes its dtype name (`"torch.float32"`) and its values' bytes.
+    Names and shapes are not hashed. bfloat16 tensors (which numpy cannot hold) contribute their float32 bytes.
+    """
     digest = hashlib.sha256()
-    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-        digest.update(name.encode())
+    state = module.state_dict()
+    for key in sorted(state):
+        tensor = state[key].detach().to("cpu").contiguous()
         digest.update(str(tensor.dtype).encode())
-        digest.update(str(tuple(tensor.shape)).encode())
-        data = tensor.detach().to("cpu").contiguous().reshape(-1)
-        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() > 0 else b"")
+        if tensor.dtype == torch.bfloat16:
+            tensor = tensor.float()
+        digest.update(tensor.numpy().tobytes())
     return digest.hexdigest()

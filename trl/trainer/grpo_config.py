@@ -162,8 +162,9 @@ class GRPOConfig(_OnlineConfig):
         remove_unused_columns (`bool` or `None`, defaults to `False`):
             Extra dataset columns are kept because they are passed to the reward functions.
         cast_lm_head_to_fp32 (`bool`, defaults to `False`):
-            Run the output projection of the policy and reference models in float32 (ScaleRL). Only for models
-            whose output embeddings are not tied to the input embeddings.
+            Run the output projection of the policy and reference models in float32 (ScaleRL). A head tied to the
+            input embeddings gets its own float32 copy of the weight (the tie is dropped, the embeddings keep their
+            dtype).
         num_generations (`int` or `None`, defaults to `8`):
             Completions sampled for each prompt.
 

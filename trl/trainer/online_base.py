@@ -130,6 +130,8 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
     _default_suffix: str = "Online"
     # `compute_loss` normalises for gradient accumulation itself; the Trainer must not divide again.
     loss_is_scaled_for_ga = True
+    # GRPO and RLOO log each step's wall time (`step_time`) as TRL does; TRL's Online DPO family does not.
+    _logs_step_time = True
 
     def __init__(
         self,
@@ -338,16 +340,17 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
 
     @staticmethod
     def _cast_lm_head_to_fp32(model: nn.Module) -> None:
-        """Keep the output projection in float32 and feed it float32 hidden states (ScaleRL)."""
-        config = getattr(model, "config", None)
-        if getattr(config, "tie_word_embeddings", False):
-            raise ValueError(
-                "cast_lm_head_to_fp32=True needs untied input/output embeddings, but this model ties them "
-                "(config.tie_word_embeddings=True). Set cast_lm_head_to_fp32=False."
-            )
+        """Keep the output projection in float32 and feed it float32 hidden states (ScaleRL).
+
+        A head tied to the input embeddings gets its own float32 copy of the shared weight (the embeddings keep
+        their dtype; `config.tie_word_embeddings` is left as it is), as TRL does.
+        """
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if head is None:
             raise ValueError("cast_lm_head_to_fp32=True, but the model has no output embeddings (LM head).")
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if embeddings is not None and head.weight is embeddings.weight:
+            head.weight = nn.Parameter(head.weight.detach().float().clone(), requires_grad=head.weight.requires_grad)
         head.float()
         head.register_forward_pre_hook(lambda module, inputs: tuple(x.float() for x in inputs))
 
@@ -666,9 +669,11 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         loss = super().training_step(model, inputs, num_items_in_batch)
         elapsed = time.perf_counter() - start
         metrics = self._metrics["train"]
-        metrics["step_time"].append(elapsed)
         if not _log_timing():
+            if self._logs_step_time:
+                metrics["step_time"].append(elapsed)
             return loss
+        metrics["step_time"].append(elapsed)
         # Per micro-step times (0 rollout time on micro-steps served from the buffer), so interval means are
         # amortised costs per step.
         metrics["timing/rollout"].append(self._timing["rollout"])

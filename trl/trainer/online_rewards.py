@@ -94,6 +94,10 @@ class _OnlineRewardsMixin:
     `reward_func_names`, `reward_weights`, `_metrics`, `_logged_extra` and `_mode`.
     """
 
+    # Whether reward functions get the `log_extra` / `log_metric` callbacks (GRPO and RLOO, as in TRL; TRL's Online
+    # DPO family passes neither).
+    _reward_logging_callbacks = True
+
     def _prepare_reward_funcs(self, reward_funcs: Any, reward_processing_classes: Any, args: Any):
         if reward_funcs is None:
             raise ValueError(
@@ -161,7 +165,7 @@ class _OnlineRewardsMixin:
         """Score every completion with every reward function; returns the `(N_global, F)` rewards of all processes.
 
         Callables are called with keyword arguments `prompts`, `completions`, `completion_ids`, `trainer_state`,
-        `log_extra`, `log_metric` and every other dataset column (plus `extra_fields`). `async def` functions run
+        `log_extra`, `log_metric` (see `_reward_logging_callbacks`) and every other dataset column (plus `extra_fields`). `async def` functions run
         concurrently. A None reward becomes NaN (the function does not apply to that completion).
         """
         device = self.accelerator.device
@@ -187,8 +191,7 @@ class _OnlineRewardsMixin:
             "completions": completions,
             "completion_ids": completion_ids,
             "trainer_state": self.state,
-            "log_extra": log_extra,
-            "log_metric": log_metric,
+            **({"log_extra": log_extra, "log_metric": log_metric} if self._reward_logging_callbacks else {}),
             **columns,
         }
         pending: list[tuple[int, Any]] = []

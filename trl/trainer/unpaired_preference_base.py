@@ -554,7 +554,7 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         rewards over the interval divided by the number of chosen examples (likewise for `logps/*` and `logits/*`),
         so batches with few or no examples of a class weigh in proportionally; a class absent from the whole interval
         is not logged. `rewards/margins` is `rewards/chosen - rewards/rejected`. The `*_sum` and `count/*` entries
-        are logged as per-batch values.
+        only serve this and are not logged (TRL 1.12's BCO logs the means alone).
         """
         mode = self._mode
         if not hasattr(self, "_metrics"):
@@ -564,12 +564,10 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
             # Metrics recorded per batch (`_record_class_metrics`): averaged over the batches as they are.
             return super().log(logs, start_time)
         for split in ("chosen", "rejected"):
-            total = sum(metrics.get(f"count/{split}", []))
-            if total <= 0:
-                continue
+            total = sum(metrics.pop(f"count/{split}", []))
             for name in ("rewards", "logps", "logits"):
-                values = metrics.get(f"{name}/{split}_sum")
-                if values:
+                values = metrics.pop(f"{name}/{split}_sum", None)
+                if values and total > 0:
                     metrics[f"{name}/{split}"] = [sum(values) / total]
         if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
             metrics["rewards/margins"] = [metrics["rewards/chosen"][0] - metrics["rewards/rejected"][0]]

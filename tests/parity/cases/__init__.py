@@ -1,11 +1,13 @@
 """Parity cases: each one exercises TRL's public API on the tiny offline assets and returns a JSON-able dict.
 
-This module is imported by `worker.py` twice, once in `.venv-parity` (real `trl==1.16.0`) and once with this
-project's `trl`, so it must only use API that both share (the contract in `shared/api/`): no `trl.assets`, no private
+This module is imported by `worker.py` twice, once in the oracle's venv (real `trl==1.16.0` in `.venv-parity`, or
+`trl==1.12.0` in `.venv-parity-112` for a case registered with `oracle="1.12"`) and once with this project's `trl`,
+so it must only use API that both share (the contract in `shared/api/`): no `trl.assets`, no private
 helpers, nothing imported from this project at module level. Asset paths arrive through the worker's `Ctx`.
 
 A case is registered with `@case(name)` or `register(name, fn)`; `name` starts with its group (`sft/`, `dpo/`, ...),
-which the docs' pass-count table uses. Case outputs are compared key by key by `compare.py`.
+which the docs' pass-count table uses. `oracle` names the real TRL release the case runs against (`ORACLES`): 1.16 by
+default, 1.12 for the experimental methods 1.16 no longer ships (BCO, PRM, XPO, Nash-MD). Case outputs are compared key by key by `compare.py`.
 """
 
 from __future__ import annotations
@@ -20,12 +22,19 @@ from typing import Any
 # ---------------------------------------------------------------------------------------------------------------------
 # Registry
 # ---------------------------------------------------------------------------------------------------------------------
+# Oracle name -> the exact `trl` version its venv holds (the worker refuses another one).
+ORACLES = {"1.16": "1.16.0", "1.12": "1.12.0"}
+DEFAULT_ORACLE = "1.16"
+
+
 @dataclass
 class Case:
     name: str
     fn: Callable[[Any], dict]
     # For cases that expect an exception: phrases that must appear (case-insensitively) in both messages.
     phrases: tuple[str, ...] = field(default_factory=tuple)
+    # The real TRL release to compare with (a key of `ORACLES`).
+    oracle: str = DEFAULT_ORACLE
 
     @property
     def group(self) -> str:
@@ -35,15 +44,19 @@ class Case:
 CASES: dict[str, Case] = {}
 
 
-def register(name: str, fn: Callable[[Any], dict], phrases: tuple[str, ...] = ()) -> None:
+def register(
+    name: str, fn: Callable[[Any], dict], phrases: tuple[str, ...] = (), oracle: str = DEFAULT_ORACLE
+) -> None:
     if name in CASES or "," in name or "[" in name:
         raise ValueError(f"parity case name {name!r} is taken or holds ',' or '['")
-    CASES[name] = Case(name, fn, tuple(phrases))
+    if oracle not in ORACLES:
+        raise ValueError(f"parity case {name!r}: unknown oracle {oracle!r}, expected one of {sorted(ORACLES)}")
+    CASES[name] = Case(name, fn, tuple(phrases), oracle)
 
 
-def case(name: str, phrases: tuple[str, ...] = ()):
+def case(name: str, phrases: tuple[str, ...] = (), oracle: str = DEFAULT_ORACLE):
     def decorator(fn):
-        register(name, fn, phrases)
+        register(name, fn, phrases, oracle)
         return fn
 
     return decorator
@@ -201,6 +214,7 @@ from . import (  # noqa: E402, F401
     distillation,
     distillation_online,
     errors,
+    experimental,
     offline,
     online,
 )

@@ -119,6 +119,21 @@ class _TruncateCompletion:
         return {"completion_ids": list(example["completion_ids"])[: self.limit]}
 
 
+class _EndCompletionWithEOS:
+    """Append the EOS token to a completion that does not end with it (a picklable `Dataset.map` function).
+
+    TRL's BCO ends every completion with EOS, also a chat-templated one whose template ends with a newline after its
+    end-of-turn token.
+    """
+
+    def __init__(self, eos_token_id: int):
+        self.eos_token_id = eos_token_id
+
+    def __call__(self, example: dict[str, Any]) -> dict[str, list[int]]:
+        ids = list(example["completion_ids"])
+        return {"completion_ids": ids if ids and ids[-1] == self.eos_token_id else ids + [self.eos_token_id]}
+
+
 class _WithUDMWeights:
     """Collator wrapper that adds the per-example `udm_weight` column to the batch."""
 
@@ -369,6 +384,10 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
 
     def _prepare_bco_dataset(self, dataset: Any, processing_class: Any, args: BCOConfig, name: str) -> Any:
         dataset = self._prepare_dataset(dataset, processing_class, args, name, kl_chunk_size=1)
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        if tokenizer.eos_token_id is not None and "completion_ids" in get_dataset_column_names(dataset):
+            kwargs = {} if isinstance(dataset, IterableDataset) else {"desc": f"Ending completions of {name} with EOS"}
+            dataset = dataset.map(_EndCompletionWithEOS(tokenizer.eos_token_id), **kwargs)
         if args.max_completion_length is not None:
             limit = args.max_completion_length
             kwargs = {} if isinstance(dataset, IterableDataset) else {"desc": f"Truncating completions of {name}"}
@@ -377,6 +396,18 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
 
     def _extra_signature_columns(self) -> list[str]:
         return [_UDM_COLUMN]
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        # TRL's BCO batches carry no `input_ids` key, so transformers counts no FLOPs there (`total_flos` is 0).
+        return 0
+
+    def _get_train_sampler(self, train_dataset: Any = None):
+        # TRL's BCO reads the training rows in dataset order (no shuffling); its batches, and so the running reward
+        # mean `delta`, follow that order.
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        if dataset is None or isinstance(dataset, IterableDataset):
+            return super()._get_train_sampler(train_dataset)
+        return torch.utils.data.SequentialSampler(dataset)
 
     def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
         """A dataset given to `evaluate()`: prepared like the constructor's `eval_dataset` (tokenized, completions

@@ -40,23 +40,33 @@ from .nash_md_config import NashMDConfig
 
 
 def nash_md_loss(
-    policy_logps: torch.Tensor, ref_logps: torch.Tensor, probability: torch.Tensor, beta: float
+    policy_token_logps: torch.Tensor,
+    ref_token_logps: torch.Tensor,
+    completion_mask: torch.Tensor,
+    probability: torch.Tensor,
+    beta: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample Nash-MD policy-gradient loss on completions sampled from the policy.
 
     Args:
-        policy_logps: `(n,)` policy log-probabilities of the policy's completions, summed over tokens (with gradient).
-        ref_logps: `(n,)` reference log-probabilities of the same completions.
+        policy_token_logps: `(n, T)` policy log-probabilities of the tokens of the policy's completions (with
+            gradient).
+        ref_token_logps: `(n, T)` reference log-probabilities of the same tokens.
+        completion_mask: `(n, T)` 1 on completion tokens, 0 on padding.
         probability: `(n,)` probability that each completion beats the mixture's completion of the same prompt.
         beta: Weight of the KL regulariser.
 
     Returns:
-        `(losses, scores, kl)`, all `(n,)`: `losses = beta * kl * policy_logps - scores` with
-        `scores = (probability - 0.5) * policy_logps` and `kl = policy_logps - ref_logps` (detached).
+        `(losses, scores, kl)`, all `(n,)`: `losses = beta * sum_t r_t * log pi(y_t) - scores`, where
+        `r_t = log pi(y_t) - log pi_ref(y_t)` is taken as a constant (the token-level REINFORCE estimator of the KL,
+        as TRL computes it), `scores = (probability - 0.5) * log pi(y)` and `kl = sum_t r_t` (detached).
     """
-    kl = (policy_logps - ref_logps).detach()
+    mask = completion_mask.to(policy_token_logps.dtype)
+    policy_logps = (policy_token_logps * mask).sum(dim=1)
+    log_ratio = ((policy_token_logps - ref_token_logps) * mask).detach()
     scores = (probability - 0.5) * policy_logps
-    return beta * kl * policy_logps - scores, scores, kl
+    kl_term = (log_ratio * policy_token_logps * mask).sum(dim=1)
+    return beta * kl_term - scores, scores, log_ratio.sum(dim=1)
 
 
 class GeometricMixtureLogitsProcessor(LogitsProcessor):
@@ -199,6 +209,7 @@ class NashMDTrainer(OnlineDPOTrainer):
     _config_class = NashMDConfig
     _default_suffix = "NashMD"
     _policy_samples_per_prompt = 1
+    _reward_models_score_ids = True
     _soft_preferences = True
 
     def __init__(
@@ -268,18 +279,19 @@ class NashMDTrainer(OnlineDPOTrainer):
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         beta = self.beta
         num_pairs = inputs["first_win_prob"].shape[0]
-        # Gradient only through the policy's own completions; the mixture's are scored without it (metrics).
+        # The loss and the metrics only need the policy's own completions; the mixture's serve the preference only.
         first = {key: value[:num_pairs] for key, value in inputs.items() if key != "first_win_prob"}
-        second = {key: value[num_pairs:] for key, value in inputs.items() if key != "first_win_prob"}
-        policy_logps, ref_logps, outputs = self._sequence_logps(model, first)
-        with torch.no_grad():
-            mixture_logps, ref_mixture_logps, _ = self._sequence_logps(model, second)
+        policy_token_logps, _, outputs = self._forward_logps(model, first)
+        ref_token_logps = first["ref_per_token_logps"].to(policy_token_logps.dtype)
+        mask = first["completion_mask"].to(policy_token_logps.dtype)
 
-        probability = inputs["first_win_prob"].to(policy_logps.dtype)
+        probability = inputs["first_win_prob"].to(policy_token_logps.dtype)
         valid = ~torch.isnan(probability)
         # No verdict carries no preference signal: probability 1/2 zeroes the score term, the KL term stays.
         probability = torch.where(valid, probability, torch.full_like(probability, 0.5))
-        losses, scores, kl = nash_md_loss(policy_logps, ref_logps, probability, beta)
+        losses, scores, kl = nash_md_loss(policy_token_logps, ref_token_logps, mask, probability, beta)
+        policy_logps = (policy_token_logps.detach() * mask).sum(dim=1)
+        ref_logps = (ref_token_logps * mask).sum(dim=1)
         loss = losses.mean() / self._gradient_accumulation_divisor()
         loss = self._add_aux_loss(loss, outputs)
 
@@ -287,29 +299,27 @@ class NashMDTrainer(OnlineDPOTrainer):
             policy_logps = policy_logps.detach()
             valid_f = valid.float()
             count = valid_f.sum()
-            implicit_margin = beta * ((policy_logps - ref_logps) - (mixture_logps - ref_mixture_logps))
-            agrees = torch.where(probability >= 0.5, implicit_margin > 0, implicit_margin < 0)
             contains_eos = inputs["contains_eos"].float()
+            # As TRL logs them: `logps/chosen` and `logps/rejected` are the policy's and the reference's
+            # log-probabilities of the policy's completions, `rewards/margins` their difference and
+            # `rewards/accuracies` the share of pairs where the policy's is higher.
             means = {
                 "loss/kl": kl.mean(),
                 "loss/score": scores.detach().mean(),
                 "objective/entropy": -policy_logps.mean(),
                 "logps/chosen": policy_logps.mean(),
-                "logps/rejected": mixture_logps.mean(),
+                "logps/rejected": ref_logps.mean(),
+                "rewards/margins": (policy_logps - ref_logps).mean(),
+                "rewards/accuracies": (policy_logps > ref_logps).float().mean(),
                 "val/model_contain_eos_token": contains_eos[:num_pairs].mean(),
                 "val/ref_contain_eos_token": contains_eos[num_pairs:].mean(),
-                "non_score_reward": (beta * kl).mean(),
                 "mixture_coef": self.mixture_coef,
                 "beta": beta,
             }
-            ratios = {
-                "rewards/probabilities": ((probability * valid_f).sum(), count),
-                "rewards/accuracies": ((agrees.float() * valid_f).sum(), count),
-            }
+            ratios = {"rewards/probabilities": ((probability * valid_f).sum(), count)}
             if "scores" in inputs:
                 model_scores, mixture_scores = inputs["scores"][:num_pairs], inputs["scores"][num_pairs:]
                 means["rewards/chosen"] = model_scores.mean()
                 means["rewards/rejected"] = mixture_scores.mean()
-                means["rewards/margins"] = (model_scores - mixture_scores).mean()
             self._record_batch_metrics(self._mode, means=means, ratios=ratios)
         return loss

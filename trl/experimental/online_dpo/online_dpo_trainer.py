@@ -91,6 +91,34 @@ def online_dpo_loss(
     )
 
 
+@torch.no_grad()
+def score_token_ids(reward_model: nn.Module, batch: dict[str, torch.Tensor], pad_token_id: int) -> torch.Tensor:
+    """Reward-model scores of prompt + completion token ids, read at the last completion token before padding.
+
+    Args:
+        reward_model: A sequence-classification model with a `score` head over its backbone's hidden states.
+        batch: `prompt_ids` / `prompt_mask` (left-padded) and `completion_ids` / `completion_mask` (right-padded).
+        pad_token_id: Padding id; the score is read just before the first one in the completion (at the last prompt
+            token for an empty completion).
+
+    Returns:
+        `(N,)` float32 scores.
+    """
+    device = next(reward_model.parameters()).device
+    prompt_ids, completion_ids = batch["prompt_ids"].to(device), batch["completion_ids"].to(device)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1).to(device).long()
+    position_ids = mask.cumsum(dim=1) - mask  # positions count from each row's first real token
+    hidden = reward_model.base_model(
+        input_ids=input_ids.masked_fill(mask == 0, 0), attention_mask=mask, position_ids=position_ids
+    ).last_hidden_state
+    is_pad = completion_ids == pad_token_id
+    first_pad = torch.where(is_pad.any(dim=1), is_pad.int().argmax(dim=1), completion_ids.shape[1])
+    index = prompt_ids.shape[1] + first_pad - 1
+    rows = torch.arange(input_ids.shape[0], device=device)
+    return reward_model.score(hidden[rows, index]).float()[:, 0]
+
+
 def _messages_to_text(value: Any, with_roles: bool) -> str:
     """Plain text of a prompt or completion for a judge: strings as they are, chat messages flattened."""
     if isinstance(value, str):
@@ -190,6 +218,12 @@ class OnlineDPOTrainer(_OnlineTrainer):
     _policy_samples_per_prompt = 2
     # Nash-MD uses the probability that the first completion wins; Online DPO and XPO only need the winner.
     _soft_preferences = False
+    # As in TRL: no `step_time` metric, and reward functions get no `log_extra` / `log_metric` callbacks.
+    _logs_step_time = False
+    _reward_logging_callbacks = False
+    # XPO and Nash-MD (as TRL 1.12) score the policy's token ids with a reward model sharing the policy's vocabulary,
+    # instead of decoding and re-tokenizing the text (which does not always give back the same ids).
+    _reward_models_score_ids = False
 
     def __init__(
         self,
@@ -375,7 +409,11 @@ class OnlineDPOTrainer(_OnlineTrainer):
             batch["first_win_prob"] = self._judge_pairs(rows, completions[:num_pairs], completions[num_pairs:])
         else:
             prompts = [row["prompt"] for row in pair_rows]
-            rewards = self._compute_rewards(pair_rows, prompts, completions, completion_lists)
+            self._pair_batch = batch if self._reward_models_score_ids else None
+            try:
+                rewards = self._compute_rewards(pair_rows, prompts, completions, completion_lists)
+            finally:
+                self._pair_batch = None
             index = self.accelerator.process_index
             local = rewards[index * 2 * num_pairs : (index + 1) * 2 * num_pairs]
             scores = self._aggregated_rewards(local).to(device)
@@ -394,16 +432,32 @@ class OnlineDPOTrainer(_OnlineTrainer):
         self._timing["rollout"] += time.perf_counter() - start
         return batch
 
+    def _score_with_reward_model(
+        self, reward_model: nn.Module, tokenizer: Any, prompts: list[Any], completions: list[Any]
+    ) -> torch.Tensor:
+        batch = getattr(self, "_pair_batch", None)
+        policy_tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        same_vocab = tokenizer is policy_tokenizer or tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+        if batch is None or not same_vocab or not hasattr(reward_model, "score"):
+            return super()._score_with_reward_model(reward_model, tokenizer, prompts, completions)
+        return score_token_ids(reward_model, batch, self.pad_token_id)
+
     def _generate_pairs(self, rows: list[dict[str, Any]]) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
         """The two completions of each prompt: `(prompt_ids, first_completion_ids, second_completion_ids)` lists.
 
-        Online DPO samples both from the policy; each prompt is passed twice in a row to `_generate`, so the
-        transformers path computes its prompt cache once and vLLM receives a group of two.
+        Online DPO samples both from the policy. vLLM gets each prompt twice in a row (a group of two); transformers
+        gets the whole batch twice, as TRL samples it, so the same seed draws the same tokens (identical prompts still
+        share one prefill).
         """
-        doubled = [row for row in rows for _ in range(2)]
-        output = self._generate([row["prompt"] for row in doubled], doubled)
-        completions = output["completion_ids"]
-        return output["prompt_ids"][0::2], completions[0::2], completions[1::2]
+        if getattr(self, "vllm_generation", None) is not None:
+            doubled = [row for row in rows for _ in range(2)]
+            output = self._generate([row["prompt"] for row in doubled], doubled)
+            completions = output["completion_ids"]
+            return output["prompt_ids"][0::2], completions[0::2], completions[1::2]
+        twice = rows + rows
+        output = self._generate([row["prompt"] for row in twice], twice)
+        completions, n = output["completion_ids"], len(rows)
+        return output["prompt_ids"][:n], completions[:n], completions[n:]
 
     @contextlib.contextmanager
     def _unwrapped_for_generation(self, model: nn.Module):
@@ -558,7 +612,7 @@ class OnlineDPOTrainer(_OnlineTrainer):
             means = {
                 "objective/kl": kl.mean(),
                 "objective/entropy": -logps.mean(),
-                "objective/non_score_reward": (beta * kl).mean(),
+                "objective/non_score_reward": (-beta * kl).mean(),  # the KL penalty, a negative reward
             }
             ratios = {}
             if "scores" in inputs:

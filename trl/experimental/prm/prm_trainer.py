@@ -427,7 +427,6 @@ class PRMTrainer(_BaseTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
-        mode = self._mode
         labels = inputs["labels"]
         forward_kwargs = {key: value for key, value in inputs.items() if key != "labels"}
         outputs = model(**forward_kwargs)
@@ -450,27 +449,7 @@ class PRMTrainer(_BaseTrainer):
         else:
             loss = per_step.sum() / mask.sum().clamp(min=1)
 
-        with torch.no_grad():
-            self._log_step_metrics(mode, inputs, step_logits, targets)
         return (loss, outputs) if return_outputs else loss
-
-    def _log_step_metrics(
-        self, mode: str, inputs: dict[str, Any], step_logits: torch.Tensor, targets: torch.Tensor
-    ) -> None:
-        if mode == "train":
-            num_tokens = self.accelerator.gather(inputs["attention_mask"].sum().reshape(1)).sum().item()
-            self._record_num_tokens(mode, num_tokens)
-        else:
-            self._record_num_tokens(mode)
-        # The default compute_metrics already reports eval accuracy over the whole evaluation set.
-        if mode == "eval" and self.compute_metrics is compute_accuracy:
-            return
-        hard_targets = (targets > 0.5).long() if targets.is_floating_point() else targets
-        correct = (step_logits.argmax(dim=-1) == hard_targets).sum().float()
-        count = torch.tensor(float(targets.numel()), device=step_logits.device)
-        stats = self.accelerator.gather(torch.stack([correct, count]).reshape(1, 2)).reshape(-1, 2).sum(dim=0)
-        if stats[1] > 0:
-            self._metrics[mode]["accuracy"].append((stats[0] / stats[1]).item())
 
 
 # ----------------------------------------------------------------------------------------------------------------

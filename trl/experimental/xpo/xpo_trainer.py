@@ -121,6 +121,7 @@ class XPOTrainer(OnlineDPOTrainer):
     _config_class = XPOConfig
     _default_suffix = "XPO"
     _policy_samples_per_prompt = 1
+    _reward_models_score_ids = True
 
     def __init__(
         self,
@@ -200,7 +201,6 @@ class XPOTrainer(OnlineDPOTrainer):
 
         with torch.no_grad():
             logps, ref_logps = logps.detach(), ref_logps.detach()
-            model_logps, model_ref_logps = logps[:num_pairs], ref_logps[:num_pairs]
             chosen_rewards = beta * (logps[chosen] - ref_logps[chosen])
             rejected_rewards = beta * (logps[rejected] - ref_logps[rejected])
             count = valid_f.sum()
@@ -209,10 +209,13 @@ class XPOTrainer(OnlineDPOTrainer):
                 return (values.float() * valid_f).sum(), count
 
             contains_eos = inputs["contains_eos"].float()
+            # As TRL logs them: KL and entropy over both completions of every pair; `logps/*` add the policy's and
+            # the reference's log-probability of the chosen / rejected completion; the score margin is policy
+            # sample - reference sample, whichever won.
             means = {
                 "loss/xpo": xpo_term.detach(),
-                "objective/kl": (model_logps - model_ref_logps).mean(),
-                "objective/entropy": -model_logps.mean(),
+                "objective/kl": (logps - ref_logps).mean(),
+                "objective/entropy": -logps.mean(),
                 "val/model_contain_eos_token": contains_eos[:num_pairs].mean(),
                 "val/ref_contain_eos_token": contains_eos[num_pairs:].mean(),
                 "alpha": alpha,
@@ -223,15 +226,15 @@ class XPOTrainer(OnlineDPOTrainer):
                 scores = inputs["scores"]
                 means["objective/model_scores"] = scores[:num_pairs].mean()
                 means["objective/ref_scores"] = scores[num_pairs:].mean()
-                ratios["objective/scores_margin"] = over_pairs(scores[chosen] - scores[rejected])
+                means["objective/scores_margin"] = (scores[:num_pairs] - scores[num_pairs:]).mean()
             ratios.update(
                 {
                     "rewards/chosen": over_pairs(chosen_rewards),
                     "rewards/rejected": over_pairs(rejected_rewards),
                     "rewards/accuracies": over_pairs(chosen_rewards > rejected_rewards),
                     "rewards/margins": over_pairs(chosen_rewards - rejected_rewards),
-                    "logps/chosen": over_pairs(logps[chosen]),
-                    "logps/rejected": over_pairs(logps[rejected]),
+                    "logps/chosen": over_pairs(logps[chosen] + ref_logps[chosen]),
+                    "logps/rejected": over_pairs(logps[rejected] + ref_logps[rejected]),
                 }
             )
             self._record_batch_metrics(self._mode, means=means, ratios=ratios)
