@@ -100,7 +100,6 @@ def test_unknown_command():
     assert "invalid choice: 'train'" in result.stderr
 
 
-@pytest.mark.skipif(not script_exists("sft"), reason="trl/scripts/sft.py has not landed")
 def test_sft_help_is_fast_and_lists_the_options():
     elapsed, result = _best_wall_time("sft", "--help")
     assert result.returncode == 0, result.stderr
@@ -132,7 +131,6 @@ def test_main_lets_the_exit_of_help_and_usage_errors_propagate(capsys):
     assert "no-such-command" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not script_exists("sft"), reason="trl/scripts/sft.py has not landed")
 def test_sft_help_does_not_import_torch():
     code = (
         "import sys, contextlib, io\n"
@@ -149,7 +147,7 @@ def test_sft_help_does_not_import_torch():
     assert result.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("name", [n for n in TRAINING_COMMANDS if script_exists(n)])
+@pytest.mark.parametrize("name", [n for n in TRAINING_COMMANDS])
 def test_light_parser_matches_the_script_parser(name):
     """The options read from source code (used for help and routing) are those the real script parser has."""
     import importlib
@@ -168,38 +166,17 @@ def test_light_parser_matches_the_script_parser(name):
     assert describe(light) == describe(real)
 
 
-# --- sub-commands whose script is missing -----------------------------------------------------------------------------
+# --- every command has its script ---------------------------------------------------------------------------------
 
 
-def test_missing_script_message():
-    missing = [name for name in TRAINING_COMMANDS if not script_exists(name)]
-    if not missing:
-        pytest.skip("every training script has landed")
-    name = missing[0]
-    for args in ([name], [name, "--help"]):
-        result = _run_trl(*args)
-        assert result.returncode == 1
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1
-        assert re.fullmatch(
-            rf"trl {name}: the \S+ trainer is not available in this build \(trl/scripts/{name}\.py missing\)", lines[0]
-        )
-
-
-def test_missing_vllm_serve_message():
-    if script_exists("vllm_serve"):
-        pytest.skip("trl/scripts/vllm_serve.py has landed")
-    result = _run_trl("vllm-serve", "--model", "m")
-    assert result.returncode == 1
-    assert result.stderr.strip() == (
-        "trl vllm-serve: the vLLM server is not available in this build (trl/scripts/vllm_serve.py missing)"
-    )
+@pytest.mark.parametrize("name", [*TRAINING_COMMANDS, "vllm_serve"])
+def test_every_command_has_its_script(name):
+    assert script_exists(name), f"trl/scripts/{name}.py is missing"
 
 
 # --- argument routing ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not script_exists("sft"), reason="trl/scripts/sft.py has not landed")
 def test_unknown_flag_fails_with_a_suggestion():
     result = _run_trl("sft", "--output_dir", "out", "--lerning_rate", "1e-4")
     assert result.returncode == 2
@@ -209,7 +186,6 @@ def test_unknown_flag_fails_with_a_suggestion():
     assert lines[0].startswith("trl sft: error:")
 
 
-@pytest.mark.skipif(not script_exists("sft"), reason="trl/scripts/sft.py has not landed")
 def test_unknown_yaml_key_fails_with_a_suggestion(tmp_path):
     config = tmp_path / "sft.yaml"
     config.write_text("output_dir: out\nlerning_rate: 1.0e-4\n")
@@ -218,7 +194,6 @@ def test_unknown_yaml_key_fails_with_a_suggestion(tmp_path):
     assert f"unknown key 'lerning_rate' in config file '{config}' (did you mean 'learning_rate'?)" in result.stderr
 
 
-@pytest.mark.skipif(not script_exists("sft"), reason="trl/scripts/sft.py has not landed")
 def test_invalid_choice_is_reported_before_launching():
     result = _run_trl("sft", "--loss_type", "mse")
     assert result.returncode == 2
@@ -510,7 +485,6 @@ def test_two_cpu_processes_really_start(tmp_path, launch_args):
 # --- a real run ------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not script_exists("sft"), reason="trl/scripts/sft.py has not landed")
 def test_sft_run_with_yaml_mixture_and_flag_override(tmp_path):
     from trl.assets import get_model_path
 
@@ -558,7 +532,7 @@ def test_every_training_command_has_an_example_config():
     assert sorted(f[: -len(".yaml")] for f in os.listdir(_EXAMPLES_DIR) if f.endswith(".yaml")) == _EXAMPLES
 
 
-@pytest.mark.parametrize("name", [n for n in _EXAMPLES if script_exists(n)])
+@pytest.mark.parametrize("name", [n for n in _EXAMPLES])
 def test_example_config_keys_are_script_options(name, monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     config = os.path.join(_EXAMPLES_DIR, f"{name}.yaml")
@@ -584,7 +558,7 @@ def _link_assets(workdir, config_path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in _EXAMPLES if script_exists(n)])
+@pytest.mark.parametrize("name", [n for n in _EXAMPLES])
 def test_example_config_runs(name, tmp_path):
     config = os.path.join(_EXAMPLES_DIR, f"{name}.yaml")
     _link_assets(tmp_path, config)

@@ -5,19 +5,9 @@ import subprocess
 import sys
 
 from ..._config_file import apply_config_defaults, export_env_section, load_config_file, pop_config_argument
-from .._script_parser import build_script_parser, script_exists
+from .._script_parser import build_script_parser
 from .base import Command, CommandContext
 
-
-_TRAINER_NAMES = {
-    "sft": "SFT",
-    "dpo": "DPO",
-    "grpo": "GRPO",
-    "kto": "KTO",
-    "reward": "reward",
-    "rloo": "RLOO",
-    "distillation": "distillation",
-}
 
 _EPILOG = (
     "Options can also come from a YAML file with --config FILE (command-line flags win over the file; an `env:` "
@@ -64,14 +54,6 @@ class TrainingCommand(Command):
 
     def run(self, args: argparse.Namespace, context: CommandContext) -> int:
         argv = context.argv_after(self.name)
-        if not script_exists(self.name):
-            trainer = _TRAINER_NAMES.get(self.name, self.name)
-            print(
-                f"{self.prog}: the {trainer} trainer is not available in this build "
-                f"(trl/scripts/{self.name}.py missing)",
-                file=sys.stderr,
-            )
-            return 1
         try:
             return self._run(argv)
         except ValueError as e:

@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from .._script_parser import build_script_parser, script_exists
+from .._script_parser import build_script_parser
 from .base import Command, CommandContext
 
 
@@ -19,12 +19,6 @@ class VllmServeCommand(Command):
     def run(self, args: argparse.Namespace, context: CommandContext) -> int:
         argv = context.argv_after(self.name)
         prog = f"trl {self.name}"
-        if not script_exists("vllm_serve"):
-            print(
-                f"{prog}: the vLLM server is not available in this build (trl/scripts/vllm_serve.py missing)",
-                file=sys.stderr,
-            )
-            return 1
         if "-h" in argv or "--help" in argv:
             build_script_parser("vllm_serve", prog, description=self.help_text + ".").print_help()
             return 0
