@@ -1,0 +1,65 @@
+"""Response parsing schemas (transformers' declarative `response_template` format), one per tool-call syntax.
+
+`tokenizer.parse_response(ids, prefix=...)` matches `start_anchor` in the prompt + completion text, then reads the
+fields below from what follows it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _chatml_schema(reasoning: bool) -> dict[str, Any]:
+    # Hermes-style calls: "<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>" after the text, turn closed by
+    # "<|im_end|>" (Qwen 2.5 / 3 / 3.5 families).
+    fields: dict[str, Any] = {}
+    if reasoning:
+        fields["reasoning_content"] = {
+            "open_pattern": r"\s*<think>\n?",
+            "close_pattern": r"\n?</think>\s*",
+            "content": "text",
+        }
+    fields["tool_calls"] = {
+        # The leading whitespace belongs to the separator between content and calls, not to either of them.
+        "open_pattern": r"\s*<tool_call>",
+        "close": "</tool_call>",
+        "repeats": True,
+        "content": "json",
+        "transform": {"type": "function", "function": "{content}"},
+    }
+    # Whitespace after the end token is swallowed too: a stray trailing "\n" would otherwise open an empty content
+    # region whose close overwrites the real content.
+    fields["content"] = {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)\s*", "content": "text"}
+    return {"defaults": {"role": "assistant"}, "start_anchor": "<|im_start|>assistant\n", "fields": fields}
+
+
+CHATML_SCHEMA = _chatml_schema(reasoning=False)
+CHATML_REASONING_SCHEMA = _chatml_schema(reasoning=True)
+
+# Llama 3.1 / 3.2: a call is a bare JSON object {"name": ..., "parameters": {...}}; its closing brace is the one
+# followed by the end of the turn, another call, or the end of the text.
+LLAMA3_SCHEMA: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|start_header_id|>assistant<|end_header_id|>\n\n",
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r'\s*\{"name":\s*"(?P<name>[^"]+)",\s*"parameters":\s*',
+            "close_pattern": r"\}(?=\s*(?:<\|eot_id\|>|<\|eom_id\|>|<\|end_of_text\|>|\{\"name\"|$))",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {"close_pattern": r"\s*(?:<\|eot_id\|>|<\|eom_id\|>|<\|end_of_text\|>)\s*", "content": "text"},
+    },
+}
+
+# DeepSeek-R1-Distill: the generation prompt opens the reasoning ("<｜Assistant｜><think>\n"), the answer follows
+# "</think>"; no tool calls.
+DEEPSEEK_R1_SCHEMA: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<｜Assistant｜>",
+    "fields": {
+        "reasoning_content": {"open_pattern": r"\s*<think>\n?", "close_pattern": r"\n?</think>\s*", "content": "text"},
+        "content": {"close_pattern": r"\s*(?:<｜end▁of▁sentence｜>)\s*", "content": "text"},
+    },
+}
