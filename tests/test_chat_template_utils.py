@@ -445,18 +445,25 @@ class TestParseResponse:
     def test_plain_text(self, qwen):
         add_response_schema(qwen)
         ids = qwen("The sky is blue.<|im_end|>", add_special_tokens=False).input_ids
-        assert parse_response(qwen, ids) == {"role": "assistant", "content": "The sky is blue."}
+        assert parse_response(qwen, ids, prefix=[]) == {"role": "assistant", "content": "The sky is blue."}
 
     def test_without_end_token(self, llama):
         add_response_schema(llama)
         ids = llama("Grass is green.", add_special_tokens=False).input_ids
-        assert parse_response(llama, ids) == {"role": "assistant", "content": "Grass is green."}
+        assert parse_response(llama, ids, prefix=[]) == {"role": "assistant", "content": "Grass is green."}
+
+    def test_without_prefix_the_decoded_text_is_returned(self, qwen):
+        # As in TRL: transformers needs the prompt to parse, so without one the plain decoded text comes back.
+        add_response_schema(qwen)
+        text = 'Hi.\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+        ids = qwen(text + "<|im_end|>", add_special_tokens=False).input_ids
+        assert parse_response(qwen, ids) == {"role": "assistant", "content": text}
 
     def test_tool_call_only(self, qwen):
         add_response_schema(qwen)
         text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>'
         ids = qwen(text, add_special_tokens=False).input_ids
-        assert parse_response(qwen, ids) == {
+        assert parse_response(qwen, ids, prefix=[]) == {
             "role": "assistant",
             "content": "",
             "tool_calls": [_call("add", a=1, b=2)],
@@ -465,20 +472,20 @@ class TestParseResponse:
     def test_missing_arguments_become_empty_dict(self, qwen):
         add_response_schema(qwen)
         ids = qwen('<tool_call>\n{"name": "now"}\n</tool_call><|im_end|>', add_special_tokens=False).input_ids
-        assert parse_response(qwen, ids)["tool_calls"] == [
+        assert parse_response(qwen, ids, prefix=[])["tool_calls"] == [
             {"type": "function", "function": {"name": "now", "arguments": {}}}
         ]
 
     def test_tools_cast_arguments(self, llama):
         add_response_schema(llama)
         ids = llama('{"name": "add", "parameters": {"a": "1", "b": 2}}<|eot_id|>', add_special_tokens=False).input_ids
-        assert parse_response(llama, ids, tools=[ADD_TOOL])["tool_calls"] == [_call("add", a=1, b=2)]
-        assert parse_response(llama, ids)["tool_calls"] == [_call("add", a="1", b=2)]
+        assert parse_response(llama, ids, prefix=[], tools=[ADD_TOOL])["tool_calls"] == [_call("add", a=1, b=2)]
+        assert parse_response(llama, ids, prefix=[])["tool_calls"] == [_call("add", a="1", b=2)]
 
     def test_invalid_tool_call_falls_back_to_text(self, qwen):
         add_response_schema(qwen)
         ids = qwen('Hi <tool_call>\n{"name": 3}\n</tool_call><|im_end|>', add_special_tokens=False).input_ids
-        assert parse_response(qwen, ids) == {
+        assert parse_response(qwen, ids, prefix=[]) == {
             "role": "assistant",
             "content": 'Hi <tool_call>\n{"name": 3}\n</tool_call>',
         }
@@ -490,7 +497,7 @@ class TestParseResponse:
                 setattr(qwen, name, None)
         ids = qwen("<|im_start|>Plain answer.<|im_end|>", add_special_tokens=False).input_ids
         with pytest.raises(AttributeError, match="add_response_schema"):
-            parse_response(qwen, ids)
+            parse_response(qwen, ids, prefix=[])
 
 
 class TestCloneChatTemplate:

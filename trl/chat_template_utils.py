@@ -304,7 +304,9 @@ def add_response_schema(
     template = _require_template(processing_class, "add_response_schema")
     family = _identify_family(processing_class, template)
     if family is None or family.schema is None:
-        found = f"{family.title} templates emit no tool calls TRL parses" if family else "the template is not recognised"
+        found = (
+            f"{family.title} templates emit no tool calls TRL parses" if family else "the template is not recognised"
+        )
         supported = ", ".join(f.title for f in _MODEL_FAMILIES if f.schema is not None)
         raise ValueError(
             f"Unrecognized chat template, failed to add response schema: {found}. TRL has response schemas for: "
@@ -485,9 +487,10 @@ def parse_response(
     try:
         parameters = inspect.signature(tokenizer.parse_response).parameters
         kwargs: dict[str, Any] = {}
-        if "prefix" in parameters:
-            # Newer transformers require a prefix; an empty list explicitly opts out of prefix-aware parsing.
-            kwargs["prefix"] = list(prefix) if prefix is not None else []
+        if "prefix" in parameters and prefix is not None:
+            # Without a prefix, newer transformers refuse to parse (the answer may start in the prompt) and the
+            # plain decoded text is returned, as in TRL.
+            kwargs["prefix"] = list(prefix)
         if "tools" in parameters and tools is not None:
             kwargs["tools"] = tools
         message = tokenizer.parse_response(ids, **kwargs)

@@ -70,10 +70,10 @@ def _is_llama3_1(renderings: list[str | None]) -> bool:
 # 3 tool call with dict arguments, 4 tool call with JSON-string arguments, 5 text parts, 6 image + generation prompt,
 # 7 empty system message.
 FAMILIES: tuple[Family, ...] = (
-    Family("qwen2_5", "Qwen2.5", ("<|im_start|>",), schema=schemas.CHATML_SCHEMA),
+    Family("qwen2_5", "Qwen2.5", ("<|im_start|>",), schema=schemas.CHATML_REASONING_SCHEMA),
     # The original drops the think block of turns before the last user query; the text-parts probe is such a case.
     Family("qwen3", "Qwen3", ("<|im_start|>", "<think>"), schema=schemas.CHATML_REASONING_SCHEMA, ignored_probes=(5,)),
-    Family("qwen3_instruct_2507", "Qwen3-Instruct-2507", ("<|im_start|>",), schema=schemas.CHATML_SCHEMA),
+    Family("qwen3_instruct_2507", "Qwen3-Instruct-2507", ("<|im_start|>",), schema=schemas.CHATML_REASONING_SCHEMA),
     Family("llama3", "Llama 3", ("<|start_header_id|>",)),
     Family(
         "llama3_1",

@@ -39,8 +39,14 @@ PROBES: tuple[tuple[list[dict[str, Any]], dict[str, Any]], ...] = (
     ([_USER, _ASSISTANT], {}),
     ([_SYSTEM, _USER, _ASSISTANT], {}),
     ([_SYSTEM, _USER], {"add_generation_prompt": True}),
-    ([_USER, {"role": "assistant", "content": "", "tool_calls": _call({"city": "Paris"})}], {"tools": [_WEATHER_TOOL]}),
-    ([_USER, {"role": "assistant", "content": "", "tool_calls": _call('{"city": "Paris"}')}], {"tools": [_WEATHER_TOOL]}),
+    (
+        [_USER, {"role": "assistant", "content": "", "tool_calls": _call({"city": "Paris"})}],
+        {"tools": [_WEATHER_TOOL]},
+    ),
+    (
+        [_USER, {"role": "assistant", "content": "", "tool_calls": _call('{"city": "Paris"}')}],
+        {"tools": [_WEATHER_TOOL]},
+    ),
     (
         [
             {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
@@ -56,14 +62,21 @@ PROBES: tuple[tuple[list[dict[str, Any]], dict[str, Any]], ...] = (
 )
 
 
-def _render(template: str, messages: list[dict[str, Any]], kwargs: dict[str, Any], specials: dict[str, str]) -> str | None:
+def _render(
+    template: str, messages: list[dict[str, Any]], kwargs: dict[str, Any], specials: dict[str, str]
+) -> str | None:
     from transformers.utils.chat_template_utils import render_jinja_template
 
     kwargs = dict(kwargs)
     tools = kwargs.pop("tools", None)
     try:
         rendered, _ = render_jinja_template(
-            conversations=[messages], tools=tools, chat_template=template, date_string="26 Jul 2024", **specials, **kwargs
+            conversations=[messages],
+            tools=tools,
+            chat_template=template,
+            date_string="26 Jul 2024",
+            **specials,
+            **kwargs,
         )
     except Exception:
         return None

@@ -15,7 +15,8 @@ def _chatml_schema(reasoning: bool) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if reasoning:
         fields["reasoning_content"] = {
-            "open_pattern": r"\s*<think>\n?",
+            # Only a closed think block is reasoning; an unclosed one is left in the content.
+            "open_pattern": r"\s*<think>\n?(?=[\s\S]*</think>)",
             "close_pattern": r"\n?</think>\s*",
             "content": "text",
         }
@@ -57,9 +58,14 @@ LLAMA3_SCHEMA: dict[str, Any] = {
 # "</think>"; no tool calls.
 DEEPSEEK_R1_SCHEMA: dict[str, Any] = {
     "defaults": {"role": "assistant"},
-    "start_anchor": "<｜Assistant｜>",
+    # The generation prompt already holds the "<think>\n" that opens the reasoning.
+    "start_anchor_pattern": r"<｜Assistant｜>(?:<think>\n?)?",
     "fields": {
-        "reasoning_content": {"open_pattern": r"\s*<think>\n?", "close_pattern": r"\n?</think>\s*", "content": "text"},
+        "reasoning_content": {
+            "open_pattern": r"(?=[\s\S]*</think>)",
+            "close_pattern": r"\n?</think>\s*",
+            "content": "text",
+        },
         "content": {"close_pattern": r"\s*(?:<｜end▁of▁sentence｜>)\s*", "content": "text"},
     },
 }

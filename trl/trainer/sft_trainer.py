@@ -2,7 +2,6 @@
 
 import dataclasses
 import logging
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
