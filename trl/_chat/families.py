@@ -62,7 +62,7 @@ def _is_llama3_1(renderings: list[str | None]) -> bool:
         and "<|start_header_id|>system<|end_header_id|>" in plain
         and "Cutting Knowledge Date:" in plain
         and tool_call is not None
-        and '"parameters": {"city": "Paris"}' in tool_call
+        and '"parameters": {"city": "Paris"' in tool_call
     )
 
 
@@ -74,6 +74,10 @@ FAMILIES: tuple[Family, ...] = (
     # The original drops the think block of turns before the last user query; the text-parts probe is such a case.
     Family("qwen3", "Qwen3", ("<|im_start|>", "<think>"), schema=schemas.CHATML_REASONING_SCHEMA, ignored_probes=(5,)),
     Family("qwen3_instruct_2507", "Qwen3-Instruct-2507", ("<|im_start|>",), schema=schemas.CHATML_REASONING_SCHEMA),
+    Family("qwen3_5_think", "Qwen3.5 (thinking)", ("<|im_start|>", "<function="), schema=schemas.QWEN3_5_SCHEMA),
+    Family("qwen3_5_nothink", "Qwen3.5 (no thinking)", ("<|im_start|>", "<function="), schema=schemas.QWEN3_5_SCHEMA),
+    Family("qwen3_6", "Qwen3.6", ("<|im_start|>", "<function="), schema=schemas.QWEN3_5_SCHEMA),
+    Family("qwen3_8", "Qwen3.8", ("<|im_start|>", "<function="), schema=schemas.QWEN3_5_SCHEMA),
     Family("llama3", "Llama 3", ("<|start_header_id|>",)),
     Family(
         "llama3_1",

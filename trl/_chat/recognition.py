@@ -39,12 +39,13 @@ PROBES: tuple[tuple[list[dict[str, Any]], dict[str, Any]], ...] = (
     ([_USER, _ASSISTANT], {}),
     ([_SYSTEM, _USER, _ASSISTANT], {}),
     ([_SYSTEM, _USER], {"add_generation_prompt": True}),
+    # The boolean argument tells apart templates that print non-string values differently.
     (
-        [_USER, {"role": "assistant", "content": "", "tool_calls": _call({"city": "Paris"})}],
+        [_USER, {"role": "assistant", "content": "", "tool_calls": _call({"city": "Paris", "hourly": True})}],
         {"tools": [_WEATHER_TOOL]},
     ),
     (
-        [_USER, {"role": "assistant", "content": "", "tool_calls": _call('{"city": "Paris"}')}],
+        [_USER, {"role": "assistant", "content": "", "tool_calls": _call('{"city": "Paris", "hourly": true}')}],
         {"tools": [_WEATHER_TOOL]},
     ),
     (

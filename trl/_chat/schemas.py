@@ -69,3 +69,24 @@ DEEPSEEK_R1_SCHEMA: dict[str, Any] = {
         "content": {"close_pattern": r"\s*(?:<｜end▁of▁sentence｜>)\s*", "content": "text"},
     },
 }
+
+# Qwen3.5 / 3.6 / 3.8: the generation prompt opens the reasoning ("<think>\n"), which runs to "</think>"; calls are
+# "<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>...</function>\n</tool_call>" (values are text,
+# cast to the declared types when the tools are given).
+QWEN3_5_SCHEMA: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor_pattern": r"<\|im_start\|>assistant\n(?:<think>\n)?",
+    "fields": {
+        # The answer starts inside the reasoning (the prompt opened it); an unclosed think block stays reasoning.
+        "reasoning_content": {"open_pattern": r"^", "close_pattern": r"\s*</think>\s*", "content": "text"},
+        "tool_calls": {
+            "open_pattern": r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>\n?",
+            "close_pattern": r"</function>\s*</tool_call>",
+            "repeats": True,
+            "content": "xml-inline",
+            "content_args": {"tag_pattern": r"<parameter=(?P<key>[^>\n]+)>\n?(?P<value>.*?)\n?</parameter>"},
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)\s*", "content": "text"},
+    },
+}
