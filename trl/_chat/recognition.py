@@ -112,7 +112,9 @@ def identify_family(template: str, special_tokens: dict[str, str] | None = None)
     Returns:
         The first matching family of `trl._chat.families.ALL_FAMILIES`, else None.
     """
-    specials = tuple(sorted((special_tokens or {}).items()))
+    # A tokenizer without a bos (or eos) token leaves the variable undefined, which some templates concatenate; an
+    # empty string renders both kinds of templates alike.
+    specials = tuple(sorted({"bos_token": "", "eos_token": "", **(special_tokens or {})}.items()))
     for family in ALL_FAMILIES:
         if _matches(family, template, specials):
             return family
