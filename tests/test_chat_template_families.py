@@ -33,13 +33,13 @@ VENDOR_DIR = _vendor_dir()
 
 
 @pytest.fixture
-def qwen(qwen):
-    return copy.deepcopy(qwen)  # the session fixture stays pristine
+def qwen(qwen_tokenizer):
+    return copy.deepcopy(qwen_tokenizer)  # the session fixture stays pristine
 
 
 @pytest.fixture
-def llama(llama):
-    return copy.deepcopy(llama)
+def llama(llama_tokenizer):
+    return copy.deepcopy(llama_tokenizer)
 
 
 needs_originals = pytest.mark.skipif(
