@@ -359,7 +359,8 @@ class _ToolCallingMixin:
             for i, turn_ids in last_turn.items():
                 # The parser needs what preceded the turn (the template may pre-write part of the answer).
                 history = completion_ids[i][: len(completion_ids[i]) - len(turn_ids)]
-                message = parse_response(tokenizer, turn_ids, prefix=prompt_ids[i] + history)
+                # The row's tools let the parser cast text arguments (XML-style calls) to their declared types.
+                message = parse_response(tokenizer, turn_ids, prefix=prompt_ids[i] + history, tools=row_tools[i])
                 messages[i].append(message)
                 finished = bool(turn_ids) and turn_ids[-1] in eos
                 if finished and message.get("tool_calls") and len(completion_ids[i]) < budget:
