@@ -192,4 +192,4 @@ def tokenizer(ctx, name: str = QWEN):
 
 
 # Importing the group modules registers their cases (they import the helpers above, so this comes last).
-from . import collators, data, dataclass_fields, deviations, errors, offline, online  # noqa: E402, F401
+from . import chat_templates, collators, data, dataclass_fields, deviations, errors, offline, online  # noqa: E402, F401
