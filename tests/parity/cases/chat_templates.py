@@ -80,7 +80,7 @@ def _training(ctx, family: str) -> dict:
             kwargs = dict(kwargs)
             tools = kwargs.pop("tools", None)
 
-            def render():
+            def render(messages=messages, tools=tools, kwargs=kwargs):
                 encoded = tok.apply_chat_template(
                     messages,
                     tools=tools,
