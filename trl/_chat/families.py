@@ -87,6 +87,7 @@ FAMILIES: tuple[Family, ...] = (
         schema=schemas.LLAMA3_SCHEMA,
         detect=_is_llama3_1,
     ),
+    Family("gptoss", "GPT-OSS", ("<|start|>", "<|channel|>"), schema=schemas.GPT_OSS_SCHEMA),
     Family("gemma", "Gemma", ("<start_of_turn>",)),
     Family("gemma3", "Gemma 3", ("<start_of_turn>",)),
     Family("phi3", "Phi-3", ("<|assistant|>",)),

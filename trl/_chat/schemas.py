@@ -90,3 +90,31 @@ QWEN3_5_SCHEMA: dict[str, Any] = {
         "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)\s*", "content": "text"},
     },
 }
+
+# GPT-OSS (harmony): after the "<|start|>assistant" of the prompt come an optional analysis message, then a final
+# answer ("<|channel|>final<|message|>...<|return|>") or a call (" to=functions.NAME<|channel|>commentary
+# json<|message|>{...}<|call|>"); later messages repeat "<|start|>assistant". Text outside these messages is dropped.
+GPT_OSS_SCHEMA: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|start|>assistant",
+    "fields": {
+        "thinking": {
+            "open_pattern": r"(?:<\|start\|>assistant)?<\|channel\|>analysis<\|message\|>",
+            "close": "<|end|>",
+            "content": "text",
+        },
+        "tool_calls": {
+            "open_pattern": r"(?:<\|start\|>assistant)?\s*to=functions\.(?P<name>[^<\s]+)\s*"
+            r"<\|channel\|>commentary(?: json)?<\|message\|>",
+            "close": "<|call|>",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {
+            "open_pattern": r"(?:<\|start\|>assistant)?<\|channel\|>final<\|message\|>",
+            "close": "<|return|>",
+            "content": "text",
+        },
+    },
+}

@@ -56,8 +56,19 @@ FAMILIES = [
     "phi3_5",
     "deepseekv3",
     "deepseek_r1_distill",
+    "gptoss",
 ]
-WITH_SCHEMA = ["qwen2_5", "qwen3", "qwen3_instruct_2507", "qwen3_5_think", "qwen3_6", "qwen3_8", "llama3_1"]
+WITH_SCHEMA = [
+    "qwen2_5",
+    "qwen3",
+    "qwen3_instruct_2507",
+    "qwen3_5_think",
+    "qwen3_6",
+    "qwen3_8",
+    "llama3_1",
+    "deepseek_r1_distill",
+    "gptoss",
+]
 
 
 def _tokenizer(ctx, family: str):
@@ -123,6 +134,10 @@ _COMPLETIONS = [
     "</function>\n</tool_call><|im_end|>",
     '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
     "Hello.<|eot_id|>",
+    "hmm\n</think>\n\nAnswer.<｜end▁of▁sentence｜>",
+    "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant to=functions.get_weather<|channel|>"
+    'commentary json<|message|>{"city": "Paris"}<|call|>',
+    "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi.<|return|>",
 ]
 
 
