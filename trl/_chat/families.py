@@ -35,6 +35,8 @@ class Family:
             from the family's original template (so they cannot be used to recognise it).
         probe_aliases: Candidate probe index -> training-variant probe index to compare it with, where the variant
             renders an input the way the original renders another one.
+        trailing_stops: Texts the training variant may append after a conversation's last assistant turn (stop
+            tokens the original leaves out); ignored when comparing renderings.
         detect: For families without a training variant: a predicate on the probe renderings (None where a probe
             fails) telling whether a template belongs to the family.
     """
@@ -46,6 +48,7 @@ class Family:
     schema: dict[str, Any] | None = None
     ignored_probes: tuple[int, ...] = field(default_factory=tuple)
     probe_aliases: dict[int, int] = field(default_factory=dict)
+    trailing_stops: tuple[str, ...] = ()
     detect: Callable[[list[str | None]], bool] | None = None
 
     @property
@@ -88,6 +91,14 @@ FAMILIES: tuple[Family, ...] = (
         detect=_is_llama3_1,
     ),
     Family("gptoss", "GPT-OSS", ("<|start|>", "<|channel|>"), schema=schemas.GPT_OSS_SCHEMA),
+    # The training variant ends the last assistant turn with GLM's stop token, which the original omits.
+    Family(
+        "glm4moe",
+        "GLM-4-MoE",
+        ("[gMASK]<sop>",),
+        schema=schemas.GLM4_MOE_SCHEMA,
+        trailing_stops=("<|user|>", "<|observation|>"),
+    ),
     Family("gemma", "Gemma", ("<start_of_turn>",)),
     Family("gemma3", "Gemma 3", ("<start_of_turn>",)),
     Family("phi3", "Phi-3", ("<|assistant|>",)),

@@ -89,6 +89,13 @@ def _renderings(template: str, specials: tuple[tuple[str, str], ...]) -> tuple[s
     return tuple(_render(template, messages, kwargs, dict(specials)) for messages, kwargs in PROBES)
 
 
+def _strip_stop(rendering: str | None, family: Family) -> str | None:
+    for stop in family.trailing_stops:
+        if rendering is not None and rendering.endswith(stop):
+            return rendering[: -len(stop)]
+    return rendering
+
+
 def _matches(family: Family, template: str, specials: tuple[tuple[str, str], ...]) -> bool:
     if not all(marker in template for marker in family.markers):
         return False
@@ -98,7 +105,7 @@ def _matches(family: Family, template: str, specials: tuple[tuple[str, str], ...
     reference = _renderings(family.training_template, specials)
     compared = [i for i in range(len(PROBES)) if i not in family.ignored_probes]
     # At least one probe must render: two templates failing on everything tell nothing apart.
-    pairs = [(candidate[i], reference[family.probe_aliases.get(i, i)]) for i in compared]
+    pairs = [(candidate[i], _strip_stop(reference[family.probe_aliases.get(i, i)], family)) for i in compared]
     return any(ref is not None for _, ref in pairs) and all(cand == ref for cand, ref in pairs)
 
 

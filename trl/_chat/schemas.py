@@ -118,3 +118,25 @@ GPT_OSS_SCHEMA: dict[str, Any] = {
         },
     },
 }
+
+# GLM-4-MoE: "\n<think>...</think>" then the answer and calls "<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V
+# </arg_value>\n...</tool_call>"; the turn ends with the next role token ("<|user|>", or "<|observation|>" after calls,
+# which TRL leaves in the content).
+GLM4_MOE_SCHEMA: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|assistant|>",
+    "fields": {
+        "reasoning_content": {"open_pattern": r"\s*<think>", "close": "</think>", "content": "text"},
+        "tool_calls": {
+            "open_pattern": r"\s*<tool_call>(?P<name>[^\n<]+)\n?",
+            "close": "</tool_call>",
+            "repeats": True,
+            "content": "xml-inline",
+            "content_args": {
+                "tag_pattern": r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>"
+            },
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {"close_pattern": r"\s*<\|user\|>\s*", "content": "text"},
+    },
+}

@@ -57,6 +57,7 @@ FAMILIES = [
     "deepseekv3",
     "deepseek_r1_distill",
     "gptoss",
+    "glm4moe",
 ]
 WITH_SCHEMA = [
     "qwen2_5",
@@ -68,6 +69,7 @@ WITH_SCHEMA = [
     "llama3_1",
     "deepseek_r1_distill",
     "gptoss",
+    "glm4moe",
 ]
 
 
@@ -138,6 +140,8 @@ _COMPLETIONS = [
     "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant to=functions.get_weather<|channel|>"
     'commentary json<|message|>{"city": "Paris"}<|call|>',
     "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi.<|return|>",
+    "\n<think>Hmm.</think>\nSure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
+    "</tool_call><|observation|>",
 ]
 
 
