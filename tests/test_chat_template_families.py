@@ -62,6 +62,8 @@ DELIBERATE_DIFFERENCES = {
     "deepseekv3": {"tools", "tools_str_args", "two_calls", "two_calls_str_args", "tools_prompt"},
     # The reasoning of an answer is kept (the original drops the "<think>...</think>" part).
     "deepseek_r1_distill": {"think_inline"},
+    # A tool result is rendered as a bare "<|START_OF_TURN_TOKEN|>" (the original adds "<|END_OF_TURN_TOKEN|>").
+    "cohere2": {"tools_prompt"},
     # Each assistant turn ends with GLM's stop token (the next role token, "<|user|>" after the last turn).
     "glm4moe": {name for name, (messages, _) in CONVERSATIONS.items() if messages[-1]["role"] == "assistant"}
     - {"tools_str_args", "two_calls_str_args"},  # (both fail on JSON-string arguments)

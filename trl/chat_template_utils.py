@@ -414,19 +414,23 @@ def is_chat_template_stop_token_trained(
             Template to check instead of the processing class's own.
 
     Returns:
-        `bool`: True when the last non-whitespace token inside the assistant mask is an added or special token.
+        `bool`: True when the first non-whitespace token after the answer inside the assistant mask is an added or
+        special token; False when the template cannot render a plain conversation.
     """
     template = chat_template if chat_template is not None else _require_template(processing_class, "This check")
     if not has_generation_markers(template):
         return False
     conversation = [{"role": "user", "content": "Hello there."}, {"role": "assistant", "content": "Hi, how are you?"}]
-    encoded = processing_class.apply_chat_template(
-        conversation,
-        chat_template=template,
-        tokenize=True,
-        return_dict=True,
-        return_assistant_tokens_mask=True,
-    )
+    try:
+        encoded = processing_class.apply_chat_template(
+            conversation,
+            chat_template=template,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
+    except Exception:  # a template that cannot render plain string contents (typed parts only) trains no stop token
+        return False
     ids = list(encoded["input_ids"])
     mask = list(encoded["assistant_masks"])
     tokenizer = _get_tokenizer(processing_class)

@@ -69,6 +69,13 @@ def _is_llama3_1(renderings: list[str | None]) -> bool:
     )
 
 
+def _is_lfm2_5(renderings: list[str | None]) -> bool:
+    # LFM2.5 templates (which already carry generation markers) write calls as Python lists between
+    # "<|tool_call_start|>" and "<|tool_call_end|>" in ChatML turns.
+    tool_call = renderings[3]
+    return tool_call is not None and "<|im_start|>assistant\n<|tool_call_start|>[get_weather(" in tool_call
+
+
 # Recognition probe indices (see `recognition.PROBES`): 0 user/assistant, 1 with system, 2 generation prompt,
 # 3 tool call with dict arguments, 4 tool call with JSON-string arguments, 5 text parts, 6 image + generation prompt,
 # 7 empty system message.
@@ -112,6 +119,21 @@ FAMILIES: tuple[Family, ...] = (
         ignored_probes=(3,),
         probe_aliases={4: 3},
     ),
+    Family("cohere", "Cohere", ("<|START_OF_TURN_TOKEN|>",)),
+    Family("lfm2", "LFM2", ("<|im_start|>",)),
+    Family("lfm2_v2", "LFM2 (tool calls)", ("<|im_start|>", "<|tool_call_start|>"), schema=schemas.LFM2_SCHEMA),
+    Family(
+        "lfm2_5",
+        "LFM2.5",
+        ("<|im_start|>", "<|tool_call_start|>"),
+        has_training=False,
+        schema=schemas.LFM2_SCHEMA,
+        detect=_is_lfm2_5,
+    ),
+    Family("cohere2", "Cohere 2", ("<|START_OF_TURN_TOKEN|>", "<|START_RESPONSE|>")),
+    Family("idefics3", "Idefics3", ("<end_of_utterance>",)),
+    Family("smolvlm", "SmolVLM", ("<end_of_utterance>",)),
+    Family("llava_next", "LLaVA-NeXT", ("[INST]",)),
     Family("deepseek_r1_distill", "DeepSeek-R1-Distill", ("<｜Assistant｜>",), schema=schemas.DEEPSEEK_R1_SCHEMA),
 )
 

@@ -140,3 +140,19 @@ GLM4_MOE_SCHEMA: dict[str, Any] = {
         "content": {"close_pattern": r"\s*<\|user\|>\s*", "content": "text"},
     },
 }
+
+# LFM2 (tool-calling revision): optional "<think>...</think>" ("thinking"), then text and Python-style calls
+# "<|tool_call_start|>[name(key='value'), ...]<|tool_call_end|>"; the turn ends with "<|im_end|>".
+LFM2_SCHEMA: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "thinking": {"open_pattern": r"\s*<think>", "close": "</think>", "content": "text"},
+        "tool_calls": {
+            "open_pattern": r"\s*<\|tool_call_start\|>",
+            "close": "<|tool_call_end|>",
+            "content": "python-call-list",
+        },
+        "content": {"close_pattern": r"\s*(?:<\|im_end\|>)\s*", "content": "text"},
+    },
+}

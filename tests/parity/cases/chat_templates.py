@@ -58,6 +58,15 @@ FAMILIES = [
     "deepseek_r1_distill",
     "gptoss",
     "glm4moe",
+    "cohere",
+    "lfm2",
+    "idefics3",
+    "smolvlm",
+    "llava_next",
+    "cohere2",
+    "lfm2_v2",
+    "lfm2_2_5",
+    "lfm2_2_5_v2",
 ]
 WITH_SCHEMA = [
     "qwen2_5",
@@ -70,6 +79,8 @@ WITH_SCHEMA = [
     "deepseek_r1_distill",
     "gptoss",
     "glm4moe",
+    "lfm2_v2",
+    "lfm2_2_5",
 ]
 
 
@@ -142,6 +153,7 @@ _COMPLETIONS = [
     "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi.<|return|>",
     "\n<think>Hmm.</think>\nSure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
     "</tool_call><|observation|>",
+    "Sure.<|tool_call_start|>[get_weather(city='Paris', days=3)]<|tool_call_end|><|im_end|>",
 ]
 
 
