@@ -88,6 +88,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("qwen3_5_nothink", "Qwen3.5 (no thinking)", ("<|im_start|>", "<function="), schema=schemas.QWEN3_5_SCHEMA),
     Family("qwen3_6", "Qwen3.6", ("<|im_start|>", "<function="), schema=schemas.QWEN3_5_SCHEMA),
     Family("qwen3_8", "Qwen3.8", ("<|im_start|>", "<function="), schema=schemas.QWEN3_5_SCHEMA),
+    Family("qwen2_5_vl", "Qwen2.5-VL", ("<|im_start|>", "<|vision_start|>")),
+    Family("qwen3_vl", "Qwen3-VL", ("<|im_start|>", "<|vision_start|>"), schema=schemas.CHATML_REASONING_SCHEMA),
     Family("llama3", "Llama 3", ("<|start_header_id|>",)),
     Family(
         "llama3_1",

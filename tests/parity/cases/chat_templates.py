@@ -67,6 +67,8 @@ FAMILIES = [
     "lfm2_v2",
     "lfm2_2_5",
     "lfm2_2_5_v2",
+    "qwen2_5_vl",
+    "qwen3_vl",
 ]
 WITH_SCHEMA = [
     "qwen2_5",
@@ -81,6 +83,7 @@ WITH_SCHEMA = [
     "glm4moe",
     "lfm2_v2",
     "lfm2_2_5",
+    "qwen3_vl",
 ]
 
 
