@@ -2,6 +2,7 @@
 
 import dataclasses
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -633,16 +634,32 @@ class SFTTrainer(_BaseTrainer):
     @staticmethod
     def _training_chat_template(processing_class: Any) -> str | None:
         """The template to tokenize with for `assistant_only_loss`: None to keep the tokenizer's own (it already
-        marks assistant turns), else TRL's training variant of the tokenizer's family (the tokenizer is unchanged)."""
-        from ..chat_template_utils import get_training_chat_template
+        marks assistant turns), else TRL's training variant of the tokenizer's model family (the tokenizer itself is
+        unchanged). The offline test tokenizers' own templates are not swapped automatically, as in TRL, which does
+        not know them; the error names their bundled training variant."""
+        from .. import chat_template_utils
 
+        prefix = (
+            "assistant_only_loss=True needs a chat template that marks assistant turns with "
+            "{% generation %} ... {% endgeneration %}."
+        )
         try:
-            return get_training_chat_template(processing_class)
+            template = chat_template_utils.get_training_chat_template(processing_class)
         except ValueError as error:
+            raise ValueError(f"{prefix} {error}") from error
+        test_templates = {
+            chat_template_utils.tiny_qwen2_5_training_chat_template: "tiny_qwen2_5_training.jinja",
+            chat_template_utils.tiny_llama3_training_chat_template: "tiny_llama3_training.jinja",
+        }
+        if template in test_templates:
+            path = os.path.join(
+                os.path.dirname(chat_template_utils.__file__), "chat_templates", test_templates[template]
+            )
             raise ValueError(
-                "assistant_only_loss=True needs a chat template that marks assistant turns with "
-                f"{{% generation %}} ... {{% endgeneration %}}. {error}"
-            ) from error
+                f"{prefix} The chat template is not training-compatible: it is the template of TRL's offline test "
+                f"tokenizers, which has no markers. A training variant ships with TRL: set chat_template_path={path!r}."
+            )
+        return template
 
     def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
         """A raw dataset given to `evaluate()` is prepared as the constructor's `eval_dataset` (`eval_packing`);
