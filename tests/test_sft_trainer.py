@@ -289,7 +289,7 @@ def test_assistant_only_loss_with_an_unknown_template_is_refused(tmp_path, model
 def test_chat_template_path_jinja_file(tmp_path, model_path):
     import trl
 
-    template = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen2_5_training.jinja")
+    template = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "tiny_qwen2_5_training.jinja")
     dataset = load_test_dataset("conversational_language_modeling", split="train")
     trainer = SFTTrainer(
         model=model_path,
