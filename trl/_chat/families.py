@@ -78,7 +78,8 @@ def _is_lfm2_5(renderings: list[str | None]) -> bool:
 
 # Recognition probe indices (see `recognition.PROBES`): 0 user/assistant, 1 with system, 2 generation prompt,
 # 3 tool call with dict arguments, 4 tool call with JSON-string arguments, 5 text parts, 6 image + generation prompt,
-# 7 empty system message.
+# 7 empty system message, 8 reasoning content. Families that share probe renderings are told apart by markers in
+# the template source (Nemotron 3 Super / Ultra read `low_effort` / `medium_effort`), so they come first.
 FAMILIES: tuple[Family, ...] = (
     Family("qwen2_5", "Qwen2.5", ("<|im_start|>",), schema=schemas.CHATML_REASONING_SCHEMA),
     # The original drops the think block of turns before the last user query; the text-parts probe is such a case.
@@ -136,6 +137,17 @@ FAMILIES: tuple[Family, ...] = (
     Family("idefics3", "Idefics3", ("<end_of_utterance>",)),
     Family("smolvlm", "SmolVLM", ("<end_of_utterance>",)),
     Family("llava_next", "LLaVA-NeXT", ("[INST]",)),
+    Family("nemotron_3_super", "Nemotron 3 Super", ("<|im_start|>", "low_effort"), schema=schemas.NEMOTRON_3_SCHEMA),
+    Family(
+        "nemotron_3_ultra", "Nemotron 3 Ultra", ("<|im_start|>", "medium_effort"), schema=schemas.NEMOTRON_3_SCHEMA
+    ),
+    Family("nemotron_3_nano", "Nemotron 3 Nano", ("<|im_start|>", "<tool_call>"), schema=schemas.NEMOTRON_3_SCHEMA),
+    Family(
+        "nemotron_3_5_lightning",
+        "Nemotron 3.5 Lightning",
+        ("<|im_start|>", "<tool_call>"),
+        schema=schemas.NEMOTRON_3_SCHEMA,
+    ),
     Family("deepseek_r1_distill", "DeepSeek-R1-Distill", ("<｜Assistant｜>",), schema=schemas.DEEPSEEK_R1_SCHEMA),
 )
 

@@ -60,6 +60,7 @@ PROBES: tuple[tuple[list[dict[str, Any]], dict[str, Any]], ...] = (
         {"add_generation_prompt": True},
     ),
     ([{"role": "system", "content": ""}, _USER, _ASSISTANT], {}),
+    ([_USER, {"role": "assistant", "content": "Hello", "reasoning_content": "Think"}], {}),
 )
 
 

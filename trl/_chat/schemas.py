@@ -156,3 +156,16 @@ LFM2_SCHEMA: dict[str, Any] = {
         "content": {"close_pattern": r"\s*(?:<\|im_end\|>)\s*", "content": "text"},
     },
 }
+
+# Nemotron 3: Qwen3.5's syntax, except that a think block without "</think>" is left in the content.
+NEMOTRON_3_SCHEMA: dict[str, Any] = {
+    **QWEN3_5_SCHEMA,
+    "fields": {
+        **QWEN3_5_SCHEMA["fields"],
+        "reasoning_content": {
+            "open_pattern": r"^(?=[\s\S]*</think>)",
+            "close_pattern": r"\s*</think>\s*",
+            "content": "text",
+        },
+    },
+}

@@ -69,6 +69,10 @@ FAMILIES = [
     "lfm2_2_5_v2",
     "qwen2_5_vl",
     "qwen3_vl",
+    "nemotron_3_nano",
+    "nemotron_3_super",
+    "nemotron_3_ultra",
+    "nemotron_3_5_lightning",
 ]
 WITH_SCHEMA = [
     "qwen2_5",
@@ -84,6 +88,7 @@ WITH_SCHEMA = [
     "lfm2_v2",
     "lfm2_2_5",
     "qwen3_vl",
+    "nemotron_3_nano",
 ]
 
 
