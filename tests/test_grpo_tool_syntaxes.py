@@ -15,6 +15,16 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 # syntax -> (tokenizer, model, chat template, what the generation prompt ends with, end-of-turn token, the call)
 SYNTAXES = {
+    # The no-think generation prompt writes an empty think block before each turn.
+    "qwen3_5_xml": (
+        "qwen2_5",
+        "tiny-Qwen2ForCausalLM",
+        ctu.qwen3_5_nothink_chat_template,
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        "<|im_end|>",
+        "<tool_call>\n<function=multiply>\n<parameter=a>\n3\n</parameter>\n<parameter=b>\n4\n</parameter>\n"
+        "</function>\n</tool_call>",
+    ),
     "lfm2_python": (
         "qwen2_5",
         "tiny-Qwen2ForCausalLM",
@@ -33,39 +43,9 @@ SYNTAXES = {
     ),
 }
 
-XML_CALL = "<tool_call>\n<function=multiply>\n<parameter=a>\n3\n</parameter>\n<parameter=b>\n4\n</parameter>\n</function>\n</tool_call>"
-
-
-def test_tool_loop_with_the_qwen3_5_xml_syntax(tmp_path, model_path):
-    tokenizer = AutoTokenizer.from_pretrained(get_tokenizer_path("qwen2_5"))
-    tokenizer.chat_template = ctu.qwen3_5_nothink_chat_template
-    calls, recorder = [], Recorder()
-    trainer = GRPOTrainer(
-        model_path,
-        reward_funcs=recorder,
-        args=make_args(tmp_path, max_completion_length=128),
-        train_dataset=chat_dataset("What is 3 times 4?", "Compute 3*4."),
-        processing_class=tokenizer,
-        tools=[make_multiply(calls)],
-    )
-    scripted = ScriptedReplies(trainer, lambda text, turn: XML_CALL if turn == 0 else "It is 12.")
-    # Each assistant turn starts after the (empty) think block the generation prompt writes.
-    scripted.start = tokenizer("<|im_start|>assistant\n<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
-    trainer.train()
-
-    assert calls == [(3, 4)] * 4  # parsed from the XML call, arguments cast to the declared integer types
-    (record,) = recorder.calls
-    first_turn, tool_result, answer = record["completions"][0]
-    assert first_turn["tool_calls"] == [
-        {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}
-    ]
-    assert tool_result == {"role": "tool", "name": "multiply", "content": "12"}
-    assert answer["content"] == "It is 12."
-    assert train_log(trainer)["tools/call_frequency"] == 1.0
-
 
 @pytest.mark.parametrize("syntax", sorted(SYNTAXES))
-def test_tool_loop_with_other_syntaxes(tmp_path, syntax):
+def test_tool_loop_per_syntax(tmp_path, syntax):
     tokenizer_name, model_name, template, turn_start, end_of_turn, call = SYNTAXES[syntax]
     tokenizer = AutoTokenizer.from_pretrained(get_tokenizer_path(tokenizer_name))
     tokenizer.chat_template = template
@@ -73,7 +53,7 @@ def test_tool_loop_with_other_syntaxes(tmp_path, syntax):
     trainer = GRPOTrainer(
         get_model_path(model_name),
         reward_funcs=recorder,
-        args=make_args(tmp_path, max_completion_length=96),
+        args=make_args(tmp_path, max_completion_length=128),
         train_dataset=chat_dataset("What is 3 times 4?", "Compute 3*4."),
         processing_class=tokenizer,
         tools=[make_multiply(calls)],
@@ -83,10 +63,12 @@ def test_tool_loop_with_other_syntaxes(tmp_path, syntax):
     scripted.eos = tokenizer.convert_tokens_to_ids(end_of_turn)
     trainer.train()
 
-    assert calls == [(3, 4)] * 4
+    assert calls == [(3, 4)] * 4  # parsed with the family's schema, text arguments cast to the declared types
     (record,) = recorder.calls
     first_turn, tool_result, answer = record["completions"][0]
     assert first_turn["tool_calls"] == [
         {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}
     ]
-    assert tool_result["content"] == "12" and answer["content"] == "It is 12."
+    assert tool_result == {"role": "tool", "name": "multiply", "content": "12"}
+    assert answer["content"] == "It is 12."
+    assert train_log(trainer)["tools/call_frequency"] == 1.0

@@ -9,6 +9,19 @@ from __future__ import annotations
 from typing import Any
 
 
+def _xml_calls(open_pattern: str, close_pattern: str, tag_pattern: str) -> dict[str, Any]:
+    """Repeated XML-style tool calls: `open_pattern` captures the function name (`name`), the arguments are key/value
+    tags matched by `tag_pattern` (named groups `key` and `value`; text values, cast when tools are given)."""
+    return {
+        "open_pattern": open_pattern,
+        "close_pattern": close_pattern,
+        "repeats": True,
+        "content": "xml-inline",
+        "content_args": {"tag_pattern": tag_pattern},
+        "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+    }
+
+
 def _chatml_schema(reasoning: bool) -> dict[str, Any]:
     # Hermes-style calls: "<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>" after the text, turn closed by
     # "<|im_end|>" (Qwen 2.5 / 3 / 3.5 families).
@@ -79,14 +92,11 @@ QWEN3_5_SCHEMA: dict[str, Any] = {
     "fields": {
         # The answer starts inside the reasoning (the prompt opened it); an unclosed think block stays reasoning.
         "reasoning_content": {"open_pattern": r"^", "close_pattern": r"\s*</think>\s*", "content": "text"},
-        "tool_calls": {
-            "open_pattern": r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>\n?",
-            "close_pattern": r"</function>\s*</tool_call>",
-            "repeats": True,
-            "content": "xml-inline",
-            "content_args": {"tag_pattern": r"<parameter=(?P<key>[^>\n]+)>\n?(?P<value>.*?)\n?</parameter>"},
-            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
-        },
+        "tool_calls": _xml_calls(
+            r"\s*<tool_call>\s*<function=(?P<name>[^>\n]+)>\n?",
+            r"</function>\s*</tool_call>",
+            r"<parameter=(?P<key>[^>\n]+)>\n?(?P<value>.*?)\n?</parameter>",
+        ),
         "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)\s*", "content": "text"},
     },
 }
@@ -127,16 +137,11 @@ GLM4_MOE_SCHEMA: dict[str, Any] = {
     "start_anchor": "<|assistant|>",
     "fields": {
         "reasoning_content": {"open_pattern": r"\s*<think>", "close": "</think>", "content": "text"},
-        "tool_calls": {
-            "open_pattern": r"\s*<tool_call>(?P<name>[^\n<]+)\n?",
-            "close": "</tool_call>",
-            "repeats": True,
-            "content": "xml-inline",
-            "content_args": {
-                "tag_pattern": r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>"
-            },
-            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
-        },
+        "tool_calls": _xml_calls(
+            r"\s*<tool_call>(?P<name>[^\n<]+)\n?",
+            r"</tool_call>",
+            r"<arg_key>(?P<key>.*?)</arg_key>\s*<arg_value>(?P<value>.*?)</arg_value>",
+        ),
         "content": {"close_pattern": r"\s*<\|user\|>\s*", "content": "text"},
     },
 }
