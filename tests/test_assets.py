@@ -77,7 +77,7 @@ class TestTokenizers:
         for tag in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):
             assert len(tok(tag, add_special_tokens=False).input_ids) == 1
             assert tok.convert_tokens_to_ids(tag) not in tok.all_special_ids
-        assert tok.chat_template == (CHAT_TEMPLATES / "qwen2_5.jinja").read_text()
+        assert tok.chat_template == (CHAT_TEMPLATES / "tiny_qwen2_5.jinja").read_text()
 
     def test_llama3_special_tokens(self, llama_tokenizer):
         tok = llama_tokenizer
@@ -92,7 +92,7 @@ class TestTokenizers:
         ids = tok("Hello world").input_ids
         assert ids[0] == tok.bos_token_id
         assert tok("Hello world", add_special_tokens=False).input_ids == ids[1:]
-        assert tok.chat_template == (CHAT_TEMPLATES / "llama3.jinja").read_text()
+        assert tok.chat_template == (CHAT_TEMPLATES / "tiny_llama3.jinja").read_text()
 
     @pytest.mark.parametrize("name", ["qwen2_5", "llama3"])
     def test_round_trip(self, name):

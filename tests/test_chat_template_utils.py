@@ -92,10 +92,10 @@ def _render(tokenizer, messages, template=None, **kwargs):
 
 class TestBundledTemplates:
     def test_module_strings_are_the_package_files(self):
-        assert ctu.qwen2_5_chat_template == (TEMPLATE_DIR / "qwen2_5.jinja").read_text()
-        assert ctu.qwen2_5_training_chat_template == (TEMPLATE_DIR / "qwen2_5_training.jinja").read_text()
-        assert ctu.llama3_chat_template == (TEMPLATE_DIR / "llama3.jinja").read_text()
-        assert ctu.llama3_training_chat_template == (TEMPLATE_DIR / "llama3_training.jinja").read_text()
+        assert ctu.tiny_qwen2_5_chat_template == (TEMPLATE_DIR / "tiny_qwen2_5.jinja").read_text()
+        assert ctu.tiny_qwen2_5_training_chat_template == (TEMPLATE_DIR / "tiny_qwen2_5_training.jinja").read_text()
+        assert ctu.tiny_llama3_chat_template == (TEMPLATE_DIR / "tiny_llama3.jinja").read_text()
+        assert ctu.tiny_llama3_training_chat_template == (TEMPLATE_DIR / "tiny_llama3_training.jinja").read_text()
         assert (TEMPLATE_DIR / "README.md").is_file()
 
     def test_qwen_plain_conversation(self, qwen):
@@ -185,7 +185,7 @@ class TestBundledTemplates:
     @pytest.mark.parametrize("name", list(CONVERSATIONS))
     def test_generation_prompt_is_prefix(self, family, training, name, qwen, llama):
         tokenizer = qwen if family == "qwen2_5" else llama
-        template = getattr(ctu, f"{family}{'_training' if training else ''}_chat_template")
+        template = getattr(ctu, f"tiny_{family}{'_training' if training else ''}_chat_template")
         messages = CONVERSATIONS[name]
         tools = [ADD_TOOL] if "tools" in name else None
         for k, message in enumerate(messages):
@@ -203,9 +203,9 @@ class TestBundledTemplates:
     def test_training_template_renders_the_same_text(self, family, name, qwen, llama):
         tokenizer = qwen if family == "qwen2_5" else llama
         tools = [ADD_TOOL] if "tools" in name else None
-        plain = _render(tokenizer, CONVERSATIONS[name], getattr(ctu, f"{family}_chat_template"), tools=tools)
+        plain = _render(tokenizer, CONVERSATIONS[name], getattr(ctu, f"tiny_{family}_chat_template"), tools=tools)
         training = _render(
-            tokenizer, CONVERSATIONS[name], getattr(ctu, f"{family}_training_chat_template"), tools=tools
+            tokenizer, CONVERSATIONS[name], getattr(ctu, f"tiny_{family}_training_chat_template"), tools=tools
         )
         assert plain == training
 
@@ -227,7 +227,7 @@ class TestBundledTemplates:
         out = tokenizer.apply_chat_template(
             CONVERSATIONS["tools"],
             tools=[ADD_TOOL],
-            chat_template=getattr(ctu, f"{family}_training_chat_template"),
+            chat_template=getattr(ctu, f"tiny_{family}_training_chat_template"),
             tokenize=True,
             return_dict=True,
             return_assistant_tokens_mask=True,
@@ -288,24 +288,24 @@ class TestHasGenerationMarkers:
         assert has_generation_markers(template) is expected
 
     def test_bundled(self):
-        assert has_generation_markers(ctu.qwen2_5_chat_template) is False
-        assert has_generation_markers(ctu.qwen2_5_training_chat_template) is True
-        assert has_generation_markers(ctu.llama3_chat_template) is False
-        assert has_generation_markers(ctu.llama3_training_chat_template) is True
+        assert has_generation_markers(ctu.tiny_qwen2_5_chat_template) is False
+        assert has_generation_markers(ctu.tiny_qwen2_5_training_chat_template) is True
+        assert has_generation_markers(ctu.tiny_llama3_chat_template) is False
+        assert has_generation_markers(ctu.tiny_llama3_training_chat_template) is True
 
 
 class TestGetTrainingChatTemplate:
     def test_plain_templates_map_to_training_variants(self, qwen, llama):
-        assert get_training_chat_template(qwen) == ctu.qwen2_5_training_chat_template
-        assert get_training_chat_template(llama) == ctu.llama3_training_chat_template
+        assert get_training_chat_template(qwen) == ctu.tiny_qwen2_5_training_chat_template
+        assert get_training_chat_template(llama) == ctu.tiny_llama3_training_chat_template
 
     def test_recognition_ignores_surrounding_whitespace(self, qwen):
-        qwen.chat_template = "\n" + ctu.qwen2_5_chat_template + "\n\n"
-        assert get_training_chat_template(qwen) == ctu.qwen2_5_training_chat_template
+        qwen.chat_template = "\n" + ctu.tiny_qwen2_5_chat_template + "\n\n"
+        assert get_training_chat_template(qwen) == ctu.tiny_qwen2_5_training_chat_template
 
     def test_training_templates_need_nothing(self, qwen, llama):
-        qwen.chat_template = ctu.qwen2_5_training_chat_template
-        llama.chat_template = ctu.llama3_training_chat_template
+        qwen.chat_template = ctu.tiny_qwen2_5_training_chat_template
+        llama.chat_template = ctu.tiny_llama3_training_chat_template
         assert get_training_chat_template(qwen) is None
         assert get_training_chat_template(llama) is None
 
@@ -317,7 +317,7 @@ class TestGetTrainingChatTemplate:
         qwen.chat_template = MARKED_NOT_PREFIX_PRESERVING
         assert supports_tool_calling(qwen) is True
         assert is_chat_template_prefix_preserving(qwen) is False
-        with pytest.raises(ValueError, match="llama3, qwen2_5"):
+        with pytest.raises(ValueError, match="Qwen2.5, Qwen3"):
             get_training_chat_template(qwen)
 
     def test_unknown_template(self, qwen):
@@ -325,7 +325,7 @@ class TestGetTrainingChatTemplate:
         with pytest.raises(ValueError) as error:
             get_training_chat_template(qwen)
         message = str(error.value)
-        assert "supported families: llama3, qwen2_5" in message
+        assert "TRL has training variants for: Qwen2.5, Qwen3" in message
         assert "chat_template_path" in message
 
     def test_missing_template(self, qwen):
@@ -335,7 +335,7 @@ class TestGetTrainingChatTemplate:
 
     def test_deprecated_tokenizer_argument(self, qwen):
         with pytest.warns(FutureWarning, match="processing_class"):
-            assert get_training_chat_template(tokenizer=qwen) == ctu.qwen2_5_training_chat_template
+            assert get_training_chat_template(tokenizer=qwen) == ctu.tiny_qwen2_5_training_chat_template
         with pytest.raises(TypeError):
             get_training_chat_template(qwen, tokenizer=qwen)
         with pytest.raises(TypeError):
@@ -345,8 +345,8 @@ class TestGetTrainingChatTemplate:
 class TestSupportsToolCalling:
     def test_bundled(self, qwen, llama):
         for tokenizer, training in (
-            (qwen, ctu.qwen2_5_training_chat_template),
-            (llama, ctu.llama3_training_chat_template),
+            (qwen, ctu.tiny_qwen2_5_training_chat_template),
+            (llama, ctu.tiny_llama3_training_chat_template),
         ):
             assert supports_tool_calling(tokenizer) is True
             tokenizer.chat_template = training
@@ -369,7 +369,7 @@ class TestPrefixPreserving:
     def test_bundled(self, qwen, llama):
         assert is_chat_template_prefix_preserving(qwen) is True
         assert is_chat_template_prefix_preserving(llama) is True
-        qwen.chat_template = ctu.qwen2_5_training_chat_template
+        qwen.chat_template = ctu.tiny_qwen2_5_training_chat_template
         assert is_chat_template_prefix_preserving(qwen) is True
 
     def test_not_preserving(self, qwen):
@@ -388,17 +388,17 @@ class TestStopTokenTrained:
         assert is_chat_template_stop_token_trained(llama) is False
 
     def test_training_templates(self, qwen, llama):
-        assert is_chat_template_stop_token_trained(qwen, ctu.qwen2_5_training_chat_template) is True
-        assert is_chat_template_stop_token_trained(llama, ctu.llama3_training_chat_template) is True
-        llama.chat_template = ctu.llama3_training_chat_template
+        assert is_chat_template_stop_token_trained(qwen, ctu.tiny_qwen2_5_training_chat_template) is True
+        assert is_chat_template_stop_token_trained(llama, ctu.tiny_llama3_training_chat_template) is True
+        llama.chat_template = ctu.tiny_llama3_training_chat_template
         assert is_chat_template_stop_token_trained(llama) is True
 
     def test_end_token_outside_the_mask(self, qwen):
-        template = ctu.qwen2_5_training_chat_template.replace(
+        template = ctu.tiny_qwen2_5_training_chat_template.replace(
             "{{- '<|im_end|>' -}}\n        {%- endgeneration -%}",
             "{%- endgeneration -%}\n        {{- '<|im_end|>' -}}",
         )
-        assert template != ctu.qwen2_5_training_chat_template
+        assert template != ctu.tiny_qwen2_5_training_chat_template
         assert _render(qwen, CONVERSATIONS["single"], template) == _render(qwen, CONVERSATIONS["single"])
         assert is_chat_template_stop_token_trained(qwen, template) is False
 
@@ -415,13 +415,13 @@ class TestResponseSchema:
         assert llama.response_template["start_anchor"] == "<|start_header_id|>assistant<|end_header_id|>\n\n"
 
     def test_training_template_is_recognised(self, qwen):
-        qwen.chat_template = ctu.qwen2_5_training_chat_template
+        qwen.chat_template = ctu.tiny_qwen2_5_training_chat_template
         add_response_schema(qwen)
         assert qwen.response_template["fields"]["tool_calls"]["close"] == "</tool_call>"
 
     def test_unknown_template(self, qwen):
         qwen.chat_template = NO_TOOLS_TEMPLATE
-        with pytest.raises(ValueError, match="Supported families: llama3, qwen2_5"):
+        with pytest.raises(ValueError, match="TRL has response schemas for: Qwen2.5"):
             add_response_schema(qwen)
 
     @pytest.mark.parametrize("family", ["qwen2_5", "llama3"])
@@ -445,18 +445,25 @@ class TestParseResponse:
     def test_plain_text(self, qwen):
         add_response_schema(qwen)
         ids = qwen("The sky is blue.<|im_end|>", add_special_tokens=False).input_ids
-        assert parse_response(qwen, ids) == {"role": "assistant", "content": "The sky is blue."}
+        assert parse_response(qwen, ids, prefix=[]) == {"role": "assistant", "content": "The sky is blue."}
 
     def test_without_end_token(self, llama):
         add_response_schema(llama)
         ids = llama("Grass is green.", add_special_tokens=False).input_ids
-        assert parse_response(llama, ids) == {"role": "assistant", "content": "Grass is green."}
+        assert parse_response(llama, ids, prefix=[]) == {"role": "assistant", "content": "Grass is green."}
+
+    def test_without_prefix_the_decoded_text_is_returned(self, qwen):
+        # As in TRL: transformers needs the prompt to parse, so without one the plain decoded text comes back.
+        add_response_schema(qwen)
+        text = 'Hi.\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+        ids = qwen(text + "<|im_end|>", add_special_tokens=False).input_ids
+        assert parse_response(qwen, ids) == {"role": "assistant", "content": text}
 
     def test_tool_call_only(self, qwen):
         add_response_schema(qwen)
         text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>'
         ids = qwen(text, add_special_tokens=False).input_ids
-        assert parse_response(qwen, ids) == {
+        assert parse_response(qwen, ids, prefix=[]) == {
             "role": "assistant",
             "content": "",
             "tool_calls": [_call("add", a=1, b=2)],
@@ -465,20 +472,20 @@ class TestParseResponse:
     def test_missing_arguments_become_empty_dict(self, qwen):
         add_response_schema(qwen)
         ids = qwen('<tool_call>\n{"name": "now"}\n</tool_call><|im_end|>', add_special_tokens=False).input_ids
-        assert parse_response(qwen, ids)["tool_calls"] == [
+        assert parse_response(qwen, ids, prefix=[])["tool_calls"] == [
             {"type": "function", "function": {"name": "now", "arguments": {}}}
         ]
 
     def test_tools_cast_arguments(self, llama):
         add_response_schema(llama)
         ids = llama('{"name": "add", "parameters": {"a": "1", "b": 2}}<|eot_id|>', add_special_tokens=False).input_ids
-        assert parse_response(llama, ids, tools=[ADD_TOOL])["tool_calls"] == [_call("add", a=1, b=2)]
-        assert parse_response(llama, ids)["tool_calls"] == [_call("add", a="1", b=2)]
+        assert parse_response(llama, ids, prefix=[], tools=[ADD_TOOL])["tool_calls"] == [_call("add", a=1, b=2)]
+        assert parse_response(llama, ids, prefix=[])["tool_calls"] == [_call("add", a="1", b=2)]
 
     def test_invalid_tool_call_falls_back_to_text(self, qwen):
         add_response_schema(qwen)
         ids = qwen('Hi <tool_call>\n{"name": 3}\n</tool_call><|im_end|>', add_special_tokens=False).input_ids
-        assert parse_response(qwen, ids) == {
+        assert parse_response(qwen, ids, prefix=[]) == {
             "role": "assistant",
             "content": 'Hi <tool_call>\n{"name": 3}\n</tool_call>',
         }
@@ -490,7 +497,7 @@ class TestParseResponse:
                 setattr(qwen, name, None)
         ids = qwen("<|im_start|>Plain answer.<|im_end|>", add_special_tokens=False).input_ids
         with pytest.raises(AttributeError, match="add_response_schema"):
-            parse_response(qwen, ids)
+            parse_response(qwen, ids, prefix=[])
 
 
 class TestCloneChatTemplate:
@@ -504,7 +511,7 @@ class TestCloneChatTemplate:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, tokenizer, added = clone_chat_template(model, tokenizer, get_tokenizer_path("llama3"))
-        assert tokenizer.chat_template == ctu.llama3_chat_template
+        assert tokenizer.chat_template == ctu.tiny_llama3_chat_template
         # 16 llama special tokens are new; 4112 is rounded up to 4160 with 48 placeholders.
         assert len(tokenizer) == 4160
         assert model.get_input_embeddings().weight.shape[0] == 4160
@@ -539,7 +546,7 @@ class TestCloneChatTemplate:
         model, tokenizer, added = clone_chat_template(model, tokenizer, get_tokenizer_path("qwen2_5"))
         assert added == []
         assert len(tokenizer) == 4096
-        assert tokenizer.chat_template == ctu.qwen2_5_chat_template
+        assert tokenizer.chat_template == ctu.tiny_qwen2_5_chat_template
         assert model.config.eos_token_id == 4091
 
     def test_source_without_template(self, model_and_tokenizer, tmp_path):

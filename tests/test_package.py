@@ -75,9 +75,9 @@ def test_package_data_is_present():
         "py.typed",
         "templates/lm_model_card.md",
         "templates/rm_model_card.md",
-        "chat_templates/qwen2_5.jinja",
+        "chat_templates/tiny_qwen2_5.jinja",
         "chat_templates/qwen2_5_training.jinja",
-        "chat_templates/llama3.jinja",
+        "chat_templates/tiny_llama3.jinja",
         "chat_templates/llama3_training.jinja",
         "accelerate_configs/zero3.yaml",
     ):

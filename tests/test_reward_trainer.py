@@ -155,7 +155,7 @@ def test_conversational_tokenization_uses_chat_template(tmp_path, model_path, to
 def test_chat_template_path_jinja_file(tmp_path, model_path):
     import trl
 
-    template = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen2_5.jinja")
+    template = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "tiny_qwen2_5.jinja")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tokenizer.chat_template = None
     dataset = load_test_dataset("conversational_implicit_prompt_preference", split="train").select(range(4))

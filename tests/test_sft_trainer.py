@@ -246,16 +246,50 @@ def test_assistant_only_loss_with_training_template(tmp_path, model_path):
     trainer.train()
 
 
-def test_assistant_only_loss_without_markers_names_training_template(tmp_path, model_path):
+def test_assistant_only_loss_without_markers_swaps_in_the_training_template(tmp_path, model_path):
+    # A model family's template without generation markers: TRL's training variant of the family is used for
+    # tokenizing, and the tokenizer keeps its own template.
+    from trl import chat_template_utils
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.chat_template = chat_template_utils.qwen2_5_chat_template
     dataset = load_test_dataset("conversational_language_modeling", split="train")
-    with pytest.raises(ValueError, match=r"generation.*qwen2_5_training\.jinja"):
+    trainer = SFTTrainer(
+        model=model_path,
+        args=make_args(tmp_path, assistant_only_loss=True, max_steps=1),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    assert trainer.processing_class.chat_template == chat_template_utils.qwen2_5_chat_template
+    row = trainer.train_dataset[0]
+    assert 0 < sum(label != -100 for label in row["labels"]) < len(row["labels"])
+    trainer.train()
+
+
+def test_assistant_only_loss_with_the_test_tokenizer_names_its_training_template(tmp_path, model_path):
+    # As in TRL, the offline test tokenizers' own template is not swapped automatically.
+    dataset = load_test_dataset("conversational_language_modeling", split="train")
+    with pytest.raises(ValueError, match=r"generation.*tiny_qwen2_5_training\.jinja"):
         SFTTrainer(model=model_path, args=make_args(tmp_path, assistant_only_loss=True), train_dataset=dataset)
+
+
+def test_assistant_only_loss_with_an_unknown_template_is_refused(tmp_path, model_path):
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    dataset = load_test_dataset("conversational_language_modeling", split="train")
+    with pytest.raises(ValueError, match=r"assistant_only_loss=True needs .*generation.*not recognised"):
+        SFTTrainer(
+            model=model_path,
+            args=make_args(tmp_path, assistant_only_loss=True),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
 
 
 def test_chat_template_path_jinja_file(tmp_path, model_path):
     import trl
 
-    template = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "qwen2_5_training.jinja")
+    template = os.path.join(os.path.dirname(trl.__file__), "chat_templates", "tiny_qwen2_5_training.jinja")
     dataset = load_test_dataset("conversational_language_modeling", split="train")
     trainer = SFTTrainer(
         model=model_path,

@@ -317,7 +317,7 @@ _TOKENIZER_SPECS: dict[str, dict[str, Any]] = {
         "bos": None,
         "eos": "<|im_end|>",
         "pad": "<|endoftext|>",
-        "template": "qwen2_5.jinja",
+        "template": "tiny_qwen2_5.jinja",
         "model_max_length": 32768,
     },
     "llama3": {
@@ -341,7 +341,7 @@ _TOKENIZER_SPECS: dict[str, dict[str, Any]] = {
         "bos": "<|begin_of_text|>",
         "eos": "<|eot_id|>",
         "pad": "<|finetune_right_pad_id|>",
-        "template": "llama3.jinja",
+        "template": "tiny_llama3.jinja",
         "model_max_length": 131072,
     },
 }

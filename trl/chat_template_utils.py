@@ -8,74 +8,43 @@ The bundled templates live in `trl/chat_templates/*.jinja` and are exposed here 
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import warnings
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from transformers import AutoTokenizer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from ._chat.families import ALL_FAMILIES as _FAMILY_LIST
+from ._chat.families import FAMILIES as _MODEL_FAMILIES
+from ._chat.families import Family, load_template
+from ._chat.recognition import identify_family
 
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, ProcessorMixin
 
 
-_TEMPLATE_DIR = Path(__file__).parent / "chat_templates"
+def _without_markers(template: str) -> str:
+    # The generation tags become comments with the same whitespace control, so the text rendered is unchanged.
+    return _MARKER_TAG.sub(lambda m: "{#" + m.group(1) + m.group(2) + m.group(3) + "#}", template)
 
 
-def _load_template(filename: str) -> str:
-    return (_TEMPLATE_DIR / filename).read_text(encoding="utf-8")
+_MARKER_TAG = re.compile(r"\{%(-?)\s*((?:end)?generation)\s*(-?)%\}")
 
-
-qwen2_5_chat_template = _load_template("qwen2_5.jinja")
-qwen2_5_training_chat_template = _load_template("qwen2_5_training.jinja")
-llama3_chat_template = _load_template("llama3.jinja")
-llama3_training_chat_template = _load_template("llama3_training.jinja")
-
-# family -> (plain template, training template with generation markers)
-_FAMILIES: dict[str, tuple[str, str]] = {
-    "qwen2_5": (qwen2_5_chat_template, qwen2_5_training_chat_template),
-    "llama3": (llama3_chat_template, llama3_training_chat_template),
-}
-
-# Response parsing specifications (transformers' declarative `response_template` format), one per family.
-_QWEN2_5_RESPONSE_SCHEMA: dict[str, Any] = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": "<|im_start|>assistant\n",
-    "fields": {
-        "tool_calls": {
-            # The leading whitespace belongs to the separator between content and calls, not to either of them.
-            "open_pattern": r"\s*<tool_call>",
-            "close": "</tool_call>",
-            "repeats": True,
-            "content": "json",
-            "transform": {"type": "function", "function": "{content}"},
-        },
-        # Whitespace after the end token is swallowed too: a stray trailing "\n" would otherwise open an empty
-        # content region whose close overwrites the real content.
-        "content": {"close_pattern": r"\s*(?:<\|im_end\|>|<\|endoftext\|>)\s*", "content": "text"},
-    },
-}
-
-_LLAMA3_RESPONSE_SCHEMA: dict[str, Any] = {
-    "defaults": {"role": "assistant"},
-    "start_anchor": "<|start_header_id|>assistant<|end_header_id|>\n\n",
-    "fields": {
-        "tool_calls": {
-            # A call is a bare JSON object {"name": ..., "parameters": {...}}; its closing brace is the one followed
-            # by the end of the turn, another call, or the end of the text.
-            "open_pattern": r'\s*\{"name":\s*"(?P<name>[^"]+)",\s*"parameters":\s*',
-            "close_pattern": r"\}(?=\s*(?:<\|eot_id\|>|<\|eom_id\|>|<\|end_of_text\|>|\{\"name\"|$))",
-            "repeats": True,
-            "content": "json",
-            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
-        },
-        "content": {"close_pattern": r"\s*(?:<\|eot_id\|>|<\|eom_id\|>|<\|end_of_text\|>)\s*", "content": "text"},
-    },
-}
-
-_RESPONSE_SCHEMAS: dict[str, dict[str, Any]] = {"qwen2_5": _QWEN2_5_RESPONSE_SCHEMA, "llama3": _LLAMA3_RESPONSE_SCHEMA}
+# Module-level template strings: `<family>_training_chat_template` (with generation markers) and
+# `<family>_chat_template` (the same template without them) for every family with a training variant, plus the
+# templates of the offline test tokenizers (`tiny_qwen2_5_chat_template`, `tiny_llama3_chat_template`).
+for _family in _FAMILY_LIST:
+    if _family.has_training:
+        globals()[f"{_family.name}_training_chat_template"] = _family.training_template
+        if not _family.name.startswith("tiny_"):
+            globals()[f"{_family.name}_chat_template"] = _without_markers(_family.training_template)
+tiny_qwen2_5_chat_template = load_template("tiny_qwen2_5.jinja")
+tiny_llama3_chat_template = load_template("tiny_llama3.jinja")
+tiny_qwen2_5_training_chat_template = load_template("tiny_qwen2_5_training.jinja")
+tiny_llama3_training_chat_template = load_template("tiny_llama3_training.jinja")
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -111,6 +80,18 @@ _PROBE_CONVERSATION = [
         ],
     },
 ]
+_PROBE_CONVERSATION_JSON_ARGUMENTS = [
+    _PROBE_CONVERSATION[0],
+    {
+        **_PROBE_CONVERSATION[1],
+        "tool_calls": [
+            {
+                "type": "function",
+                "function": {"name": _PROBE_TOOL_NAME, "arguments": json.dumps({_PROBE_ARG_KEY: _PROBE_ARG_VALUE})},
+            }
+        ],
+    },
+]
 _PROBE_TOOL_MESSAGE = {"role": "tool", "name": _PROBE_TOOL_NAME, "content": _PROBE_TOOL_RESULT}
 
 
@@ -139,17 +120,20 @@ def _require_template(processing_class: PreTrainedTokenizerBase | ProcessorMixin
     return template
 
 
-def _normalize(template: str) -> str:
-    return template.strip()
+def _special_tokens(processing_class: PreTrainedTokenizerBase | ProcessorMixin) -> dict[str, str]:
+    # The template variables `apply_chat_template` provides (bos_token, eos_token, ...), as strings.
+    tokenizer = _get_tokenizer(processing_class)
+    tokens = getattr(tokenizer, "special_tokens_map", None) or {}
+    return {key: str(value) for key, value in tokens.items() if isinstance(value, str)}
 
 
-def _identify_family(template: str) -> str | None:
-    """Name of the bundled family whose plain or training template equals `template`, else None."""
-    normalized = _normalize(template)
-    for family, (plain, training) in _FAMILIES.items():
-        if normalized in (_normalize(plain), _normalize(training)):
-            return family
-    return None
+def _identify_family(processing_class: PreTrainedTokenizerBase | ProcessorMixin, template: str) -> Family | None:
+    """The known family whose templates render like `template` (see `trl._chat.recognition`), else None."""
+    return identify_family(template, _special_tokens(processing_class))
+
+
+def _supported_families() -> str:
+    return ", ".join(family.title for family in _MODEL_FAMILIES if family.has_training)
 
 
 def _input_ids(rendered: Any) -> list[int]:
@@ -283,19 +267,18 @@ def get_training_chat_template(
     if has_generation_markers(template):
         if not supports_tool_calling(processing_class) or is_chat_template_prefix_preserving(processing_class):
             return None
-    family = _identify_family(template)
-    if family is None:
-        supported = ", ".join(sorted(_FAMILIES))
+    family = _identify_family(processing_class, template)
+    if family is None or not family.has_training:
+        found = f"a {family.title} template, for which TRL has no training variant" if family else "not recognised"
         raise ValueError(
-            "The chat template of the given processing class is not one TRL has a training variant for (supported "
-            f"families: {supported}), and it has no usable `{{% generation %}}` markers. Write a training version of "
-            "the template that wraps each assistant turn in `{% generation %}...{% endgeneration %}` and pass it "
-            "through `chat_template_path` (e.g. `SFTConfig(chat_template_path='path/to/template.jinja')`), or turn "
-            "off `assistant_only_loss`."
+            "The chat template is not training-compatible (it lacks `{% generation %}` markers, or it supports tool "
+            f"calling without being prefix-preserving) and TRL cannot patch it: it is {found}. TRL has training "
+            f"variants for: {_supported_families()}. Write a training version of the template that wraps each "
+            "assistant turn in `{% generation %}...{% endgeneration %}` and pass it through `chat_template_path` (e.g. "
+            "`SFTConfig(chat_template_path='path/to/template.jinja')`), or turn off `assistant_only_loss`."
         )
-    plain, training = _FAMILIES[family]
-    if _normalize(template) == _normalize(training):
-        # Already the bundled training template (which is prefix-preserving); nothing to swap in.
+    training = family.training_template
+    if template.strip() == training.strip():
         return None
     return training
 
@@ -319,13 +302,18 @@ def add_response_schema(
         ValueError: If the chat template is missing or not recognised.
     """
     template = _require_template(processing_class, "add_response_schema")
-    family = _identify_family(template)
-    if family is None:
-        raise ValueError(
-            "No response schema is known for this chat template. Supported families: "
-            f"{', '.join(sorted(_RESPONSE_SCHEMAS))}. Set `tokenizer.response_template` yourself for other templates."
+    family = _identify_family(processing_class, template)
+    if family is None or family.schema is None:
+        found = (
+            f"{family.title} templates emit no tool calls TRL parses" if family else "the template is not recognised"
         )
-    schema = _RESPONSE_SCHEMAS[family]
+        supported = ", ".join(f.title for f in _MODEL_FAMILIES if f.schema is not None)
+        raise ValueError(
+            f"Unrecognized chat template, failed to add response schema: {found}. TRL has response schemas for: "
+            f"{supported}. Set `tokenizer.response_template` yourself for other templates (see transformers' "
+            "response parsing documentation)."
+        )
+    schema = family.schema
     attribute = "response_template" if _tokenizer_uses_response_template() else "response_schema"
     targets = [processing_class]
     inner = getattr(processing_class, "tokenizer", None)
@@ -359,9 +347,17 @@ def supports_tool_calling(processing_class: PreTrainedTokenizerBase | ProcessorM
     """
     if not _get_template(processing_class):
         return False
+    # Arguments as a dict first; some templates (DeepSeek-V3 style) only accept them as a JSON string.
+    return any(
+        _renders_tool_round_trip(processing_class, conversation)
+        for conversation in (_PROBE_CONVERSATION, _PROBE_CONVERSATION_JSON_ARGUMENTS)
+    )
+
+
+def _renders_tool_round_trip(processing_class: Any, conversation: list[dict[str, Any]]) -> bool:
     try:
         text = processing_class.apply_chat_template(
-            [*_PROBE_CONVERSATION, _PROBE_TOOL_MESSAGE], tools=_PROBE_TOOLS, tokenize=False
+            [*conversation, _PROBE_TOOL_MESSAGE], tools=_PROBE_TOOLS, tokenize=False
         )
     except Exception:
         return False
@@ -385,12 +381,19 @@ def is_chat_template_prefix_preserving(processing_class: PreTrainedTokenizerBase
         `bool`: True when the shorter rendering is a token prefix of the longer one.
     """
     _require_template(processing_class, "is_chat_template_prefix_preserving")
-    prefix_ids = _input_ids(
-        processing_class.apply_chat_template(_PROBE_CONVERSATION, tools=_PROBE_TOOLS, tokenize=True)
-    )
+    try:
+        return _is_prefix_preserving_with(processing_class, _PROBE_CONVERSATION)
+    except Exception:
+        # Templates that need tool-call arguments as a JSON string (DeepSeek-V3 style) fail on a dict; a template
+        # failing on both raises the second error.
+        return _is_prefix_preserving_with(processing_class, _PROBE_CONVERSATION_JSON_ARGUMENTS)
+
+
+def _is_prefix_preserving_with(processing_class: Any, conversation: list[dict[str, Any]]) -> bool:
+    prefix_ids = _input_ids(processing_class.apply_chat_template(conversation, tools=_PROBE_TOOLS, tokenize=True))
     full_ids = _input_ids(
         processing_class.apply_chat_template(
-            [*_PROBE_CONVERSATION, _PROBE_TOOL_MESSAGE], tools=_PROBE_TOOLS, tokenize=True, add_generation_prompt=True
+            [*conversation, _PROBE_TOOL_MESSAGE], tools=_PROBE_TOOLS, tokenize=True, add_generation_prompt=True
         )
     )
     return full_ids[: len(prefix_ids)] == prefix_ids
@@ -411,29 +414,41 @@ def is_chat_template_stop_token_trained(
             Template to check instead of the processing class's own.
 
     Returns:
-        `bool`: True when the last non-whitespace token inside the assistant mask is an added or special token.
+        `bool`: True when the first non-whitespace token after the answer inside the assistant mask is an added or
+        special token; False when the template cannot render a plain conversation.
     """
     template = chat_template if chat_template is not None else _require_template(processing_class, "This check")
     if not has_generation_markers(template):
         return False
     conversation = [{"role": "user", "content": "Hello there."}, {"role": "assistant", "content": "Hi, how are you?"}]
-    encoded = processing_class.apply_chat_template(
-        conversation,
-        chat_template=template,
-        tokenize=True,
-        return_dict=True,
-        return_assistant_tokens_mask=True,
-    )
+    try:
+        encoded = processing_class.apply_chat_template(
+            conversation,
+            chat_template=template,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
+    except Exception:  # a template that cannot render plain string contents (typed parts only) trains no stop token
+        return False
     ids = list(encoded["input_ids"])
     mask = list(encoded["assistant_masks"])
     tokenizer = _get_tokenizer(processing_class)
-    masked = [token_id for token_id, flag in zip(ids, mask) if flag]
-    while masked and not tokenizer.decode([masked[-1]]).strip():
-        masked.pop()
-    if not masked:
+    # The first run of masked tokens is the assistant turn; a later run (e.g. a closing end-of-sequence token in a
+    # block of its own) is not the end-of-turn token that follows an answer.
+    start = mask.index(1) if 1 in mask else len(mask)
+    end = mask.index(0, start) if 0 in mask[start:] else len(mask)
+    masked = ids[start:end]
+    # The stop token is the first non-whitespace token after the answer text.
+    answer = conversation[-1]["content"]
+    position = 0
+    while position < len(masked) and answer not in tokenizer.decode(masked[: position + 1]):
+        position += 1
+    following = [token for token in masked[position + 1 :] if tokenizer.decode([token]).strip()]
+    if not following:
         return False
     special_ids = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
-    return masked[-1] in special_ids
+    return following[0] in special_ids
 
 
 def parse_response(
@@ -476,9 +491,10 @@ def parse_response(
     try:
         parameters = inspect.signature(tokenizer.parse_response).parameters
         kwargs: dict[str, Any] = {}
-        if "prefix" in parameters:
-            # Newer transformers require a prefix; an empty list explicitly opts out of prefix-aware parsing.
-            kwargs["prefix"] = list(prefix) if prefix is not None else []
+        if "prefix" in parameters and prefix is not None:
+            # Without a prefix, newer transformers refuse to parse (the answer may start in the prompt) and the
+            # plain decoded text is returned, as in TRL.
+            kwargs["prefix"] = list(prefix)
         if "tools" in parameters and tools is not None:
             kwargs["tools"] = tools
         message = tokenizer.parse_response(ids, **kwargs)

@@ -31,8 +31,12 @@ class _AppendEOS:
 class _Tokenizer:
     """Turns one raw example into `input_ids` (+ `completion_mask` / `assistant_masks`)."""
 
-    def __init__(self, processing_class, data_format, conversational, text_field, assistant_only_loss):
+    def __init__(
+        self, processing_class, data_format, conversational, text_field, assistant_only_loss, chat_template=None
+    ):
         self.processing_class = processing_class
+        # A training variant of the chat template (with generation markers) used instead of the tokenizer's own.
+        self.chat_template = chat_template
         self.tokenizer = getattr(processing_class, "tokenizer", processing_class)
         self.data_format = data_format
         self.conversational = conversational
@@ -50,6 +54,8 @@ class _Tokenizer:
     def _chat(self, messages, example, **kwargs) -> dict[str, list[int]]:
         tools = parse_tools_column(example.get("tools"))
         template_kwargs = dict(example.get("chat_template_kwargs") or {})
+        if self.chat_template is not None:
+            template_kwargs["chat_template"] = self.chat_template
         try:
             out = self.processing_class.apply_chat_template(
                 messages, tools=tools, tokenize=True, return_dict=True, **kwargs, **template_kwargs

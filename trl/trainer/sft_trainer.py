@@ -204,27 +204,6 @@ def _positions_from_lengths(lengths: list[int]) -> torch.Tensor:
     )
 
 
-def _find_training_template_path(processing_class: Any) -> str | None:
-    """Path of a bundled training template (with generation markers) for the processor's chat family, if any."""
-    try:
-        from ..chat_template_utils import get_training_chat_template
-    except ImportError:
-        return None
-    try:
-        template = get_training_chat_template(processing_class)
-    except ValueError:
-        return None
-    if template is None:
-        return None
-    folder = os.path.join(os.path.dirname(os.path.dirname(__file__)), "chat_templates")
-    for name in sorted(os.listdir(folder)):
-        if name.endswith("_training.jinja"):
-            with open(os.path.join(folder, name)) as f:
-                if f.read() == template:
-                    return os.path.join(folder, name)
-    return None
-
-
 class SFTTrainer(_BaseTrainer):
     """Trainer for supervised fine-tuning of language models.
 
@@ -544,8 +523,7 @@ class SFTTrainer(_BaseTrainer):
                     "Set one with SFTConfig(chat_template_path=...) (a .jinja file or a tokenizer directory), or "
                     "assign tokenizer.chat_template before creating the trainer."
                 )
-            if args.assistant_only_loss:
-                self._check_generation_markers(processing_class)
+            training_template = self._training_chat_template(processing_class) if args.assistant_only_loss else None
             if not conversational:
                 # The EOS token is appended to the text column (or else to the completion) in the dataset itself.
                 eos_field = args.dataset_text_field if args.dataset_text_field in columns else "completion"
@@ -560,6 +538,7 @@ class SFTTrainer(_BaseTrainer):
                 conversational=conversational,
                 text_field=args.dataset_text_field,
                 assistant_only_loss=args.assistant_only_loss,
+                chat_template=training_template,
             )
             tokenized = dataset.map(tokenize, **_desc(map_kwargs, f"Tokenizing {dataset_name} dataset"))
             columns = columns + [c for c in tokenize.output_columns() if c not in columns]
@@ -653,24 +632,34 @@ class SFTTrainer(_BaseTrainer):
         )
 
     @staticmethod
-    def _check_generation_markers(processing_class: Any) -> None:
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        template = getattr(processing_class, "chat_template", None) or getattr(tokenizer, "chat_template", None)
-        from ..chat_template_utils import has_generation_markers
+    def _training_chat_template(processing_class: Any) -> str | None:
+        """The template to tokenize with for `assistant_only_loss`: None to keep the tokenizer's own (it already
+        marks assistant turns), else TRL's training variant of the tokenizer's model family (the tokenizer itself is
+        unchanged). The offline test tokenizers' own templates are not swapped automatically, as in TRL, which does
+        not know them; the error names their bundled training variant."""
+        from .. import chat_template_utils
 
-        if template is not None and has_generation_markers(template):
-            return
-        suggestion = _find_training_template_path(processing_class)
-        hint = (
-            f" A training variant of this template ships with TRL: set chat_template_path={suggestion!r}."
-            if suggestion
-            else " Provide a template with those markers through chat_template_path (see "
-            "trl.chat_template_utils.get_training_chat_template)."
-        )
-        raise ValueError(
+        prefix = (
             "assistant_only_loss=True needs a chat template that marks assistant turns with "
-            "{% generation %} ... {% endgeneration %}, and the current template has no such markers." + hint
+            "{% generation %} ... {% endgeneration %}."
         )
+        try:
+            template = chat_template_utils.get_training_chat_template(processing_class)
+        except ValueError as error:
+            raise ValueError(f"{prefix} {error}") from error
+        test_templates = {
+            chat_template_utils.tiny_qwen2_5_training_chat_template: "tiny_qwen2_5_training.jinja",
+            chat_template_utils.tiny_llama3_training_chat_template: "tiny_llama3_training.jinja",
+        }
+        if template in test_templates:
+            path = os.path.join(
+                os.path.dirname(chat_template_utils.__file__), "chat_templates", test_templates[template]
+            )
+            raise ValueError(
+                f"{prefix} The chat template is not training-compatible: it is the template of TRL's offline test "
+                f"tokenizers, which has no markers. A training variant ships with TRL: set chat_template_path={path!r}."
+            )
+        return template
 
     def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
         """A raw dataset given to `evaluate()` is prepared as the constructor's `eval_dataset` (`eval_packing`);

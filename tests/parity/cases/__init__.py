@@ -206,6 +206,7 @@ def tokenizer(ctx, name: str = QWEN):
 
 # Importing the group modules registers their cases (they import the helpers above, so this comes last).
 from . import (  # noqa: E402, F401
+    chat_templates,
     collators,
     cpo_orpo,
     data,

@@ -1,0 +1,190 @@
+"""TRL's training chat templates against the model vendors' published templates.
+
+The originals are not part of this project: they are read at test time from an installed source, the package data of
+the real `trl==1.16.0` of the parity environment (`$PARITY_VENV`, else `.venv-parity/` in the checkout), and the
+tests skip when it is absent. For every family the training variant must render the text the original renders, and
+its generation blocks must cover the assistant turns and nothing else.
+"""
+
+import copy
+import glob
+import os
+from pathlib import Path
+
+import pytest
+from chat_template_conversations import CONVERSATIONS
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from trl import chat_template_utils as ctu
+from trl._chat.families import FAMILIES, FAMILIES_BY_NAME
+from trl._chat.recognition import identify_family
+
+
+def _vendor_dir():
+    roots = [os.environ.get("PARITY_VENV"), str(Path(__file__).resolve().parent.parent / ".venv-parity")]
+    for root in filter(None, roots):
+        found = glob.glob(os.path.join(root, "lib", "python*", "site-packages", "trl", "chat_templates"))
+        if found:
+            return Path(found[0])
+    return None
+
+
+VENDOR_DIR = _vendor_dir()
+
+
+@pytest.fixture
+def qwen(qwen_tokenizer):
+    return copy.deepcopy(qwen_tokenizer)  # the session fixture stays pristine
+
+
+@pytest.fixture
+def llama(llama_tokenizer):
+    return copy.deepcopy(llama_tokenizer)
+
+
+needs_originals = pytest.mark.skipif(
+    VENDOR_DIR is None, reason="the vendors' original templates come from the parity venv's trl package, not installed"
+)
+TRAINED = [family.name for family in FAMILIES if family.has_training]
+SPECIALS = {"bos_token": "<BOS>", "eos_token": "<EOS>"}
+
+# Where a training variant deliberately renders differently from the original (TRL's choices).
+AFTER_EARLIER_TURN = {"multi_turn", "prompt_after_turn", "reasoning"}
+DELIBERATE_DIFFERENCES = {
+    # Every assistant turn keeps its think block (the original drops it before the last user query), which makes
+    # conversations prefix-preserving.
+    "qwen3": AFTER_EARLIER_TURN
+    | {"tools", "tools_str_args", "two_calls", "two_calls_str_args", "tools_prompt", "text_parts", "image_parts"},
+    "qwen3_5_think": AFTER_EARLIER_TURN,
+    "qwen3_5_nothink": AFTER_EARLIER_TURN,
+    "qwen3_6": AFTER_EARLIER_TURN,
+    # Tool-call arguments are serialised with tojson (the original only takes JSON strings).
+    "deepseekv3": {"tools", "tools_str_args", "two_calls", "two_calls_str_args", "tools_prompt"},
+    # The reasoning of an answer is kept (the original drops the "<think>...</think>" part).
+    "deepseek_r1_distill": {"think_inline"},
+    # A tool result is rendered as a bare "<|START_OF_TURN_TOKEN|>" (the original adds "<|END_OF_TURN_TOKEN|>").
+    "cohere2": {"tools_prompt"},
+    # Each assistant turn ends with GLM's stop token (the next role token, "<|user|>" after the last turn).
+    "glm4moe": {name for name, (messages, _) in CONVERSATIONS.items() if messages[-1]["role"] == "assistant"}
+    - {"tools_str_args", "two_calls_str_args"},  # (both fail on JSON-string arguments)
+}
+# The vendors' file names of the originals each family covers.
+ORIGINALS = {name: [name] for name in TRAINED}
+
+
+def _original(name):
+    return (VENDOR_DIR / f"{name}.jinja").read_text(encoding="utf-8")
+
+
+def _render(template, name):
+    messages, kwargs = CONVERSATIONS[name]
+    kwargs = dict(kwargs)
+    tools = kwargs.pop("tools", None)
+    try:
+        texts, spans = render_jinja_template(
+            conversations=[messages],
+            tools=tools,
+            chat_template=template,
+            return_assistant_tokens_mask=True,
+            date_string="26 Jul 2024",
+            **SPECIALS,
+            **kwargs,
+        )
+    except Exception as error:
+        return None, type(error).__name__
+    return texts[0], spans[0]
+
+
+def _texts(content):
+    if isinstance(content, str):
+        return [content.split("</think>")[-1].strip()] if content.strip() else []
+    return [part["text"] for part in content or [] if part.get("type") == "text"]
+
+
+@needs_originals
+@pytest.mark.parametrize("family", TRAINED)
+def test_training_variant_renders_the_original_text(family):
+    training = FAMILIES_BY_NAME[family].training_template
+    differing = set()
+    for name in CONVERSATIONS:
+        original_text, _ = _render(_original(family), name)
+        text, _ = _render(training, name)
+        if original_text is None and text is None:
+            continue
+        if text != original_text:
+            differing.add(name)
+    assert differing == DELIBERATE_DIFFERENCES.get(family, set())
+
+
+@pytest.mark.parametrize("family", TRAINED)
+def test_generation_blocks_cover_the_assistant_turns(family):
+    training = FAMILIES_BY_NAME[family].training_template
+    for name, (messages, _) in CONVERSATIONS.items():
+        text, spans = _render(training, name)
+        if text is None:
+            continue
+        inside = "".join(text[start:end] for start, end in spans)
+        outside = "".join(text[end:start] for (_, end), (start, _) in zip([(0, 0), *spans], [*spans, (len(text), 0)]))
+        for message in messages:
+            for piece in _texts(message.get("content")):
+                if piece not in text:  # templates that drop typed content parts
+                    continue
+                if message["role"] == "assistant":
+                    assert piece in inside, (family, name, piece)
+                elif message["role"] == "user":
+                    assert piece not in inside, (family, name, piece)
+                    assert piece in outside, (family, name, piece)
+        if any(m["role"] == "assistant" for m in messages):
+            assert spans, (family, name)
+
+
+@needs_originals
+@pytest.mark.parametrize("family", TRAINED)
+def test_originals_are_recognised(family):
+    for original in ORIGINALS[family]:
+        assert identify_family(_original(original), SPECIALS) is FAMILIES_BY_NAME[family]
+
+
+@needs_originals
+def test_recognition_ignores_whitespace_and_the_date_string():
+    qwen3 = _original("qwen3")
+    # Whitespace that does not reach the output (inside tags, around the template) does not matter.
+    reformatted = "\n" + qwen3.replace("{%- if", "{%-   if").replace("{{- '", "{{-  '") + "\n"
+    assert identify_family(reformatted, SPECIALS).name == "qwen3"
+    llama = _original("llama3_1")
+    assert '"26 Jul 2024"' in llama
+    assert identify_family(llama.replace('"26 Jul 2024"', '"01 Jan 2025"'), SPECIALS).name == "llama3_1"
+    assert identify_family("{{ messages }}", SPECIALS) is None
+
+
+@needs_originals
+def test_get_training_chat_template_on_originals(qwen):
+    for family in TRAINED:
+        qwen.chat_template = _original(family)
+        assert ctu.get_training_chat_template(qwen) == FAMILIES_BY_NAME[family].training_template
+        qwen.chat_template = FAMILIES_BY_NAME[family].training_template
+        assert ctu.get_training_chat_template(qwen) is None
+
+
+@needs_originals
+def test_families_without_training_variant_are_named(llama):
+    llama.chat_template = _original("llama3_2")
+    with pytest.raises(ValueError, match="Llama 3.1 / 3.2 template, for which TRL has no training variant"):
+        ctu.get_training_chat_template(llama)
+    assert ctu.add_response_schema(llama) is llama
+
+
+@needs_originals
+def test_json_string_argument_templates_support_tools(qwen):
+    qwen.chat_template = _original("deepseekv3")
+    assert ctu.supports_tool_calling(qwen) is True
+    assert ctu.is_chat_template_prefix_preserving(qwen) is True
+
+
+@pytest.mark.parametrize("family", TRAINED)
+def test_module_strings(family):
+    training = getattr(ctu, f"{family}_training_chat_template")
+    plain = getattr(ctu, f"{family}_chat_template")
+    assert ctu.has_generation_markers(training) and not ctu.has_generation_markers(plain)
+    for name in CONVERSATIONS:
+        assert _render(plain, name)[0] == _render(training, name)[0]
