@@ -181,6 +181,12 @@ class GOLDConfig(SFTConfig):
             raise ValueError(
                 f'uld_token_merge_strategy must be either "observed" or "bayesian", got "{self.uld_token_merge_strategy}".'
             )
+        weights_set = (self.uld_hybrid_matched_weight, self.uld_hybrid_unmatched_weight) != (None, None)
+        if weights_set and not (self.use_uld_loss and self.uld_use_hybrid_loss):
+            raise ValueError(
+                "uld_hybrid_matched_weight / uld_hybrid_unmatched_weight only apply to the hybrid ULD loss; set "
+                "use_uld_loss=True and uld_use_hybrid_loss=True, or leave both weights None."
+            )
         if (self.uld_hybrid_matched_weight is None) != (self.uld_hybrid_unmatched_weight is None):
             raise ValueError(
                 "uld_hybrid_matched_weight and uld_hybrid_unmatched_weight must both be None (for adaptive weighting) "

@@ -291,7 +291,9 @@ class GOLDTrainer(GKDTrainer):
         self._batch_on_policy = False
         loss = super().training_step(model, inputs, num_items_in_batch)
         name = "on_policy_loss" if self._batch_on_policy else "off_policy_loss"
-        self._record_metric(name, loss, mode="train")
+        # The step's loss is the sum of what its micro-batches return: averaged over a logging window, each
+        # micro-batch stands for its share times the number of micro-batches.
+        self._record_metric(name, loss * self.current_gradient_accumulation_steps, mode="train")
         return loss
 
     def compute_loss(
@@ -341,9 +343,8 @@ class GOLDTrainer(GKDTrainer):
             for name, values in self.uld_loss_fn.last_hybrid_terms.items():
                 if values:
                     self._record_metric(name, torch.stack(values).mean())
-        if self._mode == "train" and num_items_in_batch is not None:
-            # The loss is a mean per micro-batch; the training loop does not divide it when a token count is given.
-            loss = loss / self.current_gradient_accumulation_steps
+        # Not divided by the gradient-accumulation steps (the training loop leaves it as is since a token count is
+        # given): as in TRL, the step's loss and gradient are the sum of its micro-batches' means.
         return (loss, outputs) if return_outputs else loss
 
     @staticmethod
