@@ -203,14 +203,16 @@ class GKDTrainer(SFTTrainer):
         return DataCollatorForChatML(tokenizer=tokenizer, max_length=args.max_length)
 
     @staticmethod
-    def _build_generation_config(args: GKDConfig, tokenizer: Any) -> GenerationConfig:
-        """Sampling settings of the on-policy and sequence-level generations (hook: GOLD adds top-p / top-k)."""
+    def _sampling_settings(args: GKDConfig) -> dict[str, Any]:
+        """Length and filters of the generations (hook: GOLD reads `max_completion_length`, `top_p`, `top_k`)."""
+        return {"max_new_tokens": args.max_new_tokens, "top_k": 0, "top_p": 1.0}
+
+    def _build_generation_config(self, args: GKDConfig, tokenizer: Any) -> GenerationConfig:
+        """Sampling settings of the on-policy and sequence-level generations."""
         return GenerationConfig(
-            max_new_tokens=args.max_new_tokens,
+            **self._sampling_settings(args),
             temperature=args.temperature,
             do_sample=True,
-            top_k=0,
-            top_p=1.0,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )

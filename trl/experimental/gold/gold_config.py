@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...trainer.sft_config import SFTConfig
+from ..gkd.gkd_config import check_distillation_ranges
 
 
 @dataclass
@@ -165,18 +166,11 @@ class GOLDConfig(SFTConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0.0 <= self.lmbda <= 1.0:
-            raise ValueError(f"lmbda must be in the range [0.0, 1.0], got {self.lmbda}.")
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError(f"beta must be in the range [0.0, 1.0], got {self.beta}.")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (it divides the logits), got {self.temperature}.")
+        check_distillation_ranges(
+            self.lmbda, self.beta, self.temperature, "max_completion_length", self.max_completion_length
+        )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.max_completion_length < 1:
-            raise ValueError(
-                f"max_completion_length must be a positive number of tokens, got {self.max_completion_length}."
-            )
         if self.uld_token_merge_strategy not in ("observed", "bayesian"):
             raise ValueError(
                 f'uld_token_merge_strategy must be either "observed" or "bayesian", got "{self.uld_token_merge_strategy}".'

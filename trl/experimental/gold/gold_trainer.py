@@ -11,7 +11,6 @@ from transformers import (
     AutoTokenizer,
     BaseImageProcessor,
     FeatureExtractionMixin,
-    GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     ProcessorMixin,
@@ -186,16 +185,8 @@ class GOLDTrainer(GKDTrainer):
         return _GOLDCollator(tokenizer=tokenizer, max_length=args.max_length)
 
     @staticmethod
-    def _build_generation_config(args: GOLDConfig, tokenizer: Any) -> GenerationConfig:
-        return GenerationConfig(
-            max_new_tokens=args.max_completion_length,
-            temperature=args.temperature,
-            do_sample=True,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
+    def _sampling_settings(args: GOLDConfig) -> dict[str, Any]:
+        return {"max_new_tokens": args.max_completion_length, "top_k": args.top_k, "top_p": args.top_p}
 
     def _divergence_temperature(self) -> float:
         return self.args.temperature
