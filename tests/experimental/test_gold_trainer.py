@@ -348,6 +348,15 @@ def test_on_policy_batches_are_realigned_and_logged(tmp_path, model_path, conver
         assert offsets[labels != -100][-1, 1].item() == len(text.encode())
 
 
+def test_log_completions_prints_generated_samples(tmp_path, model_path, conversations, capsys):
+    trainer = cross(tmp_path, model_path, conversations, lmbda=1.0, max_steps=1, log_completions=True)
+    trainer.args.log_completions_steps = 1
+    trainer.state.global_step = 0
+    trainer.train()
+    out = capsys.readouterr().out
+    assert "Prompt" in out and "Completion" in out and "Step 0" in out
+
+
 def test_resume_from_checkpoint(tmp_path, model_path, conversations):
     train, _ = conversations
     args = make_args(tmp_path, use_uld_loss=True, save_strategy="steps", save_steps=1)
@@ -361,6 +370,7 @@ def test_resume_from_checkpoint(tmp_path, model_path, conversations):
     [
         ({"num_generations": 2, "per_device_train_batch_size": 2}, ValueError, "num_generations=1"),
         ({"seq_kd": True}, ValueError, "seq_kd"),
+        ({"callbacks": ["BEMACallback"]}, ValueError, "callback instances"),
     ],
 )
 def test_bad_input_fails_before_training(tmp_path, model_path, conversations, overrides, error, match):

@@ -104,9 +104,11 @@ class GOLDConfig(SFTConfig):
         num_completions_to_print (`int` or `None`, defaults to `None`):
             Rows printed; None prints all.
         wandb_log_unique_prompts (`bool`, defaults to `True`):
-            Log unique prompts only when logging completion tables to a tracker.
+            Log unique prompts only when logging completion tables to a tracker (completions are printed here, not
+            logged as tables, so it has no effect).
         callbacks (`list[str]`, defaults to `[]`):
-            Names of extra callbacks (kept for the configuration file; pass callback objects to the trainer).
+            Names of extra callbacks. Not resolved here: must stay empty (the trainer raises otherwise); pass callback
+            instances to the trainer.
     """
 
     _VALID_DICT_FIELDS = SFTConfig._VALID_DICT_FIELDS + ["teacher_model_init_kwargs"]

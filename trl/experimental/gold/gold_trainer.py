@@ -169,6 +169,11 @@ class GOLDTrainer(GKDTrainer):
                 f"GOLDTrainer here samples one completion per prompt; got num_generations={args.num_generations}. "
                 "Set num_generations=1 (repeat prompts in the dataset to get several samples of each)."
             )
+        if args.callbacks:
+            raise ValueError(
+                f"GOLDConfig.callbacks names callbacks ({args.callbacks}), which this trainer does not resolve by name. "
+                "Pass callback instances through the trainer's `callbacks` argument and leave GOLDConfig.callbacks empty."
+            )
         if args.use_uld_loss and args.seq_kd:
             raise ValueError(
                 "seq_kd=True trains the student on teacher generations, which are in the teacher's tokens; with "
