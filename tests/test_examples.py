@@ -19,6 +19,7 @@ SCRIPT_ARGS = {
     "distillation.py": ["--max_completion_length", "8"],
     "dpo.py": ["--max_length", "64"],
     "gkd.py": ["--max_new_tokens", "4", "--lmbda", "1.0"],
+    "gold.py": ["--max_completion_length", "4", "--lmbda", "1.0"],
     "grpo.py": ONLINE_ARGS,
     "grpo_tools.py": ONLINE_ARGS + ["--num_questions", "4"],
     "kto.py": ["--max_length", "64"],

@@ -1,10 +1,10 @@
-"""Parity cases: knowledge distillation (GKD's generalized Jensen-Shannon divergence)."""
+"""Parity cases: knowledge distillation (GKD's generalized Jensen-Shannon divergence; GOLD across tokenizers)."""
 
 from __future__ import annotations
 
 from functools import partial
 
-from . import COMMON_ARGS, QWEN, case, expect_error, register, run_trainer, to_jsonable
+from . import COMMON_ARGS, QWEN, case, column_names, expect_error, register, run_trainer, tensor_stats, to_jsonable
 from .offline import TINY_LORA
 
 
@@ -141,3 +141,203 @@ def gkd_bad_beta(ctx) -> dict:
     from trl.experimental.gkd import GKDConfig
 
     return expect_error(lambda: GKDConfig(output_dir=ctx.tmpdir(), use_cpu=True, bf16=False, beta=-0.1))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GOLD: the GKD losses at `temperature`, and Universal Logit Distillation across tokenizers (student tiny Qwen2,
+# teacher tiny Llama: another tokenizer, digits split differently)
+# ---------------------------------------------------------------------------------------------------------------------
+LLAMA = "tiny-LlamaForCausalLM"
+
+
+def _gold_config(ctx, **config):
+    from trl.experimental.gold import GOLDConfig
+
+    return GOLDConfig(output_dir=ctx.tmpdir(), use_cpu=True, bf16=False, report_to="none", **config)
+
+
+def _uld_inputs():
+    """Two rows of a 4096-entry vocabulary: student tokens 0-5, teacher tokens spelled differently, with byte spans
+    where the student's first two completion tokens cover the teacher's first one."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    student = torch.randn(2, 6, 4096, generator=generator) * 3
+    teacher = torch.randn(2, 6, 4096, generator=generator) * 3
+    student_ids = torch.tensor([[0, 1, 2, 3, 4, 5]] * 2)
+    teacher_ids = torch.tensor([[0, 1, 2, 7, 6, 5]] * 2)
+    student_labels = torch.tensor([[-100, -100, 2, 3, 4, 5], [-100, -100, -100, -100, 4, 5]])
+    teacher_labels = torch.tensor([[-100, -100, -100, 7, 6, 5]] * 2)
+    student_offsets = torch.tensor(
+        [[[0, 0], [0, 0], [0, 2], [2, 4], [4, 5], [5, 5]], [[0, 0], [0, 0], [0, 0], [0, 0], [0, 5], [5, 5]]]
+    )
+    teacher_offsets = torch.tensor([[[0, 0], [0, 0], [0, 0], [0, 4], [4, 5], [5, 5]]] * 2)
+    return (
+        student,
+        teacher,
+        student_labels,
+        teacher_labels,
+        student_ids,
+        teacher_ids,
+        student_offsets,
+        teacher_offsets,
+    )
+
+
+def _uld_values(ctx, variants: dict[str, dict], tokenizers: bool = False) -> dict:
+    from transformers import AutoTokenizer
+
+    from trl.experimental.gold.gold_trainer import ULDLoss
+
+    toks = ()
+    if tokenizers:
+        toks = (AutoTokenizer.from_pretrained(ctx.model(QWEN)), AutoTokenizer.from_pretrained(ctx.model(LLAMA)))
+    inputs = _uld_inputs()
+    out = {}
+    for name, config in variants.items():
+        student = inputs[0].clone().requires_grad_(True)
+        loss = ULDLoss(_gold_config(ctx, use_uld_loss=True, **config), *toks)(student, *inputs[1:])
+        loss.backward()
+        out[name] = {"loss": round(float(loss), 7), "grad": tensor_stats(name, student.grad)}
+    return out
+
+
+@case("gold/uld_loss")
+def gold_uld_loss(ctx) -> dict:
+    """`ULDLoss` on fixed tensors: positional and byte-span alignment, eos skipping, temperatures, CE weight."""
+    return _uld_values(
+        ctx,
+        {
+            "extended": {},
+            "extended/keep_eos": {"uld_skip_student_eos": False, "uld_skip_teacher_eos": False},
+            "extended/student_eos": {"uld_skip_student_eos": False},
+            "positional": {"use_extended_uld": False},
+            "positional/keep_eos": {"use_extended_uld": False, "uld_skip_teacher_eos": False},
+            "temperatures": {"uld_student_temperature": 2.0, "uld_teacher_temperature": 0.5},
+            "weights": {"uld_crossentropy_weight": 0.3, "uld_distillation_weight": 2.0},
+        },
+    )
+
+
+@case("gold/uld_loss/bayesian")
+def gold_uld_loss_bayesian(ctx) -> dict:
+    """`ULDLoss` with the `bayesian` merge of split tokens."""
+    return _uld_values(ctx, {"bayesian": {"uld_token_merge_strategy": "bayesian"}})
+
+
+@case("gold/uld_loss/hybrid")
+def gold_uld_loss_hybrid(ctx) -> dict:
+    """`ULDLoss` hybrid (JSD on the vocabulary the two tokenizers share, ULD on the rest), adaptive and fixed weights."""
+    return _uld_values(
+        ctx,
+        {
+            "adaptive": {"uld_use_hybrid_loss": True},
+            "fixed": {
+                "uld_use_hybrid_loss": True,
+                "uld_hybrid_matched_weight": 0.3,
+                "uld_hybrid_unmatched_weight": 0.7,
+            },
+            "beta=0.2": {"uld_use_hybrid_loss": True, "beta": 0.2},
+        },
+        tokenizers=True,
+    )
+
+
+@case("gold/build_teacher_inputs_from_texts")
+def gold_build_teacher_inputs(ctx) -> dict:
+    """The teacher-side tokenization of prompt + completion texts, with and without byte spans."""
+    from transformers import AutoTokenizer
+
+    from trl.experimental.gold.gold_trainer import build_teacher_inputs_from_texts
+
+    tok = AutoTokenizer.from_pretrained(ctx.model(LLAMA))
+    prompts = ["<|im_start|>user\nWhat is 12 + 345?<|im_end|>\n<|im_start|>assistant\n", "Q: "]
+    completions = ["12 + 345 = 357.<|im_end|>\n", "abc"]
+    return {
+        str(extended): [t.tolist() for t in build_teacher_inputs_from_texts(tok, prompts, completions, extended)]
+        for extended in (True, False)
+    }
+
+
+@case("gold/config_fields")
+def gold_config_fields(ctx) -> dict:
+    """GOLDConfig's fields, types and defaults."""
+    from trl.experimental.gold import GOLDConfig
+
+    from .dataclass_fields import _fields
+
+    return _fields(GOLDConfig)
+
+
+def build_gold(ctx, *, teacher: str = GKD_TEACHER, **config):
+    from transformers import AutoTokenizer
+
+    from trl.experimental.gold import GOLDConfig, GOLDTrainer
+
+    if config.get("use_uld_loss"):
+        config.setdefault("teacher_tokenizer_name_or_path", ctx.model(teacher))
+    args = GOLDConfig(output_dir=ctx.tmpdir(), **{**COMMON_ARGS, "max_completion_length": 8, "lmbda": 0.0, **config})
+    dataset = "conversational_language_modeling"
+    return GOLDTrainer(
+        model=ctx.model(QWEN),
+        teacher_model=ctx.model(teacher),
+        args=args,
+        train_dataset=ctx.dataset(dataset, "train", 8),
+        eval_dataset=ctx.dataset(dataset, "test", 8),
+        processing_class=AutoTokenizer.from_pretrained(ctx.model(QWEN)),
+    )
+
+
+def gold_case(ctx, **config) -> dict:
+    """Evaluate, train one step on the dataset's completions (lmbda=0), evaluate. The trainers' dataset columns
+    differ by design (TRL tokenizes the dataset up front, here the collator does): compared in `gold/columns`."""
+    out = run_trainer(build_gold(ctx, **config))
+    out.pop("train_columns")
+    out.pop("eval_columns")
+    return out
+
+
+register("gold/same_tokenizer", gold_case)
+register("gold/same_tokenizer/beta=1", partial(gold_case, beta=1.0, temperature=1.0))
+register("gold/cross_tokenizer", partial(gold_case, teacher=LLAMA, use_uld_loss=True))
+register(
+    "gold/cross_tokenizer/positional", partial(gold_case, teacher=LLAMA, use_uld_loss=True, use_extended_uld=False)
+)
+register(
+    "gold/cross_tokenizer/ce_weight",
+    partial(gold_case, teacher=LLAMA, use_uld_loss=True, uld_crossentropy_weight=0.5, uld_skip_student_eos=False),
+)
+register("gold/cross_tokenizer/hybrid", partial(gold_case, teacher=LLAMA, use_uld_loss=True, uld_use_hybrid_loss=True))
+register(
+    "gold/cross_tokenizer/grad_accum",
+    partial(gold_case, teacher=LLAMA, use_uld_loss=True, max_steps=2, gradient_accumulation_steps=2),
+)
+
+
+@case("gold/columns")
+def gold_columns(ctx) -> dict:
+    """The prepared datasets' columns."""
+    trainer = build_gold(ctx)
+    return {"train": column_names(trainer.train_dataset), "eval": column_names(trainer.eval_dataset)}
+
+
+@case("gold/errors/hybrid_weights", phrases=("uld_hybrid_matched_weight", "uld_hybrid_unmatched_weight"))
+def gold_bad_hybrid_weights(ctx) -> dict:
+    return expect_error(
+        lambda: _gold_config(ctx, use_uld_loss=True, uld_use_hybrid_loss=True, uld_hybrid_matched_weight=0.5)
+    )
+
+
+@case("gold/errors/hybrid_weights_without_hybrid", phrases=("uld_hybrid_matched_weight",))
+def gold_hybrid_weights_without_hybrid(ctx) -> dict:
+    return expect_error(lambda: _gold_config(ctx, use_uld_loss=True, uld_hybrid_matched_weight=0.5))
+
+
+@case("gold/errors/merge_strategy", phrases=("uld_token_merge_strategy",))
+def gold_bad_merge_strategy(ctx) -> dict:
+    return expect_error(lambda: _gold_config(ctx, use_uld_loss=True, uld_token_merge_strategy="mean"))
+
+
+@case("gold/errors/generation_batch_size", phrases=("generation_batch_size",))
+def gold_bad_generation_batch_size(ctx) -> dict:
+    return expect_error(lambda: _gold_config(ctx, generation_batch_size=3))

@@ -60,11 +60,16 @@ class GKDConfig(SFTConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0.0 <= self.lmbda <= 1.0:
-            raise ValueError(f"lmbda must be in the range [0.0, 1.0], got {self.lmbda}.")
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError(f"beta must be in the range [0.0, 1.0], got {self.beta}.")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (it divides the logits when sampling), got {self.temperature}.")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive number of tokens, got {self.max_new_tokens}.")
+        check_distillation_ranges(self.lmbda, self.beta, self.temperature, "max_new_tokens", self.max_new_tokens)
+
+
+def check_distillation_ranges(lmbda: float, beta: float, temperature: float, length_name: str, length: int) -> None:
+    """Range checks shared by the GKD and GOLD configs."""
+    if not 0.0 <= lmbda <= 1.0:
+        raise ValueError(f"lmbda must be in the range [0.0, 1.0], got {lmbda}.")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in the range [0.0, 1.0], got {beta}.")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (it divides the logits), got {temperature}.")
+    if length < 1:
+        raise ValueError(f"{length_name} must be a positive number of tokens, got {length}.")

@@ -73,6 +73,8 @@ class GKDTrainer(SFTTrainer):
 
     _tag_names = ["trl", "gkd"]
     _name = "GKD"
+    # Hook for subclasses (GOLD): the config class `args` must be an instance of.
+    _config_class: type = GKDConfig
     _paper = {
         "title": "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",
         "id": "2306.13649",
@@ -107,13 +109,14 @@ class GKDTrainer(SFTTrainer):
         peft_config: Any = None,
         formatting_func: Callable | None = None,
     ):
+        trainer, config = type(self).__name__, self._config_class.__name__
         if model is None:
-            raise ValueError("GKDTrainer needs a student `model` (a path, a hub id or a model instance).")
+            raise ValueError(f"{trainer} needs a student `model` (a path, a hub id or a model instance).")
         if args is None:
-            args = self._default_args(GKDConfig, model, "GKD")
-        elif not isinstance(args, GKDConfig):
+            args = self._default_args(self._config_class, model, self._name)
+        elif not isinstance(args, self._config_class):
             raise TypeError(
-                f"GKDTrainer expects `args` to be a GKDConfig, got {type(args).__name__}. Build a GKDConfig (it accepts "
+                f"{trainer} expects `args` to be a {config}, got {type(args).__name__}. Build a {config} (it accepts "
                 "every SFTConfig field) instead."
             )
         if formatting_func is not None:
@@ -136,7 +139,7 @@ class GKDTrainer(SFTTrainer):
             processing_class = self._load_processing_class(self._model_id(model), args)
         tokenizer = self._ensure_pad_token(processing_class)
         if data_collator is None:
-            data_collator = DataCollatorForChatML(tokenizer=tokenizer, max_length=args.max_length)
+            data_collator = self._default_collator(tokenizer, args)
 
         super().__init__(
             model,
@@ -162,15 +165,7 @@ class GKDTrainer(SFTTrainer):
         self.beta = args.beta
         self.temperature = args.temperature
         self.seq_kd = args.seq_kd
-        self.generation_config = GenerationConfig(
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            do_sample=True,
-            top_k=0,
-            top_p=1.0,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
+        self.generation_config = self._build_generation_config(args, tokenizer)
         # Ends of a generated completion: the tokenizer's eos and the student's own end-of-generation tokens.
         self._completion_end_ids = self._eos_token_ids_of(self.model, tokenizer)
 
@@ -201,6 +196,30 @@ class GKDTrainer(SFTTrainer):
         if args.trust_remote_code:
             init_kwargs.setdefault("trust_remote_code", True)
         return create_model_from_path(teacher_model, **init_kwargs)
+
+    @staticmethod
+    def _default_collator(tokenizer: Any, args: GKDConfig) -> Callable[[list[Any]], dict[str, Any]]:
+        """Collator used when none is passed (hook: GOLD's also carries the texts for the teacher's tokenizer)."""
+        return DataCollatorForChatML(tokenizer=tokenizer, max_length=args.max_length)
+
+    @staticmethod
+    def _sampling_settings(args: GKDConfig) -> dict[str, Any]:
+        """Length and filters of the generations (hook: GOLD reads `max_completion_length`, `top_p`, `top_k`)."""
+        return {"max_new_tokens": args.max_new_tokens, "top_k": 0, "top_p": 1.0}
+
+    def _build_generation_config(self, args: GKDConfig, tokenizer: Any) -> GenerationConfig:
+        """Sampling settings of the on-policy and sequence-level generations."""
+        return GenerationConfig(
+            **self._sampling_settings(args),
+            temperature=args.temperature,
+            do_sample=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+
+    def _divergence_temperature(self) -> float:
+        """Temperature dividing both models' logits in the divergence (hook: GKD uses 1, GOLD its `temperature`)."""
+        return 1.0
 
     @staticmethod
     def _vocab_size(model: nn.Module) -> int | None:
@@ -329,6 +348,7 @@ class GKDTrainer(SFTTrainer):
             teacher_logits,
             labels=targets,
             beta=self.beta,
+            temperature=self._divergence_temperature(),
             num_items_in_batch=num_items_in_batch if in_training else None,
         )
         if in_training and num_items_in_batch is not None:

@@ -242,6 +242,12 @@ def _elementwise_generalized_jsd(
     """The divergence's per-vocabulary-entry terms (reduction "none"), which by definition are full-vocabulary."""
     log_s = torch.log_softmax(student_logits / temperature, dim=-1)
     log_t = torch.log_softmax(teacher_logits / temperature, dim=-1)
+    return generalized_jsd_from_log_probs(log_s, log_t, beta)
+
+
+def generalized_jsd_from_log_probs(log_s: torch.Tensor, log_t: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per-entry terms of the generalized JSD from log-probabilities (not renormalised: GOLD applies it to the
+    sub-vector of a shared vocabulary); summing over the last dimension gives the divergence."""
     zero = torch.zeros((), dtype=log_s.dtype, device=log_s.device)
     if beta == 0.0:
         return torch.where(log_t.exp() > 0, log_t.exp() * (log_t - log_s), zero)
