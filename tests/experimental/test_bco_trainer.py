@@ -282,18 +282,10 @@ def test_model_loading_options(tmp_path, model_path, unpaired):
 # ---------------------------------------------------------------------------------------------------------------------
 # TRL 1.12's prepared columns and its logits metric
 # ---------------------------------------------------------------------------------------------------------------------
-BCO_COLUMNS = [
-    "prompt",
-    "completion",
-    "label",
-    "prompt_input_ids",
-    "prompt_attention_mask",
-    "answer_input_ids",
-    "answer_attention_mask",
-    "completion_input_ids",
-    "completion_attention_mask",
-    "completion_labels",
-]
+BCO_COLUMNS = (
+    "prompt completion label prompt_input_ids prompt_attention_mask answer_input_ids answer_attention_mask "
+    "completion_input_ids completion_attention_mask completion_labels"
+).split()
 
 
 def test_prepared_columns_as_trl(tmp_path, model_path, tokenizer, unpaired):

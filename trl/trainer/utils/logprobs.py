@@ -161,15 +161,8 @@ def mean_logits_from_hidden(model: nn.Module, hidden_states: torch.Tensor) -> to
 def summed_logits_from_hidden(model: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Sum over the vocabulary of the logits at every position, from the final hidden states, without the LM head.
 
-    Same as [`mean_logits_from_hidden`] with `sum_v(W h + b) = h . sum_v(W) + sum(b)` (the vocabulary is the LM
-    head's output size, the width of the model's logits). Metrics only: computed without gradients.
-
-    Args:
-        model: The (possibly PEFT- or accelerate-wrapped) causal LM whose output embeddings produce the logits.
-        hidden_states: `(..., hidden)` final hidden states (after the last norm, `outputs.hidden_states[-1]`).
-
-    Returns:
-        `(...)` float32 tensor: the summed logits at each position.
+    [`mean_logits_from_hidden`] with `sum_v(W h + b) = h . sum_v(W) + sum(b)` (same arguments; the vocabulary is the
+    LM head's output size, the width of the model's logits). Returns the `(...)` float32 summed logits.
     """
     return _reduce_logits_from_hidden(model, hidden_states, "sum")
 
