@@ -62,3 +62,25 @@ def test_gradients_flow(model):
     assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
     model.zero_grad()
     model.eval()
+
+
+def test_vocabulary_mean_and_sum_of_logits_from_hidden_states(model):
+    """`mean_logits_from_hidden` / `summed_logits_from_hidden` equal the mean / sum of the full logits (here with an
+    LM-head bias too, which the tiny model does not have)."""
+    from trl.trainer.utils.logprobs import mean_logits_from_hidden, summed_logits_from_hidden
+
+    torch.manual_seed(2)
+    input_ids = torch.randint(0, 4000, (2, 7))
+    with torch.no_grad():
+        outputs = model(input_ids=input_ids, output_hidden_states=True)
+    hidden, logits = outputs.hidden_states[-1], outputs.logits.double()
+    assert torch.allclose(summed_logits_from_hidden(model, hidden).double(), logits.sum(-1), rtol=1e-5, atol=1e-3)
+    assert torch.allclose(mean_logits_from_hidden(model, hidden).double(), logits.mean(-1), rtol=1e-5, atol=1e-6)
+    head = model.get_output_embeddings()
+    bias = torch.randn(head.out_features)
+    expected = logits.sum(-1) + bias.double().sum()
+    head.bias = torch.nn.Parameter(bias)
+    try:
+        assert torch.allclose(summed_logits_from_hidden(model, hidden).double(), expected, rtol=1e-5, atol=1e-3)
+    finally:
+        head.bias = None

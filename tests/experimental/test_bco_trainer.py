@@ -19,7 +19,7 @@ from trainer_utils import (
 )
 from transformers import AutoModelForCausalLM
 
-from trl.assets import get_model_path
+from trl.assets import get_model_path, load_test_dataset
 from trl.experimental.bco import BCOConfig, BCOTrainer
 from trl.experimental.bco.bco_trainer import RunningMoments
 
@@ -270,12 +270,109 @@ def test_model_loading_options(tmp_path, model_path, unpaired):
     trainer = BCOTrainer(model_path, args=args, train_dataset=data)
     assert trainer.model.dtype == torch.float32 and trainer.ref_model is None
     assert "ref_logps" in trainer.train_dataset.column_names
-    assert max(len(ids) for ids in trainer.train_dataset["completion_ids"]) == 2
+    rows = trainer.train_dataset
+    assert max(len(c) - len(p) for p, c in zip(rows["prompt_input_ids"], rows["completion_input_ids"])) == 2
     trainer = BCOTrainer(
         model_init=lambda: AutoModelForCausalLM.from_pretrained(model_path), args=make_args(tmp_path),
         train_dataset=data,
     )  # fmt: skip
     assert trainer.ref_model is not None and trainer.ref_model is not trainer.model
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# TRL 1.12's prepared columns and its logits metric
+# ---------------------------------------------------------------------------------------------------------------------
+BCO_COLUMNS = (
+    "prompt completion label prompt_input_ids prompt_attention_mask answer_input_ids answer_attention_mask "
+    "completion_input_ids completion_attention_mask completion_labels"
+).split()
+
+
+def test_prepared_columns_as_trl(tmp_path, model_path, tokenizer, unpaired):
+    eos = tokenizer.eos_token_id
+    data = unpaired["train"].select(range(4))
+    trainer = BCOTrainer(model_path, args=make_args(tmp_path), train_dataset=data, eval_dataset=data)
+    assert trainer.train_dataset.column_names == BCO_COLUMNS == trainer.eval_dataset.column_names
+    row, raw = trainer.train_dataset[0], data[0]
+    prompt = tokenizer(raw["prompt"])["input_ids"]
+    answer = tokenizer(raw["prompt"] + raw["completion"])["input_ids"][len(prompt) :]
+    assert (row["prompt"], row["completion"], row["label"]) == (raw["prompt"], raw["completion"], raw["label"])
+    assert row["prompt_input_ids"] == prompt and row["answer_input_ids"] == answer
+    assert row["completion_input_ids"] == prompt + answer + [eos]
+    assert row["completion_labels"] == [-100] * len(prompt) + answer + [eos]
+    for name in ("prompt", "answer", "completion"):
+        assert row[f"{name}_attention_mask"] == [1] * len(row[f"{name}_input_ids"])
+    # The collator reads these columns: the completion tokens are scored, the prompt is not.
+    batch = trainer.data_collator([row])
+    assert batch["input_ids"][0].tolist() == row["completion_input_ids"]
+    assert batch["completion_mask"][0].tolist() == [int(label != -100) for label in row["completion_labels"]]
+    # A prepared dataset is used as it is.
+    assert (
+        trainer._prepare_bco_dataset(trainer.train_dataset, tokenizer, trainer.args, "train") is trainer.train_dataset
+    )
+
+    # Conversational rows keep the rendered chat-template text; the completion (ending with the template's newline)
+    # still gets EOS in `completion_input_ids`, not in `answer_input_ids`.
+    chat = load_test_dataset("conversational_unpaired_preference", split="train").select(range(2))
+    trainer = BCOTrainer(model_path, args=make_args(tmp_path / "chat"), train_dataset=chat)
+    row = trainer.train_dataset[0]
+    assert trainer.train_dataset.column_names == BCO_COLUMNS
+    assert row["prompt"] == tokenizer.apply_chat_template(
+        chat[0]["prompt"], tokenize=False, add_generation_prompt=True
+    )
+    full = tokenizer.apply_chat_template(chat[0]["prompt"] + chat[0]["completion"], tokenize=False)
+    assert row["prompt"] + row["completion"] == full
+    assert row["completion_input_ids"] == row["prompt_input_ids"] + row["answer_input_ids"] + [eos]
+    assert row["answer_input_ids"][-1] != eos
+
+    # Paired data: per batch of pairs, every chosen row, then every rejected row (TRL's order, read sequentially).
+    paired = load_test_dataset("standard_preference", split="train").select(range(3))
+    trainer = BCOTrainer(model_path, args=make_args(tmp_path / "paired"), train_dataset=paired)
+    assert list(trainer.train_dataset["label"]) == [True, True, True, False, False, False]
+    assert list(trainer.train_dataset["completion"]) == list(paired["chosen"]) + list(paired["rejected"])
+
+
+def test_logits_metric_sums_every_position_of_padded_batch(tmp_path, model_path, unpaired):
+    """`logits/<class>`: per example, the sum of the full logits over the vocabulary and over every position of the
+    right-padded batch (prompt and padding included), averaged over the class's examples of the logging interval."""
+    data = unpaired["train"].select(range(8))
+    args = make_args(tmp_path, max_steps=1, logging_steps=1, gradient_accumulation_steps=2)
+    trainer = BCOTrainer(model_path, args=args, train_dataset=data)
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    per_example, labels = [], []
+    for start in (0, 4):  # the two micro-batches of the step, in dataset order
+        rows = [data[i] for i in range(start, start + 4)]
+        prompts = [trainer.processing_class(row["prompt"])["input_ids"] for row in rows]
+        sequences = [
+            trainer.processing_class(row["prompt"] + row["completion"])["input_ids"]
+            + [trainer.processing_class.eos_token_id]
+            for row in rows
+        ]
+        assert all(seq[: len(p)] == p for seq, p in zip(sequences, prompts))
+        width = max(len(seq) for seq in sequences)
+        pad = trainer.processing_class.pad_token_id
+        input_ids = torch.tensor([seq + [pad] * (width - len(seq)) for seq in sequences])
+        attention_mask = torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in sequences])
+        assert (attention_mask == 0).any()  # padding positions are part of the sum
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.double()
+        per_example.append(logits.sum(dim=(1, 2)))
+        labels += [row["label"] for row in rows]
+    per_example, labels = torch.cat(per_example), torch.tensor(labels)
+    assert labels.any() and (~labels).any()
+    trainer.train()
+    log = trainer.state.log_history[0]
+    assert log["logits/chosen"] == pytest.approx(per_example[labels].mean().item(), rel=1e-5)
+    assert log["logits/rejected"] == pytest.approx(per_example[~labels].mean().item(), rel=1e-5)
+
+    # `forward` returns the same per-example sums (policy == the untrained model here).
+    fresh = BCOTrainer(model_path, args=make_args(tmp_path / "fresh"), train_dataset=data)
+    batch = fresh.data_collator([fresh.train_dataset[i] for i in range(4)])
+    with torch.no_grad():
+        _, _, chosen_logits, rejected_logits = fresh.forward(fresh.model, batch)
+    expected = per_example[:4]
+    assert torch.allclose(chosen_logits.double(), expected[labels[:4]], rtol=1e-5)
+    assert torch.allclose(rejected_logits.double(), expected[~labels[:4]], rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -486,8 +486,11 @@ class _PreferenceTrainer(_BaseTrainer):
 
         return logits_statistics(logits, targets)
 
-    def _token_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor], layout: str, with_stats: bool):
-        """Per-token log-probs of the completion tokens of `inputs` (see `compute_sequence_token_logps`)."""
+    def _token_logps(
+        self, model: nn.Module, inputs: dict[str, torch.Tensor], layout: str, with_stats: bool, **forward_kwargs: Any
+    ):
+        """Per-token log-probs of the completion tokens of `inputs` (see `compute_sequence_token_logps`); extra
+        keyword arguments go to the model's forward."""
         from .utils import compute_sequence_token_logps
 
         return compute_sequence_token_logps(
@@ -500,6 +503,7 @@ class _PreferenceTrainer(_BaseTrainer):
             pad_to_multiple_of=getattr(self.args, "pad_to_multiple_of", None),
             compute_entropy=with_stats,
             logits_stats_fn=self._logits_stats if with_stats else None,
+            **forward_kwargs,
         )
 
     # ------------------------------------------------------------------------------------------------------------

@@ -463,29 +463,25 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         label: torch.Tensor,
         logps: torch.Tensor,
         rewards: torch.Tensor,
-        policy: PolicyPass,
+        example_logits: torch.Tensor,
         means: dict[str, torch.Tensor] | None = None,
-        token_metrics: bool = True,
         num_tokens: torch.Tensor | None = None,
     ) -> None:
-        """Store per-class sums and counts (averaged per class at log time) and the other batch metrics."""
+        """Store per-class sums and counts (averaged per class at log time) and the other batch metrics;
+        `example_logits` is the `(n,)` value each example contributes to `logits/<class>`."""
         chosen, rejected = label.float(), (~label).float()
-        mask = policy.target_mask.float()
-        example_logit = (policy.mean_logit.float() * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        example_logits = example_logits.float()
         sums = {
             "rewards/chosen_sum": (rewards * chosen).sum(),
             "rewards/rejected_sum": (rewards * rejected).sum(),
             "logps/chosen_sum": (logps * chosen).sum(),
             "logps/rejected_sum": (logps * rejected).sum(),
-            "logits/chosen_sum": (example_logit * chosen).sum(),
-            "logits/rejected_sum": (example_logit * rejected).sum(),
+            "logits/chosen_sum": (example_logits * chosen).sum(),
+            "logits/rejected_sum": (example_logits * rejected).sum(),
             "count/chosen": chosen.sum(),
             "count/rejected": rejected.sum(),
         }
-        ratios = {}
-        if token_metrics and policy.entropy is not None:
-            ratios["entropy"] = ((policy.entropy.float() * mask).sum(), mask.sum())
-        self._record_batch_metrics(mode, means=means, ratios=ratios, sums=sums, num_tokens=num_tokens)
+        self._record_batch_metrics(mode, means=means, sums=sums, num_tokens=num_tokens)
 
     def _record_class_metrics(
         self,

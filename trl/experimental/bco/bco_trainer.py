@@ -34,7 +34,7 @@ from transformers import (
 )
 from transformers.trainer_utils import EvalLoopOutput
 
-from ...data_utils import get_dataset_column_names
+from ...data_utils import get_dataset_column_names, is_conversational, maybe_apply_chat_template
 from ...import_utils import is_comet_available, is_sklearn_available, is_wandb_available
 from ...trainer.unpaired_preference_base import DataCollatorForUnpairedPreference, _UnpairedPreferenceTrainer
 from ...trainer.utils import (
@@ -42,6 +42,7 @@ from ...trainer.utils import (
     selective_log_softmax,
     use_adapter,
 )
+from ...trainer.utils.logprobs import summed_logits_from_hidden
 from .bco_config import BCOConfig
 
 
@@ -109,29 +110,80 @@ class RunningMoments:
         return moments
 
 
-class _TruncateCompletion:
-    """Keep the first `limit` completion tokens of an example (a picklable `Dataset.map` function)."""
+# Token columns of a prepared BCO dataset, in TRL 1.12's order (after its raw `prompt`, `completion`, `label`).
+_BCO_TOKEN_COLUMNS = (
+    "prompt_input_ids",
+    "prompt_attention_mask",
+    "answer_input_ids",
+    "answer_attention_mask",
+    "completion_input_ids",
+    "completion_attention_mask",
+    "completion_labels",
+)
+# Label of the prompt positions in `completion_labels`.
+_IGNORED_LABEL = -100
 
-    def __init__(self, limit: int):
-        self.limit = limit
 
-    def __call__(self, example: dict[str, Any]) -> dict[str, list[int]]:
-        return {"completion_ids": list(example["completion_ids"])[: self.limit]}
+class _ToBCOColumns:
+    """Turn a tokenized example (`prompt_ids`, `completion_ids`) into TRL 1.12's BCO columns (a picklable
+    `Dataset.map` function).
 
-
-class _EndCompletionWithEOS:
-    """Append the EOS token to a completion that does not end with it (a picklable `Dataset.map` function).
-
-    TRL's BCO ends every completion with EOS, also a chat-templated one whose template ends with a newline after its
-    end-of-turn token.
+    `answer_input_ids` is the tokenized completion, `completion_input_ids` the prompt followed by the completion ended
+    with EOS (also after a chat template's closing newline, as TRL's BCO does) and cut to `max_completion_length`
+    completion tokens, `completion_labels` the same with the prompt positions set to -100. A conversational example's
+    raw `prompt` / `completion` become the rendered chat-template text, as in TRL.
     """
 
-    def __init__(self, eos_token_id: int):
+    def __init__(self, processing_class: Any, eos_token_id: int | None, max_completion_length: int | None):
+        self.processing_class = processing_class
         self.eos_token_id = eos_token_id
+        self.max_completion_length = max_completion_length
 
-    def __call__(self, example: dict[str, Any]) -> dict[str, list[int]]:
-        ids = list(example["completion_ids"])
-        return {"completion_ids": ids if ids and ids[-1] == self.eos_token_id else ids + [self.eos_token_id]}
+    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
+        prompt = list(example["prompt_ids"])
+        completion = list(example["completion_ids"])
+        # Text completions are tokenized with EOS already; a chat-templated one is not.
+        ends_with_eos = self.eos_token_id is not None and completion[-1:] == [self.eos_token_id]
+        answer = completion[:-1] if ends_with_eos else completion
+        if self.eos_token_id is not None and not ends_with_eos:
+            completion = completion + [self.eos_token_id]
+        if self.max_completion_length is not None:
+            completion = completion[: self.max_completion_length]
+        out: dict[str, Any] = {}
+        if is_conversational({key: example[key] for key in ("prompt", "completion") if key in example}):
+            rendered = maybe_apply_chat_template(
+                {"prompt": example["prompt"], "completion": example["completion"]}, self.processing_class
+            )
+            out.update(prompt=rendered["prompt"], completion=rendered["completion"])
+        out.update(
+            prompt_input_ids=prompt,
+            prompt_attention_mask=[1] * len(prompt),
+            answer_input_ids=answer,
+            answer_attention_mask=[1] * len(answer),
+            completion_input_ids=prompt + completion,
+            completion_attention_mask=[1] * (len(prompt) + len(completion)),
+            completion_labels=[_IGNORED_LABEL] * len(prompt) + completion,
+        )
+        return out
+
+
+class _FromBCOColumns:
+    """Collator wrapper that feeds TRL's BCO columns (`prompt_input_ids`, `completion_input_ids`, ...) to a collator
+    of `prompt_ids` / `completion_ids` examples."""
+
+    def __init__(self, collator: Callable):
+        self.collator = collator
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        converted = []
+        for example in examples:
+            if "prompt_ids" not in example:
+                example = dict(example)
+                prompt = example["prompt_input_ids"]
+                example["prompt_ids"] = prompt
+                example["completion_ids"] = example["completion_input_ids"][len(prompt) :]
+            converted.append(example)
+        return self.collator(converted)
 
 
 class _WithUDMWeights:
@@ -216,6 +268,10 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
     """
 
     _tag_names = ["trl", "bco"]
+    # TRL 1.12's prepared datasets: the raw columns kept, paired data unpaired as all chosen rows then all rejected
+    # ones (per batch of 1000 pairs), read in that order.
+    _keep_raw_columns = True
+    _interleave_unpaired = False
     _name = "BCO"
     _template_file = "lm_model_card.md"
     _paper = {
@@ -312,12 +368,15 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
 
         # ---- Collator, layout ----------------------------------------------------------------------------------
         self.pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
-        self._layout = self._choose_layout(model, padding_free=False)
-        self._ref_layout = self._choose_layout(ref_model, padding_free=False) if ref_model is not None else None
+        # TRL's right-padded batches, not packed rows: the `logits/*` metrics sum over every position of the padded
+        # batch (padding included, whose hidden states depend on the model), and the reference must score in the
+        # same layout as the policy so that the rewards are exactly 0 while both are equal.
+        self._layout = "padded"
+        self._ref_layout = "padded" if ref_model is not None else None
         self._needs_kl = False
         if data_collator is None:
-            data_collator = DataCollatorForUnpairedPreference(
-                pad_token_id=self.pad_token_id, max_length=args.max_length
+            data_collator = _FromBCOColumns(
+                DataCollatorForUnpairedPreference(pad_token_id=self.pad_token_id, max_length=args.max_length)
             )
         self.embedding_func = embedding_func
         self.embedding_tokenizer = embedding_tokenizer
@@ -382,20 +441,28 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
                 "joblib`)."
             )
 
+    @staticmethod
+    def _is_prepared(dataset: Any) -> bool:
+        """Whether a dataset already holds TRL's BCO token columns (prepared by this trainer or by TRL 1.12)."""
+        columns = get_dataset_column_names(dataset) or []
+        return all(c in columns for c in ("label", *_BCO_TOKEN_COLUMNS))
+
     def _prepare_bco_dataset(self, dataset: Any, processing_class: Any, args: BCOConfig, name: str) -> Any:
+        """Tokenize (see `_prepare_dataset`), then write TRL 1.12's BCO columns: the raw `prompt`, `completion`,
+        `label` (and any other column of the input) followed by `_BCO_TOKEN_COLUMNS`."""
+        if self._is_prepared(dataset):
+            return dataset
         dataset = self._prepare_dataset(dataset, processing_class, args, name, kl_chunk_size=1)
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if tokenizer.eos_token_id is not None and "completion_ids" in get_dataset_column_names(dataset):
-            kwargs = {} if isinstance(dataset, IterableDataset) else {"desc": f"Ending completions of {name} with EOS"}
-            dataset = dataset.map(_EndCompletionWithEOS(tokenizer.eos_token_id), **kwargs)
-        if args.max_completion_length is not None:
-            limit = args.max_completion_length
-            kwargs = {} if isinstance(dataset, IterableDataset) else {"desc": f"Truncating completions of {name}"}
-            dataset = dataset.map(_TruncateCompletion(limit), **kwargs)
-        return dataset
+        kwargs = {} if isinstance(dataset, IterableDataset) else {"desc": f"Writing the BCO columns of {name}"}
+        return dataset.map(
+            _ToBCOColumns(processing_class, tokenizer.eos_token_id, args.max_completion_length),
+            remove_columns=["prompt_ids", "completion_ids"],
+            **kwargs,
+        )
 
     def _extra_signature_columns(self) -> list[str]:
-        return [_UDM_COLUMN]
+        return ["prompt_input_ids", "completion_input_ids", _UDM_COLUMN]
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         # TRL's BCO batches carry no `input_ids` key, so transformers counts no FLOPs there (`total_flos` is 0).
@@ -412,8 +479,8 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
     def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
         """A dataset given to `evaluate()`: prepared like the constructor's `eval_dataset` (tokenized, completions
         truncated, UDM weights attached); an already prepared one is returned unchanged."""
-        columns = get_dataset_column_names(dataset)
-        prepared = all(c in columns for c in ("prompt_ids", "completion_ids", "label"))
+        columns = get_dataset_column_names(dataset) or []
+        prepared = self._is_prepared(dataset)
         if prepared and (not self.match_underlying_distribution or _UDM_COLUMN in columns):
             return dataset
         dataset = self._prepare_bco_dataset(dataset, self.processing_class, self.args, name)
@@ -490,8 +557,8 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
         size = self.args.prompt_sample_size
         desirable = sorted(rng.sample(desirable, min(size, len(desirable))))
         undesirable = sorted(rng.sample(undesirable, min(size, len(undesirable))))
-        desirable_embeddings = self._embed_prompt_ids(dataset.select(desirable)["prompt_ids"])
-        undesirable_embeddings = self._embed_prompt_ids(dataset.select(undesirable)["prompt_ids"])
+        desirable_embeddings = self._embed_prompt_ids(dataset.select(desirable)["prompt_input_ids"])
+        undesirable_embeddings = self._embed_prompt_ids(dataset.select(undesirable)["prompt_input_ids"])
         features = torch.cat([desirable_embeddings, undesirable_embeddings]).numpy()
         targets = [1] * len(desirable) + [0] * len(undesirable)
         # Balanced classes: the classifier's odds then estimate p(x | desirable) / p(x | undesirable).
@@ -522,7 +589,7 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
         undesirable = [i for i, label in enumerate(labels) if not label]
         weights = [1.0] * len(labels)
         if undesirable:
-            embeddings = self._embed_prompt_ids(dataset.select(undesirable)["prompt_ids"])
+            embeddings = self._embed_prompt_ids(dataset.select(undesirable)["prompt_input_ids"])
             for index, weight in zip(undesirable, self._get_udm_weight(embeddings).tolist()):
                 weights[index] = weight
         return weights
@@ -598,21 +665,35 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
             return per_token.sum(-1) / mask.sum(-1).clamp(min=1)
         return per_token.sum(-1)
 
+    def _policy_logps_and_logit_sums(
+        self, model: nn.Module, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Policy pass over a collated batch.
+
+        Returns:
+            `(logps, logit_sums, outputs)`: the `(n,)` summed completion log-probs (with gradient); per example, the
+            sum of its logits over the vocabulary and over every position of the right-padded batch, prompt and
+            padding included (TRL 1.12's `logits/*` value), computed from the final hidden states without
+            full-vocabulary logits; and the model outputs.
+        """
+        result = self._token_logps(model, batch, self._layout, with_stats=False, output_hidden_states=True)
+        logps = self._sums(result.logps, self._target_mask(batch))
+        logit_sums = summed_logits_from_hidden(model, result.outputs.hidden_states[-1]).sum(dim=1)
+        return logps, logit_sums, result.outputs
+
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Policy pass over a collated batch.
 
         Returns:
             `(chosen_logps, rejected_logps, chosen_logits, rejected_logits)`: summed completion log-probs and the
-            mean completion logit of the desirable and of the undesirable examples, plus the router `aux_loss` as a
-            fifth element when the MoE loss is on.
+            summed logits (over the vocabulary and every position of the padded batch) of the desirable and of the
+            undesirable examples, plus the router `aux_loss` as a fifth element when the MoE loss is on.
         """
-        policy = self._policy_pass(model, batch)
+        logps, logit_sums, outputs = self._policy_logps_and_logit_sums(model, batch)
         label = batch["label"].bool()
-        mask = policy.target_mask.float()
-        mean_logits = (policy.mean_logit.float() * mask).sum(1) / mask.sum(1).clamp(min=1)
-        out = (policy.logps[label], policy.logps[~label], mean_logits[label], mean_logits[~label])
+        out = (logps[label], logps[~label], logit_sums[label], logit_sums[~label])
         if self._aux_loss_enabled:
-            out = (*out, getattr(policy.outputs, "aux_loss", None))
+            out = (*out, getattr(outputs, "aux_loss", None))
         return out
 
     # ------------------------------------------------------------------------------------------------------------
@@ -670,30 +751,28 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
             `(loss, outputs)` with `outputs = {"rewards": (n,), "label": (n,)}` in batch order.
         """
         label = batch["label"].bool()
-        policy = self._policy_pass(model, batch)
-        ref_logps = self._reference_logps(model, batch)["ref_logps"].to(policy.logps)
+        logps, logit_sums, outputs = self._policy_logps_and_logit_sums(model, batch)
+        ref_logps = self._reference_logps(model, batch)["ref_logps"].to(logps)
         weights = batch.get(_UDM_COLUMN)
         losses, chosen_rewards, rejected_rewards, delta = self.bco_loss(
-            policy.logps[label],
-            policy.logps[~label],
+            logps[label],
+            logps[~label],
             ref_logps[label],
             ref_logps[~label],
             do_train=train_eval == "train",
             rejected_weights=weights[~label] if weights is not None else None,
         )
         loss = losses.mean()
-        aux_loss = getattr(policy.outputs, "aux_loss", None) if self._aux_loss_enabled else None
+        aux_loss = getattr(outputs, "aux_loss", None) if self._aux_loss_enabled else None
         if aux_loss is not None:
             loss = loss + self._aux_loss_coef * aux_loss
-        rewards = torch.empty_like(policy.logps)
+        rewards = torch.empty_like(logps)
         rewards[label], rewards[~label] = chosen_rewards, rejected_rewards
         with torch.no_grad():
             means = {"delta": delta}
             if aux_loss is not None:
                 means["aux_loss"] = aux_loss.detach().float()
-            self._record_unpaired_metrics(
-                train_eval, label, policy.logps.detach(), rewards.detach(), policy, means=means, token_metrics=False
-            )
+            self._record_unpaired_metrics(train_eval, label, logps.detach(), rewards.detach(), logit_sums, means=means)
         return loss, {"rewards": rewards.detach(), "label": label}
 
     def compute_loss(

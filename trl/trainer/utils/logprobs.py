@@ -155,29 +155,44 @@ def mean_logits_from_hidden(model: nn.Module, hidden_states: torch.Tensor) -> to
     Returns:
         `(...)` float32 tensor: the mean logit at each position.
     """
+    return _reduce_logits_from_hidden(model, hidden_states, "mean")
+
+
+def summed_logits_from_hidden(model: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Sum over the vocabulary of the logits at every position, from the final hidden states, without the LM head.
+
+    [`mean_logits_from_hidden`] with `sum_v(W h + b) = h . sum_v(W) + sum(b)` (same arguments; the vocabulary is the
+    LM head's output size, the width of the model's logits). Returns the `(...)` float32 summed logits.
+    """
+    return _reduce_logits_from_hidden(model, hidden_states, "sum")
+
+
+def _reduce_logits_from_hidden(model: nn.Module, hidden_states: torch.Tensor, reduction: str) -> torch.Tensor:
+    """Mean or sum over the vocabulary of the logits at every position (see [`mean_logits_from_hidden`])."""
     target = getattr(model, "module", model)
     head = target.get_output_embeddings()
     config = getattr(target, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     weight = head.weight
+    reduce = torch.mean if reduction == "mean" else torch.sum
     with torch.no_grad():
         hidden = hidden_states.detach()
         softcap = getattr(text_config, "final_logit_softcapping", None)
         if softcap:
             flat = hidden.reshape(-1, hidden.shape[-1])
             rows = max(1, _STATS_CHUNK_BYTES // (4 * weight.shape[0]))
-            means = []
+            reduced = []
             for start in range(0, flat.shape[0], rows):
                 logits = head(flat[start : start + rows]).float()
-                means.append((torch.tanh(logits / softcap) * softcap).mean(dim=-1))
-            return torch.cat(means).reshape(hidden.shape[:-1])
-        mean = hidden.float() @ weight.float().mean(dim=0)
+                reduced.append(reduce(torch.tanh(logits / softcap) * softcap, dim=-1))
+            return torch.cat(reduced).reshape(hidden.shape[:-1])
+        out = hidden.float() @ reduce(weight.float(), dim=0)
         if getattr(head, "bias", None) is not None:
-            mean = mean + head.bias.float().mean()
+            out = out + reduce(head.bias.float())
         scale = getattr(text_config, "logit_scale", None)
         if isinstance(scale, (int, float)):
-            mean = mean * scale
+            out = out * scale
         divisor = getattr(text_config, "logits_scaling", None)
         if isinstance(divisor, (int, float)) and divisor:
-            mean = mean / divisor
-        return mean
+            out = out / divisor
+        return out
