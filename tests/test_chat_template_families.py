@@ -188,3 +188,51 @@ def test_module_strings(family):
     assert ctu.has_generation_markers(training) and not ctu.has_generation_markers(plain)
     for name in CONVERSATIONS:
         assert _render(plain, name)[0] == _render(training, name)[0]
+
+
+GEMMA4_ORIGINALS = ["gemma4", "gemma4_v2", "gemma4_v3", "gemma4_v4", "gemma4_v5"]
+
+
+@needs_originals
+@pytest.mark.parametrize("original", GEMMA4_ORIGINALS)
+def test_gemma4_is_recognised_without_training_variant(qwen, original):
+    qwen.chat_template = _original(original)
+    assert identify_family(qwen.chat_template, SPECIALS) is FAMILIES_BY_NAME["gemma4"]
+    with pytest.raises(ValueError, match="Gemma 4 template, for which TRL has no training variant"):
+        ctu.get_training_chat_template(qwen)
+    assert ctu.supports_tool_calling(qwen) is True
+    assert ctu.is_chat_template_prefix_preserving(qwen) is True
+
+
+@needs_originals
+def test_diffusion_gemma_is_not_taken_for_gemma4():
+    # Same turns and call syntax, but the answer after a tool result opens a new model turn.
+    assert identify_family(_original("diffusion_gemma"), SPECIALS) is not FAMILIES_BY_NAME["gemma4"]
+
+
+@needs_originals
+def test_gemma4_response_parsing(qwen):
+    qwen.chat_template = _original("gemma4_v5")
+    ctu.add_response_schema(qwen)
+    prompt = qwen.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)["input_ids"]
+
+    def parse(text):
+        return ctu.parse_response(qwen, qwen(text, add_special_tokens=False)["input_ids"], prefix=list(prompt))
+
+    assert parse("<|channel>thought\nHm.\n<channel|>Hello!<turn|>") == {
+        "role": "assistant",
+        "reasoning_content": "Hm.",
+        "content": "Hello!",
+    }
+    call = 'Sure.<|tool_call>call:get_weather{city:<|"|>Paris, "FR"<|"|>,days:3,opts:{hourly:true}}<tool_call|>'
+    parsed = parse(call + "<|tool_response>")
+    assert parsed["content"] == "Sure."
+    assert parsed["tool_calls"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "arguments": {"city": 'Paris, "FR"', "days": 3, "opts": {"hourly": True}},
+            },
+        }
+    ]

@@ -76,9 +76,24 @@ def _is_lfm2_5(renderings: list[str | None]) -> bool:
     return tool_call is not None and "<|im_start|>assistant\n<|tool_call_start|>[get_weather(" in tool_call
 
 
+def _is_gemma4(renderings: list[str | None]) -> bool:
+    # Gemma 4 templates write turns as "<|turn>ROLE\n...<turn|>" and calls as "<|tool_call>call:NAME{key:...}"; the
+    # answer after an inline tool response continues the model turn (Diffusion Gemma, which reads the same, opens a new
+    # one).
+    plain, tool_call, tool_result = renderings[0], renderings[3], renderings[9]
+    return (
+        plain is not None
+        and "<|turn>user\nHi<turn|>\n<|turn>model\nHello<turn|>" in plain
+        and tool_call is not None
+        and "<|turn>model\n<|tool_call>call:get_weather{" in tool_call
+        and tool_result is not None
+        and "<tool_response|><|turn>model\n" not in tool_result
+    )
+
+
 # Recognition probe indices (see `recognition.PROBES`): 0 user/assistant, 1 with system, 2 generation prompt,
 # 3 tool call with dict arguments, 4 tool call with JSON-string arguments, 5 text parts, 6 image + generation prompt,
-# 7 empty system message, 8 reasoning content. Families that share probe renderings are told apart by markers in
+# 7 empty system message, 8 reasoning content, 9 tool result then answer (read by `detect` only). Families that share probe renderings are told apart by markers in
 # the template source (Nemotron 3 Super / Ultra read `low_effort` / `medium_effort`), so they come first.
 FAMILIES: tuple[Family, ...] = (
     Family("qwen2_5", "Qwen2.5", ("<|im_start|>",), schema=schemas.CHATML_REASONING_SCHEMA),
@@ -111,6 +126,14 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family("gemma", "Gemma", ("<start_of_turn>",)),
     Family("gemma3", "Gemma 3", ("<start_of_turn>",)),
+    Family(
+        "gemma4",
+        "Gemma 4",
+        ("<|turn>", "<|tool_call>"),
+        has_training=False,
+        schema=schemas.GEMMA4_SCHEMA,
+        detect=_is_gemma4,
+    ),
     Family("phi3", "Phi-3", ("<|assistant|>",)),
     Family("phi3_5", "Phi-3.5", ("<|assistant|>",)),
     # The original needs tool-call arguments as a JSON string and fails on dicts; the training variant serialises
