@@ -204,6 +204,52 @@ def test_gemma4_is_recognised_without_training_variant(qwen, original):
     assert ctu.is_chat_template_prefix_preserving(qwen) is True
 
 
+WITHOUT_SCHEMA = ["muse_glimmer"]
+
+
+@needs_originals
+@pytest.mark.parametrize("original", WITHOUT_SCHEMA)
+def test_tool_families_without_response_schema(qwen, original):
+    # Training variant and tool calls, but TRL parses none of their completions.
+    qwen.chat_template = _original(original)
+    assert ctu.get_training_chat_template(qwen) == FAMILIES_BY_NAME[original].training_template
+    assert ctu.supports_tool_calling(qwen) is True
+    assert ctu.is_chat_template_prefix_preserving(qwen) is True
+    assert ctu.is_chat_template_stop_token_trained(qwen) is False
+    with pytest.raises(ValueError, match=f"there is none for {FAMILIES_BY_NAME[original].title} templates"):
+        ctu.add_response_schema(qwen)
+
+
+def test_muse_glimmer_masks_whole_assistant_messages():
+    # Reasoning (to=self), each call (to=NAME) and the answer (to=user) are learned from their "<|start|>" header on.
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Look it up.",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"days": 2}}}],
+        },
+        {"role": "tool", "content": "Sunny"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    texts, spans = render_jinja_template(
+        conversations=[messages],
+        chat_template=FAMILIES_BY_NAME["muse_glimmer"].training_template,
+        return_assistant_tokens_mask=True,
+        current_date="2026-01-01",
+    )
+    text = texts[0]
+    assert [text[start:end] for start, end in spans[0]] == [
+        "<|start|>assistant to=self<|message|>Look it up.<|eom|><|start|>assistant to=get_weather<|message|>"
+        '<atem:function_calls>\n<atem:invoke name="get_weather">\n<atem:parameter name="days">2</atem:parameter>\n'
+        "</atem:invoke>\n</atem:function_calls><|eot|>",
+        "<|start|>assistant to=user<|message|>Sunny.<|eot|>",
+    ]
+    # A tool message without a name is named after the call's id, here absent.
+    assert '<|start|>tool <|message|><tool_output name="">\nSunny\n</tool_output><|eot|>' in text
+
+
 @needs_originals
 def test_diffusion_gemma_is_not_taken_for_gemma4():
     # Same turns and call syntax, but the answer after a tool result opens a new model turn.

@@ -126,6 +126,8 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family("gemma", "Gemma", ("<start_of_turn>",)),
     Family("gemma3", "Gemma 3", ("<start_of_turn>",)),
+    # ATEM protocol: harmony-like "<|start|>assistant to=NAME<|message|>" messages, calls in "<atem:function_calls>".
+    Family("muse_glimmer", "Muse Glimmer", ("<|start|>", "<atem:function_calls>")),
     Family(
         "gemma4",
         "Gemma 4",

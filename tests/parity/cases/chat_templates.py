@@ -78,6 +78,7 @@ FAMILIES = [
     "gemma4_v3",
     "gemma4_v4",
     "gemma4_v5",
+    "muse_glimmer",
 ]
 WITH_SCHEMA = [
     "qwen2_5",
@@ -97,6 +98,8 @@ WITH_SCHEMA = [
 ]
 # Gemma 4: response schema only (TRL has no training variant for it).
 GEMMA4 = ["gemma4", "gemma4_v2", "gemma4_v3", "gemma4_v4", "gemma4_v5"]
+# Training variant and tool calls, but no response schema in TRL.
+WITHOUT_SCHEMA = ["muse_glimmer"]
 
 
 def _tokenizer(ctx, family: str):
@@ -205,6 +208,13 @@ def _parsing(ctx, family: str, completions: list[str] = _COMPLETIONS) -> dict:
     return out
 
 
+def _no_schema(ctx, family: str) -> dict:
+    from trl import add_response_schema
+
+    tok = _tokenizer(ctx, family)
+    return expect_error(lambda: add_response_schema(tok))
+
+
 def _sft_labels(ctx, family: str) -> dict:
     from datasets import Dataset
 
@@ -231,5 +241,7 @@ for _family in WITH_SCHEMA:
     register(f"chat_templates/parse/{_family}", partial(_parsing, family=_family))
 for _family in GEMMA4:
     register(f"chat_templates/parse/{_family}", partial(_parsing, family=_family, completions=_GEMMA4_COMPLETIONS))
-for _family in ("qwen3", "gemma3"):
+for _family in WITHOUT_SCHEMA:
+    register(f"chat_templates/parse/{_family}", partial(_no_schema, family=_family), ("failed to add response schema",))
+for _family in ("qwen3", "gemma3", *WITHOUT_SCHEMA):
     register(f"chat_templates/sft/{_family}", partial(_sft_labels, family=_family))
