@@ -242,6 +242,8 @@ for _family in WITH_SCHEMA:
 for _family in GEMMA4:
     register(f"chat_templates/parse/{_family}", partial(_parsing, family=_family, completions=_GEMMA4_COMPLETIONS))
 for _family in WITHOUT_SCHEMA:
-    register(f"chat_templates/parse/{_family}", partial(_no_schema, family=_family), ("failed to add response schema",))
+    register(
+        f"chat_templates/parse/{_family}", partial(_no_schema, family=_family), ("failed to add response schema",)
+    )
 for _family in ("qwen3", "gemma3", *WITHOUT_SCHEMA):
     register(f"chat_templates/sft/{_family}", partial(_sft_labels, family=_family))
