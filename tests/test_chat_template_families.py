@@ -204,7 +204,7 @@ def test_gemma4_is_recognised_without_training_variant(qwen, original):
     assert ctu.is_chat_template_prefix_preserving(qwen) is True
 
 
-WITHOUT_SCHEMA = ["muse_glimmer"]
+WITHOUT_SCHEMA = ["muse_glimmer", "diffusion_gemma"]
 
 
 @needs_originals
@@ -251,9 +251,40 @@ def test_muse_glimmer_masks_whole_assistant_messages():
 
 
 @needs_originals
-def test_diffusion_gemma_is_not_taken_for_gemma4():
-    # Same turns and call syntax, but the answer after a tool result opens a new model turn.
-    assert identify_family(_original("diffusion_gemma"), SPECIALS) is not FAMILIES_BY_NAME["gemma4"]
+def test_diffusion_gemma_and_gemma4_are_told_apart():
+    # Same turns and call syntax, but the answer after a tool result opens a new model turn: the tool-result probe,
+    # which Diffusion Gemma compares on top of the common ones, is what separates them.
+    assert identify_family(_original("diffusion_gemma"), SPECIALS) is FAMILIES_BY_NAME["diffusion_gemma"]
+    for original in GEMMA4_ORIGINALS:
+        assert identify_family(_original(original), SPECIALS) is FAMILIES_BY_NAME["gemma4"]
+
+
+def test_diffusion_gemma_masks_model_parts_only():
+    # Thought, calls, text and the closing "<turn|>" are learned; the tool results written inside the model turn and
+    # the "<|turn>model" headers are not.
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Look.", "tool_calls": [call]},
+        {"role": "tool", "name": "get_weather", "content": "Sunny"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    texts, spans = render_jinja_template(
+        conversations=[messages],
+        chat_template=FAMILIES_BY_NAME["diffusion_gemma"].training_template,
+        return_assistant_tokens_mask=True,
+    )
+    assert texts[0] == (
+        "<|turn>user\nWeather?<turn|>\n<|turn>model\n<|channel>thought\nLook.\n<channel|>"
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+        '<|tool_response>response:get_weather{value:<|"|>Sunny<|"|>}<tool_response|><|turn>model\nSunny.<turn|>\n'
+    )
+    assert [texts[0][start:end] for start, end in spans[0] if end > start] == [
+        "<|channel>thought\nLook.\n<channel|>",
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
+        "Sunny.",
+        "<turn|>\n",
+    ]
 
 
 @needs_originals

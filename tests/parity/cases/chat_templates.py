@@ -79,6 +79,7 @@ FAMILIES = [
     "gemma4_v4",
     "gemma4_v5",
     "muse_glimmer",
+    "diffusion_gemma",
 ]
 WITH_SCHEMA = [
     "qwen2_5",
@@ -99,7 +100,7 @@ WITH_SCHEMA = [
 # Gemma 4: response schema only (TRL has no training variant for it).
 GEMMA4 = ["gemma4", "gemma4_v2", "gemma4_v3", "gemma4_v4", "gemma4_v5"]
 # Training variant and tool calls, but no response schema in TRL.
-WITHOUT_SCHEMA = ["muse_glimmer"]
+WITHOUT_SCHEMA = ["muse_glimmer", "diffusion_gemma"]
 
 
 def _tokenizer(ctx, family: str):
