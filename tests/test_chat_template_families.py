@@ -188,3 +188,128 @@ def test_module_strings(family):
     assert ctu.has_generation_markers(training) and not ctu.has_generation_markers(plain)
     for name in CONVERSATIONS:
         assert _render(plain, name)[0] == _render(training, name)[0]
+
+
+GEMMA4_ORIGINALS = ["gemma4", "gemma4_v2", "gemma4_v3", "gemma4_v4", "gemma4_v5"]
+
+
+@needs_originals
+@pytest.mark.parametrize("original", GEMMA4_ORIGINALS)
+def test_gemma4_is_recognised_without_training_variant(qwen, original):
+    qwen.chat_template = _original(original)
+    assert identify_family(qwen.chat_template, SPECIALS) is FAMILIES_BY_NAME["gemma4"]
+    with pytest.raises(ValueError, match="Gemma 4 template, for which TRL has no training variant"):
+        ctu.get_training_chat_template(qwen)
+    assert ctu.supports_tool_calling(qwen) is True
+    assert ctu.is_chat_template_prefix_preserving(qwen) is True
+
+
+WITHOUT_SCHEMA = ["muse_glimmer", "diffusion_gemma"]
+
+
+@needs_originals
+@pytest.mark.parametrize("original", WITHOUT_SCHEMA)
+def test_tool_families_without_response_schema(qwen, original):
+    # Training variant and tool calls, but TRL parses none of their completions.
+    qwen.chat_template = _original(original)
+    assert ctu.get_training_chat_template(qwen) == FAMILIES_BY_NAME[original].training_template
+    assert ctu.supports_tool_calling(qwen) is True
+    assert ctu.is_chat_template_prefix_preserving(qwen) is True
+    assert ctu.is_chat_template_stop_token_trained(qwen) is False
+    with pytest.raises(ValueError, match=f"there is none for {FAMILIES_BY_NAME[original].title} templates"):
+        ctu.add_response_schema(qwen)
+
+
+def test_muse_glimmer_masks_whole_assistant_messages():
+    # Reasoning (to=self), each call (to=NAME) and the answer (to=user) are learned from their "<|start|>" header on.
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "reasoning_content": "Look it up.",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"days": 2}}}],
+        },
+        {"role": "tool", "content": "Sunny"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    texts, spans = render_jinja_template(
+        conversations=[messages],
+        chat_template=FAMILIES_BY_NAME["muse_glimmer"].training_template,
+        return_assistant_tokens_mask=True,
+        current_date="2026-01-01",
+    )
+    text = texts[0]
+    assert [text[start:end] for start, end in spans[0]] == [
+        "<|start|>assistant to=self<|message|>Look it up.<|eom|><|start|>assistant to=get_weather<|message|>"
+        '<atem:function_calls>\n<atem:invoke name="get_weather">\n<atem:parameter name="days">2</atem:parameter>\n'
+        "</atem:invoke>\n</atem:function_calls><|eot|>",
+        "<|start|>assistant to=user<|message|>Sunny.<|eot|>",
+    ]
+    # A tool message without a name is named after the call's id, here absent.
+    assert '<|start|>tool <|message|><tool_output name="">\nSunny\n</tool_output><|eot|>' in text
+
+
+@needs_originals
+def test_diffusion_gemma_and_gemma4_are_told_apart():
+    # Same turns and call syntax, but the answer after a tool result opens a new model turn: the tool-result probe,
+    # which Diffusion Gemma compares on top of the common ones, is what separates them.
+    assert identify_family(_original("diffusion_gemma"), SPECIALS) is FAMILIES_BY_NAME["diffusion_gemma"]
+    for original in GEMMA4_ORIGINALS:
+        assert identify_family(_original(original), SPECIALS) is FAMILIES_BY_NAME["gemma4"]
+
+
+def test_diffusion_gemma_masks_model_parts_only():
+    # Thought, calls, text and the closing "<turn|>" are learned; the tool results written inside the model turn and
+    # the "<|turn>model" headers are not.
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Look.", "tool_calls": [call]},
+        {"role": "tool", "name": "get_weather", "content": "Sunny"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    texts, spans = render_jinja_template(
+        conversations=[messages],
+        chat_template=FAMILIES_BY_NAME["diffusion_gemma"].training_template,
+        return_assistant_tokens_mask=True,
+    )
+    assert texts[0] == (
+        "<|turn>user\nWeather?<turn|>\n<|turn>model\n<|channel>thought\nLook.\n<channel|>"
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+        '<|tool_response>response:get_weather{value:<|"|>Sunny<|"|>}<tool_response|><|turn>model\nSunny.<turn|>\n'
+    )
+    assert [texts[0][start:end] for start, end in spans[0] if end > start] == [
+        "<|channel>thought\nLook.\n<channel|>",
+        '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
+        "Sunny.",
+        "<turn|>\n",
+    ]
+
+
+@needs_originals
+def test_gemma4_response_parsing(qwen):
+    qwen.chat_template = _original("gemma4_v5")
+    ctu.add_response_schema(qwen)
+    prompt = qwen.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)["input_ids"]
+
+    def parse(text):
+        return ctu.parse_response(qwen, qwen(text, add_special_tokens=False)["input_ids"], prefix=list(prompt))
+
+    assert parse("<|channel>thought\nHm.\n<channel|>Hello!<turn|>") == {
+        "role": "assistant",
+        "reasoning_content": "Hm.",
+        "content": "Hello!",
+    }
+    call = 'Sure.<|tool_call>call:get_weather{city:<|"|>Paris, "FR"<|"|>,days:3,opts:{hourly:true}}<tool_call|>'
+    parsed = parse(call + "<|tool_response>")
+    assert parsed["content"] == "Sure."
+    assert parsed["tool_calls"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "arguments": {"city": 'Paris, "FR"', "days": 3, "opts": {"hourly": True}},
+            },
+        }
+    ]

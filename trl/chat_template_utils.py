@@ -304,9 +304,7 @@ def add_response_schema(
     template = _require_template(processing_class, "add_response_schema")
     family = _identify_family(processing_class, template)
     if family is None or family.schema is None:
-        found = (
-            f"{family.title} templates emit no tool calls TRL parses" if family else "the template is not recognised"
-        )
+        found = f"there is none for {family.title} templates" if family else "the template is not recognised"
         supported = ", ".join(f.title for f in _MODEL_FAMILIES if f.schema is not None)
         raise ValueError(
             f"Unrecognized chat template, failed to add response schema: {found}. TRL has response schemas for: "

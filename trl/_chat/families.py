@@ -35,6 +35,8 @@ class Family:
             from the family's original template (so they cannot be used to recognise it).
         probe_aliases: Candidate probe index -> training-variant probe index to compare it with, where the variant
             renders an input the way the original renders another one.
+        extra_probes: Probes past `recognition.COMPARED_PROBES` also compared with the training variant, where only
+            they tell the family apart from another one.
         trailing_stops: Texts the training variant may append after a conversation's last assistant turn (stop
             tokens the original leaves out); ignored when comparing renderings.
         detect: For families without a training variant: a predicate on the probe renderings (None where a probe
@@ -48,6 +50,7 @@ class Family:
     schema: dict[str, Any] | None = None
     ignored_probes: tuple[int, ...] = field(default_factory=tuple)
     probe_aliases: dict[int, int] = field(default_factory=dict)
+    extra_probes: tuple[int, ...] = ()
     trailing_stops: tuple[str, ...] = ()
     detect: Callable[[list[str | None]], bool] | None = None
 
@@ -76,10 +79,26 @@ def _is_lfm2_5(renderings: list[str | None]) -> bool:
     return tool_call is not None and "<|im_start|>assistant\n<|tool_call_start|>[get_weather(" in tool_call
 
 
+def _is_gemma4(renderings: list[str | None]) -> bool:
+    # Gemma 4 templates write turns as "<|turn>ROLE\n...<turn|>" and calls as "<|tool_call>call:NAME{key:...}"; the
+    # answer after an inline tool response continues the model turn (Diffusion Gemma, which reads the same, opens a new
+    # one).
+    plain, tool_call, tool_result = renderings[0], renderings[3], renderings[9]
+    return (
+        plain is not None
+        and "<|turn>user\nHi<turn|>\n<|turn>model\nHello<turn|>" in plain
+        and tool_call is not None
+        and "<|turn>model\n<|tool_call>call:get_weather{" in tool_call
+        and tool_result is not None
+        and "<tool_response|><|turn>model\n" not in tool_result
+    )
+
+
 # Recognition probe indices (see `recognition.PROBES`): 0 user/assistant, 1 with system, 2 generation prompt,
 # 3 tool call with dict arguments, 4 tool call with JSON-string arguments, 5 text parts, 6 image + generation prompt,
-# 7 empty system message, 8 reasoning content. Families that share probe renderings are told apart by markers in
-# the template source (Nemotron 3 Super / Ultra read `low_effort` / `medium_effort`), so they come first.
+# 7 empty system message, 8 reasoning content, 9 tool result then answer (read by `detect`, compared only for families
+# listing it in `extra_probes`). Families that share probe renderings are told apart by markers in the template source
+# (Nemotron 3 Super / Ultra read `low_effort` / `medium_effort`), so they come first.
 FAMILIES: tuple[Family, ...] = (
     Family("qwen2_5", "Qwen2.5", ("<|im_start|>",), schema=schemas.CHATML_REASONING_SCHEMA),
     # The original drops the think block of turns before the last user query; the text-parts probe is such a case.
@@ -111,6 +130,19 @@ FAMILIES: tuple[Family, ...] = (
     ),
     Family("gemma", "Gemma", ("<start_of_turn>",)),
     Family("gemma3", "Gemma 3", ("<start_of_turn>",)),
+    # Gemma 4's turns and calls, but the answer after a tool result opens a new model turn: only the tool-result probe
+    # tells it apart from Gemma 4, so that probe is compared too.
+    Family("diffusion_gemma", "Diffusion Gemma", ("<|turn>", "<|tool_call>"), extra_probes=(9,)),
+    # ATEM protocol: harmony-like "<|start|>assistant to=NAME<|message|>" messages, calls in "<atem:function_calls>".
+    Family("muse_glimmer", "Muse Glimmer", ("<|start|>", "<atem:function_calls>")),
+    Family(
+        "gemma4",
+        "Gemma 4",
+        ("<|turn>", "<|tool_call>"),
+        has_training=False,
+        schema=schemas.GEMMA4_SCHEMA,
+        detect=_is_gemma4,
+    ),
     Family("phi3", "Phi-3", ("<|assistant|>",)),
     Family("phi3_5", "Phi-3.5", ("<|assistant|>",)),
     # The original needs tool-call arguments as a JSON string and fails on dicts; the training variant serialises

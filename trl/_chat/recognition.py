@@ -61,7 +61,20 @@ PROBES: tuple[tuple[list[dict[str, Any]], dict[str, Any]], ...] = (
     ),
     ([{"role": "system", "content": ""}, _USER, _ASSISTANT], {}),
     ([_USER, {"role": "assistant", "content": "Hello", "reasoning_content": "Think"}], {}),
+    # Read by `Family.detect` predicates and by families listing it in `extra_probes`: a tool result followed by the
+    # answer (Gemma 4 continues the model turn, Diffusion Gemma opens a new one).
+    (
+        [
+            _USER,
+            {"role": "assistant", "content": "", "tool_calls": _call({"city": "Paris"})},
+            {"role": "tool", "name": "get_weather", "content": "Sunny"},
+            {"role": "assistant", "content": "It is sunny."},
+        ],
+        {"tools": [_WEATHER_TOOL]},
+    ),
 )
+# Probes compared with every training variant (the others feed `Family.detect` and `Family.extra_probes`).
+COMPARED_PROBES = 9
 
 
 def _render(
@@ -104,7 +117,7 @@ def _matches(family: Family, template: str, specials: tuple[tuple[str, str], ...
     if family.detect is not None:
         return family.detect(list(candidate))
     reference = _renderings(family.training_template, specials)
-    compared = [i for i in range(len(PROBES)) if i not in family.ignored_probes]
+    compared = [i for i in range(COMPARED_PROBES) if i not in family.ignored_probes] + list(family.extra_probes)
     # At least one probe must render: two templates failing on everything tell nothing apart.
     pairs = [(candidate[i], _strip_stop(reference[family.probe_aliases.get(i, i)], family)) for i in compared]
     return any(ref is not None for _, ref in pairs) and all(cand == ref for cand, ref in pairs)

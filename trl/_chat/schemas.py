@@ -174,3 +174,24 @@ NEMOTRON_3_SCHEMA: dict[str, Any] = {
         },
     },
 }
+
+# Gemma 4: an optional thought channel ("<|channel>thought\n...<channel|>"), the answer, and calls
+# "<|tool_call>call:NAME{key:<|"|>text<|"|>,n:3}<tool_call|>" (bare keys, strings between '<|"|>' delimiters). The turn
+# ends with "<turn|>", or with "<|tool_response>" after calls. A completion continuing after a tool result starts at
+# "<tool_response|>" instead of the "<|turn>model\n" of the prompt.
+GEMMA4_SCHEMA: dict[str, Any] = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": ["<|turn>model\n", "<tool_response|>"],
+    "fields": {
+        "reasoning_content": {"open": "<|channel>thought\n", "close": "<channel|>", "content": "text"},
+        "tool_calls": {
+            "open_pattern": r"<\|tool_call>call:(?P<name>[^{<\s]+)",
+            "close": "<tool_call|>",
+            "repeats": True,
+            "content": "json",
+            "content_args": {"unquoted_keys": True, "string_delims": [['<|"|>', '<|"|>']]},
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {"close": ["<turn|>", "<|tool_response>", "<eos>"], "content": "text"},
+    },
+}

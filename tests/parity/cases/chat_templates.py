@@ -73,6 +73,13 @@ FAMILIES = [
     "nemotron_3_super",
     "nemotron_3_ultra",
     "nemotron_3_5_lightning",
+    "gemma4",
+    "gemma4_v2",
+    "gemma4_v3",
+    "gemma4_v4",
+    "gemma4_v5",
+    "muse_glimmer",
+    "diffusion_gemma",
 ]
 WITH_SCHEMA = [
     "qwen2_5",
@@ -90,6 +97,10 @@ WITH_SCHEMA = [
     "qwen3_vl",
     "nemotron_3_nano",
 ]
+# Gemma 4: response schema only (TRL has no training variant for it).
+GEMMA4 = ["gemma4", "gemma4_v2", "gemma4_v3", "gemma4_v4", "gemma4_v5"]
+# Training variant and tool calls, but no response schema in TRL.
+WITHOUT_SCHEMA = ["muse_glimmer", "diffusion_gemma"]
 
 
 def _tokenizer(ctx, family: str):
@@ -165,7 +176,21 @@ _COMPLETIONS = [
 ]
 
 
-def _parsing(ctx, family: str) -> dict:
+_GEMMA4_COMPLETIONS = [
+    "Plain answer.<turn|>",
+    "<|channel>thought\nLet me think.\n<channel|>Hello there.<turn|>",
+    'Sure.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3,hourly:true}<tool_call|><|tool_response>',
+    '<|tool_call>call:get_weather{city:<|"|>Rome<|"|>}<tool_call|><|tool_call>call:get_time{tz:<|"|>Asia/Tokyo<|"|>}'
+    "<tool_call|><|tool_response>",
+    '<|channel>thought\nNeed weather.<channel|><|tool_call>call:get_weather{city:<|"|>Paris, "FR"<|"|>,'
+    'opts:{units:<|"|>metric<|"|>,list:[1,2]}}<tool_call|><|tool_response>',
+    "Answer without end",
+    "<|turn>model\nHello again.<turn|>",
+    "Done.<eos>",
+]
+
+
+def _parsing(ctx, family: str, completions: list[str] = _COMPLETIONS) -> dict:
     from trl import add_response_schema
     from trl.chat_template_utils import parse_response
 
@@ -175,13 +200,20 @@ def _parsing(ctx, family: str) -> dict:
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True, return_dict=True
     )["input_ids"]
     out = {}
-    for i, text in enumerate(_COMPLETIONS):
+    for i, text in enumerate(completions):
         ids = tok(text, add_special_tokens=False)["input_ids"]
         out[str(i)] = {
             "with_prefix": expect_error(lambda ids=ids: parse_response(tok, ids, prefix=list(prompt))),
             "without_prefix": expect_error(lambda ids=ids: parse_response(tok, ids)),
         }
     return out
+
+
+def _no_schema(ctx, family: str) -> dict:
+    from trl import add_response_schema
+
+    tok = _tokenizer(ctx, family)
+    return expect_error(lambda: add_response_schema(tok))
 
 
 def _sft_labels(ctx, family: str) -> dict:
@@ -203,10 +235,16 @@ def _sft_labels(ctx, family: str) -> dict:
 
 
 for _family in FAMILIES:
-    phrases = ("not training-compatible",) if _family in ("llama3_1", "llama3_2") else ()
+    phrases = ("not training-compatible",) if _family in ("llama3_1", "llama3_2", *GEMMA4) else ()
     register(f"chat_templates/training/{_family}", partial(_training, family=_family), phrases)
     register(f"chat_templates/inspection/{_family}", partial(_inspection, family=_family))
 for _family in WITH_SCHEMA:
     register(f"chat_templates/parse/{_family}", partial(_parsing, family=_family))
-for _family in ("qwen3", "gemma3"):
+for _family in GEMMA4:
+    register(f"chat_templates/parse/{_family}", partial(_parsing, family=_family, completions=_GEMMA4_COMPLETIONS))
+for _family in WITHOUT_SCHEMA:
+    register(
+        f"chat_templates/parse/{_family}", partial(_no_schema, family=_family), ("failed to add response schema",)
+    )
+for _family in ("qwen3", "gemma3", *WITHOUT_SCHEMA):
     register(f"chat_templates/sft/{_family}", partial(_sft_labels, family=_family))
