@@ -41,7 +41,9 @@ class ScriptedReplies:
     def __init__(self, trainer, reply):
         self.tokenizer = trainer.processing_class
         self.reply = reply
-        self.start = self.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        # Token sequences that open an assistant turn (a template may continue a turn after a tool result with
+        # another marker than the generation prompt's).
+        self.starts = [self.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]]
         self.eos = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.rows = None
         self.active = False
@@ -64,11 +66,16 @@ class ScriptedReplies:
                 row.append(token)
 
     def _next_token(self, context):
-        n = len(self.start)
-        starts = [i for i in range(len(context) - n + 1) if context[i : i + n] == self.start]
-        generated = context[starts[-1] + n :]
+        starts = sorted(
+            (i, len(start))
+            for start in self.starts
+            for i in range(len(context) - len(start) + 1)
+            if context[i : i + len(start)] == start
+        )
+        position, length = starts[-1]
+        generated = context[position + length :]
         turn = len(starts) - 1
-        text = self.reply(self.tokenizer.decode(context[: starts[0]]), turn)
+        text = self.reply(self.tokenizer.decode(context[: starts[0][0]]), turn)
         script = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos]
         return script[len(generated)] if len(generated) < len(script) else self.eos
 
