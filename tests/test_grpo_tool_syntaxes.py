@@ -158,7 +158,6 @@ def test_tool_loop_per_syntax(tmp_path, syntax):
 
     assert calls == [(3, 4)] * 4  # parsed with the family's schema, text arguments cast to the declared types
     (record,) = recorder.calls
-    print(tokenizer.decode(trainer._buffered_inputs[0]["completion_ids"][0]))
     for conversation in record["completions"]:
         first_turn, tool_result, answer = conversation
         assert first_turn["tool_calls"] == [
@@ -180,3 +179,35 @@ def test_tool_loop_per_syntax(tmp_path, syntax):
     logged = train_log(trainer)
     assert logged["tools/call_frequency"] == 1.0
     assert logged["tools/failure_frequency"] == 0.0
+
+
+class _LazyStopTemplate:
+    """A processing class whose template writes the end of an assistant turn ("<|obs|>") only when a message
+    follows, and whose last turn's content already holds that token."""
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, **kwargs):
+        text = "".join(
+            f"<|{m['role']}|>{m['content']}" + ("<|obs|>" if m["role"] == "assistant" else "") for m in messages
+        )
+        if messages[-1]["role"] == "assistant":
+            text = text[: -len("<|obs|>")]
+        return text + ("<|assistant|>" if add_generation_prompt else "")
+
+
+def test_tool_glue_with_an_end_of_turn_written_only_before_the_next_message():
+    from types import SimpleNamespace
+
+    from trl.trainer.tool_calling import _ToolCallingMixin
+
+    trainer = SimpleNamespace(processing_class=_LazyStopTemplate(), chat_template_kwargs={})
+    conversation = [{"role": "assistant", "content": "<|obs|>call"}]
+    glue = _ToolCallingMixin._tool_glue_text(
+        trainer,
+        [{"role": "user", "content": "q"}],
+        conversation,
+        [{"role": "tool", "content": "12"}],
+        [],
+        {},
+        "<|obs|>",
+    )
+    assert glue == "<|tool|>12<|assistant|>"  # not the turn's text after the "<|obs|>" of its content

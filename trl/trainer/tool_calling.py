@@ -506,9 +506,14 @@ class _ToolCallingMixin:
                 "a template where appending messages only appends text (see "
                 "`trl.chat_template_utils.is_chat_template_prefix_preserving`)."
             )
+        added = after[len(before) :]
+        if end_token and added.startswith(end_token):
+            # The template writes the end of a turn only once another message follows (GLM-4-MoE's original): the
+            # completion already holds it. (An earlier occurrence in `before`, e.g. in the content, is not that end.)
+            return added[len(end_token) :]
         position = before.rfind(end_token) if end_token else -1
         tail = before[position + len(end_token) :] if position >= 0 else ""
-        return tail + after[len(before) :]
+        return tail + added
 
     def _execute_tool_calls(
         self, calls_per_row: list[list[dict[str, Any]]], tool_maps: list[dict[str, Callable]]
