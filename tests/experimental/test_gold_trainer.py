@@ -348,6 +348,31 @@ def test_on_policy_batches_are_realigned_and_logged(tmp_path, model_path, conver
         assert offsets[labels != -100][-1, 1].item() == len(text.encode())
 
 
+def test_num_generations_samples_each_prompt_several_times(tmp_path, model_path, conversations):
+    trainer = cross(tmp_path, model_path, conversations, lmbda=1.0, num_generations=2, per_device_train_batch_size=4)
+    seen = []
+    compute_loss = trainer.compute_loss
+
+    def recording(model, inputs, *args, **kwargs):
+        seen.append({k: inputs[k] for k in ("prompts", "original_prompt_text", "labels")})
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = recording
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert changed_params(before, trainer.model)
+    assert len(seen) == 2
+    for batch in seen:
+        prompts = batch["original_prompt_text"]
+        # Two prompts per step, each trained on with two completions sampled from the same prompt tokens.
+        assert len(prompts) == 4 and prompts[0] == prompts[1] and prompts[2] == prompts[3] and prompts[0] != prompts[2]
+        assert torch.equal(batch["prompts"][0], batch["prompts"][1])
+        assert (batch["labels"] != -100).any(dim=1).all()
+    assert "on_policy_loss" in train_logs(trainer)[0]
+    # An epoch is one pass over the prompts: 8 prompts, 2 per step.
+    assert trainer.state.log_history[0]["epoch"] == 0.25
+
+
 def test_log_completions_prints_generated_samples(tmp_path, model_path, conversations, capsys):
     trainer = cross(tmp_path, model_path, conversations, lmbda=1.0, max_steps=1, log_completions=True)
     trainer.args.log_completions_steps = 1
@@ -368,7 +393,6 @@ def test_resume_from_checkpoint(tmp_path, model_path, conversations):
 @pytest.mark.parametrize(
     ("overrides", "error", "match"),
     [
-        ({"num_generations": 2, "per_device_train_batch_size": 2}, ValueError, "num_generations=1"),
         ({"seq_kd": True}, ValueError, "seq_kd"),
         ({"callbacks": ["BEMACallback"]}, ValueError, "callback instances"),
     ],

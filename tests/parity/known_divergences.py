@@ -22,6 +22,10 @@ KNOWN_DIVERGENCES: dict[str, str] = {
     "gold/uld_loss/hybrid": "adaptive.loss 0.40327 vs 0.40335; fixed.loss 0.13487 vs 0.1349; beta=0.2.loss 0.27383 vs 0.27389 (2e-4 relative). The hybrid terms match TRL exactly on plain probability rows (adaptive weight = shared share of the teacher vocabulary, JSD on the shared entries without renormalising, ULD on the rest); on merged (multi-token) groups, whose probabilities are tiny products, TRL's log/epsilon handling differs slightly (issue 20)",
     "gold/cross_tokenizer/hybrid": "eval_loss 0.085038 vs 0.085088, loss 0.087259 vs 0.087299 (same cause as gold/uld_loss/hybrid); matched_loss 0.0981 vs 0.0895 and unmatched_loss 0.008 vs 0.0073: here the mean over sequences of each term (the terms the loss weights), TRL's metrics average them another way (issue 20)",
     "gold/cross_tokenizer/grad_accum": "step 1 matches; at step 2 grad_norm 0.10635 vs 0.10712 and total_flos 7.3477e+09 vs 3.2767e+09: TRL fetches a whole generation batch (per_device_train_batch_size * gradient_accumulation_steps prompts) at once and slices it, padded to the longest row of the generation batch, so the second step's micro-batches are padded (and counted) differently (issue 20)",
+    "gold/num_generations/grad_accum": "grad_norm 0.0071783 vs 0.014357, loss 0.016445 vs 0.03289 (TRL half): "
+    "not from num_generations — with num_generations=1, lmbda=1 and gradient_accumulation_steps=2 the JSD path "
+    "differs by the same factor 2 (TRL fetches and slices a whole generation batch per optimizer step, see "
+    "gold/cross_tokenizer/grad_accum); with gradient_accumulation_steps=1 gold/num_generations matches (issue 20)",
     "gold/columns": "TRL tokenizes the dataset up front (columns messages, original_prompt_text, original_completion_text, input_ids, attention_mask, byte_offsets, completion_mask); here the GKD collator tokenizes raw rows (column messages) and adds the texts and byte offsets to each batch (issue 20)",
 }
 

@@ -312,6 +312,11 @@ register(
     "gold/cross_tokenizer/grad_accum",
     partial(gold_case, teacher=LLAMA, use_uld_loss=True, max_steps=2, gradient_accumulation_steps=2),
 )
+register("gold/num_generations", partial(gold_case, lmbda=1.0, num_generations=2, max_steps=2))
+register(
+    "gold/num_generations/grad_accum",
+    partial(gold_case, lmbda=1.0, num_generations=2, max_steps=2, gradient_accumulation_steps=2),
+)
 
 
 @case("gold/columns")

@@ -39,10 +39,11 @@ class GOLDConfig(SFTConfig):
         seq_kd (`bool`, defaults to `False`):
             Sequence-level KD: on batches that are not on-policy, train on the teacher's generations.
         num_generations (`int`, defaults to `1`):
-            Completions generated per prompt (only 1 is supported here).
+            Completions sampled per prompt on on-policy batches: each step takes `generation_batch_size` prompts and
+            repeats each `num_generations` times in a row, every copy getting its own sample.
         generation_batch_size (`int` or `None`, defaults to `None`):
             Prompts per process and optimizer step; None is `per_device_train_batch_size *
-            gradient_accumulation_steps // num_generations`, the only value supported here.
+            gradient_accumulation_steps // num_generations`, the only value allowed.
         use_uld_loss (`bool`, defaults to `False`):
             Use Universal Logit Distillation (teacher and student tokenizers may differ) instead of the JSD.
         uld_token_merge_strategy (`str`, defaults to `"observed"`):

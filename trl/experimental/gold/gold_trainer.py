@@ -20,6 +20,7 @@ from transformers.trainer_utils import EvalPrediction
 
 from ...trainer.online_math import completion_mask_from_ids
 from ...trainer.utils import pad
+from ...trainer.utils.sampling import RepeatSampler
 from .._chatml_collator import DataCollatorForChatML, _completion_byte_offsets
 from ..gkd import GKDTrainer
 from .gold_config import GOLDConfig
@@ -164,11 +165,6 @@ class GOLDTrainer(GKDTrainer):
     # ------------------------------------------------------------------------------------------------------------
     @staticmethod
     def _check_supported(args: GOLDConfig, teacher_model: Any) -> None:
-        if args.num_generations != 1:
-            raise ValueError(
-                f"GOLDTrainer here samples one completion per prompt; got num_generations={args.num_generations}. "
-                "Set num_generations=1 (repeat prompts in the dataset to get several samples of each)."
-            )
         if args.callbacks:
             raise ValueError(
                 f"GOLDConfig.callbacks names callbacks ({args.callbacks}), which this trainer does not resolve by name. "
@@ -220,6 +216,19 @@ class GOLDTrainer(GKDTrainer):
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
+
+    def _get_train_sampler(self, train_dataset: Any = None):
+        if self.args.num_generations == 1:
+            return super()._get_train_sampler(train_dataset)
+        # Several completions per prompt: each of the step's `generation_batch_size` prompts comes num_generations
+        # times in a row, and every copy gets its own sample when the batch is regenerated.
+        return RepeatSampler(
+            data_source=train_dataset if train_dataset is not None else self.train_dataset,
+            mini_repeat_count=self.args.num_generations,
+            batch_size=self.args.generation_batch_size,
+            shuffle=True,
+            seed=self.args.seed,
+        )
 
     # ------------------------------------------------------------------------------------------------------------
     # Generation
