@@ -373,13 +373,39 @@ def test_num_generations_samples_each_prompt_several_times(tmp_path, model_path,
     assert trainer.state.log_history[0]["epoch"] == 0.25
 
 
-def test_log_completions_prints_generated_samples(tmp_path, model_path, conversations, capsys):
-    trainer = cross(tmp_path, model_path, conversations, lmbda=1.0, max_steps=1, log_completions=True)
-    trainer.args.log_completions_steps = 1
-    trainer.state.global_step = 0
+def test_log_completions_prints_and_writes_the_step_completions(tmp_path, model_path, conversations, capsys):
+    import pandas as pd
+
+    trainer = cross(
+        tmp_path, model_path, conversations, lmbda=1.0, max_steps=3, log_completions=True, log_completions_steps=2
+    )
+    generated = []
+    compute_loss = trainer.compute_loss
+
+    def recording(model, inputs, *args, **kwargs):
+        generated.append(list(zip(inputs["original_prompt_text"], inputs["original_completion_text"], strict=True)))
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = recording
     trainer.train()
     out = capsys.readouterr().out
-    assert "Prompt" in out and "Completion" in out and "Step 0" in out
+    assert "Prompt" in out and "Completion" in out and "Step 2" in out
+    assert "Step 1" not in out and "Step 3" not in out  # only every log_completions_steps
+    files = sorted((tmp_path / "completions").iterdir())
+    assert [f.name for f in files] == ["completions_00002.parquet"]
+    frame = pd.read_parquet(files[0])
+    assert list(frame.columns) == ["prompt", "completion", "step"]
+    assert (frame["step"] == 2).all()
+    # The second step's generations, one row per distinct prompt (wandb_log_unique_prompts=True by default).
+    expected = [pair for i, pair in enumerate(generated[1]) if pair[0] not in [p for p, _ in generated[1][:i]]]
+    assert list(zip(frame["prompt"], frame["completion"], strict=True)) == expected
+
+
+def test_no_completions_logged_by_default(tmp_path, model_path, conversations, capsys):
+    trainer = cross(tmp_path, model_path, conversations, lmbda=1.0, max_steps=1)
+    trainer.train()
+    assert "Completion" not in capsys.readouterr().out
+    assert not (tmp_path / "completions").exists()
 
 
 def test_resume_from_checkpoint(tmp_path, model_path, conversations):

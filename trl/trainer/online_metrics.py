@@ -152,52 +152,81 @@ class _OnlineMetricsMixin:
         if not self.accelerator.is_main_process:
             return
         # As TRL: the latest rows (one generation batch at most) are logged at every logging step, stamped with it.
-        rows = [{**row, "step": self.state.global_step} for row in rows]
-        if self.args.log_unique_prompts:
-            seen, unique_rows = set(), []
-            for row in rows:
-                key = json.dumps(row["prompt"], sort_keys=True, default=str)
-                if key not in seen:
-                    seen.add(key)
-                    unique_rows.append(row)
-            rows = unique_rows
-        fixed = {"step", "prompt", "completion", "advantage", *self.reward_func_names}
-        extra_names = [key for key in rows[0] if key not in fixed]
+        log_completion_rows(
+            self,
+            rows,
+            mode,
+            unique_prompts=self.args.log_unique_prompts,
+            reward_names=self.reward_func_names if self._logs_rewards else (),
+            with_advantage=self._logs_rewards,
+        )
+
+
+def log_completion_rows(
+    trainer: Any,
+    rows: list[dict[str, Any]],
+    mode: str,
+    *,
+    unique_prompts: bool,
+    reward_names: Any = (),
+    with_advantage: bool = False,
+) -> None:
+    """Log a completions table: printed with `rich`, written to `output_dir/completions/completions_<step>.parquet`
+    (`_eval` suffix in evaluation) and sent to wandb when it is a `report_to` target.
+
+    Args:
+        trainer: The trainer (reads `args.num_completions_to_print`, `args.output_dir`, `args.report_to`, `state`).
+        rows: One dict per completion with `prompt` and `completion`, the `reward_names` columns, `advantage` when
+            `with_advantage`, and any extra columns (printed too). Stamped with the current global step.
+        mode: `"train"` or `"eval"`.
+        unique_prompts: Keep only the first row of each prompt.
+        reward_names: Reward columns of the rows.
+        with_advantage: Whether the rows have an `advantage` column.
+    """
+    step = trainer.state.global_step
+    rows = [{**row, "step": step} for row in rows]
+    if unique_prompts:
+        seen, unique_rows = set(), []
+        for row in rows:
+            key = json.dumps(row["prompt"], sort_keys=True, default=str)
+            if key not in seen:
+                seen.add(key)
+                unique_rows.append(row)
+        rows = unique_rows
+    fixed = {"step", "prompt", "completion", "advantage", *reward_names}
+    extra_names = [key for key in rows[0] if key not in fixed]
+    try:
+        print_prompt_completions_sample(
+            [row["prompt"] for row in rows],
+            [row["completion"] for row in rows],
+            {name: [row[name] for row in rows] for name in reward_names},
+            [row["advantage"] for row in rows] if with_advantage else None,
+            step,
+            trainer.args.num_completions_to_print,
+            extra={name: [row.get(name) for row in rows] for name in extra_names} or None,
+        )
+    except ImportError:
+        logger.warning("log_completions=True but `rich` is not installed; the completion table is not printed.")
+    _write_completions_parquet(rows, trainer.args, step, mode)
+
+
+def _write_completions_parquet(rows: list[dict[str, Any]], args: Any, step: int, mode: str) -> None:
+    import pandas as pd
+
+    def flatten(value: Any) -> Any:
+        return value if isinstance(value, (str, int, float, bool)) or value is None else json.dumps(value, default=str)
+
+    frame = pd.DataFrame([{key: flatten(value) for key, value in row.items()} for row in rows])
+    folder = os.path.join(args.output_dir, "completions")
+    os.makedirs(folder, exist_ok=True)
+    suffix = "" if mode == "train" else "_eval"
+    frame.to_parquet(os.path.join(folder, f"completions_{step:05d}{suffix}.parquet"))
+    report_to = args.report_to or []
+    if "wandb" in report_to:
         try:
-            print_prompt_completions_sample(
-                [row["prompt"] for row in rows],
-                [row["completion"] for row in rows],
-                {name: [row[name] for row in rows] for name in self.reward_func_names},
-                [row["advantage"] for row in rows] if self._logs_rewards else None,
-                self.state.global_step,
-                self.args.num_completions_to_print,
-                extra={name: [row.get(name) for row in rows] for name in extra_names} or None,
-            )
+            import wandb
+
+            if wandb.run is not None:
+                wandb.log({"completions": wandb.Table(dataframe=frame)})
         except ImportError:
-            logger.warning("log_completions=True but `rich` is not installed; the completion table is not printed.")
-        self._write_completions_parquet(rows, mode)
-
-    def _write_completions_parquet(self, rows: list[dict[str, Any]], mode: str) -> None:
-        import pandas as pd
-
-        def flatten(value: Any) -> Any:
-            return (
-                value
-                if isinstance(value, (str, int, float, bool)) or value is None
-                else json.dumps(value, default=str)
-            )
-
-        frame = pd.DataFrame([{key: flatten(value) for key, value in row.items()} for row in rows])
-        folder = os.path.join(self.args.output_dir, "completions")
-        os.makedirs(folder, exist_ok=True)
-        suffix = "" if mode == "train" else "_eval"
-        frame.to_parquet(os.path.join(folder, f"completions_{self.state.global_step:05d}{suffix}.parquet"))
-        report_to = self.args.report_to or []
-        if "wandb" in report_to:
-            try:
-                import wandb
-
-                if wandb.run is not None:
-                    wandb.log({"completions": wandb.Table(dataframe=frame)})
-            except ImportError:
-                pass
+            pass

@@ -99,14 +99,14 @@ class GOLDConfig(SFTConfig):
         vllm_enable_sleep_mode (`bool`, defaults to `False`):
             Put the colocated engine to sleep outside generation.
         log_completions (`bool`, defaults to `False`):
-            Print a sample of generated (prompt, completion) pairs every `log_completions_steps`.
+            Log the latest step's generated (prompt, completion) pairs every `log_completions_steps`: printed as a
+            table, written to `output_dir/completions/` as parquet and sent to wandb when it is a `report_to` target.
         log_completions_steps (`int`, defaults to `100`):
             Steps between two completion samples.
         num_completions_to_print (`int` or `None`, defaults to `None`):
             Rows printed; None prints all.
         wandb_log_unique_prompts (`bool`, defaults to `True`):
-            Log unique prompts only when logging completion tables to a tracker (completions are printed here, not
-            logged as tables, so it has no effect).
+            Keep one row per prompt in the logged completions (the table, the parquet file and wandb).
         callbacks (`list[str]`, defaults to `[]`):
             Names of extra callbacks. Not resolved here: must stay empty (the trainer raises otherwise); pass callback
             instances to the trainer.

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from accelerate.utils import gather_object
 from datasets import Dataset
 from transformers import (
     AutoTokenizer,
@@ -19,6 +20,7 @@ from transformers import (
 from transformers.trainer_utils import EvalPrediction
 
 from ...trainer.online_math import completion_mask_from_ids
+from ...trainer.online_metrics import log_completion_rows
 from ...trainer.utils import pad
 from ...trainer.utils.sampling import RepeatSampler
 from .._chatml_collator import DataCollatorForChatML, _completion_byte_offsets
@@ -159,6 +161,8 @@ class GOLDTrainer(GKDTrainer):
                 max_tokens=args.max_completion_length,
             )
         self._batch_on_policy = False
+        self._completion_rows: list[dict[str, str]] = []
+        self._completion_rows_step: int | None = None
 
     # ------------------------------------------------------------------------------------------------------------
     # Construction
@@ -274,18 +278,18 @@ class GOLDTrainer(GKDTrainer):
             offsets.append(spans)
         inputs["original_completion_text"] = texts
         inputs["byte_offsets"] = torch.stack(offsets).to(inputs["labels"].device)
-        if (completions := self._completions_to_print(inputs)) is not None:
-            print_prompt_completions_sample_uld(
-                completions[0], completions[1], self.state.global_step, self.args.num_completions_to_print
-            )
+        if self.args.log_completions and self._batch_on_policy:
+            self._store_completion_rows(inputs)
 
-    def _completions_to_print(self, inputs: dict[str, Any]) -> tuple[list[str], list[str]] | None:
-        args = self.args
-        if not (args.log_completions and self._batch_on_policy and self.accelerator.is_main_process):
-            return None
-        if self.state.global_step % args.log_completions_steps != 0:
-            return None
-        return list(inputs["original_prompt_text"]), list(inputs["original_completion_text"])
+    def _store_completion_rows(self, inputs: dict[str, Any]) -> None:
+        """Keep the current optimizer step's generated (prompt, completion) texts of all processes for `log`."""
+        prompts = gather_object(list(inputs["original_prompt_text"]))
+        completions = gather_object(list(inputs["original_completion_text"]))
+        rows = [{"prompt": prompt, "completion": text} for prompt, text in zip(prompts, completions, strict=True)]
+        step = self.state.global_step
+        if self._completion_rows_step != step:  # a new step: the previous step's rows have been logged
+            self._completion_rows, self._completion_rows_step = [], step
+        self._completion_rows.extend(rows)
 
     # ------------------------------------------------------------------------------------------------------------
     # Training
@@ -371,3 +375,9 @@ class GOLDTrainer(GKDTrainer):
                 if values:
                     logs[name] = round(sum(values) / len(values), 4)
         super().log(logs, start_time)
+        # As TRL: the latest step's completions, every `log_completions_steps` steps (and again at the end of training).
+        due = self.state.global_step % self.args.log_completions_steps == 0
+        if self._mode == "train" and self._completion_rows and due and self.accelerator.is_main_process:
+            log_completion_rows(
+                self, self._completion_rows, "train", unique_prompts=self.args.wandb_log_unique_prompts
+            )
