@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: install torch assets deepspeed test test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 test-parity demo bench lint format clean
+.PHONY: install torch assets deepspeed test test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 test-parity demo bench lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
@@ -69,6 +69,9 @@ PARITY_TRL_VERSION ?= 1.16.0
 # depending on it. Cases name it with `oracle="1.12"` (tests/parity/cases/__init__.py).
 PARITY_VENV_112 ?= .venv-parity-112
 PARITY_TRL_VERSION_112 ?= 1.12.0
+# A third for GFPO (removed in 1.8.0): TRL 1.5, same pins; cases name it with `oracle="1.5"`.
+PARITY_VENV_15 ?= .venv-parity-15
+PARITY_TRL_VERSION_15 ?= 1.5.0
 PARITY_PINS = $(PYTHON) -c "import importlib.metadata as m; print('torch==$(TORCH_CPU_VERSION)'); [print(p + '==' + m.version(p)) for p in ('transformers', 'accelerate', 'datasets', 'peft')]"
 
 # $(call parity_env,VENV,TRL_VERSION[,EXTRA]): build VENV with trl==TRL_VERSION, peft and the EXTRA packages under the
@@ -94,7 +97,10 @@ parity-env: install
 parity-env-112: install
 	$(call parity_env,$(PARITY_VENV_112),$(PARITY_TRL_VERSION_112),requests)
 
-test-parity: parity-env parity-env-112
+parity-env-15: install
+	$(call parity_env,$(PARITY_VENV_15),$(PARITY_TRL_VERSION_15),requests)
+
+test-parity: parity-env parity-env-112 parity-env-15
 	$(PYTHON) -m pytest -m parity -q -p no:cacheprovider tests/parity
 
 # The example YAMLs (examples/cli_configs/*.yaml) point at .trl-assets/v1/...: build the offline assets there once.

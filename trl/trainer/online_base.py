@@ -77,6 +77,10 @@ from .utils import (
 )
 
 
+def _take(rows: list | None, indices: list[int]) -> list | None:
+    return None if rows is None else [rows[i] for i in indices]
+
+
 def _log_timing() -> bool:
     """Per-step `timing/rollout|generation|training` metrics: off by default (TRL logs none), on with
     `TRL_LOG_TIMING=1` (the benchmarks set it)."""
@@ -528,12 +532,24 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         terminated = torch.tensor([bool(ids) and ids[-1] in eos for ids in completion_lists], device=device)
         lengths = completion_mask.sum(dim=1)
 
+        offset = self.accelerator.process_index * len(prompts)
         completions = rollout.get("completions")
         if completions is None:
             completions = self._decode_completions(inputs, completion_lists)
         rewards_per_func = self._compute_rewards(
             inputs, prompts, completions, completion_lists, rollout.get("extra_fields") or {}
         )
+        keep = self._select_rollout_rows(completions, rewards_per_func)
+        if keep is not None:  # a method that trains on a subset of the completions (GFPO's group filter)
+            local = keep[(keep >= offset) & (keep < offset + len(prompts))] - offset
+            rows = local.tolist()
+            prompts, completions = [prompts[i] for i in rows], [completions[i] for i in rows]
+            prompt_ids, prompt_mask, completion_ids, completion_mask, terminated, lengths = (
+                t[local] for t in (prompt_ids, prompt_mask, completion_ids, completion_mask, terminated, lengths)
+            )
+            rollout = {**rollout, "tool_mask": _take(rollout.get("tool_mask"), rows)}
+            rollout["sampling_logps"] = _take(rollout.get("sampling_logps"), rows)
+            rewards_per_func = rewards_per_func[keep]
 
         loss_mask = completion_mask
         if rollout.get("tool_mask") is not None:
@@ -563,11 +579,22 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         )
         all_advantages = advantages
         batch["advantages"] = advantages[process_slice].to(device)
+        batch = self._finish_rollout_batch(batch, rewards_per_func)
 
         self._record_rollout_metrics(mode, prompt_mask, completion_mask, terminated, lengths, rewards_per_func)
         if self.args.log_completions:
             self._store_completions(mode, prompts, completions, rewards_per_func, all_advantages)
         self._timing["rollout"] += time.perf_counter() - start
+        return batch
+
+    def _select_rollout_rows(self, completions: list, rewards_per_func: torch.Tensor) -> torch.Tensor | None:
+        """Hook: global indices (into the gathered `(N, F)` rewards) of the completions to train on, or None for all.
+
+        The kept rows must form whole groups of `_group_size()` completions each, in group order."""
+        return None
+
+    def _finish_rollout_batch(self, batch: dict[str, Any], rewards_per_func: torch.Tensor) -> dict[str, Any]:
+        """Hook: the rollout batch once advantages are set (e.g. replaying stored groups); unchanged here."""
         return batch
 
     def _group_size(self) -> int:
