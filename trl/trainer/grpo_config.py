@@ -7,7 +7,8 @@ from .online_config import _check_choice, _OnlineConfig
 
 
 _LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
-_IS_LEVELS = ("token", "sequence")
+# "sequence_token" (GSPO-token) is trained by `trl.experimental.gspo_token.GRPOTrainer` only.
+_IS_LEVELS = ("token", "sequence", "sequence_token")
 _AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 _SCALE_REWARDS = ("group", "batch", "none")
 _VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -188,7 +189,8 @@ class GRPOConfig(_OnlineConfig):
             `loss_type="vespo"`: decay rate of the sequence weight for negative advantages.
         importance_sampling_level (`str`, defaults to `"token"`):
             `"token"`: one importance ratio per token. `"sequence"` (GSPO): one ratio per completion, the exponential
-            of the mean per-token log-ratio.
+            of the mean per-token log-ratio. `"sequence_token"` (GSPO-token) is accepted here but trained only by
+            `trl.experimental.gspo_token.GRPOTrainer`; this trainer rejects it.
         multi_objective_aggregation (`str`, defaults to `"sum_then_normalize"`):
             With several reward functions: `"sum_then_normalize"` sums the weighted rewards and normalises the sum;
             `"normalize_then_sum"` (GDPO) normalises each reward within its group, sums them with the weights and

@@ -59,14 +59,18 @@ def normalize_then_sum_advantages(
 def importance_log_weights(
     per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor, mask: torch.Tensor, level: str = "token"
 ) -> torch.Tensor:
-    """Log importance ratios: per token `(B, T)`, or per sequence `(B, 1)` as the masked mean of the token log-ratios
-    (GSPO)."""
+    """Log importance ratios: per token `(B, T)`; per sequence `(B, 1)` as the masked mean `s` of the token log-ratios
+    (GSPO); or `sequence_token` (GSPO-token), `(B, T)` with value `s` at every token and the gradient of the token's
+    own log-probability: `logp - sg(logp) + sg(s)`."""
     log_ratio = per_token_logps - old_per_token_logps
     if level == "token":
         return log_ratio
+    sequence = masked_mean(log_ratio, mask, dim=1).unsqueeze(1)
     if level == "sequence":
-        return masked_mean(log_ratio, mask, dim=1).unsqueeze(1)
-    raise ValueError(f"importance_sampling_level must be 'token' or 'sequence'; got {level!r}.")
+        return sequence
+    if level == "sequence_token":
+        return per_token_logps - per_token_logps.detach() + sequence.detach()
+    raise ValueError(f"importance_sampling_level must be 'token', 'sequence' or 'sequence_token'; got {level!r}.")
 
 
 def vespo_sequence_weights(
@@ -342,6 +346,8 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
     # As TRL: a metric undefined over the whole logging window (all-None rewards, no completion token) logs None.
     _undefined_metric_value = None
     _default_suffix = "GRPO"
+    # Ratio levels this trainer trains with (the GSPO-token subclass adds "sequence_token").
+    _importance_sampling_levels = ("token", "sequence")
 
     def __init__(
         self,
@@ -361,6 +367,12 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         environment_factory: Callable | dict[str, Callable] | None = None,
     ):
         if args is not None and isinstance(args, GRPOConfig):
+            if args.importance_sampling_level not in self._importance_sampling_levels:
+                raise ValueError(
+                    f"Unknown importance sampling level: {args.importance_sampling_level}. Possible values are "
+                    f"{' and '.join(repr(v) for v in self._importance_sampling_levels)}; for GSPO-token use "
+                    "trl.experimental.gspo_token.GRPOTrainer."
+                )
             self._warn_loss_setup(args)
         # Tools and environments: validated (and the environments' rewards added) before anything is loaded.
         tool_setup = self._prepare_tool_setup(
