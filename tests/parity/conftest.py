@@ -4,7 +4,8 @@ The worker processes (tests/parity/worker.py) run in parallel from a scratch wor
 
 - real TRL, one worker per oracle a selected case names (`Case.oracle`): `.venv-parity/bin/python` for 1.16 (built by
   `make parity-env`, `PARITY_VENV` overrides it), `.venv-parity-112/bin/python` for 1.12 (`make parity-env-112`,
-  `PARITY_VENV_112`), each with only its own cases; no PYTHONPATH, user site disabled; the worker checks that `trl`
+  `PARITY_VENV_112`), `.venv-parity-15/bin/python` for 1.5 (`make parity-env-15`, `PARITY_VENV_15`), each with only
+  its own cases; no PYTHONPATH, user site disabled; the worker checks that `trl`
   comes from that venv's site-packages and has the oracle's version;
 - this project: the current python with PYTHONPATH set to this checkout, every case; the worker checks `trl` comes
   from here.
@@ -34,6 +35,7 @@ REPO = HERE.parent.parent
 ORACLE_VENVS = {
     "1.16": (Path(os.environ.get("PARITY_VENV", REPO / ".venv-parity")), "parity-env", "real"),
     "1.12": (Path(os.environ.get("PARITY_VENV_112", REPO / ".venv-parity-112")), "parity-env-112", "real-112"),
+    "1.5": (Path(os.environ.get("PARITY_VENV_15", REPO / ".venv-parity-15")), "parity-env-15", "real-15"),
 }
 WORKER_TIMEOUT_S = int(os.environ.get("PARITY_WORKER_TIMEOUT", "1500"))
 

@@ -539,6 +539,8 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         rewards_per_func = self._compute_rewards(
             inputs, prompts, completions, completion_lists, rollout.get("extra_fields") or {}
         )
+        # Token counts and completion lengths describe everything generated, even rows a method then drops.
+        generated = (prompt_mask, completion_mask, terminated, lengths)
         keep = self._select_rollout_rows(completions, rewards_per_func)
         if keep is not None:  # a method that trains on a subset of the completions (GFPO's group filter)
             local = keep[(keep >= offset) & (keep < offset + len(prompts))] - offset
@@ -581,7 +583,7 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         batch["advantages"] = advantages[process_slice].to(device)
         batch = self._finish_rollout_batch(batch, rewards_per_func)
 
-        self._record_rollout_metrics(mode, prompt_mask, completion_mask, terminated, lengths, rewards_per_func)
+        self._record_rollout_metrics(mode, *generated, rewards_per_func)
         if self.args.log_completions:
             self._store_completions(mode, prompts, completions, rewards_per_func, all_advantages)
         self._timing["rollout"] += time.perf_counter() - start
