@@ -13,10 +13,9 @@ python examples/scripts/gfpo.py --model_name_or_path <model> --dataset_name <pro
 ```
 """
 
-from datasets import load_dataset
-
 from trl import ModelConfig, ScriptArguments, TrlParser
 from trl.experimental.gfpo import GFPOConfig, GFPOTrainer
+from trl.scripts._training import finish_training, load_script_dataset, split_datasets
 
 
 def distinct_token_reward(completion_ids, **kwargs):
@@ -34,15 +33,11 @@ if __name__ == "__main__":
     script_args, training_args, model_args = parser.parse_args_and_config()
     if training_args.num_remains_in_group is None:
         training_args.num_remains_in_group = max(2, training_args.num_generations // 2)
-    from trl.assets import get_model_path, load_test_dataset
+    from trl.assets import get_dataset_path, get_model_path
 
     model = model_args.model_name_or_path or get_model_path("tiny-Qwen2ForCausalLM")
-    if script_args.dataset_name is None:
-        dataset = load_test_dataset("standard_prompt_only", split="train")
-    else:
-        dataset = load_dataset(
-            script_args.dataset_name, script_args.dataset_config, split=script_args.dataset_train_split
-        )
+    script_args.dataset_name = script_args.dataset_name or get_dataset_path("standard_prompt_only")
+    dataset, _ = split_datasets(load_script_dataset(script_args, None), script_args, training_args)
     trainer = GFPOTrainer(
         model=model,
         reward_funcs=distinct_token_reward,
@@ -50,5 +45,4 @@ if __name__ == "__main__":
         train_dataset=dataset,
         group_filter_func=shortest_completions,
     )
-    trainer.train()
-    trainer.save_model(training_args.output_dir)
+    finish_training(trainer, training_args, script_args)

@@ -12,10 +12,9 @@ python examples/scripts/grpo_with_replay_buffer.py --model_name_or_path <model> 
 ```
 """
 
-from datasets import load_dataset
-
 from trl import ModelConfig, ScriptArguments, TrlParser
 from trl.experimental.grpo_with_replay_buffer import GRPOWithReplayBufferConfig, GRPOWithReplayBufferTrainer
+from trl.scripts._training import finish_training, load_script_dataset, split_datasets
 
 
 def sometimes_constant_reward(prompts, completion_ids, **kwargs):
@@ -29,17 +28,12 @@ def sometimes_constant_reward(prompts, completion_ids, **kwargs):
 if __name__ == "__main__":
     parser = TrlParser((ScriptArguments, GRPOWithReplayBufferConfig, ModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config()
-    from trl.assets import get_model_path, load_test_dataset
+    from trl.assets import get_dataset_path, get_model_path
 
     model = model_args.model_name_or_path or get_model_path("tiny-Qwen2ForCausalLM")
-    if script_args.dataset_name is None:
-        dataset = load_test_dataset("standard_prompt_only", split="train")
-    else:
-        dataset = load_dataset(
-            script_args.dataset_name, script_args.dataset_config, split=script_args.dataset_train_split
-        )
+    script_args.dataset_name = script_args.dataset_name or get_dataset_path("standard_prompt_only")
+    dataset, _ = split_datasets(load_script_dataset(script_args, None), script_args, training_args)
     trainer = GRPOWithReplayBufferTrainer(
         model=model, reward_funcs=sometimes_constant_reward, args=training_args, train_dataset=dataset
     )
-    trainer.train()
-    trainer.save_model(training_args.output_dir)
+    finish_training(trainer, training_args, script_args)

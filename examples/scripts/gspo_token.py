@@ -1,4 +1,5 @@
-"""GSPO-token example: GRPO with token-level importance weights whose value is the sequence ratio.
+"""GSPO-token example: GRPO with token-level importance weights whose value is the sequence ratio (the script always
+sets `importance_sampling_level="sequence_token"`).
 
 Runs offline on the embedded tiny assets when no model or dataset is given (the toy reward favours varied tokens, so
 the run shows the mechanics, not a meaningful improvement). GSPO's paper settings are `--beta 0 --epsilon 3e-4
@@ -12,10 +13,9 @@ python examples/scripts/gspo_token.py --model_name_or_path <model> --dataset_nam
 ```
 """
 
-from datasets import load_dataset
-
 from trl import GRPOConfig, ModelConfig, ScriptArguments, TrlParser
 from trl.experimental.gspo_token import GRPOTrainer
+from trl.scripts._training import finish_training, load_script_dataset, split_datasets
 
 
 def distinct_token_reward(completion_ids, **kwargs):
@@ -27,15 +27,10 @@ if __name__ == "__main__":
     parser = TrlParser((ScriptArguments, GRPOConfig, ModelConfig))
     script_args, training_args, model_args = parser.parse_args_and_config()
     training_args.importance_sampling_level = "sequence_token"
-    from trl.assets import get_model_path, load_test_dataset
+    from trl.assets import get_dataset_path, get_model_path
 
     model = model_args.model_name_or_path or get_model_path("tiny-Qwen2ForCausalLM")
-    if script_args.dataset_name is None:
-        dataset = load_test_dataset("standard_prompt_only", split="train")
-    else:
-        dataset = load_dataset(
-            script_args.dataset_name, script_args.dataset_config, split=script_args.dataset_train_split
-        )
+    script_args.dataset_name = script_args.dataset_name or get_dataset_path("standard_prompt_only")
+    dataset, _ = split_datasets(load_script_dataset(script_args, None), script_args, training_args)
     trainer = GRPOTrainer(model=model, reward_funcs=distinct_token_reward, args=training_args, train_dataset=dataset)
-    trainer.train()
-    trainer.save_model(training_args.output_dir)
+    finish_training(trainer, training_args, script_args)

@@ -14,10 +14,9 @@ python examples/scripts/merge_model.py --model_name_or_path <model> --dataset_na
 
 from dataclasses import dataclass, field
 
-from datasets import load_dataset
-
 from trl import ModelConfig, ScriptArguments, SFTConfig, SFTTrainer, TrlParser
 from trl.experimental.merge_model_callback import MergeConfig, MergeModelCallback
+from trl.scripts._training import finish_training, load_script_dataset, split_datasets
 
 
 @dataclass
@@ -30,18 +29,13 @@ class MergeArguments:
 if __name__ == "__main__":
     parser = TrlParser((ScriptArguments, SFTConfig, ModelConfig, MergeArguments))
     script_args, training_args, model_args, merge_args = parser.parse_args_and_config()
-    from trl.assets import get_model_path, load_test_dataset
+    from trl.assets import get_dataset_path, get_model_path
 
     model = model_args.model_name_or_path or get_model_path("tiny-Qwen2ForCausalLM")
-    if script_args.dataset_name is None:
-        dataset = load_test_dataset("standard_language_modeling", split="train")
-    else:
-        dataset = load_dataset(
-            script_args.dataset_name, script_args.dataset_config, split=script_args.dataset_train_split
-        )
+    script_args.dataset_name = script_args.dataset_name or get_dataset_path("standard_language_modeling")
+    dataset, _ = split_datasets(load_script_dataset(script_args, None), script_args, training_args)
     merge_config = MergeConfig(merge_args.merge_method)
     merge_config.dtype = merge_args.merge_dtype
     callback = MergeModelCallback(merge_config, merge_at_every_checkpoint=merge_args.merge_at_every_checkpoint)
     trainer = SFTTrainer(model=model, args=training_args, train_dataset=dataset, callbacks=[callback])
-    trainer.train()
-    trainer.save_model(training_args.output_dir)
+    finish_training(trainer, training_args, script_args)
