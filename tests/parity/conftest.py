@@ -228,7 +228,7 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     columns = ["cases", "match", "keys only", "values/raises", "numbers match", "xfail", "failed", "xpass"]
     terminalreporter.section(
-        "parity against real TRL (1.16; 1.12 for the experimental trainers it alone ships), per group"
+        "parity against real TRL (1.16; 1.12 / 1.5 for the experimental trainers they alone ship), per group"
     )
     terminalreporter.write_line(f"{'group':<20}" + "".join(f"{c:>14}" for c in columns))
     total = Counter()
