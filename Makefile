@@ -11,8 +11,8 @@ torch:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_CPU_VERSION)"
 
 install: torch
-	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb, openai, sklearn, math_verify, jmespath" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
-		|| $(PIP) install -q -e ".[test,quality,judges,bco]"
+	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb, openai, sklearn, math_verify, jmespath, mergekit" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
+		|| $(PIP) install -q -e ".[test,quality,judges,bco,merge]"
 
 test: install
 	$(PYTHON) -m pytest -m "not slow and not distributed and not vllm and not parity" -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests
