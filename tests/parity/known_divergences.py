@@ -29,8 +29,8 @@ KNOWN_DIVERGENCES: dict[str, str] = {
     "gspo_token/sequence_token/beta=0.04": "step 2 (second iteration on the same rollouts) loss -0.15651 vs -0.15669, "
     "grad_norm 0.38992 vs 0.38743; step 1 and the logged kl agree. Not GSPO-token's ratio: importance_sampling_level "
     "token and sequence give the same gap against TRL 1.12 with beta=0.04 and num_iterations=2 (and without beta "
-    "GSPO-token matches); the GRPO base's KL term under num_iterations=2 differs from 1.12's (against 1.16 the loss "
-    "matches but the logged kl differs: 0.059518 vs 0.061057) (issue 24)",
+    "GSPO-token matches); the GRPO base's KL term under num_iterations=2 differs from 1.12's (against 1.16 both the loss "
+    "and the logged kl match: parity grpo/num_iterations=2/beta=0.04) (issue 24)",
     "gold/columns": "TRL tokenizes the dataset up front (columns messages, original_prompt_text, original_completion_text, input_ids, attention_mask, byte_offsets, completion_mask); here the GKD collator tokenizes raw rows (column messages) and adds the texts and byte offsets to each batch (issue 20)",
 }
 

@@ -698,7 +698,8 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
                 self._entropy_sum += float((entropy.detach() * mask).sum())
                 self._entropy_count += float(mask.sum())
             if per_token_kl is not None:
-                self._record_metric("kl", masked_mean(per_token_kl.detach(), mask))
+                # TRL logs the KL weighted by the importance ratio (1 on-policy), whatever the loss's KL term uses.
+                self._record_metric("kl", masked_mean((per_token_kl * ratio).detach(), mask))
             full_mask = mask.expand_as(per_token_loss)
             if args.loss_type not in ("cispo", "sapo", "vespo"):  # their trust regions are not a clip (TRL)
                 self._record_clip_metrics(stats["low_clipped"], stats["high_clipped"], full_mask)

@@ -98,6 +98,10 @@ register(
 )
 register("grpo/num_iterations=2", partial(online_case, trainer_name="GRPO", max_steps=2, num_iterations=2))
 register(
+    "grpo/num_iterations=2/beta=0.04",
+    partial(online_case, trainer_name="GRPO", max_steps=2, num_iterations=2, beta=0.04),
+)
+register(
     "grpo/importance_sampling_level=sequence",
     partial(online_case, trainer_name="GRPO", max_steps=1, importance_sampling_level="sequence"),
 )
