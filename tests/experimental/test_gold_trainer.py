@@ -244,18 +244,39 @@ def test_extended_uld_merges_split_tokens():
         ULDLoss(uld_config())(student, teacher, s_labels, t_labels, s_ids, t_ids)
 
 
+def test_bayesian_merge_reads_each_tokens_predictive_distribution():
+    """`bayesian`: a token's distribution is the one that predicted it (logits one position earlier); a split group
+    keeps its last token's distribution times the probabilities the earlier tokens were given."""
+    generator = torch.Generator().manual_seed(1)
+    student, teacher = torch.randn(1, 6, 6, generator=generator), torch.randn(1, 6, 8, generator=generator)
+    s_ids, t_ids = torch.tensor([[0, 1, 2, 3, 4, 5]]), torch.tensor([[0, 1, 2, 7, 6, 5]])
+    s_labels, t_labels = torch.tensor([[-100, -100, 2, 3, 4, 5]]), torch.tensor([[-100, -100, -100, 7, 6, 5]])
+    s_off = torch.tensor([[[0, 0], [0, 0], [0, 2], [2, 4], [4, 5], [5, 5]]])
+    t_off = torch.tensor([[[0, 0], [0, 0], [0, 0], [0, 4], [4, 5], [5, 5]]])
+    loss = ULDLoss(uld_config(uld_token_merge_strategy="bayesian"))(
+        student, teacher, s_labels, t_labels, s_ids, t_ids, s_off, t_off
+    )
+    ps = [softmax(row) for row in student[0].tolist()]
+    pt = [softmax(row) for row in teacher[0].tolist()]
+    # Student tokens 2 (predicted at position 1) and 3 (predicted at 2) cover the teacher's token 7 (predicted at 2).
+    merged = [p * ps[1][2] for p in ps[2]]
+    expected = (hand_sorted_l1(merged, pt[2]) + hand_sorted_l1(ps[3], pt[3])) / 2  # eos pair skipped
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Hybrid loss
 # ---------------------------------------------------------------------------------------------------------------------
 def hand_hybrid(p: torch.Tensor, q: torch.Tensor, mapping: dict, beta: float, weights: tuple | None) -> float:
-    """Generalized JSD on the shared entries (not renormalised) plus sorted L1 on the rest, per position."""
+    """Generalized JSD on the shared entries (not renormalised, floored at 1e-8) plus sorted L1 on the rest, per
+    position."""
     t_ids = sorted(mapping)
     s_ids = [mapping[t] for t in t_ids]
     s_rest = [i for i in range(p.shape[-1]) if i not in set(s_ids)]
     t_rest = [i for i in range(q.shape[-1]) if i not in set(t_ids)]
     matched, unmatched = [], []
     for row in range(p.shape[0]):
-        a, b = p[row, s_ids].double(), q[row, t_ids].double()
+        a, b = p[row, s_ids].double().clamp_min(1e-8), q[row, t_ids].double().clamp_min(1e-8)
         m = (1 - beta) * a + beta * b
         jsd = beta * (b * (b / m).log()).sum() + (1 - beta) * (a * (a / m).log()).sum()
         matched.append(float(jsd))
@@ -268,7 +289,8 @@ def hand_hybrid(p: torch.Tensor, q: torch.Tensor, mapping: dict, beta: float, we
 
 
 @pytest.mark.parametrize(("beta", "weights"), [(0.5, None), (0.2, None), (0.5, (0.3, 0.7))])
-def test_hybrid_loss_matches_hand_formula(qwen_tok, llama_tok, beta, weights):
+@pytest.mark.parametrize("scale", [1.0, 1e-5])  # 1e-5: a merged group's product of probabilities
+def test_hybrid_loss_matches_hand_formula(qwen_tok, llama_tok, beta, weights, scale):
     mapping = shared_vocabulary(qwen_tok, llama_tok)
     assert 0 < len(mapping) < len(llama_tok)
     assert all(qwen_tok.convert_ids_to_tokens(s) == llama_tok.convert_ids_to_tokens(t) for t, s in mapping.items())
@@ -277,7 +299,7 @@ def test_hybrid_loss_matches_hand_formula(qwen_tok, llama_tok, beta, weights):
     )
     loss_fn = ULDLoss(uld_config(uld_use_hybrid_loss=True, beta=beta, **extra), qwen_tok, llama_tok)
     generator = torch.Generator().manual_seed(0)
-    p = torch.softmax(torch.randn(3, len(qwen_tok), generator=generator) * 2, dim=-1)
+    p = torch.softmax(torch.randn(3, len(qwen_tok), generator=generator) * 2, dim=-1) * scale
     q = torch.softmax(torch.randn(3, len(llama_tok), generator=generator) * 2, dim=-1)
     assert loss_fn.hybrid_loss(p, q).item() == pytest.approx(hand_hybrid(p, q, mapping, beta, weights), rel=1e-4)
 

@@ -221,8 +221,18 @@ def gold_uld_loss(ctx) -> dict:
 
 @case("gold/uld_loss/bayesian")
 def gold_uld_loss_bayesian(ctx) -> dict:
-    """`ULDLoss` with the `bayesian` merge of split tokens."""
-    return _uld_values(ctx, {"bayesian": {"uld_token_merge_strategy": "bayesian"}})
+    """`ULDLoss` with the `bayesian` merge of split tokens (which reads each token's predictive distribution)."""
+    bayesian = {"uld_token_merge_strategy": "bayesian"}
+    return _uld_values(
+        ctx,
+        {
+            "bayesian": bayesian,
+            "bayesian/keep_eos": {**bayesian, "uld_skip_student_eos": False, "uld_skip_teacher_eos": False},
+            "bayesian/positional": {**bayesian, "use_extended_uld": False},
+            "bayesian/hybrid": {**bayesian, "uld_use_hybrid_loss": True},
+        },
+        tokenizers=True,
+    )
 
 
 @case("gold/uld_loss/hybrid")
@@ -238,6 +248,8 @@ def gold_uld_loss_hybrid(ctx) -> dict:
                 "uld_hybrid_unmatched_weight": 0.7,
             },
             "beta=0.2": {"uld_use_hybrid_loss": True, "beta": 0.2},
+            "beta=0": {"uld_use_hybrid_loss": True, "beta": 0.0},
+            "beta=1": {"uld_use_hybrid_loss": True, "beta": 1.0},
         },
         tokenizers=True,
     )

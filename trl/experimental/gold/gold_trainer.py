@@ -348,10 +348,12 @@ class GOLDTrainer(GKDTrainer):
             student["byte_offsets"],
             teacher["byte_offsets"],
         )
-        if self._mode == "train" and self.args.uld_use_hybrid_loss:
+        if self.args.uld_use_hybrid_loss:
+            # As TRL: the batch's last sequence's terms, from every loss computation (evaluation's included),
+            # averaged into the next training log.
             for name, values in self.uld_loss_fn.last_hybrid_terms.items():
                 if values:
-                    self._record_metric(name, torch.stack(values).mean())
+                    self._record_metric(name, values[-1], mode="train")
         # Not divided by the gradient-accumulation steps (the training loop leaves it as is since a token count is
         # given): as in TRL, the step's loss and gradient are the sum of its micro-batches' means.
         return (loss, outputs) if return_outputs else loss
