@@ -319,6 +319,10 @@ register(
     "gold/cross_tokenizer/ce_weight",
     partial(gold_case, teacher=LLAMA, use_uld_loss=True, uld_crossentropy_weight=0.5, uld_skip_student_eos=False),
 )
+register(
+    "gold/cross_tokenizer/bayesian",
+    partial(gold_case, teacher=LLAMA, use_uld_loss=True, uld_token_merge_strategy="bayesian"),
+)
 register("gold/cross_tokenizer/hybrid", partial(gold_case, teacher=LLAMA, use_uld_loss=True, uld_use_hybrid_loss=True))
 register(
     "gold/cross_tokenizer/grad_accum",

@@ -328,8 +328,9 @@ class GOLDTrainer(GKDTrainer):
         trim = self.args.uld_crossentropy_weight == 0 and not return_outputs
         forward = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "use_cache": False}
         teacher_forward = {"input_ids": teacher["input_ids"], "attention_mask": teacher_mask.to(device).long()}
-        student_keep = self._completion_positions(student, trim and self._forward_accepts_logits_to_keep)
-        teacher_keep = self._completion_positions(teacher, trim and self._teacher_accepts_logits_to_keep)
+        shift = self.uld_loss_fn.logit_shift
+        student_keep = self._completion_positions(student, trim and self._forward_accepts_logits_to_keep, shift)
+        teacher_keep = self._completion_positions(teacher, trim and self._teacher_accepts_logits_to_keep, shift)
         outputs = model(**forward, **({} if student_keep is None else {"logits_to_keep": student_keep}))
         with torch.no_grad():
             if teacher_keep is not None:
@@ -359,12 +360,16 @@ class GOLDTrainer(GKDTrainer):
         return (loss, outputs) if return_outputs else loss
 
     @staticmethod
-    def _completion_positions(side: dict[str, torch.Tensor], trim: bool) -> torch.Tensor | None:
-        """With `trim`, keep only the positions where some row has a completion token (in place on `side`'s
-        position-indexed tensors) and return them for `logits_to_keep`; otherwise None."""
+    def _completion_positions(side: dict[str, torch.Tensor], trim: bool, shift: int = 0) -> torch.Tensor | None:
+        """With `trim`, keep only the positions where some row has a completion token, and the `shift` positions
+        before each (whose logits the loss reads), in place on `side`'s position-indexed tensors, and return them for
+        `logits_to_keep`; otherwise None."""
         if not trim:
             return None
-        positions = (side["labels"] != -100).any(dim=0).nonzero().squeeze(-1)
+        needed = (side["labels"] != -100).any(dim=0)
+        if shift:
+            needed[:-shift] |= needed[shift:].clone()
+        positions = needed.nonzero().squeeze(-1)
         for key in ("input_ids", "labels", "byte_offsets"):
             side[key] = side[key][:, positions]
         return positions
