@@ -395,6 +395,40 @@ def test_num_generations_samples_each_prompt_several_times(tmp_path, model_path,
     assert trainer.state.log_history[0]["epoch"] == 0.25
 
 
+def test_gradient_accumulation_slices_one_generation_batch_per_step(tmp_path, model_path, conversations):
+    """As TRL: the dataloader yields the step's whole generation batch once per micro-step, each micro-step trains on
+    its slice, and the JSD is divided by the Trainer's token count over those fetched batches."""
+    train, test = conversations
+    trainer = GOLDTrainer(
+        model=model_path,
+        teacher_model=model_path,
+        args=make_args(tmp_path, max_steps=2, gradient_accumulation_steps=2),
+        train_dataset=train,
+        eval_dataset=test,
+    )
+    fetched, trained = [], []
+    training_step, compute_loss = trainer.training_step, trainer.compute_loss
+
+    def record_step(model, inputs, num_items_in_batch=None):
+        fetched.append((inputs["labels"].clone(), num_items_in_batch))
+        return training_step(model, inputs, num_items_in_batch)
+
+    def record_loss(model, inputs, *args, **kwargs):
+        trained.append(inputs["labels"])
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.training_step, trainer.compute_loss = record_step, record_loss
+    trainer.train()
+    assert len(fetched) == len(trained) == 4
+    for step in (0, 2):
+        (batch, count), (again, _) = fetched[step], fetched[step + 1]
+        assert torch.equal(batch, again) and batch.shape[0] == 4  # per_device_train_batch_size * accumulation
+        assert torch.equal(torch.cat(trained[step : step + 2]), batch)  # the two slices, padding kept
+        assert count == 2 * (batch != -100).sum()
+    # Two steps of 4 distinct prompts each: one pass over the 8 training prompts.
+    assert trainer.state.epoch == 1.0
+
+
 def test_log_completions_prints_and_writes_the_step_completions(tmp_path, model_path, conversations, capsys):
     import pandas as pd
 

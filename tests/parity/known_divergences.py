@@ -18,11 +18,6 @@ KNOWN_DIVERGENCES: dict[str, str] = {
     "chat_template_utils/get_training_chat_template/qwen2_5": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
     "chat_template_utils/get_training_chat_template/llama3": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
     "chat_template_utils/add_response_schema": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
-    "gold/cross_tokenizer/grad_accum": "step 1 matches; at step 2 grad_norm 0.10635 vs 0.10712 and total_flos 7.3477e+09 vs 3.2767e+09: TRL fetches a whole generation batch (per_device_train_batch_size * gradient_accumulation_steps prompts) at once and slices it, padded to the longest row of the generation batch, so the second step's micro-batches are padded (and counted) differently (issue 20)",
-    "gold/num_generations/grad_accum": "grad_norm 0.0071783 vs 0.014357, loss 0.016445 vs 0.03289 (TRL half): "
-    "not from num_generations — with num_generations=1, lmbda=1 and gradient_accumulation_steps=2 the JSD path "
-    "differs by the same factor 2 (TRL fetches and slices a whole generation batch per optimizer step, see "
-    "gold/cross_tokenizer/grad_accum); with gradient_accumulation_steps=1 gold/num_generations matches (issue 20)",
     "gold/columns": "TRL tokenizes the dataset up front (columns messages, original_prompt_text, original_completion_text, input_ids, attention_mask, byte_offsets, completion_mask); here the GKD collator tokenizes raw rows (column messages) and adds the texts and byte offsets to each batch (issue 20)",
 }
 

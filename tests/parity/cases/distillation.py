@@ -310,6 +310,8 @@ def gold_case(ctx, **config) -> dict:
 
 
 register("gold/same_tokenizer", gold_case)
+register("gold/same_tokenizer/grad_accum", partial(gold_case, max_steps=2, gradient_accumulation_steps=2))
+register("gold/lmbda=1/grad_accum", partial(gold_case, lmbda=1.0, max_steps=2, gradient_accumulation_steps=2))
 register("gold/same_tokenizer/beta=1", partial(gold_case, beta=1.0, temperature=1.0))
 register("gold/cross_tokenizer", partial(gold_case, teacher=LLAMA, use_uld_loss=True))
 register(

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from accelerate.utils import gather_object
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from transformers import (
     AutoTokenizer,
     BaseImageProcessor,
@@ -22,7 +22,7 @@ from transformers.trainer_utils import EvalPrediction
 from ...trainer.online_math import completion_mask_from_ids
 from ...trainer.online_metrics import log_completion_rows
 from ...trainer.utils import pad
-from ...trainer.utils.sampling import RepeatSampler
+from ...trainer.utils.sampling import RepeatSampler, repeat_iterable_dataset
 from .._chatml_collator import DataCollatorForChatML, _completion_byte_offsets
 from ..gkd import GKDTrainer
 from .gold_config import GOLDConfig
@@ -161,6 +161,7 @@ class GOLDTrainer(GKDTrainer):
                 max_tokens=args.max_completion_length,
             )
         self._batch_on_policy = False
+        self._micro_step = 0  # training micro-steps so far: which slice of the generation batch comes next
         self._completion_rows: list[dict[str, str]] = []
         self._completion_rows_step: int | None = None
 
@@ -221,18 +222,57 @@ class GOLDTrainer(GKDTrainer):
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
 
+    # ------------------------------------------------------------------------------------------------------------
+    # Training data: one dataloader batch per optimizer step, sliced into its micro-batches (as TRL)
+    # ------------------------------------------------------------------------------------------------------------
+    def get_train_dataloader(self):
+        # A dataloader batch is the whole generation batch of an optimizer step (`generation_batch_size` prompts,
+        # each `num_generations` times), emitted `gradient_accumulation_steps` times so that the Trainer fetches
+        # one per micro-step; `training_step` trains each micro-step on its slice. The Trainer's token count
+        # (`num_items_in_batch`, which divides the JSD) therefore covers the generation batch once per micro-step.
+        if self.train_dataset is None:
+            raise ValueError("GOLDTrainer: training requires a train_dataset.")
+        args = self.args
+        dataset = self.train_dataset
+        if isinstance(dataset, IterableDataset):
+            dataset = repeat_iterable_dataset(
+                dataset,
+                mini_repeat_count=args.num_generations,
+                batch_size=args.generation_batch_size,
+                repeat_count=args.gradient_accumulation_steps,
+            )
+        return self._get_dataloader(
+            dataset=dataset,
+            description="Training",
+            batch_size=self._train_batch_size * args.gradient_accumulation_steps,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
     def _get_train_sampler(self, train_dataset: Any = None):
-        if self.args.num_generations == 1:
-            return super()._get_train_sampler(train_dataset)
-        # Several completions per prompt: each of the step's `generation_batch_size` prompts comes num_generations
-        # times in a row, and every copy gets its own sample when the batch is regenerated.
+        # Each of the step's `generation_batch_size` prompts comes num_generations times in a row (every copy gets
+        # its own sample when the batch is regenerated); the step's batch is emitted once per micro-step.
         return RepeatSampler(
             data_source=train_dataset if train_dataset is not None else self.train_dataset,
             mini_repeat_count=self.args.num_generations,
             batch_size=self.args.generation_batch_size,
+            repeat_count=self.args.gradient_accumulation_steps,
             shuffle=True,
             seed=self.args.seed,
         )
+
+    def _micro_batch(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
+        """This micro-step's slice of the step's generation batch (rows `k * per_device_train_batch_size` on).
+
+        The slice keeps the generation batch's (left) padding, as TRL: dropping it would move the tokens' position
+        ids and change the numbers."""
+        steps = self.args.gradient_accumulation_steps
+        if steps == 1:
+            return generation_batch
+        index = self._micro_step % steps
+        self._micro_step += 1
+        size = self.args.per_device_train_batch_size
+        return {key: value[index * size : (index + 1) * size] for key, value in generation_batch.items()}
 
     # ------------------------------------------------------------------------------------------------------------
     # Generation
@@ -298,6 +338,8 @@ class GOLDTrainer(GKDTrainer):
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: int | torch.Tensor | None = None
     ) -> torch.Tensor:
         self._batch_on_policy = False
+        # A new dict: the Trainer counts the step's FLOPs from the batch it fetched (the whole generation batch).
+        inputs = self._micro_batch(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         name = "on_policy_loss" if self._batch_on_policy else "off_policy_loss"
         # The step's loss is the sum of what its micro-batches return: averaged over a logging window, each
