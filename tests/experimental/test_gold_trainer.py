@@ -395,6 +395,37 @@ def test_num_generations_samples_each_prompt_several_times(tmp_path, model_path,
     assert trainer.state.log_history[0]["epoch"] == 0.25
 
 
+def test_datasets_are_tokenized_up_front_and_collated_as_raw_rows(tmp_path, model_path, conversations):
+    """As TRL, the datasets get the texts, ids, completion mask and byte offsets as columns; the collator reads them
+    and builds the same batch as from the raw conversations."""
+    train, test = conversations
+    trainer = GOLDTrainer(
+        model=model_path, teacher_model=model_path, args=make_args(tmp_path), train_dataset=train, eval_dataset=test
+    )
+    prepared = trainer.train_dataset
+    assert set(prepared.column_names) == {
+        "messages",
+        "original_prompt_text",
+        "original_completion_text",
+        "input_ids",
+        "attention_mask",
+        "byte_offsets",
+        "completion_mask",
+    }
+    assert trainer.eval_dataset.column_names == prepared.column_names
+    row = prepared[0]
+    tok = trainer.processing_class
+    completion = [i for i, keep in zip(row["input_ids"], row["completion_mask"], strict=True) if keep]
+    assert tok.decode(completion) == row["original_completion_text"]
+    assert row["byte_offsets"][-1][1] == len(row["original_completion_text"].encode())
+    assert tok.decode(row["input_ids"]) == row["original_prompt_text"] + row["original_completion_text"]
+    from_prepared = trainer.data_collator([prepared[i] for i in range(3)])
+    from_raw = trainer.data_collator([train[i] for i in range(3)])
+    assert from_prepared.keys() == from_raw.keys()
+    for key, value in from_prepared.items():
+        assert torch.equal(value, from_raw[key]) if torch.is_tensor(value) else value == from_raw[key]
+
+
 def test_gradient_accumulation_slices_one_generation_batch_per_step(tmp_path, model_path, conversations):
     """As TRL: the dataloader yields the step's whole generation batch once per micro-step, each micro-step trains on
     its slice, and the JSD is divided by the Trainer's token count over those fetched batches."""

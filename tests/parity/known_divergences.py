@@ -18,7 +18,6 @@ KNOWN_DIVERGENCES: dict[str, str] = {
     "chat_template_utils/get_training_chat_template/qwen2_5": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
     "chat_template_utils/get_training_chat_template/llama3": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
     "chat_template_utils/add_response_schema": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
-    "gold/columns": "TRL tokenizes the dataset up front (columns messages, original_prompt_text, original_completion_text, input_ids, attention_mask, byte_offsets, completion_mask); here the GKD collator tokenizes raw rows (column messages) and adds the texts and byte offsets to each batch (issue 20)",
 }
 
 # Differences kept on purpose (reason in docs/parity.md); also strict xfail, so a change of mind shows up.

@@ -301,12 +301,8 @@ def build_gold(ctx, *, teacher: str = GKD_TEACHER, **config):
 
 
 def gold_case(ctx, **config) -> dict:
-    """Evaluate, train one step on the dataset's completions (lmbda=0), evaluate. The trainers' dataset columns
-    differ by design (TRL tokenizes the dataset up front, here the collator does): compared in `gold/columns`."""
-    out = run_trainer(build_gold(ctx, **config))
-    out.pop("train_columns")
-    out.pop("eval_columns")
-    return out
+    """Evaluate, train one step on the dataset's completions (lmbda=0), evaluate."""
+    return run_trainer(build_gold(ctx, **config))
 
 
 register("gold/same_tokenizer", gold_case)

@@ -36,11 +36,45 @@ class _GOLDCollator(DataCollatorForChatML):
     """[`DataCollatorForChatML`] whose batch also carries each example's prompt and completion texts
     (`original_prompt_text`, `original_completion_text`), which the teacher tokenizes with its own tokenizer."""
 
+    _PREPARED = ("original_prompt_text", "original_completion_text", "input_ids", "completion_mask")
+
+    def prepared_columns(self, example: dict[str, Any]) -> dict[str, Any]:
+        """The columns GOLD adds to a dataset up front (as TRL): the prompt and completion texts, the conversation's
+        `input_ids` / `attention_mask`, `completion_mask` (1 on the completion's tokens) and `byte_offsets` (each
+        completion token's byte span in the completion text, `[0, 0]` on the prompt)."""
+        ids, prompt_len = super()._token_ids(example)
+        prompt_text, full_text = self._texts(example)
+        completion = ids[prompt_len:]
+        spans = [(0, 0)] * prompt_len + _completion_byte_offsets(self.tokenizer, completion, self._byte_level)
+        return {
+            "original_prompt_text": prompt_text,
+            "original_completion_text": full_text[len(prompt_text) :],
+            "input_ids": ids,
+            "attention_mask": [1] * len(ids),
+            "byte_offsets": [list(span) for span in spans],
+            "completion_mask": [0] * prompt_len + [1] * len(completion),
+        }
+
+    def _is_prepared(self, example: dict[str, Any]) -> bool:
+        return all(example.get(key) is not None for key in self._PREPARED)
+
+    def _token_ids(self, example: dict[str, Any]) -> tuple[list[int], int]:
+        if self._is_prepared(example):  # tokenized up front: no second pass through the tokenizer
+            mask = example["completion_mask"]
+            return list(example["input_ids"]), len(mask) - sum(mask)
+        return super()._token_ids(example)
+
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = super().__call__(examples)
-        texts = [self._texts(example) for example in examples]
+        texts = []
+        for example in examples:
+            if self._is_prepared(example):
+                texts.append((example["original_prompt_text"], example["original_completion_text"]))
+            else:
+                prompt, full = self._texts(example)
+                texts.append((prompt, full[len(prompt) :]))
         batch["original_prompt_text"] = [prompt for prompt, _ in texts]
-        batch["original_completion_text"] = [full[len(prompt) :] for prompt, full in texts]
+        batch["original_completion_text"] = [completion for _, completion in texts]
         return batch
 
 
@@ -143,6 +177,7 @@ class GOLDTrainer(GKDTrainer):
             peft_config=peft_config,
         )
         args = self.args
+        self._add_prepared_columns()
         self.use_uld_loss = args.use_uld_loss
         self.teacher_tokenizer = None
         self.uld_loss_fn = None
@@ -185,6 +220,23 @@ class GOLDTrainer(GKDTrainer):
             raise ValueError(
                 "uld_use_hybrid_loss=True only applies to the ULD loss; set use_uld_loss=True as well, or drop it."
             )
+
+    def _add_prepared_columns(self) -> None:
+        """Tokenize the datasets up front, as TRL: the texts, ids, completion mask and byte offsets become columns
+        (the raw columns stay), which the default collator then reads instead of tokenizing again."""
+        helper = _GOLDCollator(tokenizer=self.processing_class, max_length=self.args.max_length)
+
+        def prepare(dataset: Any, name: str) -> Any:
+            if not isinstance(dataset, (Dataset, IterableDataset)):
+                return dataset
+            kwargs = {} if isinstance(dataset, IterableDataset) else {"desc": f"Tokenizing {name} dataset"}
+            return dataset.map(helper.prepared_columns, **kwargs)
+
+        self.train_dataset = prepare(self.train_dataset, "train")
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {key: prepare(value, key) for key, value in self.eval_dataset.items()}
+        else:
+            self.eval_dataset = prepare(self.eval_dataset, "eval")
 
     @staticmethod
     def _default_collator(tokenizer: Any, args: GOLDConfig) -> Callable[[list[Any]], dict[str, Any]]:
