@@ -21,6 +21,7 @@ from trl.experimental.gkd import GKDConfig, GKDTrainer
 from trl.experimental.gold import GOLDConfig, GOLDTrainer
 from trl.experimental.gold.gold_trainer import ULDLoss, build_teacher_inputs_from_texts
 from trl.experimental.gold.uld import align_by_byte_offsets, merge_group_probabilities, shared_vocabulary
+from trl.import_utils import is_vllm_available
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -535,3 +536,49 @@ def test_hybrid_without_uld_is_rejected(tmp_path, model_path, conversations):
 def test_gkd_config_is_rejected(tmp_path, model_path, conversations):
     with pytest.raises(TypeError, match="GOLDConfig"):
         GOLDTrainer(model=model_path, teacher_model=LLAMA, args=GKDConfig(str(tmp_path)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# vLLM (`make test-vllm`: the vLLM environment)
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.skipif(not is_vllm_available(), reason="needs vLLM (`make test-vllm` builds its environment)")
+def test_vllm_colocate_generates_the_on_policy_completions(tmp_path, model_path, conversations):
+    """With use_vllm, the on-policy completions come from the colocated engine (weights pushed every step), are
+    realigned for the teacher's tokenizer and trained on."""
+    trainer = cross(
+        tmp_path,
+        model_path,
+        conversations,
+        lmbda=1.0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.1,
+        vllm_max_model_length=256,
+    )
+    assert trainer.vllm_generation is not None
+    calls, seen = [], []
+    generate, compute_loss = trainer.vllm_generation.generate, trainer.compute_loss
+
+    def recording_generate(prompt_ids, model=None, weights_version=None):
+        output = generate(prompt_ids, model=model, weights_version=weights_version)
+        calls.append((weights_version, output["completion_ids"]))
+        return output
+
+    def recording_loss(model, inputs, *args, **kwargs):
+        seen.append({k: inputs[k] for k in ("labels", "byte_offsets", "original_completion_text")})
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.vllm_generation.generate, trainer.compute_loss = recording_generate, recording_loss
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert changed_params(before, trainer.model)
+    assert [version for version, _ in calls] == [0, 1]  # one generation per step, after each weight update
+    tok = trainer.processing_class
+    for (_, completions), batch in zip(calls, seen, strict=True):
+        for ids, labels, text in zip(completions, batch["labels"], batch["original_completion_text"], strict=True):
+            assert 0 < len(ids) <= 6 and labels[labels != -100].tolist() == ids
+            assert tok.decode(ids) == text
+    logs = train_logs(trainer)
+    assert len(logs) == 2 and all("on_policy_loss" in log and math.isfinite(log["loss"]) for log in logs)
+    trainer.vllm_generation.close()
