@@ -228,13 +228,20 @@ def test_merge_strategies_match_hand_products():
         merge_group_probabilities(probs, [[1, 2]], None)
 
 
-def test_extended_uld_merges_split_tokens():
-    generator = torch.Generator().manual_seed(0)
+def split_token_case(seed: int):
+    """One row where the student's completion tokens 2 and 3 (bytes 0-2, 2-4) cover the teacher's token 7 (0-4), then
+    one token each (4-5) and an end of sequence: logits, labels, ids and byte offsets of both sides."""
+    generator = torch.Generator().manual_seed(seed)
     student, teacher = torch.randn(1, 6, 6, generator=generator), torch.randn(1, 6, 8, generator=generator)
     s_ids, t_ids = torch.tensor([[0, 1, 2, 3, 4, 5]]), torch.tensor([[0, 1, 2, 7, 6, 5]])
     s_labels, t_labels = torch.tensor([[-100, -100, 2, 3, 4, 5]]), torch.tensor([[-100, -100, -100, 7, 6, 5]])
     s_off = torch.tensor([[[0, 0], [0, 0], [0, 2], [2, 4], [4, 5], [5, 5]]])
     t_off = torch.tensor([[[0, 0], [0, 0], [0, 0], [0, 4], [4, 5], [5, 5]]])
+    return student, teacher, s_labels, t_labels, s_ids, t_ids, s_off, t_off
+
+
+def test_extended_uld_merges_split_tokens():
+    student, teacher, s_labels, t_labels, s_ids, t_ids, s_off, t_off = split_token_case(seed=0)
     loss = ULDLoss(uld_config())(student, teacher, s_labels, t_labels, s_ids, t_ids, s_off, t_off)
     ps = [softmax(row) for row in student[0].tolist()]
     pt = [softmax(row) for row in teacher[0].tolist()]
@@ -248,12 +255,7 @@ def test_extended_uld_merges_split_tokens():
 def test_bayesian_merge_reads_each_tokens_predictive_distribution():
     """`bayesian`: a token's distribution is the one that predicted it (logits one position earlier); a split group
     keeps its last token's distribution times the probabilities the earlier tokens were given."""
-    generator = torch.Generator().manual_seed(1)
-    student, teacher = torch.randn(1, 6, 6, generator=generator), torch.randn(1, 6, 8, generator=generator)
-    s_ids, t_ids = torch.tensor([[0, 1, 2, 3, 4, 5]]), torch.tensor([[0, 1, 2, 7, 6, 5]])
-    s_labels, t_labels = torch.tensor([[-100, -100, 2, 3, 4, 5]]), torch.tensor([[-100, -100, -100, 7, 6, 5]])
-    s_off = torch.tensor([[[0, 0], [0, 0], [0, 2], [2, 4], [4, 5], [5, 5]]])
-    t_off = torch.tensor([[[0, 0], [0, 0], [0, 0], [0, 4], [4, 5], [5, 5]]])
+    student, teacher, s_labels, t_labels, s_ids, t_ids, s_off, t_off = split_token_case(seed=1)
     loss = ULDLoss(uld_config(uld_token_merge_strategy="bayesian"))(
         student, teacher, s_labels, t_labels, s_ids, t_ids, s_off, t_off
     )

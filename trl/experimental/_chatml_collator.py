@@ -115,7 +115,9 @@ class DataCollatorForChatML:
     def _token_ids(self, example: dict[str, Any]) -> tuple[list[int], int]:
         """`(ids, prompt_length)`: the whole rendered conversation's token ids (untruncated) and how many of them are
         the prompt's."""
-        prompt_text, full_text = self._texts(example)
+        return self._tokenize_texts(*self._texts(example))
+
+    def _tokenize_texts(self, prompt_text: str, full_text: str) -> tuple[list[int], int]:
         ids = self.tokenizer(full_text, add_special_tokens=False)["input_ids"]
         return ids, len(self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
 

@@ -42,8 +42,8 @@ class _GOLDCollator(DataCollatorForChatML):
         """The columns GOLD adds to a dataset up front (as TRL): the prompt and completion texts, the conversation's
         `input_ids` / `attention_mask`, `completion_mask` (1 on the completion's tokens) and `byte_offsets` (each
         completion token's byte span in the completion text, `[0, 0]` on the prompt)."""
-        ids, prompt_len = super()._token_ids(example)
         prompt_text, full_text = self._texts(example)
+        ids, prompt_len = self._tokenize_texts(prompt_text, full_text)
         completion = ids[prompt_len:]
         spans = [(0, 0)] * prompt_len + _completion_byte_offsets(self.tokenizer, completion, self._byte_level)
         return {

@@ -14,7 +14,8 @@ Pairing (`use_extended_uld`):
   a teacher group end at the same byte (e.g. student `1`, `2` against teacher `12`). A group of several tokens gets
   one distribution: the probability of the group's text starting with each token, i.e. the first position's
   distribution times the probabilities of the tokens actually observed at the later positions (`observed`), or the
-  last position's distribution times those of the earlier observed tokens (`bayesian`).
+  last position's distribution times those of the earlier observed tokens (`bayesian`, which reads each token's
+  predictive distribution: the logits one position earlier).
 
 Hybrid (`uld_use_hybrid_loss`): tokens spelled identically in both vocabularies are compared entry by entry with the
 generalized JSD (the probabilities are not renormalised), the remaining entries with ULD, and the two terms are
