@@ -21,6 +21,7 @@ from trl.experimental.gkd import GKDConfig, GKDTrainer
 from trl.experimental.gold import GOLDConfig, GOLDTrainer
 from trl.experimental.gold.gold_trainer import ULDLoss, build_teacher_inputs_from_texts
 from trl.experimental.gold.uld import align_by_byte_offsets, merge_group_probabilities, shared_vocabulary
+from trl.import_utils import is_vllm_available
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -227,13 +228,20 @@ def test_merge_strategies_match_hand_products():
         merge_group_probabilities(probs, [[1, 2]], None)
 
 
-def test_extended_uld_merges_split_tokens():
-    generator = torch.Generator().manual_seed(0)
+def split_token_case(seed: int):
+    """One row where the student's completion tokens 2 and 3 (bytes 0-2, 2-4) cover the teacher's token 7 (0-4), then
+    one token each (4-5) and an end of sequence: logits, labels, ids and byte offsets of both sides."""
+    generator = torch.Generator().manual_seed(seed)
     student, teacher = torch.randn(1, 6, 6, generator=generator), torch.randn(1, 6, 8, generator=generator)
     s_ids, t_ids = torch.tensor([[0, 1, 2, 3, 4, 5]]), torch.tensor([[0, 1, 2, 7, 6, 5]])
     s_labels, t_labels = torch.tensor([[-100, -100, 2, 3, 4, 5]]), torch.tensor([[-100, -100, -100, 7, 6, 5]])
     s_off = torch.tensor([[[0, 0], [0, 0], [0, 2], [2, 4], [4, 5], [5, 5]]])
     t_off = torch.tensor([[[0, 0], [0, 0], [0, 0], [0, 4], [4, 5], [5, 5]]])
+    return student, teacher, s_labels, t_labels, s_ids, t_ids, s_off, t_off
+
+
+def test_extended_uld_merges_split_tokens():
+    student, teacher, s_labels, t_labels, s_ids, t_ids, s_off, t_off = split_token_case(seed=0)
     loss = ULDLoss(uld_config())(student, teacher, s_labels, t_labels, s_ids, t_ids, s_off, t_off)
     ps = [softmax(row) for row in student[0].tolist()]
     pt = [softmax(row) for row in teacher[0].tolist()]
@@ -244,18 +252,34 @@ def test_extended_uld_merges_split_tokens():
         ULDLoss(uld_config())(student, teacher, s_labels, t_labels, s_ids, t_ids)
 
 
+def test_bayesian_merge_reads_each_tokens_predictive_distribution():
+    """`bayesian`: a token's distribution is the one that predicted it (logits one position earlier); a split group
+    keeps its last token's distribution times the probabilities the earlier tokens were given."""
+    student, teacher, s_labels, t_labels, s_ids, t_ids, s_off, t_off = split_token_case(seed=1)
+    loss = ULDLoss(uld_config(uld_token_merge_strategy="bayesian"))(
+        student, teacher, s_labels, t_labels, s_ids, t_ids, s_off, t_off
+    )
+    ps = [softmax(row) for row in student[0].tolist()]
+    pt = [softmax(row) for row in teacher[0].tolist()]
+    # Student tokens 2 (predicted at position 1) and 3 (predicted at 2) cover the teacher's token 7 (predicted at 2).
+    merged = [p * ps[1][2] for p in ps[2]]
+    expected = (hand_sorted_l1(merged, pt[2]) + hand_sorted_l1(ps[3], pt[3])) / 2  # eos pair skipped
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Hybrid loss
 # ---------------------------------------------------------------------------------------------------------------------
 def hand_hybrid(p: torch.Tensor, q: torch.Tensor, mapping: dict, beta: float, weights: tuple | None) -> float:
-    """Generalized JSD on the shared entries (not renormalised) plus sorted L1 on the rest, per position."""
+    """Generalized JSD on the shared entries (not renormalised, floored at 1e-8) plus sorted L1 on the rest, per
+    position."""
     t_ids = sorted(mapping)
     s_ids = [mapping[t] for t in t_ids]
     s_rest = [i for i in range(p.shape[-1]) if i not in set(s_ids)]
     t_rest = [i for i in range(q.shape[-1]) if i not in set(t_ids)]
     matched, unmatched = [], []
     for row in range(p.shape[0]):
-        a, b = p[row, s_ids].double(), q[row, t_ids].double()
+        a, b = p[row, s_ids].double().clamp_min(1e-8), q[row, t_ids].double().clamp_min(1e-8)
         m = (1 - beta) * a + beta * b
         jsd = beta * (b * (b / m).log()).sum() + (1 - beta) * (a * (a / m).log()).sum()
         matched.append(float(jsd))
@@ -268,7 +292,8 @@ def hand_hybrid(p: torch.Tensor, q: torch.Tensor, mapping: dict, beta: float, we
 
 
 @pytest.mark.parametrize(("beta", "weights"), [(0.5, None), (0.2, None), (0.5, (0.3, 0.7))])
-def test_hybrid_loss_matches_hand_formula(qwen_tok, llama_tok, beta, weights):
+@pytest.mark.parametrize("scale", [1.0, 1e-5])  # 1e-5: a merged group's product of probabilities
+def test_hybrid_loss_matches_hand_formula(qwen_tok, llama_tok, beta, weights, scale):
     mapping = shared_vocabulary(qwen_tok, llama_tok)
     assert 0 < len(mapping) < len(llama_tok)
     assert all(qwen_tok.convert_ids_to_tokens(s) == llama_tok.convert_ids_to_tokens(t) for t, s in mapping.items())
@@ -277,7 +302,7 @@ def test_hybrid_loss_matches_hand_formula(qwen_tok, llama_tok, beta, weights):
     )
     loss_fn = ULDLoss(uld_config(uld_use_hybrid_loss=True, beta=beta, **extra), qwen_tok, llama_tok)
     generator = torch.Generator().manual_seed(0)
-    p = torch.softmax(torch.randn(3, len(qwen_tok), generator=generator) * 2, dim=-1)
+    p = torch.softmax(torch.randn(3, len(qwen_tok), generator=generator) * 2, dim=-1) * scale
     q = torch.softmax(torch.randn(3, len(llama_tok), generator=generator) * 2, dim=-1)
     assert loss_fn.hybrid_loss(p, q).item() == pytest.approx(hand_hybrid(p, q, mapping, beta, weights), rel=1e-4)
 
@@ -373,6 +398,71 @@ def test_num_generations_samples_each_prompt_several_times(tmp_path, model_path,
     assert trainer.state.log_history[0]["epoch"] == 0.25
 
 
+def test_datasets_are_tokenized_up_front_and_collated_as_raw_rows(tmp_path, model_path, conversations):
+    """As TRL, the datasets get the texts, ids, completion mask and byte offsets as columns; the collator reads them
+    and builds the same batch as from the raw conversations."""
+    train, test = conversations
+    trainer = GOLDTrainer(
+        model=model_path, teacher_model=model_path, args=make_args(tmp_path), train_dataset=train, eval_dataset=test
+    )
+    prepared = trainer.train_dataset
+    assert set(prepared.column_names) == {
+        "messages",
+        "original_prompt_text",
+        "original_completion_text",
+        "input_ids",
+        "attention_mask",
+        "byte_offsets",
+        "completion_mask",
+    }
+    assert trainer.eval_dataset.column_names == prepared.column_names
+    row = prepared[0]
+    tok = trainer.processing_class
+    completion = [i for i, keep in zip(row["input_ids"], row["completion_mask"], strict=True) if keep]
+    assert tok.decode(completion) == row["original_completion_text"]
+    assert row["byte_offsets"][-1][1] == len(row["original_completion_text"].encode())
+    assert tok.decode(row["input_ids"]) == row["original_prompt_text"] + row["original_completion_text"]
+    from_prepared = trainer.data_collator([prepared[i] for i in range(3)])
+    from_raw = trainer.data_collator([train[i] for i in range(3)])
+    assert from_prepared.keys() == from_raw.keys()
+    for key, value in from_prepared.items():
+        assert torch.equal(value, from_raw[key]) if torch.is_tensor(value) else value == from_raw[key]
+
+
+def test_gradient_accumulation_slices_one_generation_batch_per_step(tmp_path, model_path, conversations):
+    """As TRL: the dataloader yields the step's whole generation batch once per micro-step, each micro-step trains on
+    its slice, and the JSD is divided by the Trainer's token count over those fetched batches."""
+    train, test = conversations
+    trainer = GOLDTrainer(
+        model=model_path,
+        teacher_model=model_path,
+        args=make_args(tmp_path, max_steps=2, gradient_accumulation_steps=2),
+        train_dataset=train,
+        eval_dataset=test,
+    )
+    fetched, trained = [], []
+    training_step, compute_loss = trainer.training_step, trainer.compute_loss
+
+    def record_step(model, inputs, num_items_in_batch=None):
+        fetched.append((inputs["labels"].clone(), num_items_in_batch))
+        return training_step(model, inputs, num_items_in_batch)
+
+    def record_loss(model, inputs, *args, **kwargs):
+        trained.append(inputs["labels"])
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.training_step, trainer.compute_loss = record_step, record_loss
+    trainer.train()
+    assert len(fetched) == len(trained) == 4
+    for step in (0, 2):
+        (batch, count), (again, _) = fetched[step], fetched[step + 1]
+        assert torch.equal(batch, again) and batch.shape[0] == 4  # per_device_train_batch_size * accumulation
+        assert torch.equal(torch.cat(trained[step : step + 2]), batch)  # the two slices, padding kept
+        assert count == 2 * (batch != -100).sum()
+    # Two steps of 4 distinct prompts each: one pass over the 8 training prompts.
+    assert trainer.state.epoch == 1.0
+
+
 def test_log_completions_prints_and_writes_the_step_completions(tmp_path, model_path, conversations, capsys):
     import pandas as pd
 
@@ -448,3 +538,49 @@ def test_hybrid_without_uld_is_rejected(tmp_path, model_path, conversations):
 def test_gkd_config_is_rejected(tmp_path, model_path, conversations):
     with pytest.raises(TypeError, match="GOLDConfig"):
         GOLDTrainer(model=model_path, teacher_model=LLAMA, args=GKDConfig(str(tmp_path)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# vLLM (`make test-vllm`: the vLLM environment)
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.skipif(not is_vllm_available(), reason="needs vLLM (`make test-vllm` builds its environment)")
+def test_vllm_colocate_generates_the_on_policy_completions(tmp_path, model_path, conversations):
+    """With use_vllm, the on-policy completions come from the colocated engine (weights pushed every step), are
+    realigned for the teacher's tokenizer and trained on."""
+    trainer = cross(
+        tmp_path,
+        model_path,
+        conversations,
+        lmbda=1.0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.1,
+        vllm_max_model_length=256,
+    )
+    assert trainer.vllm_generation is not None
+    calls, seen = [], []
+    generate, compute_loss = trainer.vllm_generation.generate, trainer.compute_loss
+
+    def recording_generate(prompt_ids, model=None, weights_version=None):
+        output = generate(prompt_ids, model=model, weights_version=weights_version)
+        calls.append((weights_version, output["completion_ids"]))
+        return output
+
+    def recording_loss(model, inputs, *args, **kwargs):
+        seen.append({k: inputs[k] for k in ("labels", "byte_offsets", "original_completion_text")})
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    trainer.vllm_generation.generate, trainer.compute_loss = recording_generate, recording_loss
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert changed_params(before, trainer.model)
+    assert [version for version, _ in calls] == [0, 1]  # one generation per step, after each weight update
+    tok = trainer.processing_class
+    for (_, completions), batch in zip(calls, seen, strict=True):
+        for ids, labels, text in zip(completions, batch["labels"], batch["original_completion_text"], strict=True):
+            assert 0 < len(ids) <= 6 and labels[labels != -100].tolist() == ids
+            assert tok.decode(ids) == text
+    logs = train_logs(trainer)
+    assert len(logs) == 2 and all("on_policy_loss" in log and math.isfinite(log["loss"]) for log in logs)
+    trainer.vllm_generation.close()

@@ -18,20 +18,11 @@ KNOWN_DIVERGENCES: dict[str, str] = {
     "chat_template_utils/get_training_chat_template/qwen2_5": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
     "chat_template_utils/get_training_chat_template/llama3": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
     "chat_template_utils/add_response_schema": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
-    "gold/uld_loss/bayesian": "bayesian.loss 0.82577 vs 0.79819 on fixed tensors. TRL's merge helper (a group's last distribution times the observed probabilities of its earlier tokens) is reproduced exactly (checked on its own), but TRL's full loss with `bayesian` is not: the combination could not be inferred from outputs alone; `observed` (the default) matches (issue 20)",
-    "gold/uld_loss/hybrid": "adaptive.loss 0.40327 vs 0.40335; fixed.loss 0.13487 vs 0.1349; beta=0.2.loss 0.27383 vs 0.27389 (2e-4 relative). The hybrid terms match TRL exactly on plain probability rows (adaptive weight = shared share of the teacher vocabulary, JSD on the shared entries without renormalising, ULD on the rest); on merged (multi-token) groups, whose probabilities are tiny products, TRL's log/epsilon handling differs slightly (issue 20)",
-    "gold/cross_tokenizer/hybrid": "eval_loss 0.085038 vs 0.085088, loss 0.087259 vs 0.087299 (same cause as gold/uld_loss/hybrid); matched_loss 0.0981 vs 0.0895 and unmatched_loss 0.008 vs 0.0073: here the mean over sequences of each term (the terms the loss weights), TRL's metrics average them another way (issue 20)",
-    "gold/cross_tokenizer/grad_accum": "step 1 matches; at step 2 grad_norm 0.10635 vs 0.10712 and total_flos 7.3477e+09 vs 3.2767e+09: TRL fetches a whole generation batch (per_device_train_batch_size * gradient_accumulation_steps prompts) at once and slices it, padded to the longest row of the generation batch, so the second step's micro-batches are padded (and counted) differently (issue 20)",
-    "gold/num_generations/grad_accum": "grad_norm 0.0071783 vs 0.014357, loss 0.016445 vs 0.03289 (TRL half): "
-    "not from num_generations — with num_generations=1, lmbda=1 and gradient_accumulation_steps=2 the JSD path "
-    "differs by the same factor 2 (TRL fetches and slices a whole generation batch per optimizer step, see "
-    "gold/cross_tokenizer/grad_accum); with gradient_accumulation_steps=1 gold/num_generations matches (issue 20)",
     "gspo_token/sequence_token/beta=0.04": "step 2 (second iteration on the same rollouts) loss -0.15651 vs -0.15669, "
     "grad_norm 0.38992 vs 0.38743; step 1 and the logged kl agree. Not GSPO-token's ratio: importance_sampling_level "
     "token and sequence give the same gap against TRL 1.12 with beta=0.04 and num_iterations=2 (and without beta "
     "GSPO-token matches); the GRPO base's KL term under num_iterations=2 differs from 1.12's (against 1.16 both the loss "
     "and the logged kl match: parity grpo/num_iterations=2/beta=0.04) (issue 24)",
-    "gold/columns": "TRL tokenizes the dataset up front (columns messages, original_prompt_text, original_completion_text, input_ids, attention_mask, byte_offsets, completion_mask); here the GKD collator tokenizes raw rows (column messages) and adds the texts and byte offsets to each batch (issue 20)",
 }
 
 # Differences kept on purpose (reason in docs/parity.md); also strict xfail, so a change of mind shows up.
@@ -43,8 +34,6 @@ DELIBERATE_DEVIATIONS: dict[str, str] = {
     "cpo/max_length=14": "two training prompts are 14 tokens long: TRL keeps those pairs with empty completions "
     "(log-prob 0, NaN for the length-normalised losses), here they are dropped with a warning, so the step and the "
     "evaluation after it differ (eval_logps/chosen -28.762 vs -28.808); the evaluation before it matches (issue 19)",
-    "gold/errors/hybrid_weights_without_hybrid": "uld_hybrid_matched_weight / uld_hybrid_unmatched_weight set "
-    "without uld_use_hybrid_loss=True raise a ValueError (TRL ignores them silently)",
     "deviations/bf16_default_on_cpu": "bf16=None resolves to fp32 on a CPU-only machine (TRL: ValueError without "
     "use_cpu, bf16 autocast with use_cpu=True)",
 }

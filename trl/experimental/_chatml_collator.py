@@ -112,12 +112,19 @@ class DataCollatorForChatML:
         full_text = self.tokenizer.apply_chat_template(messages, tokenize=False)
         return prompt_text, full_text
 
+    def _token_ids(self, example: dict[str, Any]) -> tuple[list[int], int]:
+        """`(ids, prompt_length)`: the whole rendered conversation's token ids (untruncated) and how many of them are
+        the prompt's."""
+        return self._tokenize_texts(*self._texts(example))
+
+    def _tokenize_texts(self, prompt_text: str, full_text: str) -> tuple[list[int], int]:
+        ids = self.tokenizer(full_text, add_special_tokens=False)["input_ids"]
+        return ids, len(self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         input_ids, labels, prompts, offsets = [], [], [], []
         for example in examples:
-            prompt_text, full_text = self._texts(example)
-            ids = self.tokenizer(full_text, add_special_tokens=False)["input_ids"]
-            prompt_len = len(self.tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+            ids, prompt_len = self._token_ids(example)
             if self.max_length is not None and len(ids) > self.max_length:
                 cut = len(ids) - self.max_length
                 ids, prompt_len = ids[cut:], prompt_len - cut

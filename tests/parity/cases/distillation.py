@@ -221,8 +221,18 @@ def gold_uld_loss(ctx) -> dict:
 
 @case("gold/uld_loss/bayesian")
 def gold_uld_loss_bayesian(ctx) -> dict:
-    """`ULDLoss` with the `bayesian` merge of split tokens."""
-    return _uld_values(ctx, {"bayesian": {"uld_token_merge_strategy": "bayesian"}})
+    """`ULDLoss` with the `bayesian` merge of split tokens (which reads each token's predictive distribution)."""
+    bayesian = {"uld_token_merge_strategy": "bayesian"}
+    return _uld_values(
+        ctx,
+        {
+            "bayesian": bayesian,
+            "bayesian/keep_eos": {**bayesian, "uld_skip_student_eos": False, "uld_skip_teacher_eos": False},
+            "bayesian/positional": {**bayesian, "use_extended_uld": False},
+            "bayesian/hybrid": {**bayesian, "uld_use_hybrid_loss": True},
+        },
+        tokenizers=True,
+    )
 
 
 @case("gold/uld_loss/hybrid")
@@ -238,6 +248,8 @@ def gold_uld_loss_hybrid(ctx) -> dict:
                 "uld_hybrid_unmatched_weight": 0.7,
             },
             "beta=0.2": {"uld_use_hybrid_loss": True, "beta": 0.2},
+            "beta=0": {"uld_use_hybrid_loss": True, "beta": 0.0},
+            "beta=1": {"uld_use_hybrid_loss": True, "beta": 1.0},
         },
         tokenizers=True,
     )
@@ -289,15 +301,13 @@ def build_gold(ctx, *, teacher: str = GKD_TEACHER, **config):
 
 
 def gold_case(ctx, **config) -> dict:
-    """Evaluate, train one step on the dataset's completions (lmbda=0), evaluate. The trainers' dataset columns
-    differ by design (TRL tokenizes the dataset up front, here the collator does): compared in `gold/columns`."""
-    out = run_trainer(build_gold(ctx, **config))
-    out.pop("train_columns")
-    out.pop("eval_columns")
-    return out
+    """Evaluate, train one step on the dataset's completions (lmbda=0), evaluate."""
+    return run_trainer(build_gold(ctx, **config))
 
 
 register("gold/same_tokenizer", gold_case)
+register("gold/same_tokenizer/grad_accum", partial(gold_case, max_steps=2, gradient_accumulation_steps=2))
+register("gold/lmbda=1/grad_accum", partial(gold_case, lmbda=1.0, max_steps=2, gradient_accumulation_steps=2))
 register("gold/same_tokenizer/beta=1", partial(gold_case, beta=1.0, temperature=1.0))
 register("gold/cross_tokenizer", partial(gold_case, teacher=LLAMA, use_uld_loss=True))
 register(
@@ -306,6 +316,10 @@ register(
 register(
     "gold/cross_tokenizer/ce_weight",
     partial(gold_case, teacher=LLAMA, use_uld_loss=True, uld_crossentropy_weight=0.5, uld_skip_student_eos=False),
+)
+register(
+    "gold/cross_tokenizer/bayesian",
+    partial(gold_case, teacher=LLAMA, use_uld_loss=True, uld_token_merge_strategy="bayesian"),
 )
 register("gold/cross_tokenizer/hybrid", partial(gold_case, teacher=LLAMA, use_uld_loss=True, uld_use_hybrid_loss=True))
 register(

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from accelerate.utils import gather_object
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from transformers import (
     AutoTokenizer,
     BaseImageProcessor,
@@ -22,7 +22,7 @@ from transformers.trainer_utils import EvalPrediction
 from ...trainer.online_math import completion_mask_from_ids
 from ...trainer.online_metrics import log_completion_rows
 from ...trainer.utils import pad
-from ...trainer.utils.sampling import RepeatSampler
+from ...trainer.utils.sampling import RepeatSampler, repeat_iterable_dataset
 from .._chatml_collator import DataCollatorForChatML, _completion_byte_offsets
 from ..gkd import GKDTrainer
 from .gold_config import GOLDConfig
@@ -36,11 +36,45 @@ class _GOLDCollator(DataCollatorForChatML):
     """[`DataCollatorForChatML`] whose batch also carries each example's prompt and completion texts
     (`original_prompt_text`, `original_completion_text`), which the teacher tokenizes with its own tokenizer."""
 
+    _PREPARED = ("original_prompt_text", "original_completion_text", "input_ids", "completion_mask")
+
+    def prepared_columns(self, example: dict[str, Any]) -> dict[str, Any]:
+        """The columns GOLD adds to a dataset up front (as TRL): the prompt and completion texts, the conversation's
+        `input_ids` / `attention_mask`, `completion_mask` (1 on the completion's tokens) and `byte_offsets` (each
+        completion token's byte span in the completion text, `[0, 0]` on the prompt)."""
+        prompt_text, full_text = self._texts(example)
+        ids, prompt_len = self._tokenize_texts(prompt_text, full_text)
+        completion = ids[prompt_len:]
+        spans = [(0, 0)] * prompt_len + _completion_byte_offsets(self.tokenizer, completion, self._byte_level)
+        return {
+            "original_prompt_text": prompt_text,
+            "original_completion_text": full_text[len(prompt_text) :],
+            "input_ids": ids,
+            "attention_mask": [1] * len(ids),
+            "byte_offsets": [list(span) for span in spans],
+            "completion_mask": [0] * prompt_len + [1] * len(completion),
+        }
+
+    def _is_prepared(self, example: dict[str, Any]) -> bool:
+        return all(example.get(key) is not None for key in self._PREPARED)
+
+    def _token_ids(self, example: dict[str, Any]) -> tuple[list[int], int]:
+        if self._is_prepared(example):  # tokenized up front: no second pass through the tokenizer
+            mask = example["completion_mask"]
+            return list(example["input_ids"]), len(mask) - sum(mask)
+        return super()._token_ids(example)
+
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         batch = super().__call__(examples)
-        texts = [self._texts(example) for example in examples]
+        texts = []
+        for example in examples:
+            if self._is_prepared(example):
+                texts.append((example["original_prompt_text"], example["original_completion_text"]))
+            else:
+                prompt, full = self._texts(example)
+                texts.append((prompt, full[len(prompt) :]))
         batch["original_prompt_text"] = [prompt for prompt, _ in texts]
-        batch["original_completion_text"] = [full[len(prompt) :] for prompt, full in texts]
+        batch["original_completion_text"] = [completion for _, completion in texts]
         return batch
 
 
@@ -143,6 +177,7 @@ class GOLDTrainer(GKDTrainer):
             peft_config=peft_config,
         )
         args = self.args
+        self._add_prepared_columns()
         self.use_uld_loss = args.use_uld_loss
         self.teacher_tokenizer = None
         self.uld_loss_fn = None
@@ -161,6 +196,7 @@ class GOLDTrainer(GKDTrainer):
                 max_tokens=args.max_completion_length,
             )
         self._batch_on_policy = False
+        self._micro_step = 0  # training micro-steps so far: which slice of the generation batch comes next
         self._completion_rows: list[dict[str, str]] = []
         self._completion_rows_step: int | None = None
 
@@ -184,6 +220,23 @@ class GOLDTrainer(GKDTrainer):
             raise ValueError(
                 "uld_use_hybrid_loss=True only applies to the ULD loss; set use_uld_loss=True as well, or drop it."
             )
+
+    def _add_prepared_columns(self) -> None:
+        """Tokenize the datasets up front, as TRL: the texts, ids, completion mask and byte offsets become columns
+        (the raw columns stay), which the default collator then reads instead of tokenizing again."""
+        helper = _GOLDCollator(tokenizer=self.processing_class, max_length=self.args.max_length)
+
+        def prepare(dataset: Any, name: str) -> Any:
+            if not isinstance(dataset, (Dataset, IterableDataset)):
+                return dataset
+            kwargs = {} if isinstance(dataset, IterableDataset) else {"desc": f"Tokenizing {name} dataset"}
+            return dataset.map(helper.prepared_columns, **kwargs)
+
+        self.train_dataset = prepare(self.train_dataset, "train")
+        if isinstance(self.eval_dataset, dict):
+            self.eval_dataset = {key: prepare(value, key) for key, value in self.eval_dataset.items()}
+        else:
+            self.eval_dataset = prepare(self.eval_dataset, "eval")
 
     @staticmethod
     def _default_collator(tokenizer: Any, args: GOLDConfig) -> Callable[[list[Any]], dict[str, Any]]:
@@ -221,18 +274,57 @@ class GOLDTrainer(GKDTrainer):
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
 
+    # ------------------------------------------------------------------------------------------------------------
+    # Training data: one dataloader batch per optimizer step, sliced into its micro-batches (as TRL)
+    # ------------------------------------------------------------------------------------------------------------
+    def get_train_dataloader(self):
+        # A dataloader batch is the whole generation batch of an optimizer step (`generation_batch_size` prompts,
+        # each `num_generations` times), emitted `gradient_accumulation_steps` times so that the Trainer fetches
+        # one per micro-step; `training_step` trains each micro-step on its slice. The Trainer's token count
+        # (`num_items_in_batch`, which divides the JSD) therefore covers the generation batch once per micro-step.
+        if self.train_dataset is None:
+            raise ValueError("GOLDTrainer: training requires a train_dataset.")
+        args = self.args
+        dataset = self.train_dataset
+        if isinstance(dataset, IterableDataset):
+            dataset = repeat_iterable_dataset(
+                dataset,
+                mini_repeat_count=args.num_generations,
+                batch_size=args.generation_batch_size,
+                repeat_count=args.gradient_accumulation_steps,
+            )
+        return self._get_dataloader(
+            dataset=dataset,
+            description="Training",
+            batch_size=self._train_batch_size * args.gradient_accumulation_steps,
+            sampler_fn=self._get_train_sampler,
+            is_training=True,
+        )
+
     def _get_train_sampler(self, train_dataset: Any = None):
-        if self.args.num_generations == 1:
-            return super()._get_train_sampler(train_dataset)
-        # Several completions per prompt: each of the step's `generation_batch_size` prompts comes num_generations
-        # times in a row, and every copy gets its own sample when the batch is regenerated.
+        # Each of the step's `generation_batch_size` prompts comes num_generations times in a row (every copy gets
+        # its own sample when the batch is regenerated); the step's batch is emitted once per micro-step.
         return RepeatSampler(
             data_source=train_dataset if train_dataset is not None else self.train_dataset,
             mini_repeat_count=self.args.num_generations,
             batch_size=self.args.generation_batch_size,
+            repeat_count=self.args.gradient_accumulation_steps,
             shuffle=True,
             seed=self.args.seed,
         )
+
+    def _micro_batch(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
+        """This micro-step's slice of the step's generation batch (rows `k * per_device_train_batch_size` on).
+
+        The slice keeps the generation batch's (left) padding, as TRL: dropping it would move the tokens' position
+        ids and change the numbers."""
+        steps = self.args.gradient_accumulation_steps
+        if steps == 1:
+            return generation_batch
+        index = self._micro_step % steps
+        self._micro_step += 1
+        size = self.args.per_device_train_batch_size
+        return {key: value[index * size : (index + 1) * size] for key, value in generation_batch.items()}
 
     # ------------------------------------------------------------------------------------------------------------
     # Generation
@@ -298,6 +390,8 @@ class GOLDTrainer(GKDTrainer):
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: int | torch.Tensor | None = None
     ) -> torch.Tensor:
         self._batch_on_policy = False
+        # A new dict: the Trainer counts the step's FLOPs from the batch it fetched (the whole generation batch).
+        inputs = self._micro_batch(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         name = "on_policy_loss" if self._batch_on_policy else "off_policy_loss"
         # The step's loss is the sum of what its micro-batches return: averaged over a logging window, each
@@ -328,8 +422,9 @@ class GOLDTrainer(GKDTrainer):
         trim = self.args.uld_crossentropy_weight == 0 and not return_outputs
         forward = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "use_cache": False}
         teacher_forward = {"input_ids": teacher["input_ids"], "attention_mask": teacher_mask.to(device).long()}
-        student_keep = self._completion_positions(student, trim and self._forward_accepts_logits_to_keep)
-        teacher_keep = self._completion_positions(teacher, trim and self._teacher_accepts_logits_to_keep)
+        shift = self.uld_loss_fn.logit_shift
+        student_keep = self._completion_positions(student, trim and self._forward_accepts_logits_to_keep, shift)
+        teacher_keep = self._completion_positions(teacher, trim and self._teacher_accepts_logits_to_keep, shift)
         outputs = model(**forward, **({} if student_keep is None else {"logits_to_keep": student_keep}))
         with torch.no_grad():
             if teacher_keep is not None:
@@ -348,21 +443,27 @@ class GOLDTrainer(GKDTrainer):
             student["byte_offsets"],
             teacher["byte_offsets"],
         )
-        if self._mode == "train" and self.args.uld_use_hybrid_loss:
+        if self.args.uld_use_hybrid_loss:
+            # As TRL: the batch's last sequence's terms, from every loss computation (evaluation's included),
+            # averaged into the next training log.
             for name, values in self.uld_loss_fn.last_hybrid_terms.items():
                 if values:
-                    self._record_metric(name, torch.stack(values).mean())
+                    self._record_metric(name, values[-1], mode="train")
         # Not divided by the gradient-accumulation steps (the training loop leaves it as is since a token count is
         # given): as in TRL, the step's loss and gradient are the sum of its micro-batches' means.
         return (loss, outputs) if return_outputs else loss
 
     @staticmethod
-    def _completion_positions(side: dict[str, torch.Tensor], trim: bool) -> torch.Tensor | None:
-        """With `trim`, keep only the positions where some row has a completion token (in place on `side`'s
-        position-indexed tensors) and return them for `logits_to_keep`; otherwise None."""
+    def _completion_positions(side: dict[str, torch.Tensor], trim: bool, shift: int = 0) -> torch.Tensor | None:
+        """With `trim`, keep only the positions where some row has a completion token, and the `shift` positions
+        before each (whose logits the loss reads), in place on `side`'s position-indexed tensors, and return them for
+        `logits_to_keep`; otherwise None."""
         if not trim:
             return None
-        positions = (side["labels"] != -100).any(dim=0).nonzero().squeeze(-1)
+        needed = (side["labels"] != -100).any(dim=0)
+        if shift:
+            needed[:-shift] |= needed[shift:].clone()
+        positions = needed.nonzero().squeeze(-1)
         for key in ("input_ids", "labels", "byte_offsets"):
             side[key] = side[key][:, positions]
         return positions

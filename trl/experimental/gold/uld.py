@@ -14,7 +14,8 @@ Pairing (`use_extended_uld`):
   a teacher group end at the same byte (e.g. student `1`, `2` against teacher `12`). A group of several tokens gets
   one distribution: the probability of the group's text starting with each token, i.e. the first position's
   distribution times the probabilities of the tokens actually observed at the later positions (`observed`), or the
-  last position's distribution times those of the earlier observed tokens (`bayesian`).
+  last position's distribution times those of the earlier observed tokens (`bayesian`, which reads each token's
+  predictive distribution: the logits one position earlier).
 
 Hybrid (`uld_use_hybrid_loss`): tokens spelled identically in both vocabularies are compared entry by entry with the
 generalized JSD (the probabilities are not renormalised), the remaining entries with ULD, and the two terms are
@@ -168,6 +169,10 @@ class ULDLoss(torch.nn.Module):
         self.skip_teacher_eos = config.uld_skip_teacher_eos
         self.use_extended_uld = config.use_extended_uld
         self.token_merge_strategy = config.uld_token_merge_strategy
+        # `bayesian` reads each answer token's own predictive distribution (the logits one position earlier, so the
+        # observed tokens' probabilities are those the model gave them); `observed` reads the logits at the token's
+        # position, i.e. the distribution of what follows it. Both as TRL.
+        self.logit_shift = 1 if self.token_merge_strategy == "bayesian" else 0
         self.ignore_index = -100
         self.student_tokenizer = student_tokenizer
         self.teacher_tokenizer = teacher_tokenizer
@@ -253,9 +258,10 @@ class ULDLoss(torch.nn.Module):
             student_pos = self._answer_positions(student_labels[row], self.skip_student_eos)
             teacher_pos = self._answer_positions(teacher_labels[row], self.skip_teacher_eos)
             # Only the answer positions ever need probabilities (not the whole padded sequence).
-            student_probs = (student_logits[row, student_pos].float() / self.student_temperature).softmax(-1)
+            student_rows, teacher_rows = student_pos - self.logit_shift, teacher_pos - self.logit_shift
+            student_probs = (student_logits[row, student_rows].float() / self.student_temperature).softmax(-1)
             with torch.no_grad():
-                teacher_probs = (teacher_logits[row, teacher_pos].float() / self.teacher_temperature).softmax(-1)
+                teacher_probs = (teacher_logits[row, teacher_rows].float() / self.teacher_temperature).softmax(-1)
             if self.use_extended_uld:
                 groups_s, groups_t = align_by_byte_offsets(
                     student_byte_offsets[row, student_pos].tolist(), teacher_byte_offsets[row, teacher_pos].tolist()
@@ -296,9 +302,11 @@ class ULDLoss(torch.nn.Module):
         student_rest[student_matched] = False
         teacher_rest = torch.ones(teacher_probs.shape[-1], dtype=torch.bool, device=device)
         teacher_rest[teacher_matched] = False
+        # Probabilities floored at 1e-8 before the log (as TRL): a merged group's product of probabilities can be
+        # far smaller, and the floor also weights the KL terms (exp of the floored log).
         matched = generalized_jsd_from_log_probs(
-            student_probs[:, student_matched].clamp_min(1e-30).log(),
-            teacher_probs[:, teacher_matched].clamp_min(1e-30).log(),
+            student_probs[:, student_matched].clamp_min(1e-8).log(),
+            teacher_probs[:, teacher_matched].clamp_min(1e-8).log(),
             self.beta,
         )
         matched = matched.sum(-1).mean()
