@@ -188,9 +188,7 @@ class PPOTrainer(_BaseTrainer):
             optimizers=optimizers,
             callbacks=callbacks,
         )
-        self.state = _PPOTrainerState(
-            is_local_process_zero=self.is_local_process_zero(), is_world_process_zero=self.is_world_process_zero()
-        )
+        self._init_state()
         self._init_metrics()
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
         self.local_seed = args.seed + self.accelerator.process_index * 100003
@@ -285,6 +283,13 @@ class PPOTrainer(_BaseTrainer):
                     f"The {name} embeds {rows} token ids but the policy's tokenizer has {vocab_size}: it scores the "
                     "policy's token ids directly, so it must use the same tokenizer. Train the reward/value model "
                     "on the policy's tokenizer (no mapping between vocabularies is done)."
+                )
+            own_tokenizer = _saved_tokenizer(module)
+            if own_tokenizer is not None and own_tokenizer.get_vocab() != processing_class.get_vocab():
+                raise ValueError(
+                    f"The {name} was saved with a different tokenizer ({module.name_or_path}) than the policy's: "
+                    "PPO scores the policy's token ids with it (no mapping between vocabularies is done). Use a "
+                    f"{name} trained with the policy's tokenizer."
                 )
             policy_name = getattr(getattr(model, "config", None), "vocab_size", None)
             own = getattr(getattr(module, "config", None), "vocab_size", None)
@@ -613,8 +618,13 @@ class PPOTrainer(_BaseTrainer):
 
     def _init_state(self) -> None:
         args = self.args
+        from transformers.trainer_callback import ExportableState
+
+        stateful = [cb for cb in [*self.callback_handler.callbacks, self.control] if isinstance(cb, ExportableState)]
         self.state = _PPOTrainerState(
-            is_local_process_zero=self.is_local_process_zero(), is_world_process_zero=self.is_world_process_zero()
+            is_local_process_zero=self.is_local_process_zero(),
+            is_world_process_zero=self.is_world_process_zero(),
+            stateful_callbacks=stateful,
         )
         self.state.max_steps = args.num_total_batches
         self.state.num_train_epochs = args.total_episodes / self.train_dataset_len
@@ -772,6 +782,21 @@ class PPOTrainer(_BaseTrainer):
         for _ in range(saved.global_step):
             next(batches)
         self._load_rng_state(checkpoint)
+
+
+def _saved_tokenizer(model: nn.Module) -> Any:
+    """The tokenizer saved beside a model loaded from a local folder, or None (nothing is downloaded)."""
+    path = getattr(model, "name_or_path", None)
+    if not path or not os.path.isdir(path):
+        return None
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
 
 
 _STAT_NAMES = ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
