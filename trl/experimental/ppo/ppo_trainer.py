@@ -188,6 +188,8 @@ class PPOTrainer(_BaseTrainer):
             optimizers=optimizers,
             callbacks=callbacks,
         )
+        # One optimizer step per mini-batch: gradients of its micro-batches are accumulated (and the loss scaled).
+        self.accelerator.gradient_accumulation_steps = args.gradient_accumulation_steps
         self._init_state()
         self._init_metrics()
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
@@ -320,6 +322,12 @@ class PPOTrainer(_BaseTrainer):
                 f"train_dataset has {len(train_dataset)} prompts, fewer than one rollout batch of "
                 f"{args.local_batch_size} (per_device_train_batch_size * gradient_accumulation_steps): lower "
                 "these or add prompts."
+            )
+        if args.whiten_rewards and args.local_mini_batch_size < 8:
+            raise ValueError(
+                f"Per-rank minibatch size {args.local_mini_batch_size} is insufficient for whitening: whiten_rewards "
+                "needs at least 8 prompts per mini-batch (per_device_train_batch_size * gradient_accumulation_steps "
+                "/ num_mini_batches)."
             )
         if args.max_steps > 0:
             args.total_episodes = args.max_steps * args.batch_size
