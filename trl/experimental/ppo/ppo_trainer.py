@@ -574,7 +574,8 @@ class PPOTrainer(_BaseTrainer):
             "val/clipfrac_avg": mean(stats["vf_clipfrac"].mean()),
             "policy/entropy_avg": mean(stats["entropy"].mean()),
             "val/ratio": mean(stats["ratio"].mean()),
-            "val/ratio_var": mean(stats["ratio"].var()),
+            # Undefined (NaN) with a single micro-batch per update.
+            "val/ratio_var": mean(stats["ratio"].var()) if stats["ratio"].numel() > 1 else float("nan"),
             "val/num_eos_tokens": int(
                 gather((data["responses"] == self.processing_class.eos_token_id).sum().reshape(1)).sum().item()
             ),
