@@ -430,7 +430,24 @@ class _ValueHeadModel(PreTrainedModelWrapper):
         """Generate with the wrapped model (the value head is not involved)."""
         return self.pretrained_model.generate(*args, **kwargs)
 
-    def _values_and_outputs(self, outputs: Any, hidden_states: torch.Tensor, return_past_key_values: bool) -> tuple:
+    # Output attribute holding the hidden states the value head reads (the decoder's for encoder-decoders).
+    _hidden_states_attr = "hidden_states"
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        return_past_key_values: bool = False,
+        **kwargs: Any,
+    ) -> tuple:
+        """`(lm_logits, loss, values)`, plus the cache with `return_past_key_values=True`; extra keyword arguments
+        (`labels`, `decoder_input_ids`, `position_ids`...) go to the wrapped model."""
+        kwargs["output_hidden_states"] = True
+        if past_key_values is not None:
+            kwargs["past_key_values"] = past_key_values
+        outputs = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden_states = getattr(outputs, self._hidden_states_attr)[-1]
         if hidden_states.device != self.v_head.summary.weight.device:
             hidden_states = hidden_states.to(self.v_head.summary.weight.device)
         value = self.v_head(hidden_states).squeeze(-1)
@@ -457,20 +474,6 @@ class AutoModelForCausalLMWithValueHead(_ValueHeadModel):
 
     transformers_parent_class = AutoModelForCausalLM
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        attention_mask: torch.Tensor | None = None,
-        return_past_key_values: bool = False,
-        **kwargs: Any,
-    ) -> tuple:
-        kwargs["output_hidden_states"] = True
-        if past_key_values is not None:
-            kwargs["past_key_values"] = past_key_values
-        outputs = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        return self._values_and_outputs(outputs, outputs.hidden_states[-1], return_past_key_values)
-
 
 class AutoModelForSeq2SeqLMWithValueHead(_ValueHeadModel):
     """An encoder-decoder LM with a [`ValueHead`] on the decoder's last hidden state.
@@ -480,17 +483,4 @@ class AutoModelForSeq2SeqLMWithValueHead(_ValueHeadModel):
     """
 
     transformers_parent_class = AutoModelForSeq2SeqLM
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        attention_mask: torch.Tensor | None = None,
-        return_past_key_values: bool = False,
-        **kwargs: Any,
-    ) -> tuple:
-        kwargs["output_hidden_states"] = True
-        if past_key_values is not None:
-            kwargs["past_key_values"] = past_key_values
-        outputs = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        return self._values_and_outputs(outputs, outputs.decoder_hidden_states[-1], return_past_key_values)
+    _hidden_states_attr = "decoder_hidden_states"
