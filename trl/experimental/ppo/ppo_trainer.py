@@ -398,7 +398,12 @@ class PPOTrainer(_BaseTrainer):
         return torch.cat([queries, torch.cat(padded)[:, queries.size(1) :]], dim=1)
 
     def _response_logps(
-        self, model: nn.Module, query_responses: torch.Tensor, context_length: int, entropy: bool = False
+        self,
+        model: nn.Module,
+        query_responses: torch.Tensor,
+        context_length: int,
+        entropy: bool = False,
+        hidden_states: bool = False,
     ):
         """Log-probabilities (and entropies) of the response tokens `(B, T)` at the sampling temperature; the LM head
         runs only on response positions."""
@@ -411,7 +416,7 @@ class PPOTrainer(_BaseTrainer):
             target_mask=target_mask,
             temperature=self.args.temperature + _TEMPERATURE_EPS,
             compute_entropy=entropy,
-            output_hidden_states=True,
+            output_hidden_states=hidden_states,
         )
         logps = result.logps[:, context_length - 1 :]
         ent = result.entropy[:, context_length - 1 :] if entropy else None
@@ -501,7 +506,9 @@ class PPOTrainer(_BaseTrainer):
     def _policy_and_values(self, query_responses: torch.Tensor, context_length: int):
         """Response log-probabilities, entropies and values `(B, T)` of the trained module (with gradients)."""
         wrapper = self.accelerator.unwrap_model(self.model_wrapped)
-        logps, entropy, outputs = self._response_logps(wrapper.policy, query_responses, context_length, entropy=True)
+        logps, entropy, outputs = self._response_logps(
+            wrapper.policy, query_responses, context_length, entropy=True, hidden_states=wrapper.shares_backbone
+        )
         if wrapper.shares_backbone:
             values = wrapper.value_model.v_head(outputs.hidden_states[-1]).squeeze(-1)
         else:
