@@ -364,9 +364,32 @@ class PreTrainedModelWrapper(nn.Module):
             return self.pretrained_model.save_pretrained(*args, **kwargs)
         return self.pretrained_model.save_pretrained(*args, state_dict=state_dict, **kwargs)
 
-    def push_to_hub(self, *args: Any, **kwargs: Any) -> Any:
-        """Push the base model to the hub (the value head is part of its weight file, see `save_pretrained`)."""
-        return self.pretrained_model.push_to_hub(*args, state_dict=self.state_dict(), **kwargs)
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token: str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+    ) -> Any:
+        """Upload what `save_pretrained` writes (base model or adapter, and the value head) to the hub repo."""
+        import tempfile
+
+        from huggingface_hub import create_repo, upload_folder
+
+        repo_id = create_repo(repo_id, private=private, token=token, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as directory:
+            self.save_pretrained(directory)
+            return upload_folder(
+                repo_id=repo_id,
+                folder_path=directory,
+                commit_message=commit_message or "Upload model with value head",
+                token=token,
+                revision=revision,
+                create_pr=create_pr,
+            )
 
     def _get_current_device(self) -> torch.device:
         return next(self.pretrained_model.parameters()).device
