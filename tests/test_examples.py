@@ -31,6 +31,8 @@ SCRIPT_ARGS = {
     "nash_md.py": PAIRWISE_ARGS,
     "online_dpo.py": PAIRWISE_ARGS,
     "orpo.py": ["--max_length", "64"],
+    "ppo/ppo.py": ["--response_length", "4", "--num_ppo_epochs", "1"],
+    "ppo/ppo_tldr.py": ["--response_length", "4", "--num_ppo_epochs", "1"],
     "prm.py": [],
     "reward_modeling.py": ["--max_length", "64"],
     "rloo.py": ONLINE_ARGS,
@@ -40,7 +42,13 @@ SCRIPT_ARGS = {
 
 
 def test_every_example_script_is_covered():
-    assert sorted(name for name in os.listdir(EXAMPLES_DIR) if name.endswith(".py")) == sorted(SCRIPT_ARGS)
+    found = [
+        os.path.relpath(os.path.join(root, name), EXAMPLES_DIR)
+        for root, _, names in os.walk(EXAMPLES_DIR)
+        for name in names
+        if name.endswith(".py")
+    ]
+    assert sorted(found) == sorted(SCRIPT_ARGS)
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPT_ARGS))

@@ -220,4 +220,5 @@ from . import (  # noqa: E402, F401
     grpo_variants,
     offline,
     online,
+    ppo,
 )

@@ -1,0 +1,203 @@
+"""PPOTrainer (experimental): training, metrics, evaluation, saving/resuming, PEFT, a toy task and bad input."""
+
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from trainer_utils import args_builder, snapshot
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from trl.assets import get_model_path, load_test_dataset
+from trl.experimental.ppo import AutoModelForCausalLMWithValueHead, PPOConfig, PPOTrainer
+
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+POLICY = "tiny-Qwen2ForCausalLM"
+SCORER = "tiny-Qwen2ForSequenceClassification"
+METRICS = [
+    "eps", "objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
+    "objective/scores", "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
+    "val/clipfrac_avg", "policy/entropy_avg", "val/ratio", "val/ratio_var", "val/num_eos_tokens", "lr", "episode",
+]  # fmt: skip
+
+make_args = args_builder(
+    PPOConfig,
+    per_device_train_batch_size=4,
+    per_device_eval_batch_size=4,
+    total_episodes=8,
+    response_length=6,
+    num_ppo_epochs=1,
+    num_mini_batches=2,
+    learning_rate=1e-3,
+    num_sample_generations=0,
+    use_cpu=True,
+    bf16=False,
+    seed=0,
+)
+
+
+@pytest.fixture(scope="module")
+def ppo_tokenizer():
+    return AutoTokenizer.from_pretrained(get_model_path(POLICY), padding_side="left")
+
+
+@pytest.fixture(scope="module")
+def prompts(ppo_tokenizer):
+    data = load_test_dataset("standard_prompt_only")
+    return {
+        split: data[split].select(range(8)).map(lambda row: ppo_tokenizer(row["prompt"]), remove_columns=["prompt"])
+        for split in ("train", "test")
+    }
+
+
+def scorer():
+    return AutoModelForSequenceClassification.from_pretrained(get_model_path(SCORER), num_labels=1)
+
+
+def make_trainer(args, tokenizer, prompts, **overrides):
+    kwargs = dict(
+        args=args,
+        processing_class=tokenizer,
+        model=AutoModelForCausalLM.from_pretrained(get_model_path(POLICY)),
+        ref_model=None,
+        reward_model=scorer(),
+        train_dataset=prompts["train"],
+        value_model=scorer(),
+        eval_dataset=prompts["test"],
+    )
+    kwargs.update(overrides)
+    return PPOTrainer(**kwargs)
+
+
+def test_train_updates_policy_and_value_and_logs_metrics(tmp_path, ppo_tokenizer, prompts):
+    trainer = make_trainer(make_args(tmp_path), ppo_tokenizer, prompts)
+    assert trainer.args.batch_size == 4 and trainer.args.num_total_batches == 2
+    assert trainer.args.local_mini_batch_size == 2
+    before = snapshot(trainer.model)
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)}
+    assert any(n.startswith("policy.") for n in changed) and any(n.startswith("value_model.") for n in changed)
+    assert not any(torch.equal(p, before[n]) for n, p in trainer.ref_model.named_parameters() if False)
+    logs = [log for log in trainer.state.log_history if "objective/scores" in log]
+    assert len(logs) == 2 and all(key in logs[0] for key in METRICS)
+    assert all(torch.isfinite(torch.tensor(log["objective/kl"])) for log in logs)
+    assert logs[1]["episode"] == 8 and trainer.state.global_step == 2
+    metrics = trainer.evaluate()
+    assert {"eval_objective/scores", "eval_val/num_eos_tokens"} <= set(metrics)
+    # save_model writes the policy only, loadable as a causal LM.
+    trainer.save_model(str(tmp_path / "final"))
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    torch.testing.assert_close(reloaded.lm_head.weight, trainer.model.policy.lm_head.weight)
+
+
+def test_stop_token_and_missing_eos_penalty(tmp_path, ppo_tokenizer, prompts):
+    args = make_args(tmp_path, stop_token="eos", missing_eos_penalty=1.0, response_length=4)
+    trainer = make_trainer(args, ppo_tokenizer, prompts)
+    assert trainer.stop_token_id == ppo_tokenizer.eos_token_id
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+def test_resume_from_checkpoint_reproduces_the_second_step(tmp_path, ppo_tokenizer, prompts):
+    args = make_args(tmp_path, save_strategy="steps", save_steps=1)
+    trainer = make_trainer(args, ppo_tokenizer, prompts)
+    trainer.train()
+    checkpoint = os.path.join(tmp_path, "checkpoint-1")
+    assert os.path.isdir(os.path.join(checkpoint, "value_model"))
+    resumed = make_trainer(args, ppo_tokenizer, prompts)
+    resumed.train(resume_from_checkpoint=checkpoint)
+    assert resumed.state.global_step == 2
+    last, last_resumed = trainer.state.log_history[-1], resumed.state.log_history[-1]
+    for key in ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg"):
+        assert last_resumed[key] == pytest.approx(last[key], abs=1e-5)
+
+
+def test_peft_trains_adapters_and_uses_the_base_as_reference(tmp_path, ppo_tokenizer, prompts):
+    from peft import LoraConfig
+
+    trainer = make_trainer(
+        make_args(tmp_path), ppo_tokenizer, prompts, peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    )
+    assert trainer.ref_model is None and trainer.is_peft_model
+    before = snapshot(trainer.model)
+    trainer.train()
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)]
+    assert any("lora_" in n for n in changed)
+    assert not any(n.startswith("policy.") and "lora_" not in n for n in changed)
+
+
+def test_value_head_model_sharing_the_policy_backbone(tmp_path, ppo_tokenizer, prompts):
+    policy = AutoModelForCausalLM.from_pretrained(get_model_path(POLICY))
+    value_model = AutoModelForCausalLMWithValueHead(policy)
+    trainer = make_trainer(make_args(tmp_path), ppo_tokenizer, prompts, model=policy, value_model=value_model)
+    assert trainer.model.shares_backbone
+    before = value_model.v_head.summary.weight.detach().clone()
+    trainer.train()
+    assert not torch.equal(before, value_model.v_head.summary.weight)
+
+
+class ShareOfChosenTokens(nn.Module):
+    """A toy reward "model": the score at a position is the share of tokens so far whose id is divisible by 4 (the
+    PPO trainer reads it at the last response token)."""
+
+    base_model_prefix = "backbone"
+
+    class Backbone(nn.Module):
+        def forward(self, input_ids, attention_mask, **kwargs):
+            chosen = ((input_ids % 4 == 0) & attention_mask.bool()).float()
+            share = chosen.cumsum(1) / attention_mask.float().cumsum(1).clamp(min=1)
+            return type("Out", (), {"hidden_states": (share.unsqueeze(-1),)})()
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = self.Backbone()
+        self.score = nn.Identity()
+
+
+def test_toy_task_raises_the_mean_score_with_a_finite_kl(tmp_path, ppo_tokenizer, prompts):
+    args = make_args(
+        tmp_path, total_episodes=8 * 25, per_device_train_batch_size=8, learning_rate=1e-2, num_ppo_epochs=4,
+        num_mini_batches=2, kl_coef=0.01, temperature=1.0, response_length=12, lr_scheduler_type="constant",
+    )  # fmt: skip
+    trainer = make_trainer(args, ppo_tokenizer, prompts, reward_model=ShareOfChosenTokens())
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "objective/scores" in log]
+    first = sum(log["objective/scores"] for log in logs[:5]) / 5
+    last = sum(log["objective/scores"] for log in logs[-5:]) / 5
+    assert last > first + 0.05, (first, last)
+    assert all(abs(log["objective/kl"]) < 1e3 for log in logs)
+
+
+def test_bad_input_fails_before_training(tmp_path, ppo_tokenizer, prompts):
+    args = make_args(tmp_path)
+    with pytest.raises(ValueError, match="reward_model"):
+        make_trainer(args, ppo_tokenizer, prompts, reward_model=None)
+    llama_rm = AutoModelForSequenceClassification.from_pretrained(
+        get_model_path("tiny-LlamaForSequenceClassification"), num_labels=1
+    )
+    with pytest.raises(ValueError, match="different tokenizer"):
+        make_trainer(args, ppo_tokenizer, prompts, reward_model=llama_rm)
+    with pytest.raises(ValueError, match="input_ids"):
+        make_trainer(args, ppo_tokenizer, {**prompts, "train": load_test_dataset("standard_prompt_only")["train"]})
+    policy = AutoModelForCausalLM.from_pretrained(get_model_path(POLICY))
+    with pytest.raises(ValueError, match="same object"):
+        make_trainer(args, ppo_tokenizer, prompts, model=policy, ref_model=policy)
+    with pytest.raises(ValueError, match="equal parts"):
+        make_trainer(make_args(tmp_path, num_mini_batches=3), ppo_tokenizer, prompts)
+
+
+@pytest.mark.parametrize(
+    "kwargs, phrase",
+    [
+        (dict(stop_token="eos", stop_token_id=3), "exclusive"),
+        (dict(kl_estimator="k2"), "kl_estimator"),
+        (dict(stop_token="eot"), "stop_token"),
+        (dict(num_ppo_epochs=0), "num_ppo_epochs"),
+        (dict(missing_eos_penalty=-1.0), "missing_eos_penalty"),
+    ],
+)
+def test_config_validation(tmp_path, kwargs, phrase):
+    with pytest.raises(ValueError, match=phrase):
+        make_args(tmp_path, **kwargs)
