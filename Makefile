@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: install torch assets deepspeed test test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 test-parity demo bench lint format clean
+.PHONY: install torch assets deepspeed test test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-022 test-parity test-parity-diffusion demo bench lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
@@ -87,6 +87,28 @@ define parity_env
 		echo "parity-env: built $(1) in $$(( $$(date +%s) - start ))s ($$(du -sh $(1) | cut -f1))"; \
 	fi
 endef
+
+# A third oracle for DDPO and AlignProp (Stable Diffusion through diffusers), which TRL dropped in its 0.2x series:
+# trl 0.22.2 needs transformers 4.x, so this venv has its own pins (torch first, from the local CPU wheel, so that
+# nothing pulls CUDA wheels). Cases name it with `oracle="0.22"`.
+PARITY_VENV_022 ?= .venv-parity-022
+PARITY_PINS_022 = torch==$(TORCH_CPU_VERSION)\ntrl==0.22.2\ntransformers==4.57.6\ndiffusers==0.36.0\npeft==0.17.1
+
+parity-env-022:
+	@pins="$$(printf '$(PARITY_PINS_022)\n')"; \
+	if [ -f $(PARITY_VENV_022)/.trl-parity-env ] && [ "$$(cat $(PARITY_VENV_022)/.trl-parity-env)" = "$$pins" ] \
+		&& $(PARITY_VENV_022)/bin/python -c "import trl, diffusers, peft" 2>/dev/null; then \
+		echo "parity-env: $(PARITY_VENV_022) is ready (trl 0.22.2)"; \
+	else \
+		set -e; start=$$(date +%s); \
+		rm -rf $(PARITY_VENV_022); $(PYTHON) -m venv $(PARITY_VENV_022); \
+		echo "$$pins" > $(PARITY_VENV_022)/constraints.txt; \
+		$(PARITY_VENV_022)/bin/python -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
+		$(PARITY_VENV_022)/bin/python -m pip install -q -c $(PARITY_VENV_022)/constraints.txt trl transformers diffusers peft; \
+		! $(PARITY_VENV_022)/bin/python -m pip list 2>/dev/null | grep -i -E "^nvidia-|^triton "; \
+		echo "$$pins" > $(PARITY_VENV_022)/.trl-parity-env; \
+		echo "parity-env: built $(PARITY_VENV_022) in $$(( $$(date +%s) - start ))s ($$(du -sh $(PARITY_VENV_022) | cut -f1))"; \
+	fi
 
 parity-env: install
 	$(call parity_env,$(PARITY_VENV),$(PARITY_TRL_VERSION))
