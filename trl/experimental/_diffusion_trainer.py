@@ -40,6 +40,13 @@ def ddpo_clipped_loss(advantages: torch.Tensor, clip_range: float, ratio: torch.
     return torch.mean(torch.maximum(unclipped, clipped))
 
 
+def _checkpoint_indices(directory: str) -> list[int]:
+    if not os.path.isdir(directory):
+        return []
+    names = [d for d in os.listdir(directory) if d.startswith("checkpoint_") and d.split("_")[-1].isdigit()]
+    return [int(d.split("_")[-1]) for d in names]
+
+
 def _find_checkpoint(path: str) -> str:
     path = os.path.normpath(os.path.expanduser(path))
     if not os.path.isdir(path):
@@ -48,10 +55,10 @@ def _find_checkpoint(path: str) -> str:
         )
     if os.path.basename(path).startswith("checkpoint_"):
         return path
-    found = [d for d in os.listdir(path) if d.startswith("checkpoint_") and d.split("_")[-1].isdigit()]
-    if not found:
+    indices = _checkpoint_indices(path)
+    if not indices:
         raise ValueError(f"No checkpoint_<n> directory in resume_from={path!r}.")
-    return os.path.join(path, max(found, key=lambda d: int(d.split("_")[-1])))
+    return os.path.join(path, f"checkpoint_{max(indices)}")
 
 
 class _DiffusionRLTrainer:
@@ -141,7 +148,10 @@ class _DiffusionRLTrainer:
             with open(os.path.join(resume_dir, _STATE_FILE)) as f:
                 state = json.load(f)
             self.first_epoch, self.global_step = state["epoch"] + 1, state["global_step"]
-            self.accelerator.project_configuration.iteration = int(os.path.basename(resume_dir).split("_")[-1]) + 1
+            # New checkpoints go after every existing one (resuming from an older checkpoint must not overwrite).
+            existing = _checkpoint_indices(os.path.join(self.accelerator.project_dir, "checkpoints"))
+            resumed_index = int(os.path.basename(resume_dir).split("_")[-1])
+            self.accelerator.project_configuration.iteration = max([resumed_index, *existing]) + 1
 
     # -- set-up hooks -------------------------------------------------------------------------------------------------
 

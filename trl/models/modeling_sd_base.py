@@ -134,18 +134,20 @@ def _left_broadcast(values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return values.reshape(values.shape + (1,) * extra).broadcast_to(shape)
 
 
-def _alphas_cumprod_at(scheduler, timesteps: torch.Tensor) -> torch.Tensor:
+def _alphas_cumprod_at(scheduler, timesteps: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """`alpha_bar_t` for each timestep, `final_alpha_cumprod` where the timestep is negative (past the last step)."""
-    alphas_cumprod = scheduler.alphas_cumprod.to(timesteps.device)
+    alphas_cumprod = scheduler.alphas_cumprod.to(device=timesteps.device, dtype=dtype)
     gathered = torch.gather(alphas_cumprod, 0, timesteps.clamp(min=0).long())
     final = torch.as_tensor(scheduler.final_alpha_cumprod, dtype=alphas_cumprod.dtype, device=timesteps.device)
     return torch.where(timesteps >= 0, gathered, final)
 
 
-def ddim_variance(scheduler, timestep: torch.Tensor, prev_timestep: torch.Tensor) -> torch.Tensor:
+def ddim_variance(
+    scheduler, timestep: torch.Tensor, prev_timestep: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """DDIM's `sigma_t^2 / eta^2 = (1 - a_prev) / (1 - a_t) * (1 - a_t / a_prev)` with `a = alpha_bar`."""
-    alpha_prod_t = _alphas_cumprod_at(scheduler, timestep)
-    alpha_prod_t_prev = _alphas_cumprod_at(scheduler, prev_timestep)
+    alpha_prod_t = _alphas_cumprod_at(scheduler, timestep, dtype)
+    alpha_prod_t_prev = _alphas_cumprod_at(scheduler, prev_timestep, dtype)
     return (1 - alpha_prod_t_prev) / (1 - alpha_prod_t) * (1 - alpha_prod_t / alpha_prod_t_prev)
 
 
@@ -193,8 +195,10 @@ def scheduler_step(
     timestep = torch.as_tensor(timestep, device=sample.device)
     prev_timestep = timestep - self.config.num_train_timesteps // self.num_inference_steps
     prev_timestep = prev_timestep.clamp(min=-1, max=self.config.num_train_timesteps - 1)
-    alpha_prod_t = _left_broadcast(_alphas_cumprod_at(self, timestep), sample.shape).to(sample.dtype)
-    alpha_prod_t_prev = _left_broadcast(_alphas_cumprod_at(self, prev_timestep), sample.shape).to(sample.dtype)
+    # Schedule terms in at least float32 (1 - a_t / a_prev cancels badly in half precision).
+    dtype = torch.promote_types(sample.dtype, torch.float32)
+    alpha_prod_t = _left_broadcast(_alphas_cumprod_at(self, timestep, dtype), sample.shape).to(sample.dtype)
+    alpha_prod_t_prev = _left_broadcast(_alphas_cumprod_at(self, prev_timestep, dtype), sample.shape).to(sample.dtype)
     beta_prod_t = 1 - alpha_prod_t
 
     prediction_type = self.config.prediction_type
@@ -218,7 +222,7 @@ def scheduler_step(
         limit = self.config.clip_sample_range
         pred_original_sample = pred_original_sample.clamp(-limit, limit)
 
-    variance = _left_broadcast(ddim_variance(self, timestep, prev_timestep), sample.shape).to(sample.dtype)
+    variance = _left_broadcast(ddim_variance(self, timestep, prev_timestep, dtype), sample.shape).to(sample.dtype)
     std_dev_t = eta * variance.sqrt()
     if use_clipped_model_output:
         pred_epsilon = (sample - alpha_prod_t.sqrt() * pred_original_sample) / beta_prod_t.sqrt()
@@ -340,7 +344,9 @@ def _denoise(
                 noise_pred = noise_uncond + guidance_scale * (noise_text - noise_uncond)
                 if guidance_rescale > 0.0:
                     noise_pred = rescale_noise_cfg(noise_pred, noise_text, guidance_rescale=guidance_rescale)
-            step = scheduler_step(pipeline.scheduler, noise_pred, t, latents, eta)
+            # A single generator also draws the step noise (a list of per-image generators only seeds the start).
+            step_generator = generator if isinstance(generator, torch.Generator) else None
+            step = scheduler_step(pipeline.scheduler, noise_pred, t, latents, eta, generator=step_generator)
             latents = step.latents
             all_latents.append(latents)
             all_log_probs.append(step.log_probs)
