@@ -117,7 +117,12 @@ parity-env-112: install
 	$(call parity_env,$(PARITY_VENV_112),$(PARITY_TRL_VERSION_112),requests)
 
 test-parity: parity-env parity-env-112
-	$(PYTHON) -m pytest -m parity -q -p no:cacheprovider tests/parity
+	$(PYTHON) -m pytest -m parity -q -p no:cacheprovider tests/parity -k "not ddpo and not alignprop"
+
+# DDPO and AlignProp against TRL 0.22 (building its venv takes over 3 minutes, so it is a target of its own).
+test-parity-diffusion: install parity-env-022
+	@$(PYTHON) -c "import diffusers" 2>/dev/null || $(PIP) install -q -e ".[diffusers]"
+	$(PYTHON) -m pytest -m parity -q -p no:cacheprovider tests/parity -k "ddpo or alignprop"
 
 # The example YAMLs (examples/cli_configs/*.yaml) point at .trl-assets/v1/...: build the offline assets there once.
 assets: install

@@ -27,6 +27,7 @@ def tiny_pipeline(use_lora=True):
 
     pipeline = DefaultDDPOStableDiffusionPipeline(get_diffusion_pipeline_path(), use_lora=use_lora)
     pipeline.set_progress_bar_config(disable=True)
+    pipeline.get_trainable_layers()  # adds the LoRA adapter now, so tests can snapshot it before training
     return pipeline
 
 

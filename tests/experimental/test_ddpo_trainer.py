@@ -119,7 +119,7 @@ def test_stat_tracker_normalises_per_prompt():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"sample_batch_size": 2, "train_batch_size": 3}, "at least train_batch_size"),
+        ({"sample_batch_size": 2, "train_batch_size": 3}, "at least the train batch size"),
         ({"sample_batch_size": 4, "train_batch_size": 3}, "divisible by train_batch_size"),
         (
             {"sample_batch_size": 2, "sample_num_batches_per_epoch": 1, "train_gradient_accumulation_steps": 4},

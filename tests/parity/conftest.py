@@ -16,6 +16,7 @@ Set `PARITY_OUT_DIR` to keep the workers' JSON outputs (`real.json` for 1.16, `r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -34,6 +35,7 @@ REPO = HERE.parent.parent
 ORACLE_VENVS = {
     "1.16": (Path(os.environ.get("PARITY_VENV", REPO / ".venv-parity")), "parity-env", "real"),
     "1.12": (Path(os.environ.get("PARITY_VENV_112", REPO / ".venv-parity-112")), "parity-env-112", "real-112"),
+    "0.22": (Path(os.environ.get("PARITY_VENV_022", REPO / ".venv-parity-022")), "parity-env-022", "real-022"),
 }
 WORKER_TIMEOUT_S = int(os.environ.get("PARITY_WORKER_TIMEOUT", "1500"))
 
@@ -58,6 +60,10 @@ def _resolve_assets() -> dict[str, str]:
     paths = {f"tokenizers/{n}": assets.get_tokenizer_path(n) for n in TOKENIZERS}
     paths.update({f"models/{n}": assets.get_model_path(n) for n in MODELS})
     paths.update({f"datasets/{n}": assets.get_dataset_path(n) for n in assets.DATASET_NAMES})
+    if importlib.util.find_spec("diffusers") is not None:  # the DDPO / AlignProp cases' pipeline
+        paths.update(
+            {f"pipelines/{n}": assets.get_diffusion_pipeline_path(n) for n in assets.DIFFUSION_PIPELINE_NAMES}
+        )
     return paths
 
 

@@ -448,27 +448,24 @@ def pipeline_step_with_grad(
 ) -> DDPOPipelineOutput:
     """Sample keeping gradients through the UNet, for reward backpropagation (AlignProp).
 
-    With `truncated_backprop`, only the UNet calls of steps `i >= K` keep their graph (earlier ones are detached),
-    where `K` is `truncated_backprop_timestep`, or, with `truncated_backprop_rand`, drawn uniformly from
-    `truncated_rand_backprop_minmax` (inclusive) at each call, capped at `num_inference_steps - 1`. `gradient_checkpoint` recomputes the UNet's
+    With `truncated_backprop`, the UNet call of step `i` keeps its graph only if `i >= K` (otherwise its output is
+    detached), where `K` is `truncated_backprop_timestep`, or, with `truncated_backprop_rand`, drawn uniformly from
+    `truncated_rand_backprop_minmax` (inclusive, Python's `random`) anew at every step; `K` is capped at
+    `num_inference_steps - 1`, so the last step always keeps its gradient. `gradient_checkpoint` recomputes the UNet's
     activations in the backward pass instead of storing them. Images come back in `[0, 1]` with their graph for
     `output_type="pt"`.
     """
-    if truncated_backprop:
-        if truncated_backprop_rand:
-            low, high = truncated_rand_backprop_minmax
-            first_grad_step = random.randint(low, high)
-        else:
-            first_grad_step = truncated_backprop_timestep
-        # A draw past the chain would leave no step with a gradient: the last step always keeps it.
-        first_grad_step = min(first_grad_step, num_inference_steps - 1)
+    last_step = num_inference_steps - 1
 
-        def keep_grad(i: int) -> bool:
-            return i >= first_grad_step
-    else:
-
-        def keep_grad(i: int) -> bool:
+    def keep_grad(i: int) -> bool:
+        if not truncated_backprop:
             return True
+        if truncated_backprop_rand:
+            # A fresh draw at every step; one past the chain is capped so that the last step keeps its gradient.
+            first_grad_step = min(random.randint(*truncated_rand_backprop_minmax), last_step)
+        else:
+            first_grad_step = min(truncated_backprop_timestep, last_step)
+        return i >= first_grad_step
 
     latents, all_latents, all_log_probs = _denoise(
         pipeline,
@@ -508,6 +505,8 @@ class DefaultDDPOStableDiffusionPipeline(DDPOStableDiffusionPipeline):
             Path (or hub id) of a Stable Diffusion pipeline in diffusers layout. If the directory also holds
             `pytorch_lora_weights.safetensors` (what [`save_pretrained`] writes with LoRA), those weights are loaded
             into the UNet's adapter, so a trained adapter saved next to its base pipeline reloads in one call.
+            Otherwise the adapter is added (randomly initialised) by the first `get_trainable_layers()` call, which
+            the trainers make after seeding.
         pretrained_model_revision (`str`, *optional*, defaults to `"main"`):
             Hub revision.
         use_lora (`bool`, *optional*, defaults to `True`):
@@ -530,19 +529,26 @@ class DefaultDDPOStableDiffusionPipeline(DDPOStableDiffusionPipeline):
         pipe.vae.requires_grad_(False)
         pipe.text_encoder.requires_grad_(False)
         pipe.unet.requires_grad_(not self.use_lora)
-        if self.use_lora:
-            from peft import LoraConfig
+        self._lora_added = False
+        if self.use_lora and os.path.isfile(os.path.join(pretrained_model_name, _LORA_WEIGHTS_NAME)):
+            self._ensure_lora()
+            self._load_lora_into_unet(pretrained_model_name)
 
-            lora_config = LoraConfig(
-                r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=_LORA_TARGET_MODULES
-            )
-            pipe.unet.add_adapter(lora_config)
-            lora_file = os.path.join(pretrained_model_name, _LORA_WEIGHTS_NAME)
-            if os.path.isfile(lora_file):
-                self._load_lora_into_unet(pretrained_model_name)
-            for param in pipe.unet.parameters():
-                if param.requires_grad:  # LoRA parameters train in float32 even in a half-precision UNet
-                    param.data = param.to(torch.float32)
+    def _ensure_lora(self) -> None:
+        """Add the LoRA adapter to the UNet once. Deferred to the trainer's first `get_trainable_layers()` call, so
+        the adapter's random initialisation follows the trainer's seed."""
+        if not self.use_lora or self._lora_added:
+            return
+        from peft import LoraConfig
+
+        unet = self.sd_pipeline.unet
+        unet.add_adapter(
+            LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian", target_modules=_LORA_TARGET_MODULES)
+        )
+        for param in unet.parameters():
+            if param.requires_grad:  # LoRA parameters train in float32 even in a half-precision UNet
+                param.data = param.to(torch.float32)
+        self._lora_added = True
 
     def _load_lora_into_unet(self, directory: str) -> None:
         from diffusers.utils import convert_unet_state_dict_to_peft
@@ -591,6 +597,7 @@ class DefaultDDPOStableDiffusionPipeline(DDPOStableDiffusionPipeline):
     def save_pretrained(self, output_dir: str) -> None:
         """Write the LoRA weights (`pytorch_lora_weights.safetensors`, diffusers format) or the full pipeline."""
         if self.use_lora:
+            self._ensure_lora()
             self._save_lora(self.sd_pipeline.unet, output_dir)
         else:
             self.sd_pipeline.save_pretrained(output_dir)
@@ -608,7 +615,8 @@ class DefaultDDPOStableDiffusionPipeline(DDPOStableDiffusionPipeline):
         self.sd_pipeline.set_progress_bar_config(*args, **kwargs)
 
     def get_trainable_layers(self):
-        """The UNet: with `use_lora` only its adapter parameters require gradients."""
+        """The UNet: with `use_lora` only its adapter parameters (added on the first call) require gradients."""
+        self._ensure_lora()
         return self.sd_pipeline.unet
 
     def save_checkpoint(self, models, weights, output_dir):
@@ -629,6 +637,7 @@ class DefaultDDPOStableDiffusionPipeline(DDPOStableDiffusionPipeline):
             raise ValueError(f"Expected one model to restore (the UNet or its LoRA parameters), got {len(models)}.")
         model = models.pop()
         if self.use_lora:
+            self._ensure_lora()
             self._load_lora_into_unet(input_dir)
         elif model.__class__.__name__ == "UNet2DConditionModel":
             from diffusers import UNet2DConditionModel

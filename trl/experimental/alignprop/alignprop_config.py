@@ -13,10 +13,10 @@ class AlignPropConfig(_DiffusionRLConfig):
 
     Each epoch runs `train_gradient_accumulation_steps` sampling calls of `train_batch_size` images per process with
     gradients through the last denoising steps, and backpropagates `-reward` into the UNet (or its LoRA adapter).
-    Truncated backpropagation: only the UNet calls of steps `i >= K` keep their graph, with `K` drawn uniformly from
-    `truncated_rand_backprop_minmax` at each call (`truncated_backprop_rand=True`) or fixed to
-    `truncated_backprop_timestep`. A drawn `K` is capped at `sample_num_steps - 1`, so the last step always carries
-    the gradient.
+    Truncated backpropagation: the UNet call of denoising step `i` keeps its graph only if `i >= K`, with `K` drawn
+    uniformly from `truncated_rand_backprop_minmax` at every step (`truncated_backprop_rand=True`) or fixed to
+    `truncated_backprop_timestep`. `K` is capped at `sample_num_steps - 1`, so the last step always carries the
+    gradient.
     """
 
     log_image_freq: int = field(
@@ -27,13 +27,13 @@ class AlignPropConfig(_DiffusionRLConfig):
         default=None, metadata={"help": "Negative prompt of classifier-free guidance."}
     )
     truncated_backprop_rand: bool = field(
-        default=True, metadata={"help": "Draw the first step that keeps gradients at random for each call."}
+        default=True, metadata={"help": "Draw the gradient threshold K at random at every denoising step."}
     )
     truncated_backprop_timestep: int = field(
         default=49, metadata={"help": "First denoising step keeping gradients when not drawn at random."}
     )
     truncated_rand_backprop_minmax: tuple[int, int] = field(
-        default=(0, 50), metadata={"help": "Inclusive range the first gradient-carrying step is drawn from."}
+        default=(0, 50), metadata={"help": "Inclusive range K is drawn from (steps i >= K keep their gradient)."}
     )
 
     def __post_init__(self):

@@ -66,9 +66,9 @@ class DDPOConfig(_DiffusionRLConfig):
             raise ValueError(f"train_timestep_fraction must be in (0, 1], got {self.train_timestep_fraction}.")
         if self.sample_batch_size < self.train_batch_size:
             raise ValueError(
-                f"sample_batch_size ({self.sample_batch_size}) must be at least train_batch_size "
-                f"({self.train_batch_size}): training batches are cut from the sampled ones. Lower train_batch_size "
-                f"or raise sample_batch_size."
+                f"The sample batch size (sample_batch_size={self.sample_batch_size}) must be at least the train batch "
+                f"size (train_batch_size={self.train_batch_size}): training batches are cut from the sampled ones. "
+                f"Lower train_batch_size or raise sample_batch_size."
             )
         if self.sample_batch_size % self.train_batch_size != 0:
             raise ValueError(
