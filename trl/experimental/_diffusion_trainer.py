@@ -320,6 +320,23 @@ class _DiffusionRLTrainer:
         self.sd_pipeline.save_pretrained(save_directory)
         self.create_model_card(output_dir=str(save_directory))
 
+    def push_to_hub(self, repo_id: str, folder: str | None = None, commit_message: str = "End of training") -> str:
+        """Upload `folder` (default: the trained weights saved to a temporary directory) to the hub repo `repo_id`.
+
+        Returns:
+            `str`: The URL of the commit.
+        """
+        import tempfile
+
+        from huggingface_hub import create_repo, upload_folder
+
+        create_repo(repo_id, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            if folder is None:
+                folder = tmp
+                self._save_pretrained(folder)
+            return upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message).commit_url
+
     def create_model_card(
         self,
         model_name: str | None = None,

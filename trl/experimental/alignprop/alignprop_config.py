@@ -39,6 +39,11 @@ class AlignPropConfig(_DiffusionRLConfig):
     def __post_init__(self):
         super().__post_init__()
         self.truncated_rand_backprop_minmax = tuple(self.truncated_rand_backprop_minmax)
+        if len(self.truncated_rand_backprop_minmax) != 2:
+            raise ValueError(
+                f"truncated_rand_backprop_minmax must be two integers (low, high), got "
+                f"{self.truncated_rand_backprop_minmax!r}."
+            )
         low, high = self.truncated_rand_backprop_minmax
         if self.truncated_backprop_rand and not 0 <= low <= high:
             raise ValueError(
