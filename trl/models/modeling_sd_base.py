@@ -367,6 +367,42 @@ def _decode(pipeline, latents: torch.Tensor, output_type: str, differentiable: b
     return pipeline.image_processor.postprocess(image, output_type=output_type, do_denormalize=[True] * len(image))
 
 
+# The `StableDiffusionPipeline.__call__` arguments both sampling entry points forward to the loop.
+_SAMPLING_ARGS = (
+    "prompt",
+    "height",
+    "width",
+    "num_inference_steps",
+    "guidance_scale",
+    "negative_prompt",
+    "num_images_per_prompt",
+    "eta",
+    "generator",
+    "latents",
+    "prompt_embeds",
+    "negative_prompt_embeds",
+    "cross_attention_kwargs",
+    "guidance_rescale",
+    "callback",
+    "callback_steps",
+)
+
+
+def _sampling_args(arguments: dict[str, Any]) -> dict[str, Any]:
+    return {name: arguments[name] for name in _SAMPLING_ARGS} | {"output_type": arguments["output_type"]}
+
+
+def _sample(pipeline, sampling: dict[str, Any], keep_grad, gradient_checkpoint: bool) -> DDPOPipelineOutput:
+    """Run the loop, decode (differentiably when gradients are kept) and package the output."""
+    output_type = sampling.pop("output_type")
+    latents, all_latents, all_log_probs = _denoise(
+        pipeline, **sampling, keep_grad=keep_grad, gradient_checkpoint=gradient_checkpoint
+    )
+    image = _decode(pipeline, latents, output_type, differentiable=keep_grad is not None)
+    pipeline.maybe_free_model_hooks()
+    return DDPOPipelineOutput(image, all_latents, all_log_probs)
+
+
 @torch.no_grad()
 def pipeline_step(
     self,
@@ -395,29 +431,7 @@ def pipeline_step(
     for a stochastic policy). `return_dict` is accepted for signature compatibility; the output is always a
     [`DDPOPipelineOutput`].
     """
-    latents, all_latents, all_log_probs = _denoise(
-        self,
-        prompt=prompt,
-        height=height,
-        width=width,
-        num_inference_steps=num_inference_steps,
-        guidance_scale=guidance_scale,
-        negative_prompt=negative_prompt,
-        num_images_per_prompt=num_images_per_prompt,
-        eta=eta,
-        generator=generator,
-        latents=latents,
-        prompt_embeds=prompt_embeds,
-        negative_prompt_embeds=negative_prompt_embeds,
-        cross_attention_kwargs=cross_attention_kwargs,
-        guidance_rescale=guidance_rescale,
-        callback=callback,
-        callback_steps=callback_steps,
-        keep_grad=None,
-    )
-    image = _decode(self, latents, output_type, differentiable=False)
-    self.maybe_free_model_hooks()
-    return DDPOPipelineOutput(image, all_latents, all_log_probs)
+    return _sample(self, _sampling_args(locals()), keep_grad=None, gradient_checkpoint=False)
 
 
 def pipeline_step_with_grad(
@@ -455,6 +469,7 @@ def pipeline_step_with_grad(
     activations in the backward pass instead of storing them. Images come back in `[0, 1]` with their graph for
     `output_type="pt"`.
     """
+    sampling = _sampling_args(locals())
     last_step = num_inference_steps - 1
 
     def keep_grad(i: int) -> bool:
@@ -467,30 +482,7 @@ def pipeline_step_with_grad(
             first_grad_step = min(truncated_backprop_timestep, last_step)
         return i >= first_grad_step
 
-    latents, all_latents, all_log_probs = _denoise(
-        pipeline,
-        prompt=prompt,
-        height=height,
-        width=width,
-        num_inference_steps=num_inference_steps,
-        guidance_scale=guidance_scale,
-        negative_prompt=negative_prompt,
-        num_images_per_prompt=num_images_per_prompt,
-        eta=eta,
-        generator=generator,
-        latents=latents,
-        prompt_embeds=prompt_embeds,
-        negative_prompt_embeds=negative_prompt_embeds,
-        cross_attention_kwargs=cross_attention_kwargs,
-        guidance_rescale=guidance_rescale,
-        callback=callback,
-        callback_steps=callback_steps,
-        keep_grad=keep_grad,
-        gradient_checkpoint=gradient_checkpoint,
-    )
-    image = _decode(pipeline, latents, output_type, differentiable=True)
-    pipeline.maybe_free_model_hooks()
-    return DDPOPipelineOutput(image, all_latents, all_log_probs)
+    return _sample(pipeline, sampling, keep_grad=keep_grad, gradient_checkpoint=gradient_checkpoint)
 
 
 _LORA_TARGET_MODULES = ["to_k", "to_q", "to_v", "to_out.0"]
