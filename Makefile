@@ -11,8 +11,8 @@ torch:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_CPU_VERSION)"
 
 install: torch
-	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb, openai, sklearn, math_verify, jmespath" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
-		|| $(PIP) install -q -e ".[test,quality,judges,bco]"
+	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb, openai, sklearn, math_verify, jmespath, diffusers" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
+		|| $(PIP) install -q -e ".[test,quality,judges,bco,diffusers]"
 
 test: install
 	$(PYTHON) -m pytest -m "not slow and not distributed and not vllm and not parity" -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests
@@ -105,7 +105,8 @@ parity-env-022:
 		echo "$$pins" > $(PARITY_VENV_022)/constraints.txt; \
 		$(PARITY_VENV_022)/bin/python -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
 		$(PARITY_VENV_022)/bin/python -m pip install -q -c $(PARITY_VENV_022)/constraints.txt trl transformers diffusers peft; \
-		! $(PARITY_VENV_022)/bin/python -m pip list 2>/dev/null | grep -i -E "^nvidia-|^triton "; \
+		if $(PARITY_VENV_022)/bin/python -m pip list 2>/dev/null | grep -i -E "^nvidia-|^triton "; then \
+			echo "parity-env-022: CUDA wheels were pulled in (listed above)"; exit 1; fi; \
 		echo "$$pins" > $(PARITY_VENV_022)/.trl-parity-env; \
 		echo "parity-env: built $(PARITY_VENV_022) in $$(( $$(date +%s) - start ))s ($$(du -sh $(PARITY_VENV_022) | cut -f1))"; \
 	fi
@@ -121,7 +122,6 @@ test-parity: parity-env parity-env-112
 
 # DDPO and AlignProp against TRL 0.22 (building its venv takes over 3 minutes, so it is a target of its own).
 test-parity-diffusion: install parity-env-022
-	@$(PYTHON) -c "import diffusers" 2>/dev/null || $(PIP) install -q -e ".[diffusers]"
 	$(PYTHON) -m pytest -m parity -q -p no:cacheprovider tests/parity -k "ddpo or alignprop"
 
 # The example YAMLs (examples/cli_configs/*.yaml) point at .trl-assets/v1/...: build the offline assets there once.
