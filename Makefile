@@ -4,15 +4,15 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: install torch assets deepspeed test test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 test-parity demo bench lint format clean
+.PHONY: install torch assets deepspeed test test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_CPU_VERSION)"
 
 install: torch
-	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb, openai, sklearn, math_verify, jmespath, mergekit" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
-		|| $(PIP) install -q -e ".[test,quality,judges,bco,merge]"
+	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb, openai, sklearn, math_verify, jmespath, mergekit, diffusers" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
+		|| $(PIP) install -q -e ".[test,quality,judges,bco,merge,diffusers]"
 
 test: install
 	$(PYTHON) -m pytest -m "not slow and not distributed and not vllm and not parity" -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests
@@ -91,6 +91,29 @@ define parity_env
 	fi
 endef
 
+# A third oracle for DDPO and AlignProp (Stable Diffusion through diffusers), which TRL dropped in its 0.2x series:
+# trl 0.22.2 needs transformers 4.x, so this venv has its own pins (torch first, from the local CPU wheel, so that
+# nothing pulls CUDA wheels). Cases name it with `oracle="0.22"`.
+PARITY_VENV_022 ?= .venv-parity-022
+PARITY_PINS_022 = torch==$(TORCH_CPU_VERSION)\ntrl==0.22.2\ntransformers==4.57.6\ndiffusers==0.36.0\npeft==0.17.1
+
+parity-env-022:
+	@pins="$$(printf '$(PARITY_PINS_022)\n')"; \
+	if [ -f $(PARITY_VENV_022)/.trl-parity-env ] && [ "$$(cat $(PARITY_VENV_022)/.trl-parity-env)" = "$$pins" ] \
+		&& $(PARITY_VENV_022)/bin/python -c "import trl, diffusers, peft" 2>/dev/null; then \
+		echo "parity-env: $(PARITY_VENV_022) is ready (trl 0.22.2)"; \
+	else \
+		set -e; start=$$(date +%s); \
+		rm -rf $(PARITY_VENV_022); $(PYTHON) -m venv $(PARITY_VENV_022); \
+		echo "$$pins" > $(PARITY_VENV_022)/constraints.txt; \
+		$(PARITY_VENV_022)/bin/python -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
+		$(PARITY_VENV_022)/bin/python -m pip install -q -c $(PARITY_VENV_022)/constraints.txt trl transformers diffusers peft; \
+		if $(PARITY_VENV_022)/bin/python -m pip list 2>/dev/null | grep -i -E "^nvidia-|^triton "; then \
+			echo "parity-env-022: CUDA wheels were pulled in (listed above)"; exit 1; fi; \
+		echo "$$pins" > $(PARITY_VENV_022)/.trl-parity-env; \
+		echo "parity-env: built $(PARITY_VENV_022) in $$(( $$(date +%s) - start ))s ($$(du -sh $(PARITY_VENV_022) | cut -f1))"; \
+	fi
+
 parity-env: install
 	$(call parity_env,$(PARITY_VENV),$(PARITY_TRL_VERSION))
 
@@ -101,7 +124,11 @@ parity-env-15: install
 	$(call parity_env,$(PARITY_VENV_15),$(PARITY_TRL_VERSION_15),requests)
 
 test-parity: parity-env parity-env-112 parity-env-15
-	$(PYTHON) -m pytest -m parity -q -p no:cacheprovider tests/parity
+	$(PYTHON) -m pytest -m parity -q -p no:cacheprovider tests/parity -k "not ddpo and not alignprop"
+
+# DDPO and AlignProp against TRL 0.22 (building its venv takes over 3 minutes, so it is a target of its own).
+test-parity-diffusion: install parity-env-022
+	$(PYTHON) -m pytest -m parity -q -p no:cacheprovider tests/parity -k "ddpo or alignprop"
 
 # The example YAMLs (examples/cli_configs/*.yaml) point at .trl-assets/v1/...: build the offline assets there once.
 assets: install

@@ -41,6 +41,14 @@ SCRIPT_ARGS = {
 }
 
 
+# The diffusion scripts (DDPO, AlignProp) run their own epoch loop on the tiny Stable Diffusion pipeline.
+DIFFUSION_ARGS = ["--num_epochs", "1", "--sample_num_steps", "2", "--train_batch_size", "2", "--mixed_precision", "no"]
+DIFFUSION_SCRIPT_ARGS = {
+    "alignprop.py": DIFFUSION_ARGS + ["--truncated_backprop_rand", "false", "--truncated_backprop_timestep", "1"],
+    "ddpo.py": DIFFUSION_ARGS + ["--sample_batch_size", "2", "--reward", "red"],
+}
+
+
 def test_every_example_script_is_covered():
     found = [
         os.path.relpath(os.path.join(root, name), EXAMPLES_DIR)
@@ -48,7 +56,20 @@ def test_every_example_script_is_covered():
         for name in names
         if name.endswith(".py")
     ]
-    assert sorted(found) == sorted(SCRIPT_ARGS)
+    assert sorted(found) == sorted({**SCRIPT_ARGS, **DIFFUSION_SCRIPT_ARGS})
+
+
+@pytest.mark.parametrize("script", sorted(DIFFUSION_SCRIPT_ARGS))
+def test_diffusion_example_script_trains_offline(script, tmp_path, monkeypatch):
+    """The tiny Stable Diffusion pipeline by default: one epoch, a checkpoint, the LoRA weights saved."""
+    pytest.importorskip("diffusers")
+    path = os.path.join(EXAMPLES_DIR, script)
+    args = ["--output_dir", str(tmp_path / "out"), "--logdir", str(tmp_path / "logs"), *DIFFUSION_SCRIPT_ARGS[script]]
+    monkeypatch.setattr(sys, "argv", [path, *args])
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    runpy.run_path(path, run_name="__main__")
+    assert sorted(os.listdir(tmp_path / "out")) == ["README.md", "pytorch_lora_weights.safetensors"]
+    assert os.listdir(tmp_path / "logs" / "checkpoints") == ["checkpoint_0"]
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPT_ARGS))

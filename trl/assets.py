@@ -551,6 +551,26 @@ def get_model_path(name: str) -> str:
     return _ensure_built("models", name, lambda out: _build_model(name, out))
 
 
+DIFFUSION_PIPELINE_NAMES = ("tiny-StableDiffusionPipeline",)
+
+
+def get_diffusion_pipeline_path(name: str = "tiny-StableDiffusionPipeline") -> str:
+    """Return the directory of a locally built random-weight Stable Diffusion pipeline (needs `diffusers`).
+
+    Args:
+        name (`str`, *optional*, defaults to `"tiny-StableDiffusionPipeline"`):
+            The only pipeline: a tiny UNet, VAE and CLIP text encoder with a character-level CLIP tokenizer,
+            a DDIM scheduler, 32x32 images.
+
+    Returns:
+        `str`: A directory loadable with `diffusers.StableDiffusionPipeline.from_pretrained`.
+    """
+    from ._diffusion_assets import build_tiny_stable_diffusion
+
+    _check_name(name, DIFFUSION_PIPELINE_NAMES, "diffusion pipeline")
+    return _ensure_built("pipelines", name, build_tiny_stable_diffusion)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Datasets
 # ---------------------------------------------------------------------------------------------------------------------

@@ -103,6 +103,11 @@ def is_math_verify_available() -> bool:
     return _is_package_available("math_verify")
 
 
+def is_diffusers_available() -> bool:
+    """Whether diffusers is importable."""
+    return _is_package_available("diffusers")
+
+
 def is_mergekit_available() -> bool:
     """Whether mergekit is importable."""
     return _is_package_available("mergekit")

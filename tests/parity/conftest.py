@@ -17,6 +17,7 @@ Set `PARITY_OUT_DIR` to keep the workers' JSON outputs (`real.json` for 1.16, `r
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -36,6 +37,7 @@ ORACLE_VENVS = {
     "1.16": (Path(os.environ.get("PARITY_VENV", REPO / ".venv-parity")), "parity-env", "real"),
     "1.12": (Path(os.environ.get("PARITY_VENV_112", REPO / ".venv-parity-112")), "parity-env-112", "real-112"),
     "1.5": (Path(os.environ.get("PARITY_VENV_15", REPO / ".venv-parity-15")), "parity-env-15", "real-15"),
+    "0.22": (Path(os.environ.get("PARITY_VENV_022", REPO / ".venv-parity-022")), "parity-env-022", "real-022"),
 }
 WORKER_TIMEOUT_S = int(os.environ.get("PARITY_WORKER_TIMEOUT", "1500"))
 
@@ -60,6 +62,10 @@ def _resolve_assets() -> dict[str, str]:
     paths = {f"tokenizers/{n}": assets.get_tokenizer_path(n) for n in TOKENIZERS}
     paths.update({f"models/{n}": assets.get_model_path(n) for n in MODELS})
     paths.update({f"datasets/{n}": assets.get_dataset_path(n) for n in assets.DATASET_NAMES})
+    if importlib.util.find_spec("diffusers") is not None:  # the DDPO / AlignProp cases' pipeline
+        paths.update(
+            {f"pipelines/{n}": assets.get_diffusion_pipeline_path(n) for n in assets.DIFFUSION_PIPELINE_NAMES}
+        )
     return paths
 
 

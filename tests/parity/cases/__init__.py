@@ -8,7 +8,8 @@ helpers, nothing imported from this project at module level. Asset paths arrive 
 A case is registered with `@case(name)` or `register(name, fn)`; `name` starts with its group (`sft/`, `dpo/`, ...),
 which the docs' pass-count table uses. `oracle` names the real TRL release the case runs against (`ORACLES`): 1.16 by
 default, 1.12 for the experimental methods 1.16 no longer ships (BCO, PRM, XPO, Nash-MD, replay buffer, GSPO-token),
-1.5 for GFPO (removed in 1.8). Case outputs are compared key by key by `compare.py`.
+1.5 for GFPO (removed in 1.8), 0.22 for DDPO and AlignProp (`.venv-parity-022`, transformers 4.57 and diffusers). Case
+outputs are compared key by key by `compare.py`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 # Registry
 # ---------------------------------------------------------------------------------------------------------------------
 # Oracle name -> the exact `trl` version its venv holds (the worker refuses another one).
-ORACLES = {"1.16": "1.16.0", "1.12": "1.12.0", "1.5": "1.5.0"}
+ORACLES = {"1.16": "1.16.0", "1.12": "1.12.0", "1.5": "1.5.0", "0.22": "0.22.2"}
 DEFAULT_ORACLE = "1.16"
 
 
@@ -213,6 +214,7 @@ from . import (  # noqa: E402, F401
     data,
     dataclass_fields,
     deviations,
+    diffusion,
     distillation,
     distillation_online,
     errors,
