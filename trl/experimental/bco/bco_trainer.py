@@ -871,9 +871,8 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints: running moments and the UDM classifier
     # ------------------------------------------------------------------------------------------------------------
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        output_dir = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+    def _save_checkpoint_extras(self, output_dir):
+        super()._save_checkpoint_extras(output_dir)
         if self.accelerator.is_main_process and os.path.isdir(output_dir):
             self.running.save_to_json(os.path.join(output_dir, RUNNING_NAME))
             if self.clf is not None:
