@@ -435,18 +435,27 @@ class _BaseTrainer(Trainer):
     def _save_checkpoint_extras(self, checkpoint_dir: str) -> None:
         """Hook: write extra files into a checkpoint while it is still being assembled (before it becomes visible
         under its final name). The default writes this process's `_checkpoint_state`."""
-        from .utils.checkpoints import save_trainer_state
+        from .utils.checkpoints import save_reference_model, save_trainer_state
 
         save_trainer_state(checkpoint_dir, self.args.process_index, self._checkpoint_state())
+        if getattr(self.args, "sync_ref_model", False) and self.is_world_process_zero():
+            save_reference_model(checkpoint_dir, self._synced_reference_model())
+
+    def _synced_reference_model(self) -> nn.Module | None:
+        # SyncRef updates the reference model during training, so a resumed run needs it back from the checkpoint.
+        ref_model = getattr(self, "ref_model", None)
+        return self.accelerator.unwrap_model(ref_model) if ref_model is not None else None
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Called on every resume (plain, DeepSpeed and FSDP alike) with the checkpoint directory that was resolved.
         super()._load_optimizer_and_scheduler(checkpoint)
-        from .utils.checkpoints import load_trainer_state
+        from .utils.checkpoints import load_reference_model, load_trainer_state
 
         state = load_trainer_state(checkpoint, self.args.process_index)
         if state is not None:
             self._restore_checkpoint_state(state)
+        if getattr(self.args, "sync_ref_model", False):
+            load_reference_model(checkpoint, self._synced_reference_model())
 
     def train(self, resume_from_checkpoint: "str | bool | None" = None, *args, **kwargs):
         """Train as [`~transformers.Trainer.train`] does; `resume_from_checkpoint=True` resumes from the latest

@@ -45,6 +45,29 @@ def load_trainer_state(checkpoint_dir: str, process_index: int) -> dict[str, Any
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+REFERENCE_MODEL_FILE = "ref_model.safetensors"
+
+
+def save_reference_model(checkpoint_dir: str, ref_model: Any) -> None:
+    """Save the weights of a reference model that changes during training (SyncRef) into a checkpoint."""
+    if ref_model is None:
+        return
+    from safetensors.torch import save_model
+
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    save_model(ref_model, os.path.join(checkpoint_dir, REFERENCE_MODEL_FILE))
+
+
+def load_reference_model(checkpoint_dir: str, ref_model: Any) -> None:
+    """Load the reference weights saved by `save_reference_model`, in place (nothing when the file is absent)."""
+    path = os.path.join(checkpoint_dir, REFERENCE_MODEL_FILE)
+    if ref_model is None or not os.path.isfile(path):
+        return
+    from safetensors.torch import load_model
+
+    load_model(ref_model, path, device=str(next(ref_model.parameters()).device))
+
+
 def last_complete_checkpoint(output_dir: str) -> str:
     """The highest-numbered `checkpoint-N` in `output_dir` whose `trainer_state.json` was written.
 
