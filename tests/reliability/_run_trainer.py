@@ -53,66 +53,46 @@ def _lm(name="tiny-Qwen2ForCausalLM"):
     return get_model_path(name)
 
 
+# Offline trainers: name -> (module, method prefix, model asset, dataset, config options).
+OFFLINE = {
+    "sft": ("trl", "SFT", "tiny-Qwen2ForCausalLM", "standard_language_modeling", dict(DROPOUT, max_length=32)),
+    "dpo": ("trl", "DPO", "tiny-Qwen2ForCausalLM", "standard_preference", dict(DROPOUT, max_length=32)),
+    "dpo_precompute": (
+        "trl", "DPO", "tiny-Qwen2ForCausalLM", "standard_preference", dict(max_length=32, precompute_ref_log_probs=True)
+    ),
+    "dpo_sync_ref": (
+        "trl",
+        "DPO",
+        "tiny-Qwen2ForCausalLM",
+        "standard_preference",
+        dict(max_length=32, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5),
+    ),
+    "reward": ("trl", "Reward", "tiny-Qwen2ForSequenceClassification", "standard_preference", dict(max_length=32)),
+    "prm": (
+        "trl.experimental.prm", "PRM", "tiny-Qwen2ForTokenClassification", "standard_stepwise_supervision",
+        dict(max_length=48),
+    ),
+    "kto": (
+        "trl", "KTO", "tiny-Qwen2ForCausalLM", "standard_unpaired_preference",
+        dict(max_length=32, per_device_train_batch_size=4),
+    ),
+    "bco": (
+        "trl.experimental.bco", "BCO", "tiny-Qwen2ForCausalLM", "standard_unpaired_preference",
+        dict(max_length=32, per_device_train_batch_size=4),
+    ),
+}  # fmt: skip
+
+
 def build(name: str, output_dir: str):
     """The trainer `name`, built on the tiny offline assets with `output_dir`."""
-    if name == "sft":
-        from trl import SFTConfig, SFTTrainer
+    import importlib
 
-        args = SFTConfig(output_dir, per_device_train_batch_size=2, max_length=32, **DROPOUT, **COMMON)
-        return SFTTrainer(_lm(), args=args, train_dataset=load_test_dataset("standard_language_modeling", "train"))
-    if name == "dpo":
-        from trl import DPOConfig, DPOTrainer
-
-        args = DPOConfig(output_dir, per_device_train_batch_size=2, max_length=32, **DROPOUT, **COMMON)
-        return DPOTrainer(_lm(), args=args, train_dataset=load_test_dataset("standard_preference", "train"))
-    if name == "dpo_precompute":
-        from trl import DPOConfig, DPOTrainer
-
-        args = DPOConfig(
-            output_dir, per_device_train_batch_size=2, max_length=32, precompute_ref_log_probs=True, **COMMON
-        )
-        return DPOTrainer(_lm(), args=args, train_dataset=load_test_dataset("standard_preference", "train"))
-    if name == "dpo_sync_ref":
-        from trl import DPOConfig, DPOTrainer
-
-        args = DPOConfig(
-            output_dir,
-            per_device_train_batch_size=2,
-            max_length=32,
-            sync_ref_model=True,
-            ref_model_sync_steps=1,
-            ref_model_mixup_alpha=0.5,
-            **COMMON,
-        )
-        return DPOTrainer(_lm(), args=args, train_dataset=load_test_dataset("standard_preference", "train"))
-    if name == "reward":
-        from trl import RewardConfig, RewardTrainer
-
-        args = RewardConfig(output_dir, per_device_train_batch_size=2, max_length=32, **COMMON)
-        return RewardTrainer(
-            _lm("tiny-Qwen2ForSequenceClassification"),
-            args=args,
-            train_dataset=load_test_dataset("standard_preference", "train"),
-        )
-    if name == "prm":
-        from trl.experimental.prm import PRMConfig, PRMTrainer
-
-        args = PRMConfig(output_dir, per_device_train_batch_size=2, max_length=48, **COMMON)
-        return PRMTrainer(
-            _lm("tiny-Qwen2ForTokenClassification"),
-            args=args,
-            train_dataset=load_test_dataset("standard_stepwise_supervision", "train"),
-        )
-    if name == "kto":
-        from trl import KTOConfig, KTOTrainer
-
-        args = KTOConfig(output_dir, per_device_train_batch_size=4, max_length=32, **COMMON)
-        return KTOTrainer(_lm(), args=args, train_dataset=load_test_dataset("standard_unpaired_preference", "train"))
-    if name == "bco":
-        from trl.experimental.bco import BCOConfig, BCOTrainer
-
-        args = BCOConfig(output_dir, per_device_train_batch_size=4, max_length=32, **COMMON)
-        return BCOTrainer(_lm(), args=args, train_dataset=load_test_dataset("standard_unpaired_preference", "train"))
+    if name in OFFLINE:
+        module_name, prefix, model, dataset, options = OFFLINE[name]
+        module = importlib.import_module(module_name)
+        config_class, trainer_class = getattr(module, f"{prefix}Config"), getattr(module, f"{prefix}Trainer")
+        args = config_class(output_dir, **{"per_device_train_batch_size": 2, **options, **COMMON})
+        return trainer_class(_lm(model), args=args, train_dataset=load_test_dataset(dataset, "train"))
     prompts = load_test_dataset("standard_prompt_only", "train")
     if name == "grpo":
         from trl import GRPOConfig, GRPOTrainer
@@ -125,8 +105,6 @@ def build(name: str, output_dir: str):
         args = RLOOConfig(output_dir, num_generations=2, **ONLINE, **COMMON)
         return RLOOTrainer(_lm(), reward_funcs=low_id_reward, args=args, train_dataset=prompts)
     if name in ("online_dpo", "xpo", "nash_md"):
-        import importlib
-
         package = importlib.import_module(f"trl.experimental.{name}")
         prefix = {"online_dpo": "OnlineDPO", "xpo": "XPO", "nash_md": "NashMD"}[name]
         config_class, trainer_class = getattr(package, f"{prefix}Config"), getattr(package, f"{prefix}Trainer")
