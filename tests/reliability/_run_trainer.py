@@ -76,6 +76,8 @@ OFFLINE = {
         "trl", "KTO", "tiny-Qwen2ForCausalLM", "standard_unpaired_preference",
         dict(max_length=32, per_device_train_batch_size=4),
     ),
+    "cpo": ("trl.experimental.cpo", "CPO", "tiny-Qwen2ForCausalLM", "standard_preference", dict(max_length=32)),
+    "orpo": ("trl.experimental.orpo", "ORPO", "tiny-Qwen2ForCausalLM", "standard_preference", dict(max_length=32)),
     "bco": (
         "trl.experimental.bco", "BCO", "tiny-Qwen2ForCausalLM", "standard_unpaired_preference",
         dict(max_length=32, per_device_train_batch_size=4),

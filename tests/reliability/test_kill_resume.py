@@ -33,6 +33,8 @@ TRAINERS = [
     ("prm", 2),
     ("kto", 2),
     ("bco", 2),
+    ("cpo", 2),
+    ("orpo", 2),
     ("grpo", 3),
     ("rloo", 2),
     ("online_dpo", 2),

@@ -285,12 +285,6 @@ class DPOConfig(_BaseConfig):
                 f"max_length must be at least 2 (a prompt token and a completion token) or None; got "
                 f"{self.max_length}."
             )
-        if not 0.0 <= self.label_smoothing <= 0.5 or (self.label_smoothing == 0.5 and "robust" in self.loss_type):
-            raise ValueError(
-                f"label_smoothing is the probability that a preference label is flipped and must be in [0, 0.5] "
-                f"([0, 0.5) with loss_type 'robust', which divides by 1 - 2 * label_smoothing); got "
-                f"{self.label_smoothing}."
-            )
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
             raise ValueError(f"ld_alpha must be in [0, 1] or None; got {self.ld_alpha}.")
         if self.precompute_ref_batch_size is not None and self.precompute_ref_batch_size < 1:
