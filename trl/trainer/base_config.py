@@ -60,9 +60,13 @@ _LOWER_BOUNDS = (
 def _check_common_ranges(config: Any) -> None:
     """Refuse out-of-range values of the options listed in `_LOWER_BOUNDS`, and of a few cross-field rules, before
     anything runs."""
+    # In the distillation configs `beta` interpolates two divergences; they check its [0, 1] range themselves.
+    own_beta_rule = any(
+        cls.__name__ in ("GKDConfig", "GOLDConfig", "DistillationConfig") for cls in type(config).__mro__
+    )
     for name, bound, inclusive, meaning in _LOWER_BOUNDS:
         value = getattr(config, name, None)
-        if value is None or isinstance(value, str):
+        if value is None or isinstance(value, str) or (name == "beta" and own_beta_rule):
             continue
         for number in _values(value):
             if isinstance(number, (int, float)) and (number < bound or (number == bound and not inclusive)):
