@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: install torch assets deepspeed test test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench lint format clean
+.PHONY: install torch assets deepspeed test test-reliability test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
@@ -15,7 +15,11 @@ install: torch
 		|| $(PIP) install -q -e ".[test,quality,judges,bco,merge,diffusers]"
 
 test: install
-	$(PYTHON) -m pytest -m "not slow and not distributed and not vllm and not parity" -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests
+	$(PYTHON) -m pytest -m "not slow and not distributed and not vllm and not parity and not reliability" -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests
+
+# Bad input refused before training, kill -9 and resume, gradient-accumulation invariance (docs/reliability.md).
+test-reliability: install
+	$(PYTHON) -m pytest -m reliability -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests/reliability
 
 test-slow: install
 	$(PYTHON) -m pytest -m "slow" -q tests

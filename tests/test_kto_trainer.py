@@ -1,6 +1,7 @@
 """KTOTrainer: data preparation (unpairing, KL completions), losses, reference handling, metrics, saving, resuming."""
 
 import math
+import os
 import warnings
 
 import pytest
@@ -285,6 +286,7 @@ def test_unbalanced_data_warns_with_suggested_weights():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _UnpairedPreferenceTrainer._warn_if_unbalanced(data, 1.0, 2.5)  # 30 : 25 = 1.2, inside [1, 4/3]
+    with pytest.raises(ValueError, match="only desirable examples"):  # one label only: the loss pushes one way
         _UnpairedPreferenceTrainer._warn_if_unbalanced(Dataset.from_dict({"label": [True] * 5}), 1.0, 1.0)
     with pytest.warns(UserWarning, match=r"desirable_weight between 2\.000 and 2\.667"):
         _UnpairedPreferenceTrainer._warn_if_unbalanced(Dataset.from_dict({"label": [True] * 5 + [False] * 10}), 1, 1)
@@ -292,9 +294,10 @@ def test_unbalanced_data_warns_with_suggested_weights():
 
 def test_truncation_drops_examples_without_completion(tmp_path, model_path):
     rows = [{"prompt": "word " * 30, "completion": " a", "label": True},
-            {"prompt": "1 + 1 =", "completion": " 2", "label": False}]  # fmt: skip
+            {"prompt": "1 + 1 =", "completion": " 2", "label": False},
+            {"prompt": "2 + 2 =", "completion": " 4", "label": True}]  # fmt: skip
     trainer = KTOTrainer(model_path, args=make_args(tmp_path, max_length=12), train_dataset=Dataset.from_list(rows))
-    assert len(trainer.train_dataset) == 1
+    assert len(trainer.train_dataset) == 2
     assert trainer.data_collator([trainer.train_dataset[0]])["input_ids"].shape[1] <= 12
 
 
@@ -405,15 +408,12 @@ def test_total_flos_count_the_main_sequences_only(tmp_path, model_path, unpaired
     assert trainer.floating_point_ops(batch) == expected
 
 
-def test_only_desirable_examples(tmp_path, model_path, unpaired):
+def test_only_desirable_examples_are_refused(tmp_path, model_path, unpaired):
+    # One label only: the loss can push in one direction alone, so the data is refused before training (issue 26).
     desirable = unpaired["train"].filter(lambda ex: ex["label"])
-    trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=desirable)
-    before = snapshot(trainer.model)
-    trainer.train()
-    assert changed_params(before, trainer.model)
-    log = trainer.state.log_history[-2]
-    assert not any(key.startswith("count/") or key.endswith("_sum") for key in log)
-    assert math.isfinite(log["rewards/chosen"]) and "rewards/rejected" not in log and "rewards/margins" not in log
+    with pytest.raises(ValueError, match="only desirable examples"):
+        KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=desirable)
+    assert os.listdir(tmp_path) == []
 
 
 def test_apo_zero_unpaired_streaming_and_gradient_accumulation(tmp_path, model_path, unpaired):

@@ -193,3 +193,101 @@ def validate_dataset_format(
         f"{trainer_name} expects a dataset in one of these formats (columns):\n{accepted}\n"
         f"but the dataset has columns {columns}, {detected}. How to fix: {_format_fix_hint(found, expected, columns)}."
     )
+
+
+# Columns that hold either plain text (a string) or a conversation (a list of messages).
+_TEXT_OR_MESSAGES_COLUMNS = ("text", "messages", "prompt", "completion", "chosen", "rejected")
+
+
+def check_single_format(dataset: Any, dataset_name: str = "train") -> None:
+    """Refuse a dataset that mixes plain-text rows and conversational rows.
+
+    Built from a list of dicts, such a dataset holds a string column (`text`, or a string `prompt`) that is empty
+    (None) on the conversational rows and a messages column that is empty on the plain-text rows; the format is
+    detected from the first row, so the other rows would fail later with an unclear type error. Only materialised
+    `datasets.Dataset`s are inspected (through Arrow validity masks; no row is decoded until an example is shown).
+
+    Args:
+        dataset: The dataset to check (anything else than a `datasets.Dataset` is accepted as is).
+        dataset_name: Name of the split, for the message.
+
+    Raises:
+        ValueError: Naming both formats with one example row of each.
+    """
+    if not isinstance(dataset, Dataset) or len(dataset) == 0:
+        return
+    features = dataset.features
+    text_columns, message_columns = [], []
+    for name in _TEXT_OR_MESSAGES_COLUMNS:
+        feature = features.get(name)
+        if getattr(feature, "dtype", None) in ("string", "large_string"):
+            text_columns.append(name)
+        elif feature is not None and (not hasattr(feature, "dtype") or feature.dtype == "list"):
+            message_columns.append(name)
+    if not text_columns or not message_columns:
+        return
+    import pyarrow.compute as pc
+
+    table = dataset.select_columns(text_columns + message_columns).with_format("arrow")[:]
+
+    def any_valid(columns: list[str]):
+        masks = [pc.is_valid(table.column(name)) for name in columns]
+        combined = masks[0]
+        for mask in masks[1:]:
+            combined = pc.or_(combined, mask)
+        return combined
+
+    has_text, has_messages = any_valid(text_columns), any_valid(message_columns)
+    text_only = pc.and_(has_text, pc.invert(has_messages))
+    messages_only = pc.and_(has_messages, pc.invert(has_text))
+    if not (pc.any(text_only).as_py() and pc.any(messages_only).as_py()):
+        return
+    text_row = pc.index(text_only, True).as_py()
+    message_row = pc.index(messages_only, True).as_py()
+
+    def shown(row: int) -> str:
+        example = {key: value for key, value in dataset[row].items() if value is not None}
+        return str(example)[:300]
+
+    raise ValueError(
+        f"The {dataset_name} dataset mixes two formats: plain-text rows (columns {text_columns}), e.g. row "
+        f"{text_row}: {shown(text_row)}, and conversational rows (columns {message_columns}), e.g. row {message_row}: "
+        f"{shown(message_row)}. Use one format for every row: convert the plain-text rows to messages (or render "
+        "the conversations to text with the chat template) before training."
+    )
+
+
+_IMAGE_COLUMNS = ("image", "images")
+
+
+def check_no_images(dataset: Any, dataset_name: str = "train") -> None:
+    """Refuse a dataset whose `image` / `images` column holds images: the trainers here train text-only models and
+    would otherwise drop them without a word.
+
+    Args:
+        dataset: The dataset to check (anything else than a `datasets.Dataset` is accepted as is).
+        dataset_name: Name of the split, for the message.
+
+    Raises:
+        ValueError: Naming the column and the first row with an image.
+    """
+    if not isinstance(dataset, Dataset) or len(dataset) == 0:
+        return
+    import pyarrow.compute as pc
+
+    for name in _IMAGE_COLUMNS:
+        if name not in dataset.column_names:
+            continue
+        column = dataset.select_columns([name]).with_format("arrow")[:].column(name)
+        present = pc.is_valid(column)
+        if name == "images" and getattr(dataset.features[name], "dtype", None) != "string":
+            present = pc.and_(present, pc.greater(pc.fill_null(pc.list_value_length(column), 0), 0))
+        if not pc.any(present).as_py():
+            continue
+        row = pc.index(present, True).as_py()
+        raise ValueError(
+            f"The {dataset_name} dataset has images in its {name!r} column (row {row} and maybe others), but the "
+            "model is trained as a text-only language model, so the images would be silently ignored. Remove the "
+            f"column (dataset.remove_columns({name!r})) to train on the text alone, or train a vision-language model "
+            "with a trainer and processor that take images."
+        )

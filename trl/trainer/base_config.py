@@ -2,6 +2,7 @@
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import TrainingArguments
 
@@ -34,6 +35,61 @@ def _has_any_accelerator() -> bool:
         return True
     mps = getattr(torch.backends, "mps", None)
     return bool(mps is not None and mps.is_available())
+
+
+def _values(value: Any) -> list:
+    """The numbers of a scalar-or-list option (per-epoch schedules such as Online DPO's `beta` are lists)."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+# Options shared by several configs, each checked wherever a config has it: (name, lowest legal value, whether the
+# bound itself is legal, what the option does). transformers' TrainingArguments accepts all of these out of range and
+# fails later (`gradient_accumulation_steps=0` with a ZeroDivisionError in the first step) or trains silently wrong (a
+# negative `beta` turns the preference or KL term around).
+_LOWER_BOUNDS = (
+    ("gradient_accumulation_steps", 1, True, "the number of micro-batches summed before each optimizer step"),
+    ("per_device_train_batch_size", 1, True, "the number of training examples per device and micro-batch"),
+    ("per_device_eval_batch_size", 1, True, "the number of evaluation examples per device and batch"),
+    ("learning_rate", 0.0, True, "the optimizer's step size"),
+    ("dataset_num_proc", 1, True, "the number of dataset-preparation processes (None for one)"),
+    ("beta", 0.0, True, "the strength of the reference (KL) term"),
+    ("repetition_penalty", 0.0, False, "the divisor of already generated tokens' logits (1.0 disables it)"),
+)
+
+
+def _check_common_ranges(config: Any) -> None:
+    """Refuse out-of-range values of the options listed in `_LOWER_BOUNDS`, and of a few cross-field rules, before
+    anything runs."""
+    # In the distillation configs `beta` interpolates two divergences; they check its [0, 1] range themselves.
+    own_beta_rule = any(
+        cls.__name__ in ("GKDConfig", "GOLDConfig", "DistillationConfig") for cls in type(config).__mro__
+    )
+    for name, bound, inclusive, meaning in _LOWER_BOUNDS:
+        value = getattr(config, name, None)
+        if value is None or isinstance(value, str) or (name == "beta" and own_beta_rule):
+            continue
+        for number in _values(value):
+            if isinstance(number, (int, float)) and (number < bound or (number == bound and not inclusive)):
+                relation = ">=" if inclusive else ">"
+                raise ValueError(
+                    f"{name} must be {relation} {bound}; got {value}. It is {meaning}; set it to a value "
+                    f"{relation} {bound}."
+                )
+    min_p = getattr(config, "min_p", None)
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1] or None (a share of the top token's probability); got {min_p}.")
+    if getattr(config, "sync_ref_model", False):
+        alpha, steps = config.ref_model_mixup_alpha, config.ref_model_sync_steps
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(
+                f"ref_model_mixup_alpha must be in [0, 1] with sync_ref_model=True (the policy's share in the "
+                f"reference update); got {alpha}."
+            )
+        if steps < 1:
+            raise ValueError(
+                f"ref_model_sync_steps must be a positive integer with sync_ref_model=True (the reference is "
+                f"updated every that many steps); got {steps}."
+            )
 
 
 @dataclass
@@ -95,6 +151,7 @@ class _BaseConfig(TrainingArguments):
     )
 
     def __post_init__(self):
+        _check_common_ranges(self)
         if self.dataloader_pin_memory and not _has_any_accelerator():
             self.dataloader_pin_memory = False  # pinning only helps host-to-device copies; avoids a torch warning
         if self.bf16 is None:

@@ -181,6 +181,10 @@ class _BaseTrainer(Trainer):
             raise ValueError(
                 f"{trainer_name} needs a `train_dataset`; got None. Pass a datasets.Dataset or IterableDataset."
             )
+        from .._data.formats import check_no_images, check_single_format
+
+        check_single_format(train_dataset, "train")
+        check_no_images(train_dataset, "train")
 
     @staticmethod
     def _prepare_iterable_args(args: TrainingArguments, train_dataset: Any) -> None:
@@ -407,7 +411,60 @@ class _BaseTrainer(Trainer):
         else:
             model_name = self.args.hub_model_id.split("/")[-1]
         self.create_model_card(model_name=model_name)
-        super()._save_checkpoint(model, trial)
+        from .utils.checkpoints import save_checkpoint_atomically
+
+        save_checkpoint_atomically(self, model, trial, super()._save_checkpoint)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Resuming: state outside transformers' checkpoint, and only complete checkpoints
+    # ------------------------------------------------------------------------------------------------------------
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """Hook: this process's trainer state that transformers does not checkpoint but an exact resume needs.
+
+        Values must be tensors, numbers, strings, or lists/dicts of them (the file is read with `weights_only=True`).
+        A subclass extends the dict of `super()._checkpoint_state()` and reads its keys back in
+        `_restore_checkpoint_state`.
+        """
+        return {"total_train_tokens": getattr(self, "_total_train_tokens", 0)}
+
+    def _restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Hook: restore what `_checkpoint_state` saved (called when training resumes from a checkpoint)."""
+        if "total_train_tokens" in state:
+            self._total_train_tokens = int(state["total_train_tokens"])
+
+    def _save_checkpoint_extras(self, checkpoint_dir: str) -> None:
+        """Hook: write extra files into a checkpoint while it is still being assembled (before it becomes visible
+        under its final name). The default writes this process's `_checkpoint_state`."""
+        from .utils.checkpoints import save_reference_model, save_trainer_state
+
+        save_trainer_state(checkpoint_dir, self.args.process_index, self._checkpoint_state())
+        if getattr(self.args, "sync_ref_model", False) and self.is_world_process_zero():
+            save_reference_model(checkpoint_dir, self._synced_reference_model())
+
+    def _synced_reference_model(self) -> nn.Module | None:
+        # SyncRef updates the reference model during training, so a resumed run needs it back from the checkpoint.
+        ref_model = getattr(self, "ref_model", None)
+        return self.accelerator.unwrap_model(ref_model) if ref_model is not None else None
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        # Called on every resume (plain, DeepSpeed and FSDP alike) with the checkpoint directory that was resolved.
+        super()._load_optimizer_and_scheduler(checkpoint)
+        from .utils.checkpoints import load_reference_model, load_trainer_state
+
+        state = load_trainer_state(checkpoint, self.args.process_index)
+        if state is not None:
+            self._restore_checkpoint_state(state)
+        if getattr(self.args, "sync_ref_model", False):
+            load_reference_model(checkpoint, self._synced_reference_model())
+
+    def train(self, resume_from_checkpoint: "str | bool | None" = None, *args, **kwargs):
+        """Train as [`~transformers.Trainer.train`] does; `resume_from_checkpoint=True` resumes from the latest
+        *complete* checkpoint in `output_dir` (a checkpoint cut short by a crash is never picked)."""
+        if resume_from_checkpoint is True:
+            from .utils.checkpoints import last_complete_checkpoint
+
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def create_model_card(
         self,

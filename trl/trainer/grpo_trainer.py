@@ -15,7 +15,6 @@ import torch
 import torch.nn as nn
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .grpo_config import GRPOConfig
 from .online_base import _OnlineTrainer
@@ -733,13 +732,9 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         self.entropy_coef = min(max(self.entropy_coef + step, args.entropy_coef_min), args.entropy_coef_max)
         self._last_world_entropy = mean_entropy
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
+    def _save_checkpoint_extras(self, folder):
+        super()._save_checkpoint_extras(folder)
         if self.args.use_adaptive_entropy and self.is_world_process_zero():
-            folder = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
-            os.makedirs(folder, exist_ok=True)
             state = {
                 "entropy_coef": self.entropy_coef,
                 "last_world_entropy": getattr(self, "_last_world_entropy", None),

@@ -114,7 +114,8 @@ class _OnlineStateCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._step = state.global_step * args.gradient_accumulation_steps
-        self.trainer._buffered_inputs = None
+        # A resumed run continues the generation round its checkpoint was taken in (see `_restore_checkpoint_state`).
+        self.trainer._buffered_inputs = self.trainer.__dict__.pop("_resumed_buffered_inputs", None)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer._on_optimizer_step()
@@ -480,6 +481,23 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         self._step += 1
         return inputs
 
+    def _checkpoint_state(self) -> dict[str, Any]:
+        # A checkpoint taken in the middle of a generation round keeps the round's remaining micro-batches, so that a
+        # resumed run trains on the same completions instead of sampling new ones.
+        state = super()._checkpoint_state()
+        if self._buffered_inputs is not None and _loadable_without_pickle(self._buffered_inputs):
+            state["buffered_inputs"] = self._buffered_inputs
+        return state
+
+    def _restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super()._restore_checkpoint_state(state)
+        if "buffered_inputs" in state:
+            device = self.accelerator.device
+            self._resumed_buffered_inputs = [
+                {key: value.to(device) if torch.is_tensor(value) else value for key, value in chunk.items()}
+                for chunk in state["buffered_inputs"]
+            ]
+
     def _global_token_count(self, completion_mask: torch.Tensor) -> torch.Tensor:
         count = completion_mask.sum().float().reshape(1)
         return self.accelerator.gather(count).sum()
@@ -718,3 +736,15 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
 
     def _on_optimizer_step(self) -> None:
         """Called after each optimizer step (adaptive controllers live here)."""
+
+
+def _loadable_without_pickle(value: Any) -> bool:
+    """Whether `value` holds only what `torch.load(weights_only=True)` reads back: tensors, numbers, strings, None,
+    and lists, tuples and dicts of them."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_loadable_without_pickle(item) for item in value)
+    if isinstance(value, dict):
+        return all(isinstance(key, str) and _loadable_without_pickle(item) for key, item in value.items())
+    return False

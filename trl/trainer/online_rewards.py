@@ -9,6 +9,7 @@ rewards, NaN where a function returned None; `_aggregated_rewards` applies the r
 import asyncio
 import concurrent.futures
 import inspect
+import math
 import numbers
 import warnings
 from collections.abc import Callable
@@ -29,8 +30,13 @@ RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
 # ---------------------------------------------------------------------------------------------------------------------
 # Reward function plumbing
 # ---------------------------------------------------------------------------------------------------------------------
-def _to_float_list(values: Any, name: str, expected: int) -> list[float]:
-    """Validate a reward function's output: one number (or None) per completion. None becomes NaN."""
+def _to_float_list(values: Any, name: str, expected: int, prompts: list | None = None) -> list[float]:
+    """Validate a reward function's output: one finite number (or None) per completion. None becomes NaN.
+
+    None is TRL's way for a function to say "does not apply to this completion"; a NaN or infinite number is a bug in
+    the function (a division by zero, a log of 0) and is refused, naming the function and the prompt, rather than
+    turned into a zero loss or a sampling crash later on.
+    """
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().reshape(-1).tolist()
     elif hasattr(values, "tolist") and not isinstance(values, (list, tuple)):  # numpy arrays
@@ -50,15 +56,21 @@ def _to_float_list(values: Any, name: str, expected: int) -> list[float]:
     for i, value in enumerate(values):
         if value is None:
             out.append(float("nan"))
-        elif isinstance(value, torch.Tensor) and value.numel() == 1:
-            out.append(float(value.item()))
-        elif isinstance(value, numbers.Real):
-            out.append(float(value))
-        else:
+            continue
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(value, numbers.Real):
             raise ValueError(
                 f"Reward function {name!r} returned a non-numeric value at position {i}: {value!r} "
                 f"({type(value).__name__}). Rewards must be numbers (int/float) or None."
             )
+        if not math.isfinite(value):
+            prompt = str(prompts[i])[:200] if prompts is not None and i < len(prompts) else "?"
+            raise ValueError(
+                f"Reward function {name!r} returned {value} for completion {i} (prompt {prompt!r}). Rewards must "
+                "be finite numbers; return None for a completion the function does not apply to."
+            )
+        out.append(float(value))
     return out
 
 
@@ -211,11 +223,13 @@ class _OnlineRewardsMixin:
                 if inspect.iscoroutine(values):
                     pending.append((i, values))
                 else:
-                    rewards[:, i] = torch.tensor(_to_float_list(values, name, num), device=device)
+                    rewards[:, i] = torch.tensor(_to_float_list(values, name, num, prompts), device=device)
         if pending:
             results = _run_coroutines([coroutine for _, coroutine in pending])
             for (i, _), values in zip(pending, results):
-                rewards[:, i] = torch.tensor(_to_float_list(values, self.reward_func_names[i], num), device=device)
+                rewards[:, i] = torch.tensor(
+                    _to_float_list(values, self.reward_func_names[i], num, prompts), device=device
+                )
 
         all_nan = torch.isnan(rewards).all(dim=1)
         if bool(all_nan.any()):

@@ -312,20 +312,21 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
 
     @staticmethod
     def _warn_if_unbalanced(dataset: Any, desirable_weight: float, undesirable_weight: float) -> None:
-        """Warn when the weighted desirable:undesirable ratio leaves the [1, 4/3] band, suggesting weights."""
+        """Refuse data with a single label; warn when the weighted desirable:undesirable ratio leaves the [1, 4/3] band,
+        suggesting weights."""
         if not isinstance(dataset, Dataset):
             return
         labels = dataset["label"]
         num_desirable = sum(1 for label in labels if label)
         num_undesirable = len(labels) - num_desirable
         if num_desirable == 0 or num_undesirable == 0:
-            logger.info(
-                "The training data holds only %s examples (%d); the loss then only pushes in one direction. Use a "
-                "conservative learning rate.",
-                "desirable" if num_undesirable == 0 else "undesirable",
-                len(labels),
+            present, missing = ("desirable", "undesirable") if num_undesirable == 0 else ("undesirable", "desirable")
+            raise ValueError(
+                f"The training dataset holds only {present} examples ({len(labels)} with label="
+                f"{num_undesirable == 0}) and no {missing} one, so the loss can only push in one direction. Add "
+                f"{missing} examples (label={num_undesirable != 0}), or pass paired preference data "
+                "(prompt/chosen/rejected), which gives one example of each label per pair."
             )
-            return
         if num_desirable == num_undesirable:
             return
         ratio = desirable_weight * num_desirable / (undesirable_weight * num_undesirable)

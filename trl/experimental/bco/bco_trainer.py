@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 RUNNING_NAME = "running.json"
 CLF_NAME = "clf.pkl"
+CLF_STATE_NAME = "clf.json"
 # Per-example weight column added by UDM (1.0 for desirable examples).
 _UDM_COLUMN = "udm_weight"
 
@@ -871,31 +872,38 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints: running moments and the UDM classifier
     # ------------------------------------------------------------------------------------------------------------
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        output_dir = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+    def _save_checkpoint_extras(self, output_dir):
+        super()._save_checkpoint_extras(output_dir)
         if self.accelerator.is_main_process and os.path.isdir(output_dir):
             self.running.save_to_json(os.path.join(output_dir, RUNNING_NAME))
             if self.clf is not None:
                 import joblib
 
-                joblib.dump(self.clf, os.path.join(output_dir, CLF_NAME), compress=True)
+                joblib.dump(self.clf, os.path.join(output_dir, CLF_NAME), compress=True)  # TRL's file, for its tools
+                # What resuming reads: the fitted numbers only, so that loading a checkpoint never unpickles.
+                fitted = {key: getattr(self.clf, key).tolist() for key in ("coef_", "intercept_", "classes_")}
+                with open(os.path.join(output_dir, CLF_STATE_NAME), "w") as f:
+                    json.dump(fitted, f)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)
         running_file = os.path.join(resume_from_checkpoint, RUNNING_NAME)
         if os.path.isfile(running_file):
             self.running = RunningMoments.load_from_json(self.accelerator, running_file)
-        clf_file = os.path.join(resume_from_checkpoint, CLF_NAME)
+        clf_file = os.path.join(resume_from_checkpoint, CLF_STATE_NAME)
         if self.match_underlying_distribution and os.path.isfile(clf_file):
-            import joblib
             import numpy as np
+            from sklearn.linear_model import LogisticRegression
 
-            loaded = joblib.load(clf_file)
+            with open(clf_file) as f:
+                fitted = json.load(f)
+            loaded = LogisticRegression(class_weight="balanced")
+            for key, value in fitted.items():
+                setattr(loaded, key, np.asarray(value))
             same = (
                 self.clf is not None
-                and np.array_equal(getattr(loaded, "coef_", None), getattr(self.clf, "coef_", None))
-                and np.array_equal(getattr(loaded, "intercept_", None), getattr(self.clf, "intercept_", None))
+                and np.array_equal(loaded.coef_, getattr(self.clf, "coef_", None))
+                and np.array_equal(loaded.intercept_, getattr(self.clf, "intercept_", None))
             )
             self.clf = loaded
             if not same:  # weights were computed with another classifier: recompute them with the saved one

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from ..online_dpo.online_dpo_config import OnlineDPOConfig, _resolve_schedule
+from ..online_dpo.online_dpo_config import OnlineDPOConfig, _resolve_schedule, _schedule_values
 
 
 @dataclass
@@ -25,4 +25,6 @@ class XPOConfig(OnlineDPOConfig):
 
     def __post_init__(self):
         self.alpha = _resolve_schedule("alpha", self.alpha)
+        if any(value < 0 for value in _schedule_values(self.alpha)):
+            raise ValueError(f"alpha weighs XPO's exploration term and must be >= 0 at every epoch; got {self.alpha}.")
         super().__post_init__()

@@ -1,0 +1,250 @@
+"""Bad input is refused before training with a clear error, and nothing is written to `output_dir` first.
+
+Each case builds what a user would (a config, a trainer, one training step for reward functions, which are only
+checked when called) and names the exception type and phrases the message must contain: what was expected, what was
+found. A second table lists inputs that look odd but that TRL 1.16 accepts and trains with: they must keep working.
+"""
+
+import os
+
+import pytest
+from datasets import Dataset
+
+from trl.assets import get_model_path, load_test_dataset
+
+
+pytestmark = pytest.mark.reliability
+
+LM = "tiny-Qwen2ForCausalLM"
+QUIET = dict(report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=1, max_steps=1)
+
+
+def _config(name, output_dir, **kwargs):
+    import trl
+
+    if name in ("XPOConfig", "OnlineDPOConfig", "NashMDConfig"):
+        import trl.experimental.nash_md as nash_md
+        import trl.experimental.online_dpo as online_dpo
+        import trl.experimental.xpo as xpo
+
+        module = {"XPOConfig": xpo, "OnlineDPOConfig": online_dpo, "NashMDConfig": nash_md}[name]
+        return getattr(module, name)(output_dir, **{**QUIET, **kwargs})
+    return getattr(trl, name)(output_dir, **{**QUIET, **kwargs})
+
+
+def _lm_rows(n=4):
+    return load_test_dataset("standard_language_modeling", "train").to_list()[:n]
+
+
+def _messages_rows(n=4):
+    return load_test_dataset("conversational_language_modeling", "train").to_list()[:n]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cases: each is a function of the output directory that must raise
+# ---------------------------------------------------------------------------------------------------------------------
+def images_given_to_text_only_model(output_dir):
+    from PIL import Image
+
+    from trl import SFTTrainer
+
+    rows = [{"messages": row["messages"], "images": [Image.new("RGB", (8, 8))]} for row in _messages_rows()]
+    SFTTrainer(get_model_path(LM), args=_config("SFTConfig", output_dir), train_dataset=Dataset.from_list(rows))
+
+
+def negative_dpo_beta(output_dir):
+    _config("DPOConfig", output_dir, beta=-0.1)
+
+
+def kto_only_desirable(output_dir):
+    from trl import KTOTrainer
+
+    data = load_test_dataset("standard_unpaired_preference", "train").filter(lambda row: row["label"])
+    KTOTrainer(
+        get_model_path(LM), args=_config("KTOConfig", output_dir, per_device_train_batch_size=2), train_dataset=data
+    )
+
+
+def kto_only_undesirable(output_dir):
+    from trl import KTOTrainer
+
+    data = load_test_dataset("standard_unpaired_preference", "train").filter(lambda row: not row["label"])
+    KTOTrainer(
+        get_model_path(LM), args=_config("KTOConfig", output_dir, per_device_train_batch_size=2), train_dataset=data
+    )
+
+
+def kto_batch_of_one_needs_kl_pairs(output_dir):
+    from trl import KTOTrainer
+
+    data = load_test_dataset("standard_unpaired_preference", "train")
+    KTOTrainer(
+        get_model_path(LM), args=_config("KTOConfig", output_dir, per_device_train_batch_size=1), train_dataset=data
+    )
+
+
+def _grpo_with_reward(output_dir, reward):
+    from trl import GRPOTrainer
+
+    args = _config("GRPOConfig", output_dir, per_device_train_batch_size=2, num_generations=2, max_completion_length=4)
+    prompts = load_test_dataset("standard_prompt_only", "train")
+    GRPOTrainer(get_model_path(LM), reward_funcs=reward, args=args, train_dataset=prompts).train()
+
+
+def nan_reward(completions, **kwargs):
+    return [float("nan")] * len(completions)
+
+
+def inf_reward(completions, **kwargs):
+    return [float("inf")] * len(completions)
+
+
+def reward_function_returns_nan(output_dir):
+    _grpo_with_reward(output_dir, nan_reward)
+
+
+def reward_function_returns_inf(output_dir):
+    _grpo_with_reward(output_dir, inf_reward)
+
+
+def zero_gradient_accumulation_steps(output_dir):
+    from trl import SFTTrainer
+
+    data = Dataset.from_list(_lm_rows())
+    SFTTrainer(
+        get_model_path(LM), args=_config("SFTConfig", output_dir, gradient_accumulation_steps=0), train_dataset=data
+    )
+
+
+def mixed_text_and_conversational_rows(output_dir):
+    from trl import SFTTrainer
+
+    texts, conversations = [row["text"] for row in _lm_rows()], [row["messages"] for row in _messages_rows()]
+    data = Dataset.from_dict({"text": texts + [None] * 4, "messages": [None] * 4 + conversations})
+    SFTTrainer(get_model_path(LM), args=_config("SFTConfig", output_dir), train_dataset=data)
+
+
+def nonexistent_local_model_path(output_dir):
+    from trl import SFTTrainer
+
+    data = Dataset.from_list(_lm_rows())
+    SFTTrainer("/nonexistent/models/my-model", args=_config("SFTConfig", output_dir), train_dataset=data)
+
+
+def reward_weights_do_not_match_reward_functions(output_dir):
+    from trl import GRPOTrainer
+
+    args = _config(
+        "GRPOConfig", output_dir, per_device_train_batch_size=2, num_generations=2, reward_weights=[1.0, 2.0]
+    )
+    prompts = load_test_dataset("standard_prompt_only", "train")
+    GRPOTrainer(get_model_path(LM), reward_funcs=inf_reward, args=args, train_dataset=prompts)
+
+
+CASES = [
+    # (case, exception type, phrases of the message)
+    (images_given_to_text_only_model, ValueError, ["'images' column", "text-only", "remove_columns"]),
+    (negative_dpo_beta, ValueError, ["beta must be >= 0", "-0.1"]),
+    (kto_only_desirable, ValueError, ["only desirable examples", "Add undesirable examples"]),
+    (kto_only_undesirable, ValueError, ["only undesirable examples", "Add desirable examples"]),
+    (kto_batch_of_one_needs_kl_pairs, ValueError, ["per_device_train_batch_size=1", ">= 2"]),
+    (reward_function_returns_nan, ValueError, ["'nan_reward'", "nan", "prompt", "None"]),
+    (reward_function_returns_inf, ValueError, ["'inf_reward'", "inf", "prompt"]),
+    (zero_gradient_accumulation_steps, ValueError, ["gradient_accumulation_steps must be >= 1", "got 0"]),
+    (mixed_text_and_conversational_rows, ValueError, ["mixes two formats", "plain-text rows", "conversational rows", "row 4"]),
+    (nonexistent_local_model_path, FileNotFoundError, ["/nonexistent/models/my-model", "does not exist"]),
+    (reward_weights_do_not_match_reward_functions, ValueError, ["reward_weights", "2"]),
+    (lambda d: _config("SFTConfig", d, per_device_train_batch_size=0), ValueError, ["per_device_train_batch_size", ">= 1"]),
+    (lambda d: _config("SFTConfig", d, learning_rate=-1e-5), ValueError, ["learning_rate must be >= 0"]),
+    (lambda d: _config("SFTConfig", d, dataset_num_proc=0), ValueError, ["dataset_num_proc must be >= 1"]),
+    (lambda d: _config("KTOConfig", d, beta=-1.0), ValueError, ["beta must be >= 0"]),
+    (lambda d: _config("GRPOConfig", d, beta=-0.04), ValueError, ["beta must be >= 0"]),
+    (lambda d: _config("RLOOConfig", d, beta=-0.04), ValueError, ["beta must be >= 0"]),
+    (lambda d: _config("OnlineDPOConfig", d, beta=[0.1, -0.1]), ValueError, ["beta must be >= 0"]),
+    (lambda d: _config("XPOConfig", d, alpha=-1e-5), ValueError, ["alpha", ">= 0"]),
+    (lambda d: _config("DPOConfig", d, loss_type=["sigmoid", "sft"], loss_weights=[1.0]), ValueError, ["loss_weights"]),
+    (lambda d: _config("DPOConfig", d, sync_ref_model=True, ref_model_sync_steps=0), ValueError, ["ref_model_sync_steps"]),
+    (lambda d: _config("KTOConfig", d, sync_ref_model=True, ref_model_mixup_alpha=1.5), ValueError, ["ref_model_mixup_alpha", "[0, 1]"]),
+    (lambda d: _config("GRPOConfig", d, per_device_train_batch_size=3, num_generations=2), ValueError, ["divisible by num_generations"]),
+    (lambda d: _config("GRPOConfig", d, num_generations=1), ValueError, ["num_generations", "at least 2"]),
+    (lambda d: _config("GRPOConfig", d, min_p=1.5), ValueError, ["min_p must be in [0, 1]"]),
+    (lambda d: _config("GRPOConfig", d, temperature=0.0), ValueError, ["temperature must be > 0"]),
+    (lambda d: _config("GRPOConfig", d, repetition_penalty=0.0), ValueError, ["repetition_penalty must be > 0"]),
+    (lambda d: _config("GRPOConfig", d, top_p=1.5), ValueError, ["top_p must be in (0, 1]"]),
+]  # fmt: skip
+
+
+def _case_id(case):
+    function = case[0]
+    if function.__name__ != "<lambda>":
+        return function.__name__
+    return "-".join(case[2][0].split()[:3])
+
+
+@pytest.mark.parametrize("case,error,phrases", CASES, ids=[_case_id(case) for case in CASES])
+def test_bad_input_is_refused_before_anything_is_written(tmp_path, case, error, phrases):
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    with pytest.raises(error) as raised:
+        case(str(output_dir))
+    message = str(raised.value)
+    for phrase in phrases:
+        assert phrase in message, f"{phrase!r} not in: {message}"
+    assert os.listdir(output_dir) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Legal inputs (TRL 1.16 accepts them and trains): they must not be refused
+# ---------------------------------------------------------------------------------------------------------------------
+LEGAL_CONFIGS = [
+    ("DPOConfig", dict(beta=0.0)),
+    ("DPOConfig", dict(label_smoothing=0.5)),
+    ("DPOConfig", dict(ref_model_sync_steps=0)),  # unused without sync_ref_model
+    ("KTOConfig", dict(desirable_weight=0.0)),
+    ("SFTConfig", dict(max_grad_norm=-1.0)),  # transformers: no clipping
+    ("SFTConfig", dict(learning_rate=0.0)),
+    ("GRPOConfig", dict(beta=0.0, epsilon_high=0.1)),
+    ("GRPOConfig", dict(min_p=0.0)),
+]
+
+
+@pytest.mark.parametrize("name,kwargs", LEGAL_CONFIGS, ids=[f"{n}-{next(iter(k))}" for n, k in LEGAL_CONFIGS])
+def test_legal_config_values_are_accepted(tmp_path, name, kwargs):
+    _config(name, str(tmp_path), **kwargs)
+
+
+def test_kto_batch_of_one_is_legal_without_kl_term(tmp_path):
+    from trl import KTOTrainer
+
+    data = load_test_dataset("standard_unpaired_preference", "train")
+    args = _config("KTOConfig", str(tmp_path), per_device_train_batch_size=1, loss_type="apo_zero_unpaired")
+    KTOTrainer(get_model_path(LM), args=args, train_dataset=data).train()
+
+
+def test_reward_function_may_return_none_for_completions_it_does_not_score(tmp_path):
+    # TRL's convention: None means "does not apply"; another function scores those completions.
+    def every_other(completions, **kwargs):
+        return [1.0 if i % 2 else None for i in range(len(completions))]
+
+    def constant(completions, **kwargs):
+        return [0.5] * len(completions)
+
+    from trl import GRPOTrainer
+
+    args = _config(
+        "GRPOConfig", str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_completion_length=4
+    )
+    prompts = load_test_dataset("standard_prompt_only", "train")
+    trainer = GRPOTrainer(get_model_path(LM), reward_funcs=[every_other, constant], args=args, train_dataset=prompts)
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_hub_ids_and_existing_paths_are_not_taken_for_missing_paths(tmp_path):
+    from trl.models.loading import check_local_path
+
+    for model_id in ("gpt2", "Qwen/Qwen2.5-0.5B", str(tmp_path), get_model_path(LM)):
+        check_local_path(model_id)
+    for missing in (str(tmp_path / "missing"), "./missing-model", "~/no/such/model", "a/b/c"):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            check_local_path(missing)

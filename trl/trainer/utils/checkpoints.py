@@ -1,0 +1,138 @@
+"""Checkpoints that survive a kill: written atomically, chosen only when complete, with the trainer state that
+transformers does not save.
+
+A checkpoint is assembled in a hidden staging directory (`.partial-checkpoint-N/checkpoint-N`) and renamed to
+`checkpoint-N` only once every file is written, so a process killed in the middle of a save leaves the previous
+checkpoints untouched and no `checkpoint-N` that lacks files. `resume_from_checkpoint=True` resumes from the latest
+checkpoint that holds a `trainer_state.json` (transformers' last file), so a partial directory left by another writer
+is skipped too.
+"""
+
+import os
+import re
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+
+TRAINER_STATE_FILE = "trainer_state.json"
+_STAGING_PREFIX = ".partial-"
+_CHECKPOINT_NAME = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+def trl_state_file(process_index: int) -> str:
+    """Name of the file holding one process's TRL trainer state inside a checkpoint."""
+    return f"trl_state_{process_index}.pt"
+
+
+def save_trainer_state(checkpoint_dir: str, process_index: int, state: dict[str, Any]) -> None:
+    """Write `state` (tensors, numbers, strings and containers of them) for process `process_index`."""
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    torch.save(state, os.path.join(checkpoint_dir, trl_state_file(process_index)))
+
+
+def load_trainer_state(checkpoint_dir: str, process_index: int) -> dict[str, Any] | None:
+    """The state saved by `save_trainer_state` for `process_index`, or None when the checkpoint has none.
+
+    Read with `weights_only=True`: a checkpoint can never run code while it is loaded.
+    """
+    path = os.path.join(checkpoint_dir, trl_state_file(process_index))
+    if not os.path.isfile(path):
+        return None
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+REFERENCE_MODEL_FILE = "ref_model.safetensors"
+
+
+def save_reference_model(checkpoint_dir: str, ref_model: Any) -> None:
+    """Save the weights of a reference model that changes during training (SyncRef) into a checkpoint."""
+    if ref_model is None:
+        return
+    from safetensors.torch import save_model
+
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    save_model(ref_model, os.path.join(checkpoint_dir, REFERENCE_MODEL_FILE))
+
+
+def load_reference_model(checkpoint_dir: str, ref_model: Any) -> None:
+    """Load the reference weights saved by `save_reference_model`, in place (nothing when the file is absent)."""
+    path = os.path.join(checkpoint_dir, REFERENCE_MODEL_FILE)
+    if ref_model is None or not os.path.isfile(path):
+        return
+    from safetensors.torch import load_model
+
+    load_model(ref_model, path, device=str(next(ref_model.parameters()).device))
+
+
+def last_complete_checkpoint(output_dir: str) -> str:
+    """The highest-numbered `checkpoint-N` in `output_dir` whose `trainer_state.json` was written.
+
+    Raises:
+        ValueError: When `output_dir` holds no complete checkpoint.
+    """
+    candidates = []
+    if os.path.isdir(output_dir):
+        for name in os.listdir(output_dir):
+            match = _CHECKPOINT_NAME.match(name)
+            path = os.path.join(output_dir, name)
+            if match and os.path.isfile(os.path.join(path, TRAINER_STATE_FILE)):
+                candidates.append((int(match.group(1)), path))
+    if not candidates:
+        raise ValueError(
+            f"resume_from_checkpoint=True, but {output_dir!r} holds no complete checkpoint (a `checkpoint-N` "
+            f"directory with a {TRAINER_STATE_FILE}). Train without resume_from_checkpoint, or pass the path of a "
+            "checkpoint."
+        )
+    return max(candidates)[1]
+
+
+def save_checkpoint_atomically(trainer: Any, model: Any, trial: Any, save: Callable[[Any, Any], None]) -> None:
+    """Run transformers' checkpoint save `save(model, trial)` into a staging directory, then rename it into place.
+
+    Every process writes its files (model shards, RNG state, the TRL state of `trainer._save_checkpoint_extras`) into
+    the staging directory; after a barrier the saving process moves the finished checkpoint to `checkpoint-N`
+    (replacing an older one of the same step), fixes `best_model_checkpoint`, and applies `save_total_limit`. With
+    `push_to_hub` the checkpoint is written in place, as transformers does, since the upload reads its folder.
+    """
+    args = trainer.args
+    run_dir = trainer._get_output_dir(trial=trial)
+    name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    final_dir = os.path.join(run_dir, name)
+    if args.push_to_hub:
+        save(model, trial)
+        trainer._save_checkpoint_extras(final_dir)
+        return
+    staging_root = os.path.join(run_dir, _STAGING_PREFIX + name)
+    staged_dir = os.path.join(staging_root, name)
+    if args.should_save and os.path.exists(staging_root):
+        shutil.rmtree(staging_root)  # left by a process killed while saving this same step
+    trainer.accelerator.wait_for_everyone()
+    # transformers builds the checkpoint path from `_get_output_dir`: point it at the staging root for this save.
+    trainer._get_output_dir = lambda trial=None: staging_root
+    try:
+        save(model, trial)
+    finally:
+        del trainer._get_output_dir
+    best = trainer.state.best_model_checkpoint
+    if best is not None and os.path.normpath(best) == os.path.normpath(staged_dir):
+        trainer.state.best_model_checkpoint = final_dir  # transformers saw the staged path; record the final one
+        if args.should_save:
+            trainer.state.save_to_json(os.path.join(staged_dir, TRAINER_STATE_FILE))
+    trainer._save_checkpoint_extras(staged_dir)
+    trainer.accelerator.wait_for_everyone()
+    if args.should_save:
+        if os.path.exists(final_dir):
+            os.replace(final_dir, os.path.join(staging_root, "replaced"))
+        os.replace(staged_dir, final_dir)
+        shutil.rmtree(staging_root, ignore_errors=True)
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=args.save_total_limit,
+            best_model_checkpoint=trainer.state.best_model_checkpoint,
+            use_mtime=True,
+        )
+    trainer.accelerator.wait_for_everyone()
