@@ -264,23 +264,10 @@ def compute_sequence_token_logps(
         position_ids=positions_ids,
         target_mask=targets_mask,
         compute_entropy=compute_entropy,
+        logits_stats_fn=logits_stats_fn,
         **forward_kwargs,
     )
-    stats: dict[str, torch.Tensor] = {}
-    if logits_stats_fn is not None:
-        with torch.no_grad():
-            logits = result.outputs.logits
-            next_ids = ids[:, 1:]
-            if logits.shape[1] == ids.shape[1]:
-                logits, kept = logits[:, :-1], None
-                kept_targets = next_ids
-            else:
-                kept = targets_mask.any(dim=0).nonzero().squeeze(-1)
-                kept_targets = next_ids[:, kept]
-            for name, value in logits_stats_fn(logits.detach(), kept_targets).items():
-                full = value.new_zeros(next_ids.shape)
-                full = full.index_copy(1, kept, value) if kept is not None else value
-                stats[name] = full.masked_fill(~targets_mask, 0)
+    stats = result.stats
     logps, entropy = result.logps, result.entropy
     if packed is not None:
         shape = (input_ids.shape[0], input_ids.shape[1] - 1)
