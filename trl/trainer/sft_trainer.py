@@ -34,7 +34,14 @@ from ..data_utils import (
 from ._sft_data import _AppendEOS, _LabelBuilder, _shortest_prompt, _Tokenizer, _Truncator
 from .base_trainer import _BaseTrainer
 from .sft_config import SFTConfig
-from .utils import compute_token_logps, entropy_from_logits, fusable_lm_head, model_accepts_argument, pad
+from .utils import (
+    compute_token_logps,
+    drop_padding,
+    entropy_from_logits,
+    fusable_lm_head,
+    model_accepts_argument,
+    pad,
+)
 from .utils.dataset_rows import map_kwargs_with_desc as _desc
 
 
@@ -741,6 +748,14 @@ class SFTTrainer(_BaseTrainer):
         if not return_outputs and not self._num_virtual_tokens and fusable_lm_head(model) is not None:
             # Fused, chunked LM head + cross-entropy on the target tokens only: no batch x seq x vocab logits.
             forward_kwargs.pop("use_cache")
+            packed = None
+            if set(forward_kwargs) == {"input_ids", "attention_mask"} and not self._aux_loss_enabled:
+                # A plain padded batch: its sequences packed, so no compute is spent on padding (same sums).
+                packed = drop_padding(model, inputs["input_ids"], inputs["attention_mask"])
+            if packed is not None:
+                forward_kwargs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
+                shift_labels = packed.pack_next_token(shift_labels, -100)
+                target_mask = shift_labels != -100
             result = compute_token_logps(
                 model, targets=shift_labels.clamp(min=0), target_mask=target_mask, upcast=True,
                 logits_stats_fn=_token_entropy_and_correct, **forward_kwargs,

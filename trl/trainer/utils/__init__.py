@@ -62,9 +62,11 @@ from .packing import (
     PackedSequences,
     SequenceTokenLogps,
     compute_sequence_token_logps,
+    drop_padding,
     pack_padded_sequences,
     packed_attention_kind,
     precompute_reference_logps,
+    sequence_scores_without_padding,
 )
 from .reporting import (
     generate_model_card,
