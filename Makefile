@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: install torch assets deepspeed test test-reliability test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench lint format clean
+.PHONY: install torch assets deepspeed test test-reliability test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench bench-compare lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
@@ -143,6 +143,10 @@ demo: install
 
 bench: install
 	$(PYTHON) benchmarks/run_all.py
+
+# The six jobs of issue 25 side by side with real TRL 1.16 (needs `make parity-env`); long on a CPU.
+bench-compare: install parity-env
+	$(PYTHON) benchmarks/compare.py
 
 lint: install
 	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .

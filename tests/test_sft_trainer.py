@@ -775,7 +775,8 @@ def test_only_token_columns_reach_the_model(tmp_path, model_path, remove_unused_
     handle = trainer.model.register_forward_pre_hook(lambda m, a, kw: seen.append(sorted(kw)), with_kwargs=True)
     trainer.train()
     handle.remove()
-    assert seen and set(seen[0]) <= {"input_ids", "attention_mask", "logits_to_keep", "use_cache"}
+    # (A padded batch reaches the model packed: `position_ids` instead of `attention_mask`.)
+    assert seen and set(seen[0]) <= {"input_ids", "attention_mask", "position_ids", "logits_to_keep", "use_cache"}
 
 
 def _pretokenized(tokenizer, prompt_columns=False):

@@ -8,10 +8,12 @@ from .._lazy_module import _LazyModule
 
 
 _import_structure = {
+    "linear_log_softmax": ["linear_selective_log_softmax"],
     "log_softmax": ["entropy_from_logits", "selective_log_softmax", "selective_log_softmax_and_entropy"],
 }
 
 if TYPE_CHECKING:
+    from .linear_log_softmax import linear_selective_log_softmax
     from .log_softmax import entropy_from_logits, selective_log_softmax, selective_log_softmax_and_entropy
 else:
     sys.modules[__name__] = _LazyModule(__name__, globals()["__file__"], _import_structure, module_spec=__spec__)

@@ -23,7 +23,7 @@ from transformers.trainer_utils import EvalPrediction
 from ..data_utils import get_dataset_column_names, is_conversational
 from .base_trainer import _BaseTrainer
 from .reward_config import RewardConfig
-from .utils import disable_dropout_in_model, model_accepts_argument, pad
+from .utils import disable_dropout_in_model, model_accepts_argument, pad, sequence_scores_without_padding
 
 
 logger = logging.getLogger(__name__)
@@ -380,9 +380,11 @@ class RewardTrainer(_BaseTrainer):
         forward_kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
         if self._forward_accepts_use_cache:
             forward_kwargs["use_cache"] = False
-        outputs = model(**forward_kwargs)
-        # One forward pass over [chosen; rejected]: the first half of the rows are the chosen sequences.
-        rewards = outputs.logits[:, 0].float()
+        # One forward pass over [chosen; rejected]: the first half of the rows are the chosen sequences. Their
+        # padding is dropped when the model allows it (same scores).
+        pooled = sequence_scores_without_padding(model, inputs["input_ids"], inputs["attention_mask"])
+        outputs = model(**forward_kwargs) if pooled is None else None
+        rewards = (outputs.logits if pooled is None else pooled)[:, 0].float()
         rewards_chosen, rewards_rejected = rewards.chunk(2)
         difference = rewards_chosen - rewards_rejected
         if "margin" in inputs:

@@ -34,7 +34,14 @@ from ..data_utils import (
 from ._sft_data import _AppendEOS, _LabelBuilder, _shortest_prompt, _Tokenizer, _Truncator
 from .base_trainer import _BaseTrainer
 from .sft_config import SFTConfig
-from .utils import entropy_from_logits, model_accepts_argument, pad
+from .utils import (
+    compute_token_logps,
+    drop_padding,
+    entropy_from_logits,
+    fusable_lm_head,
+    model_accepts_argument,
+    pad,
+)
 from .utils.dataset_rows import map_kwargs_with_desc as _desc
 
 
@@ -737,7 +744,32 @@ class SFTTrainer(_BaseTrainer):
         target_mask = shift_labels != -100
         forward_kwargs = dict(inputs)
         forward_kwargs["use_cache"] = False
-        if self._forward_accepts_logits_to_keep and not return_outputs:
+        token_stats = None
+        if not return_outputs and not self._num_virtual_tokens and fusable_lm_head(model) is not None:
+            # Fused, chunked LM head + cross-entropy on the target tokens only: no batch x seq x vocab logits.
+            forward_kwargs.pop("use_cache")
+            packed = None
+            if set(forward_kwargs) == {"input_ids", "attention_mask"} and not self._aux_loss_enabled:
+                # A plain padded batch: its sequences packed, so no compute is spent on padding (same sums).
+                packed = drop_padding(model, inputs["input_ids"], inputs["attention_mask"])
+            if packed is not None:
+                forward_kwargs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
+                shift_labels = packed.pack_next_token(shift_labels, -100)
+                target_mask = shift_labels != -100
+            result = compute_token_logps(
+                model, targets=shift_labels.clamp(min=0), target_mask=target_mask, upcast=True,
+                logits_stats_fn=_token_entropy_and_correct, **forward_kwargs,
+            )  # fmt: skip
+            outputs, token_logits, token_targets = result.outputs, None, None
+            per_token_nll = -result.logps[target_mask]
+            count = target_mask.sum().float()
+            token_stats = (
+                result.stats["entropy"][target_mask].sum(),
+                result.stats["correct"][target_mask].sum(),
+                count,
+            )
+            valid = target_mask
+        elif self._forward_accepts_logits_to_keep and not return_outputs:
             positions = target_mask.any(dim=0).nonzero().squeeze(-1)
             forward_kwargs["logits_to_keep"] = positions
             outputs = model(**forward_kwargs)
@@ -747,11 +779,11 @@ class SFTTrainer(_BaseTrainer):
             outputs = model(**forward_kwargs)
             logits = outputs.logits[:, :-1]
             targets = shift_labels
-        valid = targets != -100
-        token_logits = logits[valid]
-        token_targets = targets[valid]
-
-        per_token_nll = F.cross_entropy(token_logits.float(), token_targets, reduction="none")
+        if token_stats is None:
+            valid = targets != -100
+            token_logits = logits[valid]
+            token_targets = targets[valid]
+            per_token_nll = F.cross_entropy(token_logits.float(), token_targets, reduction="none")
         if self.args.loss_type == "dft":
             # Dynamic Fine-Tuning: weight each token's loss by its (detached) probability.
             per_token_loss = per_token_nll * torch.exp(-per_token_nll).detach()
@@ -771,7 +803,7 @@ class SFTTrainer(_BaseTrainer):
             self._record_metric("aux_loss", outputs.aux_loss, mode)
 
         with torch.no_grad():
-            self._log_token_metrics(mode, inputs, token_logits, token_targets)
+            self._log_token_metrics(mode, inputs, token_logits, token_targets, token_stats)
         return (loss, outputs) if return_outputs else loss
 
     def _log_token_metrics(
@@ -780,15 +812,20 @@ class SFTTrainer(_BaseTrainer):
         inputs: dict[str, Any],
         token_logits: torch.Tensor | None,
         token_targets: torch.Tensor | None,
+        token_stats: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         if "attention_mask" in inputs:
             num_tokens = inputs["attention_mask"].sum()
         else:
             num_tokens = torch.tensor(inputs["input_ids"].numel(), device=inputs["input_ids"].device)
         batch_tokens = self.accelerator.gather(num_tokens.reshape(1)).sum().item()
+        if token_stats is not None:  # (entropy sum, correct count, count) of the fused head's target tokens
+            token_logits = token_stats[0]
         if token_logits is not None:  # None: custom compute_loss_func, no token statistics (on every process alike)
             # Every process joins the gather, also one whose batch has no target token (skipping it would deadlock).
-            if token_logits.numel() == 0:
+            if token_stats is not None:
+                local = torch.stack([value.float() for value in token_stats])
+            elif token_logits.numel() == 0:
                 local = torch.zeros(3, device=token_logits.device)
             else:
                 entropy_sum = entropy_from_logits(token_logits.float()).sum()
@@ -801,6 +838,12 @@ class SFTTrainer(_BaseTrainer):
                 self._metrics[mode]["mean_token_accuracy"].append((stats[1] / stats[2]).item())
         # Logged after entropy and accuracy, in TRL's key order.
         self._record_num_tokens(mode, batch_tokens)
+
+
+def _token_entropy_and_correct(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-token entropy and argmax hit of the target (the `entropy` and `mean_token_accuracy` metrics)."""
+    logits = logits.float()
+    return {"entropy": entropy_from_logits(logits), "correct": (logits.argmax(dim=-1) == targets).float()}
 
 
 def _to_sft_config(args: TrainingArguments) -> SFTConfig:

@@ -51,14 +51,22 @@ from .dataset_rows import (
 from .distributed import ensure_master_addr_port, uses_sharding_engine
 from .divergence import generalized_jsd_loss, per_token_generalized_jsd
 from .flops import adjusted_mfu, compute_flops_per_token, compute_mfu, get_peak_flops, get_peak_flops_per_device
-from .logprobs import TokenLogps, compute_token_logps, logits_statistics, model_accepts_argument
+from .logprobs import (
+    TokenLogps,
+    compute_token_logps,
+    fusable_lm_head,
+    logits_statistics,
+    model_accepts_argument,
+)
 from .packing import (
     PackedSequences,
     SequenceTokenLogps,
     compute_sequence_token_logps,
+    drop_padding,
     pack_padded_sequences,
     packed_attention_kind,
     precompute_reference_logps,
+    sequence_scores_without_padding,
 )
 from .reporting import (
     generate_model_card,

@@ -1,12 +1,15 @@
 """Per-token log-probabilities of a causal LM (shared by DPO, KTO, GRPO, RLOO, Online DPO, ...): one forward pass,
 LM-head work only where a target is scored, plus chunked per-token statistics of the output distribution."""
 
+import contextlib
 import inspect
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 
+from ...kernels.linear_log_softmax import linear_selective_log_softmax
 from ...kernels.log_softmax import selective_log_softmax, selective_log_softmax_and_entropy
 
 
@@ -17,12 +20,15 @@ class TokenLogps(NamedTuple):
         logps: `(batch, seq_len - 1)` log-probability of each next token (`input_ids[:, t + 1]` given the prefix up to
             `t`); 0 where `target_mask` is False.
         entropy: Same shape, entropy of the predicted distribution (None unless requested).
-        outputs: The model's raw outputs (for `aux_loss` of mixture-of-experts models, for example).
+        outputs: The model's raw outputs (for `aux_loss` of mixture-of-experts models, for example). Their `logits`
+            are None when the fused LM head computed the log-probs (see [`fused_lm_head`]).
+        stats: `logits_stats_fn` values, each `(batch, seq_len - 1)`, 0 where `target_mask` is False.
     """
 
     logps: torch.Tensor
     entropy: torch.Tensor | None
     outputs: Any
+    stats: dict[str, torch.Tensor] = {}
 
 
 def model_accepts_argument(model: nn.Module, name: str) -> bool:
@@ -38,6 +44,46 @@ def model_accepts_argument(model: nn.Module, name: str) -> bool:
         return False
 
 
+def fusable_lm_head(model: nn.Module) -> nn.Linear | None:
+    """The model's output projection if the fused LM head + log-softmax can stand in for it, else None.
+
+    It can when the head is a plain `nn.Linear` (not wrapped by PEFT, not sharded by DeepSpeed ZeRO-3 or FSDP) whose
+    output the model returns as is (no logit soft-capping or scaling in the config).
+    """
+    target = getattr(model, "module", model)
+    get_head = getattr(target, "get_output_embeddings", None)
+    try:
+        head = get_head() if get_head is not None else None
+    except (AttributeError, NotImplementedError):
+        return None
+    if type(head) is not nn.Linear or type(head.weight) is not nn.Parameter or hasattr(head.weight, "ds_id"):
+        return None
+    config = getattr(target, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
+        value = getattr(text_config, name, None)
+        if value is not None and value != 1:
+            return None
+    return head
+
+
+@contextlib.contextmanager
+def capture_lm_head_inputs(head: nn.Linear) -> Iterator[list[torch.Tensor]]:
+    """Within the block, the head computes nothing: it records its input in the yielded list and returns a
+    zero-stride placeholder of the logits' shape (no memory), so the forward pass stops at the final hidden states."""
+    captured: list[torch.Tensor] = []
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        captured.append(hidden)
+        return hidden.new_zeros((), dtype=head.weight.dtype).expand(*hidden.shape[:-1], head.out_features)
+
+    head.forward = forward
+    try:
+        yield captured
+    finally:
+        del head.forward
+
+
 def compute_token_logps(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -46,13 +92,20 @@ def compute_token_logps(
     target_mask: torch.Tensor | None = None,
     temperature: float = 1.0,
     compute_entropy: bool = False,
+    targets: torch.Tensor | None = None,
+    logits_stats_fn: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+    fused: bool = True,
+    upcast: bool = False,
     **forward_kwargs: Any,
 ) -> TokenLogps:
     """Log-probability of every next token under a causal LM, without a full-vocabulary log-softmax.
 
     Only positions where `target_mask` is True in some row go through the output projection when the model supports
     `logits_to_keep`, so prompts and padding cost no LM-head compute. Works for padded batches (`attention_mask`) and
-    padding-free ones (`position_ids` restarting at each packed sequence, no attention mask).
+    padding-free ones (`position_ids` restarting at each packed sequence, no attention mask). When the model's head
+    allows it (see [`fusable_lm_head`]) and `fused` is True, the head and the log-softmax run fused, chunk by chunk,
+    on the target positions only ([`~trl.kernels.linear_log_softmax.linear_selective_log_softmax`]): the logits of the
+    batch are never built, and `outputs.logits` is None.
 
     Args:
         model: Causal LM (plain, PEFT or accelerate-wrapped).
@@ -62,6 +115,11 @@ def compute_token_logps(
         target_mask: Optional `(batch, seq_len - 1)` bool mask of the next-token positions to score.
         temperature: Logits are divided by this value before the softmax.
         compute_entropy: Also return the per-position entropy.
+        targets: Optional `(batch, seq_len - 1)` ids to score (default: the next tokens, `input_ids[:, 1:]`).
+        logits_stats_fn: Optional `f(logits, targets) -> {name: tensor}`, evaluated without gradients on the unscaled
+            logits of the scored positions (see `compute_sequence_token_logps`); returned in `stats`.
+        fused: Use the fused LM head when the model allows it.
+        upcast: Return float32 log-probs and entropies for a half-precision model (default: the logits' dtype).
         **forward_kwargs: Extra arguments for the model's forward (e.g. `pixel_values`).
 
     Returns:
@@ -74,11 +132,22 @@ def compute_token_logps(
         kwargs["attention_mask"] = attention_mask
     if position_ids is not None:
         kwargs["position_ids"] = position_ids
-    targets = input_ids[:, 1:]
+    targets = input_ids[:, 1:] if targets is None else targets
+    shape = targets.shape
     positions = None
     if target_mask is not None and model_accepts_argument(model, "logits_to_keep"):
         positions = target_mask.any(dim=0).nonzero().squeeze(-1)
         kwargs["logits_to_keep"] = positions
+    head = fusable_lm_head(model) if fused and (target_mask is None or bool(target_mask.any())) else None
+    if head is not None:
+        with capture_lm_head_inputs(head) as captured:
+            outputs = model(**kwargs)
+        if len(captured) == 1:
+            return _fused_token_logps(
+                head, captured[0], outputs, targets, target_mask, positions, temperature, compute_entropy,
+                logits_stats_fn, upcast,
+            )  # fmt: skip
+        raise RuntimeError(f"The LM head ran {len(captured)} times in one forward pass; pass `fused=False`.")
     outputs = model(**kwargs)
     logits = outputs.logits
     if positions is None:
@@ -89,16 +158,72 @@ def compute_token_logps(
         logps, entropy = selective_log_softmax_and_entropy(logits, targets, temperature=temperature)
     else:
         logps, entropy = selective_log_softmax(logits, targets, temperature=temperature), None
+    if upcast:
+        logps, entropy = _upcast(logps), _upcast(entropy)
+    stats = {}
+    if logits_stats_fn is not None:
+        with torch.no_grad():
+            stats = logits_stats_fn(logits.detach(), targets)
     if positions is not None:
-        full = logps.new_zeros(input_ids.shape[0], input_ids.shape[1] - 1)
-        logps = full.index_copy(1, positions, logps)
+        logps = logps.new_zeros(shape).index_copy(1, positions, logps)
         if entropy is not None:
-            entropy = entropy.new_zeros(full.shape).index_copy(1, positions, entropy)
+            entropy = entropy.new_zeros(shape).index_copy(1, positions, entropy)
+        stats = {name: value.new_zeros(shape).index_copy(1, positions, value) for name, value in stats.items()}
     if target_mask is not None:
         logps = logps.masked_fill(~target_mask, 0.0)
         if entropy is not None:
             entropy = entropy.masked_fill(~target_mask, 0.0)
-    return TokenLogps(logps=logps, entropy=entropy, outputs=outputs)
+        stats = {name: value.masked_fill(~target_mask, 0) for name, value in stats.items()}
+    return TokenLogps(logps=logps, entropy=entropy, outputs=outputs, stats=stats)
+
+
+def _upcast(value: torch.Tensor | None) -> torch.Tensor | None:
+    return value.float() if value is not None and value.dtype in (torch.float16, torch.bfloat16) else value
+
+
+def _fused_token_logps(
+    head: nn.Linear,
+    hidden: torch.Tensor,
+    outputs: Any,
+    targets: torch.Tensor,
+    target_mask: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    temperature: float,
+    compute_entropy: bool,
+    logits_stats_fn: Callable | None,
+    upcast: bool,
+) -> TokenLogps:
+    """[`compute_token_logps`] from the captured head inputs: only the `target_mask` rows are scored."""
+    shape = targets.shape
+    if positions is None:  # the head saw every position; the last one predicts nothing
+        hidden = hidden[:, : shape[1]]
+    else:
+        targets = targets[:, positions]
+    if target_mask is None:
+        rows, cols = None, None
+        row_hidden, row_targets = hidden, targets
+    else:
+        kept_mask = target_mask if positions is None else target_mask[:, positions]
+        rows, cols = kept_mask.nonzero(as_tuple=True)
+        row_hidden, row_targets = hidden[rows, cols], targets[rows, cols]
+    logps, entropy, stats = linear_selective_log_softmax(
+        row_hidden, head.weight, row_targets, head.bias, temperature, compute_entropy, logits_stats_fn
+    )
+    # The unfused path returns values in the logits' dtype.
+    dtype = logps.dtype if upcast else head.weight.dtype
+    logps = logps.to(dtype)
+    entropy = entropy.to(dtype) if entropy is not None else None
+    if rows is not None:
+        columns = cols if positions is None else positions[cols]
+
+        def scatter(value: torch.Tensor) -> torch.Tensor:
+            return value.new_zeros(shape).index_put((rows, columns), value)
+
+        logps = scatter(logps)
+        entropy = scatter(entropy) if entropy is not None else None
+        stats = {name: scatter(value) for name, value in stats.items()}
+    outputs.logits = None
+    return TokenLogps(logps=logps, entropy=entropy, outputs=outputs, stats=stats)
 
 
 # Bytes of float32 logits processed at once by `logits_statistics`.

@@ -196,6 +196,58 @@ def pack_padded_sequences(
     return PackedSequences(packed_ids, position_ids, src_row, src_col, dst_row, dst_col, offset)
 
 
+def drop_padding(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedSequences | None:
+    """The sequences of a padded batch packed for `model` (see [`pack_padded_sequences`]), or None when there is no
+    padding to drop or the model cannot attend within packed sequences ([`packed_attention_kind`]).
+
+    Variable-length kernels get one row; eager/SDPA attention gets rows no longer than the longest sequence, so the
+    dense block-diagonal masks stay as small as the padded batch's.
+    """
+    kind = packed_attention_kind(model)
+    if kind is None or bool(attention_mask.all()):
+        return None
+    capacity = None if kind == "varlen" else int(attention_mask.sum(dim=1).max().item())
+    return pack_padded_sequences(input_ids, attention_mask, capacity)
+
+
+def sequence_scores_without_padding(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor | None:
+    """The pooled logits `(batch, num_labels)` of a `*ForSequenceClassification` model on a padded batch, computed on
+    the packed sequences ([`drop_padding`]) instead: the backbone runs without padding, and the score head only at
+    the token the model pools (the last one that is not the pad token, as transformers' classification heads read it).
+
+    Returns None (run the model as usual) when the batch has no padding, or the model is not a plain transformers
+    sequence classifier whose backbone can attend within packed sequences (also when it is wrapped for distributed
+    training, whose hooks live on the outer module). PEFT adapters injected into the backbone and head still apply.
+    """
+    if hasattr(model, "module"):
+        return None
+    base = _base_transformers_model(model)
+    config = getattr(base, "config", None)
+    pad_token_id = getattr(config, "pad_token_id", None)
+    backbone = getattr(base, getattr(base, "base_model_prefix", ""), None)
+    score = getattr(base, "score", None)
+    if not type(base).__name__.endswith("ForSequenceClassification") or backbone is None or score is None:
+        return None
+    if pad_token_id is None or getattr(config, "problem_type", None) not in (None, "regression"):
+        return None
+    packed = drop_padding(model, input_ids, attention_mask)
+    if packed is None:
+        return None
+    hidden = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)[0]
+    # The pooled token of each row, as the model picks it: the rightmost token that is not the pad token.
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+    pooled_col = (columns * (input_ids != pad_token_id)).argmax(dim=-1)
+    # Where that token went in the packed layout.
+    lookup = torch.full_like(input_ids, -1)
+    lookup[packed.src_row, packed.src_col] = torch.arange(packed.src_row.shape[0], device=input_ids.device)
+    token = lookup[torch.arange(input_ids.shape[0], device=input_ids.device), pooled_col]
+    if bool((token < 0).any()):  # the pooled token is padding (e.g. pad id inside the text): keep the plain path
+        return None
+    return score(hidden[packed.dst_row[token], packed.dst_col[token]])
+
+
 class SequenceTokenLogps(NamedTuple):
     """Result of [`compute_sequence_token_logps`], always in the padded layout of the input.
 
@@ -264,23 +316,10 @@ def compute_sequence_token_logps(
         position_ids=positions_ids,
         target_mask=targets_mask,
         compute_entropy=compute_entropy,
+        logits_stats_fn=logits_stats_fn,
         **forward_kwargs,
     )
-    stats: dict[str, torch.Tensor] = {}
-    if logits_stats_fn is not None:
-        with torch.no_grad():
-            logits = result.outputs.logits
-            next_ids = ids[:, 1:]
-            if logits.shape[1] == ids.shape[1]:
-                logits, kept = logits[:, :-1], None
-                kept_targets = next_ids
-            else:
-                kept = targets_mask.any(dim=0).nonzero().squeeze(-1)
-                kept_targets = next_ids[:, kept]
-            for name, value in logits_stats_fn(logits.detach(), kept_targets).items():
-                full = value.new_zeros(next_ids.shape)
-                full = full.index_copy(1, kept, value) if kept is not None else value
-                stats[name] = full.masked_fill(~targets_mask, 0)
+    stats = result.stats
     logps, entropy = result.logps, result.entropy
     if packed is not None:
         shape = (input_ids.shape[0], input_ids.shape[1] - 1)

@@ -1,0 +1,63 @@
+"""The side-by-side benchmark program (`benchmarks/compare.py`): its table logic, and a smoke run of every job."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+COMPARE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "compare.py")
+PARITY_PYTHON = os.path.join(os.environ.get("PARITY_VENV", "/work/main/.venv-parity"), "bin", "python")
+
+
+def _load_compare():
+    spec = importlib.util.spec_from_file_location("bench_compare", COMPARE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(side, cpu, rss, loss):
+    return {
+        "cpu_s": cpu,
+        "wall_s": cpu / 2,
+        "peak_rss_mb": rss,
+        "final_loss": loss,
+        "tokens_per_step": 1000,
+        "seq_len": 100,
+        "items_per_step": 1000,
+        "unit": "tokens/s",
+        "side": side,
+    }
+
+
+def test_summary_ratios_and_loss_check(capsys):
+    compare = _load_compare()
+    compare.flops_per_token = lambda path, seq_len: 6.0  # no model config needed
+    ours = [_run("ours", 1.0, 600.0, 0.5), _run("ours", 3.0, 700.0, 0.5)]
+    trl = [_run("trl", 4.0, 1000.0, 0.5), _run("trl", 4.0, 1000.0, 0.5)]
+    row = compare.summarise("sft_padded", ours, trl, peak=1e4, paths={"model": None})
+    assert row["cpu_ratio"] == pytest.approx(0.5)  # medians: 2.0 / 4.0
+    assert row["rss_ratio"] == pytest.approx(0.65)
+    assert row["rate_ratio"] == pytest.approx(2.0)
+    assert row["ours_mfu"] == pytest.approx(6.0 * 1000 / 2.0 / 1e4)
+    assert row["loss_agrees"]
+
+    trl[-1]["final_loss"] = 0.6
+    assert not compare.summarise("sft_padded", ours, trl, peak=1e4, paths={"model": None})["loss_agrees"]
+    compare.print_table([row])
+    assert "| sft_padded | 2.000 / 4.000 | 0.50 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(PARITY_PYTHON), reason="needs the TRL 1.16 parity venv (`make parity-env`)")
+def test_quick_run_every_job():
+    """`--quick`: every job runs on both sides (tiny model, 2 steps) and the final losses agree (exit code 0)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(COMPARE))
+    proc = subprocess.run([sys.executable, COMPARE, "--quick"], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    for job in ("sft_padded", "sft_packed", "dpo", "reward", "kto", "grpo"):
+        assert f"| {job} |" in proc.stdout

@@ -1,0 +1,91 @@
+"""Padding dropped inside the step (sequences packed, positions restarting): SFT padded batches and the reward model
+compute nothing on padding, and give the same loss and gradients as the padded batch."""
+
+import pytest
+import torch
+from trainer_utils import SGD_STEP_ARGS, sgd_step_update
+from transformers import AutoModelForSequenceClassification
+
+from trl import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
+from trl.assets import get_model_path, load_test_dataset
+from trl.trainer import reward_trainer
+from trl.trainer.utils import drop_padding, sequence_scores_without_padding
+
+
+def test_sequence_scores_equal_the_padded_forward():
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        get_model_path("tiny-Qwen2ForSequenceClassification"), num_labels=1
+    )
+    input_ids = torch.randint(10, 4000, (4, 12))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 8:] = 0
+    attention_mask[3, 5:] = 0
+    input_ids[attention_mask == 0] = model.config.pad_token_id
+    scores = sequence_scores_without_padding(model, input_ids, attention_mask)
+    expected = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6)
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(scores.sum(), params)
+    expected_grads = torch.autograd.grad(expected.sum(), params)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # Nothing to drop: the caller runs the model as usual.
+    assert sequence_scores_without_padding(model, input_ids, torch.ones_like(input_ids)) is None
+
+
+def test_drop_padding_packs_within_the_longest_row(tiny_qwen_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path)
+    attention_mask = torch.tensor([[1] * 8, [1] * 3 + [0] * 5, [1] * 4 + [0] * 4])
+    packed = drop_padding(model, torch.arange(24).reshape(3, 8), attention_mask)
+    assert packed.input_ids.shape == (2, 8)  # 8 | 3 + 4
+    assert packed.position_ids[1].tolist()[:7] == [0, 1, 2, 3, 0, 1, 2] or packed.position_ids[1].tolist()[:7] == [
+        0, 1, 2, 0, 1, 2, 3,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("peft", [False, True])
+def test_reward_step_equals_padded(tmp_path, monkeypatch, peft):
+    dataset = load_test_dataset("standard_preference", split="train")
+    kwargs = {}
+    if peft:
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+
+    def step(directory):
+        args = RewardConfig(
+            output_dir=str(directory), report_to="none", disable_tqdm=True, per_device_train_batch_size=4,
+            **SGD_STEP_ARGS,
+        )  # fmt: skip
+        path = get_model_path("tiny-Qwen2ForSequenceClassification")
+        trainer = RewardTrainer(path, args=args, train_dataset=dataset, **kwargs)
+        return sgd_step_update(trainer), trainer.state.log_history[-1]["train_loss"]
+
+    calls = []
+    original = reward_trainer.sequence_scores_without_padding
+    monkeypatch.setattr(reward_trainer, "sequence_scores_without_padding", lambda *a: calls.append(1) or original(*a))
+    dropped, dropped_loss = step(tmp_path / "dropped")
+    assert calls
+    monkeypatch.setattr(reward_trainer, "sequence_scores_without_padding", lambda *a: None)
+    padded, padded_loss = step(tmp_path / "padded")
+    assert dropped_loss == pytest.approx(padded_loss, rel=1e-5)
+    for name, update in padded.items():
+        torch.testing.assert_close(dropped[name], update, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_sft_padded_batch_runs_without_padding(tmp_path):
+    """The model sees the packed sequences: fewer positions than the padded batch, positions restarting."""
+    dataset = load_test_dataset("standard_language_modeling", split="train")
+    args = SFTConfig(output_dir=str(tmp_path), report_to="none", disable_tqdm=True, per_device_train_batch_size=8,
+                     **SGD_STEP_ARGS)  # fmt: skip
+    trainer = SFTTrainer(get_model_path("tiny-Qwen2ForCausalLM"), args=args, train_dataset=dataset)
+    seen = []
+    trainer.model.register_forward_pre_hook(lambda module, a, kw: seen.append(kw), with_kwargs=True)
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.train()
+    assert "attention_mask" not in seen[0] and "position_ids" in seen[0]
+    assert seen[0]["input_ids"].numel() < batch["input_ids"].numel()
+    assert seen[0]["input_ids"].shape[1] == batch["attention_mask"].sum(dim=1).max()

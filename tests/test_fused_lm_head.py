@@ -1,0 +1,190 @@
+"""The fused, chunked LM head + log-softmax: equal to the unfused path (values and gradients) for the kernel itself,
+for `compute_token_logps`, and for one SGD step of every trainer that uses it (with padding, padding-free, PEFT and
+gradient accumulation)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig
+from trainer_utils import SGD_STEP_ARGS, sgd_step_update
+from transformers import AutoModelForCausalLM
+
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
+from trl.assets import get_model_path, load_test_dataset
+from trl.kernels import linear_selective_log_softmax, selective_log_softmax_and_entropy
+from trl.trainer import sft_trainer
+from trl.trainer.utils import compute_token_logps, fusable_lm_head, logits_statistics
+from trl.trainer.utils import logprobs as logprobs_module
+
+
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_equals_head_then_log_softmax(temperature, with_bias):
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(50, dtype=torch.float64, requires_grad=True) if with_bias else None
+    index = torch.randint(0, 50, (3, 5))
+    upstream_logps, upstream_entropy = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    inputs = [hidden, weight] + ([bias] if with_bias else [])
+
+    # max_rows=4: several chunks, the last one partial
+    logps, entropy, stats = linear_selective_log_softmax(
+        hidden, weight, index, bias, temperature, compute_entropy=True, logits_stats_fn=logits_statistics, max_rows=4
+    )
+    grads = torch.autograd.grad((logps * upstream_logps).sum() + (entropy * upstream_entropy).sum(), inputs)
+
+    logits = F.linear(hidden, weight, bias)
+    expected_logps = torch.log_softmax(logits / temperature, dim=-1).gather(-1, index[..., None]).squeeze(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    expected_entropy = -(probs * probs.log()).sum(-1)
+    expected_grads = torch.autograd.grad(
+        (expected_logps * upstream_logps).sum() + (expected_entropy * upstream_entropy).sum(), inputs
+    )
+    torch.testing.assert_close(logps, expected_logps, **TOLERANCE)
+    torch.testing.assert_close(entropy, expected_entropy, **TOLERANCE)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, **TOLERANCE)
+    expected_stats = logits_statistics(logits.detach(), index)
+    assert sorted(stats) == sorted(expected_stats)
+    for name, value in stats.items():
+        torch.testing.assert_close(value, expected_stats[name])
+
+
+def test_kernel_log_probs_only_and_frozen_head():
+    """Only the log-probs flow back, and the head needs no gradient (PEFT): the hidden states' gradient is exact."""
+    torch.manual_seed(1)
+    hidden = torch.randn(7, 8, requires_grad=True)
+    weight = torch.randn(30, 8)
+    index = torch.randint(0, 30, (7,))
+    logps, entropy, stats = linear_selective_log_softmax(hidden, weight, index, max_rows=3)
+    assert entropy is None and stats == {}
+    (grad,) = torch.autograd.grad(logps.sum(), hidden)
+    expected, _ = selective_log_softmax_and_entropy(hidden @ weight.T, index)
+    (expected_grad,) = torch.autograd.grad(expected.sum(), hidden)
+    torch.testing.assert_close(logps, expected, **TOLERANCE)
+    torch.testing.assert_close(grad, expected_grad, **TOLERANCE)
+
+
+def test_kernel_rejects_mismatched_index():
+    with pytest.raises(ValueError, match="`index` must have the shape"):
+        linear_selective_log_softmax(torch.randn(2, 3, 4), torch.randn(5, 4), torch.zeros(2, 2, dtype=torch.long))
+
+
+@pytest.fixture(scope="module")
+def causal_lm():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(get_model_path("tiny-Qwen2ForCausalLM"))
+
+
+@pytest.mark.parametrize("layout", ["padded", "padding_free"])
+def test_compute_token_logps_fused_equals_unfused(causal_lm, layout):
+    torch.manual_seed(2)
+    input_ids = torch.randint(0, 4000, (3, 10))
+    kwargs = {}
+    if layout == "padded":
+        attention_mask = torch.ones_like(input_ids)
+        attention_mask[1, 7:] = 0
+        kwargs["attention_mask"] = attention_mask
+    else:  # three sequences in one row
+        input_ids = input_ids.reshape(1, 30)
+        kwargs["position_ids"] = torch.cat([torch.arange(12), torch.arange(10), torch.arange(8)])[None]
+    target_mask = torch.rand(input_ids.shape[0], input_ids.shape[1] - 1) > 0.3
+    assert fusable_lm_head(causal_lm) is not None
+
+    results = {}
+    for fused in (True, False):
+        causal_lm.zero_grad()
+        result = compute_token_logps(
+            causal_lm, input_ids, target_mask=target_mask, compute_entropy=True, fused=fused,
+            logits_stats_fn=logits_statistics, **kwargs,
+        )  # fmt: skip
+        (result.logps.sum() + 0.5 * result.entropy.sum()).backward()
+        grads = {name: p.grad.clone() for name, p in causal_lm.named_parameters()}
+        results[fused] = (result, grads)
+    (fused_result, fused_grads), (plain_result, plain_grads) = results[True], results[False]
+    assert fused_result.outputs.logits is None
+    torch.testing.assert_close(fused_result.logps, plain_result.logps, **TOLERANCE)
+    torch.testing.assert_close(fused_result.entropy, plain_result.entropy, **TOLERANCE)
+    for name in plain_result.stats:
+        torch.testing.assert_close(fused_result.stats[name], plain_result.stats[name], **TOLERANCE)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_heads_that_cannot_fuse(causal_lm):
+    """Post-processed logits and wrapped heads keep the unfused path."""
+    from peft import get_peft_model
+
+    causal_lm.config.final_logit_softcapping = 30.0
+    try:
+        assert fusable_lm_head(causal_lm) is None
+    finally:
+        causal_lm.config.final_logit_softcapping = None
+    model = AutoModelForCausalLM.from_pretrained(get_model_path("tiny-Qwen2ForCausalLM"))
+    wrapped = get_peft_model(model, LoraConfig(r=4, target_modules=["lm_head"]))
+    assert fusable_lm_head(wrapped) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One SGD step of each trainer, fused vs unfused: the parameter updates (the gradients) are equal
+# ---------------------------------------------------------------------------------------------------------------------
+def _unfused(monkeypatch):
+    monkeypatch.setattr(logprobs_module, "fusable_lm_head", lambda model: None)
+    monkeypatch.setattr(sft_trainer, "fusable_lm_head", lambda model: None)
+
+
+def _lora():
+    return LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+
+
+CASES = {
+    "sft_padded": (SFTTrainer, SFTConfig, "standard_language_modeling", {}),
+    "sft_padding_free_accumulated": (
+        SFTTrainer, SFTConfig, "standard_language_modeling",
+        {"padding_free": True, "max_length": None, "gradient_accumulation_steps": 2, "per_device_train_batch_size": 2},
+    ),
+    "sft_prompt_completion_peft": (SFTTrainer, SFTConfig, "standard_prompt_completion", {"peft": True}),
+    "dpo": (DPOTrainer, DPOConfig, "standard_preference", {}),
+    "dpo_peft_accumulated": (
+        DPOTrainer, DPOConfig, "standard_preference", {"peft": True, "gradient_accumulation_steps": 2},
+    ),
+    "kto": (KTOTrainer, KTOConfig, "standard_unpaired_preference", {}),
+    "grpo": (GRPOTrainer, GRPOConfig, "standard_prompt_only", {"num_generations": 2, "max_completion_length": 6}),
+}  # fmt: skip
+
+
+def _reward_low_ids(completion_ids, **kwargs):
+    return [float(sum(token < 2000 for token in ids)) for ids in completion_ids]
+
+
+def _one_sgd_step(case, tmp_path):
+    trainer_class, config_class, dataset_name, options = CASES[case]
+    options = dict(options)
+    peft_config = _lora() if options.pop("peft", False) else None
+    args = config_class(
+        output_dir=str(tmp_path), report_to="none", save_strategy="no", disable_tqdm=True, seed=0,
+        **{"per_device_train_batch_size": 4, **SGD_STEP_ARGS, **options},
+    )  # fmt: skip
+    kwargs = {"reward_funcs": _reward_low_ids} if trainer_class is GRPOTrainer else {}
+    if peft_config is not None:
+        kwargs["peft_config"] = peft_config
+    dataset = load_test_dataset(dataset_name, split="train")
+    trainer = trainer_class(get_model_path("tiny-Qwen2ForCausalLM"), args=args, train_dataset=dataset, **kwargs)
+    assert fusable_lm_head(trainer.model) is not None
+    update = sgd_step_update(trainer)
+    return update, [log["loss"] for log in trainer.state.log_history if "loss" in log]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_trainer_step_fused_equals_unfused(case, tmp_path, monkeypatch):
+    fused_update, fused_loss = _one_sgd_step(case, tmp_path / "fused")
+    _unfused(monkeypatch)
+    plain_update, plain_loss = _one_sgd_step(case, tmp_path / "plain")
+    assert fused_loss == pytest.approx(plain_loss, rel=1e-5)
+    assert any(update.abs().max() > 0 for update in fused_update.values())
+    for name, update in plain_update.items():
+        torch.testing.assert_close(fused_update[name], update, rtol=1e-5, atol=1e-6, msg=name)

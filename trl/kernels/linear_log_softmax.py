@@ -1,0 +1,173 @@
+"""Fused, chunked LM head + selected-token log-softmax: the log-probability (and entropy) of target tokens under
+`softmax((h W^T + b) / T)`, forward and backward, computed one block of rows at a time so that the logits of the whole
+batch never exist (neither do their gradients)."""
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+# Working-set budget (bytes of float32 logits) of one chunk of rows; the extra memory stays a few times this value.
+_CHUNK_BYTES = 32 * 1024 * 1024
+
+# `f(logits, targets) -> {name: per-row tensor}`, called without gradients on each chunk's `(1, rows, vocab)` logits.
+LogitsStatsFn = Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
+
+
+def _chunk_log_softmax(hidden, weight, bias, temperature, compute_dtype):
+    """Logits of one chunk of rows (in the input dtype, as the model's head returns them) and the log-softmax of
+    `logits / temperature` in `compute_dtype`."""
+    logits = F.linear(hidden, weight, bias)
+    scaled = logits.to(compute_dtype)
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    return logits, torch.log_softmax(scaled, dim=-1)
+
+
+def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
+    probs = log_probs.exp()
+    # 0 * (-inf) is NaN for masked-out vocabulary entries; their contribution is exactly 0.
+    return probs.mul_(log_probs).masked_fill_(probs == 0, 0.0).sum(dim=-1).neg_()
+
+
+class _LinearLogSoftmax(torch.autograd.Function):
+    """Rows of `hidden` `(N, H)` through the head `(weight, bias)`, then the log-probability of `index` `(N,)`.
+
+    The forward saves the inputs, each row's log-normaliser and entropy (`N` floats each). The backward recomputes the
+    logits chunk by chunk and accumulates the gradients of the hidden states, weight and bias from each chunk (the
+    weight's and bias' only when they require one: a frozen head under PEFT costs no extra matmul).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, index, temperature, want_entropy, stats_fn, stat_names, max_rows):
+        rows = hidden.shape[0]
+        compute_dtype = torch.promote_types(hidden.dtype, torch.float32)
+        logps = hidden.new_empty(rows, dtype=compute_dtype)
+        log_norm = hidden.new_empty(rows, dtype=compute_dtype)
+        entropy = hidden.new_zeros(rows, dtype=compute_dtype)
+        stats: dict[str, list[torch.Tensor]] = {}
+        for start in range(0, rows, max_rows):
+            end = min(start + max_rows, rows)
+            logits, log_probs = _chunk_log_softmax(hidden[start:end], weight, bias, temperature, compute_dtype)
+            idx = index[start:end].unsqueeze(-1)
+            logps[start:end] = log_probs.gather(-1, idx).squeeze(-1)
+            # log Z = z_y / T - log p_y: what the backward needs to rebuild the probabilities from recomputed logits.
+            scaled_target = logits.gather(-1, idx).squeeze(-1).to(compute_dtype) / temperature
+            log_norm[start:end] = scaled_target - logps[start:end]
+            if want_entropy:
+                entropy[start:end] = _entropy(log_probs)
+            if stats_fn is not None:
+                for name, value in stats_fn(logits.unsqueeze(0), index[start:end].unsqueeze(0)).items():
+                    stats.setdefault(name, []).append(value.squeeze(0))
+            del logits, log_probs
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, bias, index, log_norm, entropy)
+        ctx.temperature, ctx.max_rows = temperature, max_rows
+        # The names go back through the caller's list: an autograd function returns tensors only.
+        stat_names.extend(sorted(stats))
+        stat_values = [torch.cat(stats[name]) for name in stat_names]
+        ctx.mark_non_differentiable(*stat_values)
+        if not want_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return (logps, entropy, *stat_values)
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy, *_):
+        hidden, weight, bias, index, log_norm, entropy = ctx.saved_tensors
+        nothing = (None,) * 7
+        if grad_logps is None and grad_entropy is None:
+            return (None, None, None, *nothing)
+        temperature, compute_dtype = ctx.temperature, log_norm.dtype
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=compute_dtype) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=compute_dtype) if need_bias else None
+        for start in range(0, hidden.shape[0], ctx.max_rows):
+            end = min(start + ctx.max_rows, hidden.shape[0])
+            h = hidden[start:end]
+            scaled = F.linear(h, weight, bias).to(compute_dtype)
+            if temperature != 1.0:
+                scaled = scaled / temperature
+            log_probs = scaled.sub_(log_norm[start:end].unsqueeze(-1))
+            probs = log_probs.exp()
+            if grad_entropy is None:
+                # d log p_y / d z_j = 1[j == y] - p_j
+                grad = probs.mul_(-grad_logps[start:end].to(compute_dtype).unsqueeze(-1))
+            else:
+                # dH / d z_j = -p_j (log p_j + H)
+                g_h = grad_entropy[start:end].to(compute_dtype).unsqueeze(-1)
+                vanishing = probs == 0
+                grad = log_probs.add_(entropy[start:end].unsqueeze(-1)).mul_(probs).masked_fill_(vanishing, 0.0)
+                grad.mul_(-g_h)
+                if grad_logps is not None:
+                    grad.sub_(probs.mul_(grad_logps[start:end].to(compute_dtype).unsqueeze(-1)))
+            if grad_logps is not None:
+                g_lp = grad_logps[start:end].to(compute_dtype).unsqueeze(-1)
+                grad.scatter_add_(-1, index[start:end].unsqueeze(-1), g_lp)
+            if temperature != 1.0:
+                grad.div_(temperature)
+            grad = grad.to(hidden.dtype)
+            if need_hidden:
+                torch.mm(grad, weight.to(grad.dtype), out=grad_hidden[start:end])
+            if need_weight:
+                grad_weight.addmm_(grad.t().to(compute_dtype), h.to(compute_dtype))
+            if need_bias:
+                grad_bias.add_(grad.sum(dim=0).to(compute_dtype))
+            del scaled, log_probs, probs, grad
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
+        return (grad_hidden, grad_weight, grad_bias, *nothing)
+
+
+def linear_selective_log_softmax(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    index: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    compute_entropy: bool = False,
+    logits_stats_fn: LogitsStatsFn | None = None,
+    max_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Log-probability of `index` under `softmax(F.linear(hidden, weight, bias) / temperature)`, chunk by chunk.
+
+    Equivalent to `selective_log_softmax(F.linear(hidden, weight, bias), index, temperature)` (values and gradients
+    for `hidden`, `weight` and `bias`), without ever holding the `(..., vocab)` logits of all rows: each block of rows
+    is projected, reduced and dropped, and the backward recomputes it. Trades one extra head matmul for the memory of
+    the full logits and of their gradient.
+
+    Args:
+        hidden: `(..., H)` inputs of the output projection (final hidden states).
+        weight: `(V, H)` weight of the output projection.
+        index: Integer tensor of shape `(...)`: the token to score at each row.
+        bias: Optional `(V,)` bias of the output projection.
+        temperature: Logits are divided by this value before the softmax.
+        compute_entropy: Also return each row's entropy of `softmax(logits / temperature)` (differentiable).
+        logits_stats_fn: Optional `f(logits, targets) -> {name: tensor}` called without gradients on every chunk's
+            unscaled `(1, rows, V)` logits and `(1, rows)` targets; each value must have the shape of the targets.
+        max_rows: Rows per chunk (default: about 32 MiB of float32 logits).
+
+    Returns:
+        `(logps, entropy, stats)`: `logps` and `entropy` (None unless requested) of shape `(...)` in float32 (float64
+        for float64 inputs), and the `logits_stats_fn` values of shape `(...)`.
+    """
+    if temperature <= 0:
+        raise ValueError(f"`temperature` must be > 0, got {temperature}.")
+    lead_shape = hidden.shape[:-1]
+    if tuple(index.shape) != tuple(lead_shape):
+        raise ValueError(
+            f"`index` must have the shape of `hidden` without its last dimension, {tuple(lead_shape)}, got "
+            f"{tuple(index.shape)}."
+        )
+    if max_rows is None:
+        max_rows = max(1, _CHUNK_BYTES // (4 * max(weight.shape[0], 1)))
+    max_rows = int(max_rows)
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_index = index.reshape(-1).to(torch.long)
+    names: list[str] = []
+    logps, entropy, *values = _LinearLogSoftmax.apply(
+        flat_hidden, weight, bias, flat_index, float(temperature), compute_entropy, logits_stats_fn, names, max_rows
+    )
+    stats = {name: value.reshape(lead_shape) for name, value in zip(names, values, strict=True)}
+    return logps.reshape(lead_shape), entropy.reshape(lead_shape) if compute_entropy else None, stats
