@@ -183,6 +183,15 @@ class _BaseTrainer(Trainer):
             )
 
     @staticmethod
+    def _first_example(dataset: Any) -> dict | None:
+        """First row of a dataset (the first dataset of a dict of them), or None; used to detect image columns."""
+        if isinstance(dataset, dict) and not hasattr(dataset, "column_names"):
+            dataset = next(iter(dataset.values()), None)
+        if dataset is None or not hasattr(dataset, "__iter__"):
+            return None
+        return next(iter(dataset), None)
+
+    @staticmethod
     def _prepare_iterable_args(args: TrainingArguments, train_dataset: Any) -> None:
         """Streaming datasets: batches cannot be dispatched from the main process, and a step count is required."""
         from datasets import IterableDataset
