@@ -27,6 +27,8 @@ from transformers.trainer_utils import EvalPrediction
 from ..data_utils import is_conversational, maybe_extract_prompt
 from .dpo_config import DPOConfig
 from .preference_base import _PreferenceTrainer
+from .utils.vision import check_vision_processing_class, is_vision_example
+from .vision_collators import DataCollatorForVisionPreference  # noqa: F401  (public here, as in TRL)
 from .utils import (
     PromptCompletionTokenizer,
     collate_prompt_completions,
@@ -360,10 +362,28 @@ class DPOTrainer(_PreferenceTrainer):
         # ---- Reference model (also with loss_type=["sft"] alone: the rewards are measured against it) -----------
         ref_model = self._build_preference_ref_model(model_arg, model, ref_model, args)
 
+        # ---- Images: rows are rendered and processed by the collator, forward passes stay padded ----------------
+        self._is_vision_dataset = is_vision_example(self._first_example(train_dataset))
+        if self._is_vision_dataset:
+            check_vision_processing_class(processing_class, "DPOTrainer")
+            if args.precompute_ref_log_probs:
+                raise ValueError(
+                    "`precompute_ref_log_probs=True` is not supported for vision datasets: their rows are processed "
+                    "on the fly by the collator, so there is no tokenized dataset to store reference log-probs in. "
+                    "Set `precompute_ref_log_probs=False`."
+                )
+
         # ---- Collator and layout -------------------------------------------------------------------------------
         self.pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
         self._layout = self._choose_layout(model, args.padding_free, warn=True)
         self._ref_layout = self._choose_layout(ref_model, args.padding_free) if ref_model is not None else None
+        if self._is_vision_dataset:  # pixel values belong to whole rows: no packing
+            self._layout = "padded"
+            self._ref_layout = "padded" if ref_model is not None else None
+            if data_collator is None:
+                data_collator = DataCollatorForVisionPreference(
+                    processor=processing_class, max_length=args.max_length, pad_to_multiple_of=args.pad_to_multiple_of
+                )
         if data_collator is None:
             data_collator = DataCollatorForPreference(
                 pad_token_id=self.pad_token_id,
@@ -457,6 +477,8 @@ class DPOTrainer(_PreferenceTrainer):
     def _prepare_dataset(
         self, dataset: Dataset | IterableDataset, processing_class: Any, args: DPOConfig, dataset_name: str
     ) -> Dataset | IterableDataset:
+        if self._is_vision_dataset:  # the vision collator renders and processes the raw rows
+            return dataset
         dataset, first, columns, map_kwargs, is_iterable = self._open_dataset(
             dataset,
             args,
@@ -511,6 +533,8 @@ class DPOTrainer(_PreferenceTrainer):
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
             self._signature_columns = [*_TOKENIZED_COLUMNS, *_REF_COLUMNS]
+            if self._is_vision_dataset:
+                self._signature_columns += ["prompt", "chosen", "rejected", "images", "image"]
 
     def _sequence_logps(self, token_logps: torch.Tensor, target_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Summed log-prob and scored-token count of each sequence (LD-DPO down-weights the longer tail)."""

@@ -492,7 +492,10 @@ class _PreferenceTrainer(_BaseTrainer):
         """Per-token log-probs of the completion tokens of `inputs` (see `compute_sequence_token_logps`); extra
         keyword arguments go to the model's forward."""
         from .utils import compute_sequence_token_logps
+        from .utils.vision import vision_forward_inputs
 
+        # Batches with images carry pixel values (and per-token image ids) for the forward pass.
+        forward_kwargs = {**vision_forward_inputs(inputs), **forward_kwargs}
         return compute_sequence_token_logps(
             model,
             inputs["input_ids"],

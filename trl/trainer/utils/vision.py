@@ -151,3 +151,21 @@ def image_token_id(processor: Any) -> int | None:
     if token is None:
         return None
     return processor.tokenizer.convert_tokens_to_ids(token)
+
+
+# Processor outputs a vision-language model's forward takes besides `input_ids` and `attention_mask`.
+VISION_INPUT_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "image_sizes",
+    "mm_token_type_ids",
+    "token_type_ids",
+    "image_position_ids",
+    "spatial_shapes",
+)
+
+
+def vision_forward_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The image entries of a collated batch, to pass to the model's forward next to the token tensors."""
+    return {key: inputs[key] for key in VISION_INPUT_KEYS if key in inputs}
