@@ -27,7 +27,6 @@ from transformers.trainer_utils import EvalPrediction
 from ..data_utils import is_conversational, maybe_extract_prompt
 from .dpo_config import DPOConfig
 from .preference_base import _PreferenceTrainer
-from .utils.vision import check_vision_processing_class, is_vision_example
 from .vision_collators import DataCollatorForVisionPreference  # noqa: F401  (public here, as in TRL)
 from .utils import (
     PromptCompletionTokenizer,
@@ -363,15 +362,7 @@ class DPOTrainer(_PreferenceTrainer):
         ref_model = self._build_preference_ref_model(model_arg, model, ref_model, args)
 
         # ---- Images: rows are rendered and processed by the collator, forward passes stay padded ----------------
-        self._is_vision_dataset = is_vision_example(self._first_example(train_dataset))
-        if self._is_vision_dataset:
-            check_vision_processing_class(processing_class, "DPOTrainer")
-            if args.precompute_ref_log_probs:
-                raise ValueError(
-                    "`precompute_ref_log_probs=True` is not supported for vision datasets: their rows are processed "
-                    "on the fly by the collator, so there is no tokenized dataset to store reference log-probs in. "
-                    "Set `precompute_ref_log_probs=False`."
-                )
+        self._setup_vision(train_dataset, processing_class, args)
 
         # ---- Collator and layout -------------------------------------------------------------------------------
         self.pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
