@@ -9,7 +9,12 @@ GRID = torch.tensor([[1, 2, 2], [1, 2, 4], [1, 2, 2]])  # 4 + 8 + 4 patches
 
 def test_split_by_grid_groups_images_per_sample_and_round_trips():
     pixel_values = torch.arange(32, dtype=torch.float32).reshape(16, 2)
-    batch = {"pixel_values": pixel_values, "image_grid_thw": GRID, "num_images": [2, 1], "input_ids": torch.zeros(2, 3)}
+    batch = {
+        "pixel_values": pixel_values,
+        "image_grid_thw": GRID,
+        "num_images": [2, 1],
+        "input_ids": torch.zeros(2, 3),
+    }
     split = split_pixel_values_by_grid(batch)
     assert [tuple(t.shape) for t in split["pixel_values"]] == [(12, 2), (4, 2)]
     assert torch.equal(split["pixel_values"][1], pixel_values[12:])

@@ -49,7 +49,12 @@ _TEXT_DECODER = {
 _IMAGE_TOKENS = {
     "tiny-Qwen2VLForConditionalGeneration": ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"],
     "tiny-LlavaForConditionalGeneration": ["<image>"],
-    "tiny-Idefics3ForConditionalGeneration": ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+    "tiny-Idefics3ForConditionalGeneration": [
+        "<fake_token_around_image>",
+        "<image>",
+        "<end_of_utterance>",
+        "<global-img>",
+    ]
     + [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)],
 }
 
@@ -66,7 +71,9 @@ def _tokenizer(name: str, base_tokenizer_dir: str):
 
     extra = {"image_token": "<|image_pad|>"} if name == "tiny-Qwen2VLForConditionalGeneration" else {}
     tokenizer = AutoTokenizer.from_pretrained(base_tokenizer_dir, extra_special_tokens=extra)
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in _IMAGE_TOKENS[name]], special_tokens=True)
+    tokenizer.add_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in _IMAGE_TOKENS[name]], special_tokens=True
+    )
     if name == "tiny-Idefics3ForConditionalGeneration":
         tokenizer.eos_token = "<end_of_utterance>"
     return tokenizer
@@ -102,7 +109,9 @@ def _processor(name: str, tokenizer, template: str):
     image_processor = Idefics3ImageProcessorPil(
         size={"longest_edge": 56}, max_image_size={"longest_edge": 28}, do_image_splitting=True
     )
-    return Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=template)
+    return Idefics3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=template
+    )
 
 
 def _config(name: str, tokenizer):
@@ -259,10 +268,19 @@ def vision_rows(name: str, count: int = 24) -> list[dict[str, Any]]:
         elif name == "vision_conversational_prompt_only":
             rows.append({"prompt": prompt, "images": images})
         elif name == "vision_conversational_preference":
-            rows.append({"prompt": prompt, "chosen": [_assistant(answer)], "rejected": [_assistant(wrong)], "images": images})
+            rows.append(
+                {"prompt": prompt, "chosen": [_assistant(answer)], "rejected": [_assistant(wrong)], "images": images}
+            )
         elif name == "vision_conversational_unpaired_preference":
             label = i % 3 != 1
-            rows.append({"prompt": prompt, "completion": [_assistant(answer if label else wrong)], "label": label, "images": images})
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "completion": [_assistant(answer if label else wrong)],
+                    "label": label,
+                    "images": images,
+                }
+            )
         elif name == "vision_standard_prompt_only":
             rows.append({"prompt": question, "image": images[0]})
         else:

@@ -436,9 +436,11 @@ class _PreferenceTrainer(_BaseTrainer):
 
     def _setup_vision(self, train_dataset: Any, processing_class: Any, args: Any) -> bool:
         """Detect an image dataset and check what it needs: a processor, and no precomputed reference log-probs."""
-        from .utils.vision import check_vision_processing_class, is_vision_example
+        from .utils.vision import check_image_columns, check_vision_processing_class, is_vision_example
 
-        self._is_vision_dataset = is_vision_example(self._first_example(train_dataset))
+        first_example = self._first_example(train_dataset)
+        check_image_columns(first_example, type(self).__name__)
+        self._is_vision_dataset = is_vision_example(first_example)
         if self._is_vision_dataset:
             check_vision_processing_class(processing_class, type(self).__name__)
             if getattr(args, "precompute_ref_log_probs", False):

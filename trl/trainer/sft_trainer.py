@@ -36,7 +36,7 @@ from .base_trainer import _BaseTrainer
 from .sft_config import SFTConfig
 from .utils import entropy_from_logits, model_accepts_argument, pad
 from .utils.dataset_rows import map_kwargs_with_desc as _desc
-from .utils.vision import check_vision_processing_class, is_vision_example
+from .utils.vision import check_image_columns, check_vision_processing_class, is_vision_example
 from .vision_collators import DataCollatorForVisionLanguageModeling  # noqa: F401  (public here, as in TRL)
 
 
@@ -368,7 +368,9 @@ class SFTTrainer(_BaseTrainer):
         model = self._wrap_peft(model, peft_config, args)
 
         # ---- Images: the collator renders and processes the rows, so dataset preparation is skipped -------------
-        self._is_vision_dataset = is_vision_example(self._first_example(train_dataset))
+        first_example = self._first_example(train_dataset)
+        check_image_columns(first_example, "SFTTrainer")
+        self._is_vision_dataset = is_vision_example(first_example)
         if self._is_vision_dataset:
             check_vision_processing_class(processing_class, "SFTTrainer")
             if args.padding_free:
@@ -701,7 +703,11 @@ class SFTTrainer(_BaseTrainer):
 
     def _check_skipped_dataset(self, dataset: Any, name: str) -> None:
         """With `skip_prepare_dataset`, data the collator cannot turn into `input_ids`/`labels` fails clearly."""
-        if not self._skip_prepare_dataset or self._is_vision_dataset or not isinstance(dataset, (Dataset, IterableDataset)):
+        if (
+            not self._skip_prepare_dataset
+            or self._is_vision_dataset
+            or not isinstance(dataset, (Dataset, IterableDataset))
+        ):
             return
         columns = dataset.column_names
         if columns is None:

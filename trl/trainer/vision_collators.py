@@ -72,7 +72,9 @@ class _VisionEncoder:
         encoded = self.processor(text=texts, padding=True, return_tensors="pt", add_special_tokens=False, **kwargs)
         mask = encoded["attention_mask"].bool()
         ids = [row[m].tolist() for row, m in zip(encoded["input_ids"], mask)]
-        token_level = {k: [row[m].tolist() for row, m in zip(encoded[k], mask)] for k in _TOKEN_LEVEL_KEYS if k in encoded}
+        token_level = {
+            k: [row[m].tolist() for row, m in zip(encoded[k], mask)] for k in _TOKEN_LEVEL_KEYS if k in encoded
+        }
         image_level = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask", *token_level)}
         return ids, token_level, image_level
 

@@ -85,7 +85,9 @@ def unsplit_pixel_values_by_grid(batch: dict[str, torch.Tensor | list[torch.Tens
     Returns:
         `dict[str, torch.Tensor]`: A new dict with concatenated tensors.
     """
-    keys = [key for key in ("pixel_values", "image_grid_thw", "image_position_ids") if isinstance(batch.get(key), list)]
+    keys = [
+        key for key in ("pixel_values", "image_grid_thw", "image_position_ids") if isinstance(batch.get(key), list)
+    ]
     if not keys:
         return batch
     return {**batch, **{key: torch.cat(batch[key], dim=0) for key in keys}}
@@ -129,6 +131,29 @@ def example_images(example: dict[str, Any]) -> list:
     if example.get("image") is not None:
         return [example["image"]]
     return []
+
+
+def has_image_placeholders(example: dict[str, Any] | None) -> bool:
+    """True when a conversational row has `{"type": "image"}` content parts."""
+    for value in (example or {}).values():
+        if isinstance(value, list):
+            for message in value:
+                content = message.get("content") if isinstance(message, dict) else None
+                if isinstance(content, list) and any(
+                    isinstance(part, dict) and part.get("type") == "image" for part in content
+                ):
+                    return True
+    return False
+
+
+def check_image_columns(example: dict[str, Any] | None, trainer_name: str) -> None:
+    """Image placeholders need images: fail clearly when a row has `{"type": "image"}` parts but no image column."""
+    if not is_vision_example(example) and has_image_placeholders(example):
+        raise ValueError(
+            f"The dataset's messages contain {{'type': 'image'}} placeholders but the dataset has no 'images' (or "
+            f"'image') column, so {trainer_name} has no image to put there. Add the images as an 'images' column (a "
+            "list of PIL images per row), or remove the image placeholders for text-only training."
+        )
 
 
 def check_vision_processing_class(processing_class: Any, trainer_name: str) -> None:
