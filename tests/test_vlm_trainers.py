@@ -4,14 +4,6 @@ image tiles)."""
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForImageTextToText, AutoProcessor
-
-from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
-from trl.assets import get_model_path, load_test_dataset
-from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
-from trl.trainer.kto_trainer import DataCollatorForVisionUnpairedPreference
-from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
-
 from trainer_utils import (
     PREFERENCE_ARGS,
     args_builder,
@@ -20,6 +12,13 @@ from trainer_utils import (
     snapshot,
     train_and_check_metrics,
 )
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
+from trl.assets import get_model_path, load_test_dataset
+from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
+from trl.trainer.kto_trainer import DataCollatorForVisionUnpairedPreference
+from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
 
 PIL = pytest.importorskip("PIL")

@@ -27,7 +27,6 @@ from transformers.trainer_utils import EvalPrediction
 from ..data_utils import is_conversational, maybe_extract_prompt
 from .dpo_config import DPOConfig
 from .preference_base import _PreferenceTrainer
-from .vision_collators import DataCollatorForVisionPreference  # noqa: F401  (public here, as in TRL)
 from .utils import (
     PromptCompletionTokenizer,
     collate_prompt_completions,
@@ -35,6 +34,7 @@ from .utils import (
     map_kwargs_with_desc,
     scored_completion_tokens,
 )
+from .vision_collators import DataCollatorForVisionPreference  # noqa: F401  (public here, as in TRL)
 
 
 logger = logging.getLogger(__name__)

@@ -19,13 +19,13 @@ from datasets import Dataset, IterableDataset, Value
 
 from ..data_utils import get_dataset_column_names, is_conversational, maybe_extract_prompt, unpair_preference_dataset
 from .preference_base import _PreferenceTrainer
-from .utils.vision import VISION_INPUT_KEYS
 from .utils import (
     PromptCompletionTokenizer,
     collate_prompt_completions,
     map_kwargs_with_desc,
     scored_completion_tokens,
 )
+from .utils.vision import VISION_INPUT_KEYS
 
 
 logger = logging.getLogger(__name__)
