@@ -218,4 +218,5 @@ from . import (  # noqa: E402, F401
     experimental,
     offline,
     online,
+    vlm,
 )
