@@ -18,6 +18,7 @@ SCRIPT_ARGS = {
     "cpo.py": ["--max_length", "64", "--loss_type", "simpo"],
     "distillation.py": ["--max_completion_length", "8"],
     "dpo.py": ["--max_length", "64"],
+    "dpo_vlm.py": [],
     "gkd.py": ["--max_new_tokens", "4", "--lmbda", "1.0"],
     "gold.py": ["--max_completion_length", "4", "--lmbda", "1.0"],
     "grpo.py": ONLINE_ARGS,
@@ -30,6 +31,7 @@ SCRIPT_ARGS = {
     "reward_modeling.py": ["--max_length", "64"],
     "rloo.py": ONLINE_ARGS,
     "sft.py": ["--max_length", "64"],
+    "sft_vlm.py": ["--freeze_vision_tower", "true"],
     "xpo.py": PAIRWISE_ARGS,
 }
 
