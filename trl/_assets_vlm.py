@@ -174,7 +174,6 @@ def build_vlm_model(name: str, out_dir: Path, base_tokenizer_dir: str, template:
     import torch
     import transformers
     from transformers import GenerationConfig
-    from transformers.utils import logging as hf_logging
 
     tokenizer = _tokenizer(name, base_tokenizer_dir)
     processor = _processor(name, tokenizer, template)
@@ -186,13 +185,9 @@ def build_vlm_model(name: str, out_dir: Path, base_tokenizer_dir: str, template:
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
-    bars_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        model.save_pretrained(str(out_dir))
-    finally:
-        if bars_enabled:
-            hf_logging.enable_progress_bar()
+    from trl.assets import save_model_quietly
+
+    save_model_quietly(model, out_dir)
     processor.save_pretrained(str(out_dir))
 
 

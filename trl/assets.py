@@ -511,7 +511,6 @@ def _build_model(name: str, out_dir: Path) -> None:
     import torch
     import transformers
     from transformers import AutoTokenizer, GenerationConfig
-    from transformers.utils import logging as hf_logging
 
     family, config_cls_name, model_cls_name, config_kwargs = _MODEL_SPECS[name]
     tokenizer = AutoTokenizer.from_pretrained(get_tokenizer_path(family))
@@ -538,7 +537,14 @@ def _build_model(name: str, out_dir: Path) -> None:
             **({"decoder_start_token_id": tokenizer.pad_token_id} if config_cls_name == "T5Config" else {}),
         )
 
-    # The shard-writing progress bar is noise in test logs; restore the user's setting afterwards.
+    save_model_quietly(model, out_dir)
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def save_model_quietly(model: Any, out_dir: Path) -> None:
+    """`model.save_pretrained(out_dir)` without the shard-writing progress bar (noise in test logs)."""
+    from transformers.utils import logging as hf_logging
+
     bars_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -546,7 +552,6 @@ def _build_model(name: str, out_dir: Path) -> None:
     finally:
         if bars_enabled:
             hf_logging.enable_progress_bar()
-    tokenizer.save_pretrained(str(out_dir))
 
 
 def get_model_path(name: str) -> str:
