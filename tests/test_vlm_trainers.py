@@ -22,6 +22,7 @@ from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
 
 PIL = pytest.importorskip("PIL")
+pytest.importorskip("PIL.Image")
 
 LAYOUTS = (
     "tiny-Qwen2VLForConditionalGeneration",
@@ -203,3 +204,23 @@ def test_dpo_rejects_precomputed_reference_with_images(tmp_path):
             args=dpo_args(tmp_path, precompute_ref_log_probs=True),
             train_dataset=data,
         )
+
+
+@pytest.mark.parametrize(
+    "name, columns",
+    [
+        ("vision_conversational_language_modeling", ["images", "messages"]),
+        ("vision_conversational_prompt_completion", ["completion", "images", "prompt"]),
+        ("vision_conversational_prompt_only", ["images", "prompt"]),
+        ("vision_conversational_preference", ["chosen", "images", "prompt", "rejected"]),
+        ("vision_conversational_unpaired_preference", ["completion", "images", "label", "prompt"]),
+        ("vision_standard_prompt_only", ["image", "prompt"]),
+    ],
+)
+def test_image_datasets_hold_pil_images(name, columns):
+    data = load_test_dataset(name)
+    assert (data["train"].num_rows, data["test"].num_rows) == (24, 8)
+    row = data["train"][0]
+    assert sorted(row) == columns
+    image = row["image"] if "image" in row else row["images"][0]
+    assert isinstance(image, PIL.Image.Image) and image.mode == "RGB"
