@@ -184,12 +184,14 @@ class _BaseTrainer(Trainer):
 
     @staticmethod
     def _first_example(dataset: Any) -> dict | None:
-        """First row of a dataset (the first dataset of a dict of them), or None; used to detect image columns."""
-        if isinstance(dataset, dict) and not hasattr(dataset, "column_names"):
-            dataset = next(iter(dataset.values()), None)
-        if dataset is None or not hasattr(dataset, "__iter__"):
+        """First row of a `Dataset` / `IterableDataset`, or None (other inputs are checked elsewhere); used to detect
+        image columns."""
+        from datasets import Dataset, IterableDataset
+
+        if not isinstance(dataset, (Dataset, IterableDataset)):
             return None
-        return next(iter(dataset), None)
+        first = next(iter(dataset), None)
+        return first if isinstance(first, dict) else None
 
     @staticmethod
     def _prepare_iterable_args(args: TrainingArguments, train_dataset: Any) -> None:

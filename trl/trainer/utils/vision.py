@@ -194,3 +194,71 @@ VISION_INPUT_KEYS = (
 def vision_forward_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
     """The image entries of a collated batch, to pass to the model's forward next to the token tensors."""
     return {key: inputs[key] for key in VISION_INPUT_KEYS if key in inputs}
+
+
+# Processor outputs with one value per prompt token (left-padded like the prompt ids).
+_TOKEN_LEVEL_KEYS = ("mm_token_type_ids", "token_type_ids")
+
+
+def vision_rows_from_batch(encoded: dict[str, Any], num_images: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Cut a processor's output (a left-padded batch of prompts with images) into one dict per row.
+
+    Online trainers shuffle and split a rollout batch by rows, but grid-based processors flatten the patches of all
+    images into one tensor: `split_pixel_values_by_grid` groups them per row first. Row-aligned tensors (fixed-size
+    or tiled images, pixel masks) keep their row; per-image tensors are split by `num_images`; per-token extras keep
+    the row's real (unpadded) prompt positions. [`collate_vision_rows`] puts rows back together.
+    """
+    mask = encoded["attention_mask"].bool()
+    rows_count = mask.shape[0]
+    grouped = split_pixel_values_by_grid({**encoded, "num_images": num_images})
+    rows: list[dict[str, torch.Tensor]] = [{} for _ in range(rows_count)]
+    total_images = sum(num_images)
+    for key in VISION_INPUT_KEYS:
+        if key not in grouped:
+            continue
+        value = grouped[key]
+        if key in _TOKEN_LEVEL_KEYS:
+            parts = [value[i][mask[i]] for i in range(rows_count)]
+        elif isinstance(value, list):
+            parts = value
+        elif value.shape[0] == rows_count:
+            parts = list(value.split(1, dim=0))
+        elif value.shape[0] == total_images:
+            parts = list(value.split(num_images, dim=0))
+        else:
+            raise ValueError(
+                f"Cannot assign the processor output `{key}` (leading size {value.shape[0]}) to {rows_count} rows "
+                f"with {total_images} images."
+            )
+        for row, part in zip(rows, parts):
+            row[key] = part
+    return rows
+
+
+def collate_vision_rows(rows: list[dict[str, torch.Tensor]], prompt_width: int, total_width: int) -> dict:
+    """Forward-pass image inputs of a micro-batch from the per-row dicts of [`vision_rows_from_batch`].
+
+    Per-token extras are left-padded to the prompt width and extended with zeros over the completion positions.
+    """
+    out = {}
+    for key in rows[0]:
+        if key in _TOKEN_LEVEL_KEYS:
+            padded = [
+                torch.nn.functional.pad(row[key], (prompt_width - row[key].shape[0], total_width - prompt_width))
+                for row in rows
+            ]
+            out[key] = torch.stack(padded)
+        else:
+            out[key] = torch.cat([row[key] for row in rows], dim=0)
+    return out
+
+
+def prompt_with_images(example: dict[str, Any]) -> Any:
+    """A row's prompt with its images attached: conversational prompts get typed content and filled
+    `{"type": "image"}` placeholders (see `prepare_multimodal_messages`); standard prompts are returned as given."""
+    from ...data_utils import prepare_multimodal_messages
+
+    prompt = example["prompt"]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict) and "role" in prompt[0]:
+        return prepare_multimodal_messages(prompt, example_images(example))
+    return prompt
