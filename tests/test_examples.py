@@ -23,6 +23,7 @@ SCRIPT_ARGS = {
     "gold.py": ["--max_completion_length", "4", "--lmbda", "1.0"],
     "grpo.py": ONLINE_ARGS,
     "grpo_tools.py": ONLINE_ARGS + ["--num_questions", "4"],
+    "grpo_vlm.py": ONLINE_ARGS,
     "kto.py": ["--max_length", "64"],
     "nash_md.py": PAIRWISE_ARGS,
     "online_dpo.py": PAIRWISE_ARGS,

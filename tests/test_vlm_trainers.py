@@ -224,3 +224,75 @@ def test_image_datasets_hold_pil_images(name, columns):
     assert sorted(row) == columns
     image = row["image"] if "image" in row else row["images"][0]
     assert isinstance(image, PIL.Image.Image) and image.mode == "RGB"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Online trainers (GRPO, RLOO): generation from prompts with images through transformers' generate
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("trainer_name", ["grpo", "rloo"])
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_online_trainers_generate_per_image_and_rewards_see_images(trainer_name, name, tmp_path):
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    config_class, trainer_class = (GRPOConfig, GRPOTrainer) if trainer_name == "grpo" else (RLOOConfig, RLOOTrainer)
+    seen = []
+
+    def image_reward(prompts, completions, images, **kwargs):
+        seen.append((prompts, completions, images))
+        # Depends on the image (brighter top-left pixel, higher reward) and on the completion (so groups differ).
+        return [
+            float(sum(row[0].getpixel((0, 0)))) / 765.0 + 0.01 * len(completion[0]["content"])
+            for row, completion in zip(images, completions)
+        ]
+
+    args = config_class(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    data = load_test_dataset("vision_conversational_prompt_only", "train")
+    trainer = trainer_class(model=get_model_path(name), reward_funcs=image_reward, args=args, train_dataset=data)
+    image_token = trainer.processing_class.image_token_id
+    assert trainer.generation_config.suppress_tokens == [image_token]
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert changed_params(before, trainer.model)
+    prompts, completions, images = seen[0]
+    assert len(completions) == len(images) == 4
+    # The two completions of a group share the prompt's image; the prompt messages carry it too.
+    assert images[0][0].tobytes() == images[1][0].tobytes()
+    assert images[0][0].tobytes() != images[2][0].tobytes()
+    assert prompts[0][0]["content"][0]["image"] is images[0][0]
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert "rewards/image_reward/mean" in logs[-1] and logs[-1]["num_tokens"] > 0
+
+
+def test_vision_rows_round_trip_grid_batch():
+    from trl.trainer.utils.vision import collate_vision_rows, vision_rows_from_batch
+
+    processor = AutoProcessor.from_pretrained(get_model_path("tiny-Qwen2VLForConditionalGeneration"))
+    rows = [load_test_dataset("vision_conversational_prompt_only", "train")[i] for i in range(3)]
+    texts = [processor.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True) for r in rows]
+    encoded = processor(
+        text=texts, images=[r["images"] for r in rows], padding=True, padding_side="left", return_tensors="pt"
+    )
+    per_row = vision_rows_from_batch(encoded, [1, 1, 1])
+    width = encoded["input_ids"].shape[1]
+    merged = collate_vision_rows(per_row, width, width + 2)
+    assert torch.equal(merged["pixel_values"], encoded["pixel_values"])
+    assert torch.equal(merged["image_grid_thw"], encoded["image_grid_thw"])
+    assert torch.equal(merged["mm_token_type_ids"][:, :width], encoded["mm_token_type_ids"])
+    assert merged["mm_token_type_ids"][:, width:].eq(0).all()
+    # A subset of rows in another order takes exactly those rows' patches.
+    subset = collate_vision_rows([per_row[2], per_row[0]], width, width)
+    patches = encoded["image_grid_thw"].prod(dim=-1).tolist()
+    expected = torch.cat([encoded["pixel_values"][sum(patches[:2]) :], encoded["pixel_values"][: patches[0]]])
+    assert torch.equal(subset["pixel_values"], expected)

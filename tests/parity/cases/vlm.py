@@ -64,6 +64,37 @@ register(
 )
 
 
+def online_vision_case(ctx, kind: str, model: str) -> dict:
+    """GRPO / RLOO from image prompts: two steps, a reward reading the image and the completion's length."""
+    import trl
+
+    def image_reward(completions, images, **kwargs):
+        return [
+            sum(row[0].getpixel((0, 0))) / 765 + 0.01 * len(completion[0]["content"])
+            for row, completion in zip(images, completions)
+        ]
+
+    prefix = {"grpo": "GRPO", "rloo": "RLOO"}[kind]
+    args = getattr(trl, f"{prefix}Config")(
+        output_dir=ctx.tmpdir(),
+        **{**COMMON_ARGS, "max_steps": 2, "num_generations": 2, "max_completion_length": 6, "learning_rate": 1e-2},
+    )
+    trainer = getattr(trl, f"{prefix}Trainer")(
+        model=ctx.model(model),
+        reward_funcs=image_reward,
+        args=args,
+        train_dataset=vision_dataset(ctx, "vision_conversational_prompt_only", "train", 8),
+    )
+    out = run_trainer(trainer, evaluate=False)
+    out["suppress_tokens"] = list(trainer.generation_config.suppress_tokens or [])
+    return out
+
+
+register("vlm/grpo_qwen2_vl", lambda ctx: online_vision_case(ctx, "grpo", QWEN_VL))
+register("vlm/grpo_idefics3", lambda ctx: online_vision_case(ctx, "grpo", IDEFICS3))
+register("vlm/rloo_llava", lambda ctx: online_vision_case(ctx, "rloo", LLAVA))
+
+
 def collator_case(ctx, model: str) -> dict:
     """Batches of the three vision collators on three rows, in several configurations."""
     from transformers import AutoProcessor
