@@ -21,21 +21,6 @@ from pathlib import Path
 from typing import Any
 
 
-VLM_MODEL_NAMES = (
-    "tiny-Qwen2VLForConditionalGeneration",
-    "tiny-LlavaForConditionalGeneration",
-    "tiny-Idefics3ForConditionalGeneration",
-)
-
-VISION_DATASET_NAMES = (
-    "vision_conversational_language_modeling",
-    "vision_conversational_prompt_completion",
-    "vision_conversational_prompt_only",
-    "vision_conversational_preference",
-    "vision_conversational_unpaired_preference",
-    "vision_standard_prompt_only",
-)
-
 _TEXT_DECODER = {
     "hidden_size": 64,
     "intermediate_size": 128,

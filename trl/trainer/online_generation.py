@@ -244,16 +244,7 @@ class _OnlineGenerationMixin:
         start = time.perf_counter()
         args = self.args
         was_training = self.model.training
-        with (
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
-            ) as unwrapped,
-            torch.no_grad(),
-            _router_logits_off(unwrapped),
-        ):
+        with self._unwrapped_for_generation() as unwrapped:
             try:
                 if getattr(args, "use_transformers_continuous_batching", False):
                     rows = [encoded[i] for i in row_to_prompt.tolist()]
@@ -283,6 +274,23 @@ class _OnlineGenerationMixin:
             "extra_fields": {},
         }
 
+    @contextlib.contextmanager
+    def _unwrapped_for_generation(self):
+        """The policy ready for `generate`: unwrapped (DeepSpeed ZeRO-3 parameters gathered when asked), without
+        gradients, MoE router logits off."""
+        args = self.args
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+            ) as unwrapped,
+            torch.no_grad(),
+            _router_logits_off(unwrapped),
+        ):
+            yield unwrapped
+
     def _generate_with_images(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """HF generation from prompts with images: the processor expands the image tokens and computes the pixel
         values of every row (left-padded), `generate` runs on the whole batch, and the image inputs are kept per row
@@ -299,17 +307,7 @@ class _OnlineGenerationMixin:
         prompt_mask = encoded["attention_mask"].to(device)
         image_inputs = {key: value.to(device) for key, value in vision_forward_inputs(encoded).items()}
         start = time.perf_counter()
-        args = self.args
-        with (
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
-            ) as unwrapped,
-            torch.no_grad(),
-            _router_logits_off(unwrapped),
-        ):
+        with self._unwrapped_for_generation() as unwrapped:
             output = unwrapped.generate(
                 input_ids=prompt_ids,
                 attention_mask=prompt_mask,
