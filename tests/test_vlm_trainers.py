@@ -296,3 +296,22 @@ def test_vision_rows_round_trip_grid_batch():
     patches = encoded["image_grid_thw"].prod(dim=-1).tolist()
     expected = torch.cat([encoded["pixel_values"][sum(patches[:2]) :], encoded["pixel_values"][: patches[0]]])
     assert torch.equal(subset["pixel_values"], expected)
+
+
+def test_peft_on_language_model_only(tmp_path):
+    peft = pytest.importorskip("peft")
+    # As in TRL, target_modules are matched by PEFT; a regex on the module path keeps LoRA off the vision tower.
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=r".*language_model.*\.(q_proj|v_proj)")
+    data = load_test_dataset("vision_conversational_prompt_completion", "train")
+    trainer = SFTTrainer(
+        model=get_model_path("tiny-LlavaForConditionalGeneration"),
+        args=sft_args(tmp_path),
+        train_dataset=data,
+        peft_config=config,
+    )
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("language_model" in n and "lora_" in n for n in trainable)
+    before = snapshot(trainer.model)
+    trainer.train()
+    changed = changed_params(before, trainer.model, trainable_only=False)
+    assert changed and all("lora_" in n for n in changed)
