@@ -244,7 +244,7 @@ class _OnlineGenerationMixin:
         start = time.perf_counter()
         args = self.args
         was_training = self.model.training
-        with self._unwrapped_for_generation() as unwrapped:
+        with self._policy_for_generation() as unwrapped:
             try:
                 if getattr(args, "use_transformers_continuous_batching", False):
                     rows = [encoded[i] for i in row_to_prompt.tolist()]
@@ -275,7 +275,7 @@ class _OnlineGenerationMixin:
         }
 
     @contextlib.contextmanager
-    def _unwrapped_for_generation(self):
+    def _policy_for_generation(self):
         """The policy ready for `generate`: unwrapped (DeepSpeed ZeRO-3 parameters gathered when asked), without
         gradients, MoE router logits off."""
         args = self.args
@@ -307,7 +307,7 @@ class _OnlineGenerationMixin:
         prompt_mask = encoded["attention_mask"].to(device)
         image_inputs = {key: value.to(device) for key, value in vision_forward_inputs(encoded).items()}
         start = time.perf_counter()
-        with self._unwrapped_for_generation() as unwrapped:
+        with self._policy_for_generation() as unwrapped:
             output = unwrapped.generate(
                 input_ids=prompt_ids,
                 attention_mask=prompt_mask,
