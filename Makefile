@@ -119,7 +119,7 @@ parity-env-022:
 	fi
 
 parity-env: install
-	$(call parity_env,$(PARITY_VENV),$(PARITY_TRL_VERSION))
+	$(call parity_env,$(PARITY_VENV),$(PARITY_TRL_VERSION),Pillow)
 
 parity-env-112: install
 	$(call parity_env,$(PARITY_VENV_112),$(PARITY_TRL_VERSION_112),requests)

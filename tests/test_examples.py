@@ -20,12 +20,14 @@ SCRIPT_ARGS = {
     "dpo.py": ["--max_length", "64"],
     "gfpo.py": ["--num_generations", "4", "--num_remains_in_group", "2", "--steps_per_generation", "2"]
     + ["--max_completion_length", "8"],
+    "dpo_vlm.py": [],
     "gkd.py": ["--max_new_tokens", "4", "--lmbda", "1.0"],
     "gold.py": ["--max_completion_length", "4", "--lmbda", "1.0"],
     "grpo.py": ONLINE_ARGS,
     "grpo_tools.py": ONLINE_ARGS + ["--num_questions", "4"],
     "grpo_with_replay_buffer.py": ONLINE_ARGS + ["--replay_buffer_size", "4"],
     "gspo_token.py": ONLINE_ARGS,
+    "grpo_vlm.py": ONLINE_ARGS,
     "kto.py": ["--max_length", "64"],
     "merge_model.py": ["--max_length", "64"],
     "nash_md.py": PAIRWISE_ARGS,
@@ -37,6 +39,7 @@ SCRIPT_ARGS = {
     "reward_modeling.py": ["--max_length", "64"],
     "rloo.py": ONLINE_ARGS,
     "sft.py": ["--max_length", "64"],
+    "sft_vlm.py": ["--freeze_vision_tower", "true"],
     "xpo.py": PAIRWISE_ARGS,
 }
 

@@ -53,6 +53,10 @@ MODEL_NAMES = (
     "tiny-T5ForConditionalGeneration",
     "tiny-Qwen2MoeForCausalLM",
     "small-Qwen2ForCausalLM",
+    # Vision-language models (built by trl/_assets_vlm.py): grid patches, fixed-size images, image tiles.
+    "tiny-Qwen2VLForConditionalGeneration",
+    "tiny-LlavaForConditionalGeneration",
+    "tiny-Idefics3ForConditionalGeneration",
 )
 
 DATASET_NAMES = (
@@ -71,6 +75,13 @@ DATASET_NAMES = (
     "conversational_unpaired_preference",
     "conversational_language_modeling_tools",
     "length_skewed_language_modeling",
+    # Image datasets (PIL images under `images`, or `image`), saved with `save_to_disk` by trl/_assets_vlm.py.
+    "vision_conversational_language_modeling",
+    "vision_conversational_prompt_completion",
+    "vision_conversational_prompt_only",
+    "vision_conversational_preference",
+    "vision_conversational_unpaired_preference",
+    "vision_standard_prompt_only",
 )
 
 _COMPLETE_MARKER = ".complete"
@@ -492,10 +503,14 @@ _MODEL_SPECS: dict[str, tuple[str, str, str, dict[str, Any]]] = {
 
 
 def _build_model(name: str, out_dir: Path) -> None:
+    if name.endswith("ForConditionalGeneration") and name != "tiny-T5ForConditionalGeneration":
+        from trl._assets_vlm import build_vlm_model, template_file
+
+        build_vlm_model(name, out_dir, get_tokenizer_path("qwen2_5"), _read_template(template_file(name)))
+        return
     import torch
     import transformers
     from transformers import AutoTokenizer, GenerationConfig
-    from transformers.utils import logging as hf_logging
 
     family, config_cls_name, model_cls_name, config_kwargs = _MODEL_SPECS[name]
     tokenizer = AutoTokenizer.from_pretrained(get_tokenizer_path(family))
@@ -522,7 +537,14 @@ def _build_model(name: str, out_dir: Path) -> None:
             **({"decoder_start_token_id": tokenizer.pad_token_id} if config_cls_name == "T5Config" else {}),
         )
 
-    # The shard-writing progress bar is noise in test logs; restore the user's setting afterwards.
+    save_model_quietly(model, out_dir)
+    tokenizer.save_pretrained(str(out_dir))
+
+
+def save_model_quietly(model: Any, out_dir: Path) -> None:
+    """`model.save_pretrained(out_dir)` without the shard-writing progress bar (noise in test logs)."""
+    from transformers.utils import logging as hf_logging
+
     bars_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -530,7 +552,6 @@ def _build_model(name: str, out_dir: Path) -> None:
     finally:
         if bars_enabled:
             hf_logging.enable_progress_bar()
-    tokenizer.save_pretrained(str(out_dir))
 
 
 def get_model_path(name: str) -> str:
@@ -541,7 +562,9 @@ def get_model_path(name: str) -> str:
             One of `"tiny-Qwen2ForCausalLM"`, `"tiny-LlamaForCausalLM"`, `"tiny-Qwen2ForSequenceClassification"`,
             `"tiny-LlamaForSequenceClassification"`, `"tiny-Qwen2ForTokenClassification"`,
             `"tiny-LlamaForTokenClassification"`, `"tiny-T5ForConditionalGeneration"`, `"tiny-Qwen2MoeForCausalLM"`
-            or `"small-Qwen2ForCausalLM"` (about 30M parameters, for benchmarks).
+            `"small-Qwen2ForCausalLM"` (about 30M parameters, for benchmarks), or one of the tiny vision-language
+            models `"tiny-Qwen2VLForConditionalGeneration"`, `"tiny-LlavaForConditionalGeneration"`,
+            `"tiny-Idefics3ForConditionalGeneration"` (their directories hold a processor instead of a tokenizer).
 
     Returns:
         `str`: A directory holding the config, generation config, seeded random weights and the tokenizer files, so
@@ -837,6 +860,11 @@ def _dataset_splits(name: str) -> dict[str, list[dict]]:
 
 
 def _build_dataset(name: str, out_dir: Path) -> None:
+    if name.startswith("vision_"):
+        from trl._assets_vlm import build_vision_dataset
+
+        build_vision_dataset(name, out_dir)
+        return
     for split, rows in _dataset_splits(name).items():
         with open(out_dir / f"{split}.jsonl", "w", encoding="utf-8") as f:
             for row in rows:
@@ -878,6 +906,11 @@ def load_test_dataset(config_name: str, split: str | None = None) -> Dataset | D
             f"Unknown split {split!r} for test dataset {config_name!r}; expected 'train', 'test' or None."
         )
     path = Path(get_dataset_path(config_name))
+    if config_name.startswith("vision_"):  # images do not fit in JSON lines: an Arrow `save_to_disk` directory
+        from datasets import load_from_disk
+
+        data = load_from_disk(str(path / "data"))
+        return data if split is None else data[split]
     data_files = {"train": str(path / "train.jsonl"), "test": str(path / "test.jsonl")}
     return load_dataset("json", data_files=data_files, split=split, cache_dir=str(_cache_root() / "hf_datasets_cache"))
 

@@ -48,6 +48,10 @@ MODELS = (
     "tiny-LlamaForSequenceClassification",
     "small-Qwen2ForCausalLM",  # distillation teacher (same tokenizer and vocabulary as tiny-Qwen2)
     "tiny-T5ForConditionalGeneration",
+    # vision-language layouts (tests/parity/cases/vlm.py)
+    "tiny-Qwen2VLForConditionalGeneration",
+    "tiny-LlavaForConditionalGeneration",
+    "tiny-Idefics3ForConditionalGeneration",
     "tiny-Qwen2ForTokenClassification",
 )
 TOKENIZERS = ("qwen2_5", "llama3")

@@ -187,6 +187,17 @@ class _BaseTrainer(Trainer):
         check_no_images(train_dataset, "train")
 
     @staticmethod
+    def _first_example(dataset: Any) -> dict | None:
+        """First row of a `Dataset` / `IterableDataset`, or None (other inputs are checked elsewhere); used to detect
+        image columns."""
+        from datasets import Dataset, IterableDataset
+
+        if not isinstance(dataset, (Dataset, IterableDataset)):
+            return None
+        first = next(iter(dataset), None)
+        return first if isinstance(first, dict) else None
+
+    @staticmethod
     def _prepare_iterable_args(args: TrainingArguments, train_dataset: Any) -> None:
         """Streaming datasets: batches cannot be dispatched from the main process, and a step count is required."""
         from datasets import IterableDataset

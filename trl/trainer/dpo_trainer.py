@@ -34,6 +34,7 @@ from .utils import (
     map_kwargs_with_desc,
     scored_completion_tokens,
 )
+from .vision_collators import DataCollatorForVisionPreference  # noqa: F401  (public here, as in TRL)
 
 
 logger = logging.getLogger(__name__)
@@ -360,10 +361,20 @@ class DPOTrainer(_PreferenceTrainer):
         # ---- Reference model (also with loss_type=["sft"] alone: the rewards are measured against it) -----------
         ref_model = self._build_preference_ref_model(model_arg, model, ref_model, args)
 
+        # ---- Images: rows are rendered and processed by the collator, forward passes stay padded ----------------
+        self._setup_vision(train_dataset, processing_class, args)
+
         # ---- Collator and layout -------------------------------------------------------------------------------
         self.pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
         self._layout = self._choose_layout(model, args.padding_free, warn=True)
         self._ref_layout = self._choose_layout(ref_model, args.padding_free) if ref_model is not None else None
+        if self._is_vision_dataset:  # pixel values belong to whole rows: no packing
+            self._layout = "padded"
+            self._ref_layout = "padded" if ref_model is not None else None
+            if data_collator is None:
+                data_collator = DataCollatorForVisionPreference(
+                    processor=processing_class, max_length=args.max_length, pad_to_multiple_of=args.pad_to_multiple_of
+                )
         if data_collator is None:
             data_collator = DataCollatorForPreference(
                 pad_token_id=self.pad_token_id,
@@ -457,6 +468,8 @@ class DPOTrainer(_PreferenceTrainer):
     def _prepare_dataset(
         self, dataset: Dataset | IterableDataset, processing_class: Any, args: DPOConfig, dataset_name: str
     ) -> Dataset | IterableDataset:
+        if self._is_vision_dataset:  # the vision collator renders and processes the raw rows
+            return dataset
         dataset, first, columns, map_kwargs, is_iterable = self._open_dataset(
             dataset,
             args,
@@ -511,6 +524,8 @@ class DPOTrainer(_PreferenceTrainer):
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
             self._signature_columns = [*_TOKENIZED_COLUMNS, *_REF_COLUMNS]
+            if self._is_vision_dataset:
+                self._signature_columns += ["prompt", "chosen", "rejected", "images", "image"]
 
     def _sequence_logps(self, token_logps: torch.Tensor, target_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Summed log-prob and scored-token count of each sequence (LD-DPO down-weights the longer tail)."""

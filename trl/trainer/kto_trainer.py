@@ -25,6 +25,7 @@ from transformers.trainer_utils import EvalPrediction
 
 from .kto_config import KTOConfig
 from .unpaired_preference_base import DataCollatorForUnpairedPreference, _UnpairedPreferenceTrainer
+from .vision_collators import DataCollatorForVisionUnpairedPreference  # noqa: F401  (public here, as in TRL)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -229,6 +230,16 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         self.desirable_weight, self.undesirable_weight = args.desirable_weight, args.undesirable_weight
         self.precompute_ref_logps = args.precompute_ref_log_probs
         self._ref_adapter_name = None
+        if self._setup_vision(train_dataset, processing_class, args):  # pixel values belong to whole rows
+            self._layout = "padded"
+            self._ref_layout = "padded" if ref_model is not None else None
+            if data_collator is None:
+                data_collator = DataCollatorForVisionUnpairedPreference(
+                    processor=processing_class,
+                    max_length=args.max_length,
+                    calculate_kl=self._needs_kl,
+                    pad_to_multiple_of=args.pad_to_multiple_of,
+                )
         if data_collator is None:
             data_collator = DataCollatorForUnpairedPreference(
                 pad_token_id=self.pad_token_id,

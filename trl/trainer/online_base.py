@@ -75,6 +75,13 @@ from .utils import (
     shuffle_sequence_dict,
     split_tensor_dict,
 )
+from .utils.vision import (
+    check_image_columns,
+    check_vision_processing_class,
+    collate_vision_rows,
+    is_vision_example,
+    prompt_with_images,
+)
 
 
 def _take(rows: list | None, indices: list[int]) -> list | None:
@@ -184,11 +191,18 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
             )
         if processing_class is None:
             processing_class = self._load_processing_class(model_id, args, padding_side="left")
-        if isinstance(processing_class, ProcessorMixin) and not isinstance(processing_class, PreTrainedTokenizerBase):
-            raise ValueError(
-                f"{trainer_name} currently trains text-only causal LMs; a {type(processing_class).__name__} "
-                "(vision-language processor) was given. Pass the model's tokenizer as processing_class."
-            )
+        # Images: prompts are processed with their images at generation time; pixel values follow each row.
+        first_example = self._first_example(train_dataset)
+        check_image_columns(first_example, trainer_name)
+        self._is_vision_dataset = is_vision_example(first_example)
+        if self._is_vision_dataset:
+            check_vision_processing_class(processing_class, trainer_name)
+            if getattr(args, "use_vllm", False) or rollout_func is not None:
+                raise ValueError(
+                    f"{trainer_name} generates from image prompts with transformers' generate only here; vLLM "
+                    "generation (use_vllm=True) and rollout_func are not supported with images yet. Set "
+                    "use_vllm=False and drop rollout_func, or train on text prompts."
+                )
         tokenizer = self._ensure_pad_token(processing_class)
         self._setup_aux_loss(model, args)
         if args.disable_dropout:
@@ -230,6 +244,7 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         self.chat_template_kwargs = settings["chat_template_kwargs"]
         self.eos_token_ids = self._eos_token_ids(model, tokenizer)
         self.pad_token_id = tokenizer.pad_token_id
+        self._image_token_id = getattr(processing_class, "image_token_id", None)  # suppressed in generation
         self.generation_config = self._build_generation_config(args, tokenizer)
 
         # ---- State ---------------------------------------------------------------------------------------------
@@ -529,6 +544,8 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         start = time.perf_counter()
         mode = self._mode
         device = self.accelerator.device
+        if self._is_vision_dataset:  # as in TRL, prompts (also those given to the rewards) carry their images
+            inputs = [{**example, "prompt": prompt_with_images(example)} for example in inputs]
         prompts = [example["prompt"] for example in inputs]
 
         rollout = self._rollout(prompts, inputs)
@@ -585,6 +602,8 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
             "completion_ids": completion_ids,
             "completion_mask": loss_mask,
         }
+        if rollout.get("vision_rows") is not None:
+            batch["vision_rows"] = rollout["vision_rows"]
         if rollout.get("tool_mask") is not None:
             # Tool results are context for the next turn: attended to, but outside the loss.
             batch["completion_attention_mask"] = completion_mask
@@ -655,11 +674,18 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
             input_ids.shape[0], input_ids.shape[1] - 1, dtype=torch.bool, device=input_ids.device
         )
         target_mask[:, prompt_length - 1 :] = completion_mask.bool()
+        image_inputs = {}
+        if inputs.get("vision_rows") is not None:
+            # The model derives its own (possibly multi-dimensional) positions around the image tokens.
+            image_inputs = collate_vision_rows(inputs["vision_rows"], prompt_length, input_ids.shape[1])
+            image_inputs = {key: value.to(input_ids.device) for key, value in image_inputs.items()}
+            position_ids = None
         result = compute_token_logps(
             model,
             input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
+            **image_inputs,
             target_mask=target_mask,
             temperature=self._logprob_temperature(),
             compute_entropy=compute_entropy,
@@ -672,7 +698,14 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
     def _batched_logps(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """Log-probabilities of a whole rollout batch without gradients, in micro-batch-sized pieces."""
         size = self.args.per_device_train_batch_size if self._mode == "train" else self.args.per_device_eval_batch_size
-        keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "completion_attention_mask")
+        keys = (
+            "prompt_ids",
+            "prompt_mask",
+            "completion_ids",
+            "completion_mask",
+            "completion_attention_mask",
+            "vision_rows",
+        )
         pieces = []
         for start in range(0, batch["prompt_ids"].shape[0], size):
             piece = {key: batch[key][start : start + size] for key in keys if key in batch}

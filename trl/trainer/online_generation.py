@@ -164,6 +164,10 @@ class _OnlineGenerationMixin:
             "repetition_penalty": args.repetition_penalty,
             "cache_implementation": args.cache_implementation,
         }
+        image_token_id = getattr(self, "_image_token_id", None)
+        if image_token_id is not None:
+            # A sampled image token would have no image features behind it in the training forward (as TRL does).
+            kwargs["suppress_tokens"] = [image_token_id]
         kwargs.update(args.generation_kwargs or {})
         return GenerationConfig(**kwargs)
 
@@ -224,6 +228,8 @@ class _OnlineGenerationMixin:
             return self._generate_with_rollout_func(prompts)
         if getattr(self, "vllm_generation", None) is not None:
             return self._generate_with_vllm(inputs)
+        if getattr(self, "_is_vision_dataset", False):
+            return self._generate_with_images(inputs)
         row_ids = self._tokenize_prompts(inputs)
         # Each distinct prompt is prefilled once; rows of the same group share it.
         unique = list(dict.fromkeys(tuple(ids) for ids in row_ids))
@@ -238,16 +244,7 @@ class _OnlineGenerationMixin:
         start = time.perf_counter()
         args = self.args
         was_training = self.model.training
-        with (
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                gather_deepspeed3_params=args.ds3_gather_for_generation,
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
-            ) as unwrapped,
-            torch.no_grad(),
-            _router_logits_off(unwrapped),
-        ):
+        with self._policy_for_generation() as unwrapped:
             try:
                 if getattr(args, "use_transformers_continuous_batching", False):
                     rows = [encoded[i] for i in row_to_prompt.tolist()]
@@ -275,6 +272,58 @@ class _OnlineGenerationMixin:
             "completion_ids": completion_lists,
             "sampling_logps": None,
             "extra_fields": {},
+        }
+
+    @contextlib.contextmanager
+    def _policy_for_generation(self):
+        """The policy ready for `generate`: unwrapped (DeepSpeed ZeRO-3 parameters gathered when asked), without
+        gradients, MoE router logits off."""
+        args = self.args
+        with (
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+            ) as unwrapped,
+            torch.no_grad(),
+            _router_logits_off(unwrapped),
+        ):
+            yield unwrapped
+
+    def _generate_with_images(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """HF generation from prompts with images: the processor expands the image tokens and computes the pixel
+        values of every row (left-padded), `generate` runs on the whole batch, and the image inputs are kept per row
+        (`vision_rows`) for the log-probability passes."""
+        from .utils.vision import example_images, vision_forward_inputs, vision_rows_from_batch
+
+        texts, _ = self._render_prompts(inputs)
+        images = [example_images(example) for example in inputs]
+        encoded = self.processing_class(
+            text=texts, images=images, padding=True, padding_side="left", return_tensors="pt"
+        )
+        device = self.accelerator.device
+        prompt_ids = encoded["input_ids"].to(device)
+        prompt_mask = encoded["attention_mask"].to(device)
+        image_inputs = {key: value.to(device) for key, value in vision_forward_inputs(encoded).items()}
+        start = time.perf_counter()
+        with self._policy_for_generation() as unwrapped:
+            output = unwrapped.generate(
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                generation_config=self.generation_config,
+                disable_compile=True,
+                **image_inputs,
+            )
+        self._timing["generation"] += time.perf_counter() - start
+        completion_ids = output[:, prompt_ids.shape[1] :]
+        completion_mask, _ = completion_mask_from_ids(completion_ids, self.eos_token_ids)
+        return {
+            "prompt_ids": [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)],
+            "completion_ids": [ids[: int(n)].tolist() for ids, n in zip(completion_ids, completion_mask.sum(dim=1))],
+            "sampling_logps": None,
+            "extra_fields": {},
+            "vision_rows": vision_rows_from_batch(encoded, [len(row) for row in images]),
         }
 
     def _create_vllm_generation(self, args: Any, rollout_func: Callable | None) -> Any:

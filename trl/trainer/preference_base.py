@@ -35,6 +35,9 @@ class _PreferenceTrainer(_BaseTrainer):
     `compute_loss(..., return_outputs=True)` and [`_prediction_logits_and_labels`] for evaluation.
     """
 
+    # Set by a subclass whose train dataset has images: the collator processes raw rows, forward passes stay padded.
+    _is_vision_dataset: bool = False
+
     # ------------------------------------------------------------------------------------------------------------
     # Construction
     # ------------------------------------------------------------------------------------------------------------
@@ -431,6 +434,23 @@ class _PreferenceTrainer(_BaseTrainer):
             columns = [legacy.get(c, c) for c in columns]
         return dataset, first, columns, map_kwargs, is_iterable
 
+    def _setup_vision(self, train_dataset: Any, processing_class: Any, args: Any) -> bool:
+        """Detect an image dataset and check what it needs: a processor, and no precomputed reference log-probs."""
+        from .utils.vision import check_image_columns, check_vision_processing_class, is_vision_example
+
+        first_example = self._first_example(train_dataset)
+        check_image_columns(first_example, type(self).__name__)
+        self._is_vision_dataset = is_vision_example(first_example)
+        if self._is_vision_dataset:
+            check_vision_processing_class(processing_class, type(self).__name__)
+            if getattr(args, "precompute_ref_log_probs", False):
+                raise ValueError(
+                    "`precompute_ref_log_probs=True` is not supported for vision datasets: their rows are processed "
+                    "on the fly by the collator, so there is no tokenized dataset to store reference log-probs in. "
+                    "Set `precompute_ref_log_probs=False`."
+                )
+        return self._is_vision_dataset
+
     @staticmethod
     def _check_chat_template(processing_class: Any, dataset_name: str) -> None:
         """Conversational data needs a chat template on the processing class."""
@@ -492,7 +512,10 @@ class _PreferenceTrainer(_BaseTrainer):
         """Per-token log-probs of the completion tokens of `inputs` (see `compute_sequence_token_logps`); extra
         keyword arguments go to the model's forward."""
         from .utils import compute_sequence_token_logps
+        from .utils.vision import vision_forward_inputs
 
+        # Batches with images carry pixel values (and per-token image ids) for the forward pass.
+        forward_kwargs = {**vision_forward_inputs(inputs), **forward_kwargs}
         return compute_sequence_token_logps(
             model,
             inputs["input_ids"],

@@ -43,6 +43,8 @@ from .utils import (
     pad,
 )
 from .utils.dataset_rows import map_kwargs_with_desc as _desc
+from .utils.vision import check_image_columns, check_vision_processing_class, is_vision_example
+from .vision_collators import DataCollatorForVisionLanguageModeling  # noqa: F401  (public here, as in TRL)
 
 
 logger = logging.getLogger(__name__)
@@ -372,6 +374,22 @@ class SFTTrainer(_BaseTrainer):
         # ---- PEFT ----------------------------------------------------------------------------------------------
         model = self._wrap_peft(model, peft_config, args)
 
+        # ---- Images: the collator renders and processes the rows, so dataset preparation is skipped -------------
+        first_example = self._first_example(train_dataset)
+        check_image_columns(first_example, "SFTTrainer")
+        self._is_vision_dataset = is_vision_example(first_example)
+        if self._is_vision_dataset:
+            check_vision_processing_class(processing_class, "SFTTrainer")
+            if args.padding_free:
+                raise ValueError(
+                    "Padding-free training is yet not supported for vision datasets. Please set `padding_free=False` "
+                    "in the `SFTConfig`."
+                )
+            if args.packing:
+                raise ValueError(
+                    "Packing is not supported for vision datasets. Please set `packing=False` in the SFTConfig."
+                )
+
         # ---- Collator ------------------------------------------------------------------------------------------
         self.padding_free = args.padding_free or (args.packing and args.packing_strategy in ("bfd", "bfd_split"))
         if self.padding_free and data_collator is not None:
@@ -388,6 +406,15 @@ class SFTTrainer(_BaseTrainer):
             )
         if self.padding_free and not args.padding_free:
             logger.info("packing_strategy=%r implies padding_free=True.", args.packing_strategy)
+        if data_collator is None and self._is_vision_dataset:
+            data_collator = DataCollatorForVisionLanguageModeling(
+                processor=processing_class,
+                max_length=args.max_length,
+                completion_only_loss=args.completion_only_loss,
+                pad_to_multiple_of=args.pad_to_multiple_of,
+                dataset_text_field=args.dataset_text_field,
+                assistant_only_loss=args.assistant_only_loss,
+            )
         if data_collator is None:
             pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
             # Padding-free batches are one row, as in TRL (same layout, token counts and FLOPs).
@@ -404,7 +431,7 @@ class SFTTrainer(_BaseTrainer):
                 "formatting function turns each example into a single text, so there is no completion to restrict the "
                 "loss to. Apply the formatting before passing the dataset, or set completion_only_loss=False."
             )
-        skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset", False))
+        skip_prepare = bool((args.dataset_kwargs or {}).get("skip_prepare_dataset", False)) or self._is_vision_dataset
         if not skip_prepare:
             train_dataset = self._prepare_dataset(
                 train_dataset, processing_class, args, args.packing, formatting_func, "train"
@@ -683,7 +710,11 @@ class SFTTrainer(_BaseTrainer):
 
     def _check_skipped_dataset(self, dataset: Any, name: str) -> None:
         """With `skip_prepare_dataset`, data the collator cannot turn into `input_ids`/`labels` fails clearly."""
-        if not self._skip_prepare_dataset or not isinstance(dataset, (Dataset, IterableDataset)):
+        if (
+            not self._skip_prepare_dataset
+            or self._is_vision_dataset
+            or not isinstance(dataset, (Dataset, IterableDataset))
+        ):
             return
         columns = dataset.column_names
         if columns is None:
@@ -715,6 +746,9 @@ class SFTTrainer(_BaseTrainer):
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
             self._signature_columns = list(_SIGNATURE_COLUMNS)
+            if self._is_vision_dataset:  # raw rows reach the vision collator
+                text_field = self.args.dataset_text_field
+                self._signature_columns += ["messages", "prompt", "completion", "images", "image", text_field]
 
     def training_step(self, *args, **kwargs):
         with self.maybe_activation_offload_context:

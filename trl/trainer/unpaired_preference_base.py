@@ -25,6 +25,7 @@ from .utils import (
     map_kwargs_with_desc,
     scored_completion_tokens,
 )
+from .utils.vision import VISION_INPUT_KEYS
 
 
 logger = logging.getLogger(__name__)
@@ -132,15 +133,26 @@ class PolicyPass(NamedTuple):
 _SEQUENCE_KEYS = ("input_ids", "attention_mask", "completion_mask")
 
 
+def _image_inputs(inputs: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """Image entries of a batch (vision datasets): the KL rows share the prompt's pixel values, but have their own
+    per-token image ids (`KL_mm_token_type_ids`, ...)."""
+    out = {}
+    for key in VISION_INPUT_KEYS:
+        source = prefix + key if key.endswith("token_type_ids") else key
+        if source in inputs:
+            out[key] = inputs[source]
+    return out
+
+
 def _kl_rows(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
     """The KL sequences of a collated batch (`KL_input_ids`, ... under their plain names), or None."""
     if _KL_PREFIX + "input_ids" not in inputs:
         return None
-    return {key: inputs[_KL_PREFIX + key] for key in _SEQUENCE_KEYS}
+    return {**{key: inputs[_KL_PREFIX + key] for key in _SEQUENCE_KEYS}, **_image_inputs(inputs, _KL_PREFIX)}
 
 
 def _main_rows(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {key: inputs[key] for key in _SEQUENCE_KEYS}
+    return {**{key: inputs[key] for key in _SEQUENCE_KEYS}, **_image_inputs(inputs, "")}
 
 
 def _stack_rows(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -191,6 +203,8 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         kl_chunk_size: int,
     ) -> Dataset | IterableDataset:
         """Tokenize an unpaired (or paired, then unpaired) dataset and attach the KL completions when needed."""
+        if self._is_vision_dataset:  # the vision collator renders and processes the raw rows (KL rows included)
+            return dataset
         trainer_name = type(self).__name__
         dataset, first, columns, map_kwargs, is_iterable = self._open_dataset(
             dataset,
@@ -360,6 +374,8 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
                 *_REF_COLUMNS,
                 *self._extra_signature_columns(),
             ]
+            if self._is_vision_dataset:
+                self._signature_columns += ["prompt", "completion", "label", "images", "image"]
 
     def _extra_signature_columns(self) -> list[str]:
         return []

@@ -223,4 +223,5 @@ from . import (  # noqa: E402, F401
     offline,
     online,
     ppo,
+    vlm,
 )

@@ -13,6 +13,7 @@
 | `callables` | identity, callable names, async detection |
 | `divergence` | generalized Jensen-Shannon divergence between student and teacher, chunked over positions |
 | `distributed` | `MASTER_ADDR`/`MASTER_PORT`, whether DeepSpeed or FSDP shards the model |
+| `vision` | per-sample grouping of pixel values, image-free messages, vision dataset/processor checks |
 
 Chunked log-softmax kernels live in `trl.kernels.log_softmax`; model loading, PEFT preparation and model-level
 helpers in `trl.models.loading`, `trl.models.peft` and `trl.models.utils`. They are re-exported here.
@@ -83,6 +84,7 @@ from .sampling import (
     split_tensor_dict,
 )
 from .tensors import flush_left, flush_right, nanmax, nanmin, nanstd, pad
+from .vision import split_pixel_values_by_grid, strip_images_from_messages, unsplit_pixel_values_by_grid
 
 
 __all__ = [
@@ -126,6 +128,9 @@ __all__ = [
     "selective_log_softmax",
     "selective_log_softmax_and_entropy",
     "shuffle_sequence_dict",
+    "split_pixel_values_by_grid",
     "split_tensor_dict",
+    "strip_images_from_messages",
+    "unsplit_pixel_values_by_grid",
     "use_adapter",
 ]
