@@ -52,6 +52,16 @@ def images_given_to_text_only_model(output_dir):
     SFTTrainer(get_model_path(LM), args=_config("SFTConfig", output_dir), train_dataset=Dataset.from_list(rows))
 
 
+def images_given_to_reward_trainer(output_dir):
+    from PIL import Image
+
+    from trl import RewardTrainer
+
+    rows = load_test_dataset("standard_preference", "train").to_list()[:4]
+    rows = [{**row, "images": [Image.new("RGB", (8, 8))]} for row in rows]
+    RewardTrainer(get_model_path(LM), args=_config("RewardConfig", output_dir), train_dataset=Dataset.from_list(rows))
+
+
 def negative_dpo_beta(output_dir):
     _config("DPOConfig", output_dir, beta=-0.1)
 
@@ -143,7 +153,8 @@ def reward_weights_do_not_match_reward_functions(output_dir):
 
 CASES = [
     # (case, exception type, phrases of the message)
-    (images_given_to_text_only_model, ValueError, ["'images' column", "text-only", "remove_columns"]),
+    (images_given_to_text_only_model, ValueError, ["'images' keys", "text-only tokenizer", "processor"]),
+    (images_given_to_reward_trainer, ValueError, ["'images' column", "text-only", "remove_columns"]),
     (negative_dpo_beta, ValueError, ["beta must be >= 0", "-0.1"]),
     (kto_only_desirable, ValueError, ["only desirable examples", "Add undesirable examples"]),
     (kto_only_undesirable, ValueError, ["only undesirable examples", "Add desirable examples"]),

@@ -61,9 +61,7 @@ def _check_common_ranges(config: Any) -> None:
     """Refuse out-of-range values of the options listed in `_LOWER_BOUNDS`, and of a few cross-field rules, before
     anything runs."""
     # In the distillation configs `beta` interpolates two divergences; they check its [0, 1] range themselves.
-    own_beta_rule = any(
-        cls.__name__ in ("GKDConfig", "GOLDConfig", "DistillationConfig") for cls in type(config).__mro__
-    )
+    own_beta_rule = getattr(type(config), "_checks_own_beta", False)
     for name, bound, inclusive, meaning in _LOWER_BOUNDS:
         value = getattr(config, name, None)
         if value is None or isinstance(value, str) or (name == "beta" and own_beta_rule):

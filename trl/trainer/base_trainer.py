@@ -33,8 +33,11 @@ class _BaseTrainer(Trainer):
         _name: Human-readable trainer name used in the model card ("SFT", "DPO", ...).
         _paper: Optional dict with `title`, `id` (arXiv id) and `citation` (BibTeX) of the method's paper.
         _template_file: Model card template under `trl/templates/`.
+        _accepts_images: Whether the trainer trains vision-language models on image columns; the others refuse
+            a dataset with images rather than dropping them.
     """
 
+    _accepts_images: bool = False
     _tag_names: list[str] = []
     _name: str = "Base"
     _paper: dict[str, str] = {}
@@ -175,8 +178,7 @@ class _BaseTrainer(Trainer):
     def _is_peft_model(model: Any) -> bool:
         return is_peft_available() and isinstance(model, PeftModel)
 
-    @staticmethod
-    def _check_train_dataset(train_dataset: Any, trainer_name: str) -> None:
+    def _check_train_dataset(self, train_dataset: Any, trainer_name: str) -> None:
         if train_dataset is None:
             raise ValueError(
                 f"{trainer_name} needs a `train_dataset`; got None. Pass a datasets.Dataset or IterableDataset."
@@ -184,7 +186,8 @@ class _BaseTrainer(Trainer):
         from .._data.formats import check_no_images, check_single_format
 
         check_single_format(train_dataset, "train")
-        check_no_images(train_dataset, "train")
+        if not self._accepts_images:  # trainers that take images check the processor themselves
+            check_no_images(train_dataset, "train")
 
     @staticmethod
     def _first_example(dataset: Any) -> dict | None:

@@ -85,6 +85,9 @@ class DistillationConfig(_RolloutFields, _BaseConfig):
             Show each prompt only once in the logged tables.
     """
 
+    # `beta` interpolates two divergences here: its [0, 1] range is checked below, not by the shared rule.
+    _checks_own_beta: ClassVar[bool] = True
+
     _VALID_DICT_FIELDS = _BaseConfig._VALID_DICT_FIELDS + [
         "model_init_kwargs",
         "teacher_model_init_kwargs",

@@ -304,6 +304,8 @@ class DPOTrainer(_PreferenceTrainer):
             Adapter configuration; the model is wrapped with `peft.get_peft_model`.
     """
 
+    _accepts_images = True
+
     _tag_names = ["trl", "dpo"]
     _name = "DPO"
     _template_file = "lm_model_card.md"

@@ -325,6 +325,8 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             and `args.max_steps` must be set.
     """
 
+    _accepts_images = True
+
     _tag_names = ["trl", "grpo"]
     _name = "GRPO"
     _template_file = "lm_model_card.md"

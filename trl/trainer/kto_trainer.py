@@ -158,6 +158,8 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
             Adapter configuration; the model is wrapped with `peft.get_peft_model`.
     """
 
+    _accepts_images = True
+
     _tag_names = ["trl", "kto"]
     _name = "KTO"
     _keep_raw_columns = True

@@ -101,6 +101,8 @@ class RLOOTrainer(_OnlineTrainer):
             Adapter configuration; the reference model is then the policy with adapters disabled.
     """
 
+    _accepts_images = True
+
     _tag_names = ["trl", "rloo"]
     _name = "RLOO"
     _template_file = "lm_model_card.md"

@@ -266,6 +266,8 @@ class SFTTrainer(_BaseTrainer):
             `f(example) -> str` producing the text to train on (not with `completion_only_loss=True`).
     """
 
+    _accepts_images = True
+
     _tag_names = ["trl", "sft"]
     _name = "SFT"
     _template_file = "lm_model_card.md"

@@ -1,7 +1,7 @@
 """Configuration of the Generalized Knowledge Distillation (GKD) trainer."""
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ...trainer.sft_config import SFTConfig
 
@@ -32,6 +32,9 @@ class GKDConfig(SFTConfig):
             Sequence-level KD: on batches that are not on-policy, the teacher generates the completions the student is
             trained on (instead of the dataset's).
     """
+
+    # `beta` interpolates two divergences here: its [0, 1] range is checked below, not by the shared rule.
+    _checks_own_beta: ClassVar[bool] = True
 
     _VALID_DICT_FIELDS = SFTConfig._VALID_DICT_FIELDS + ["teacher_model_init_kwargs"]
 

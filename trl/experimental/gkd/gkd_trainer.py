@@ -71,6 +71,8 @@ class GKDTrainer(SFTTrainer):
         formatting_func: Not supported (the collator renders conversations with the chat template); must be None.
     """
 
+    _accepts_images = False  # the distillation collators are text-only
+
     _tag_names = ["trl", "gkd"]
     _name = "GKD"
     # Hook for subclasses (GOLD): the config class `args` must be an instance of.

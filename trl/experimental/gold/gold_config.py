@@ -1,7 +1,7 @@
 """Configuration of the GOLD trainer (General Online Logit Distillation, across tokenizers)."""
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ...trainer.sft_config import SFTConfig
 from ..gkd.gkd_config import check_distillation_ranges
@@ -111,6 +111,9 @@ class GOLDConfig(SFTConfig):
             Names of extra callbacks. Not resolved here: must stay empty (the trainer raises otherwise); pass callback
             instances to the trainer.
     """
+
+    # `beta` interpolates two divergences here: its [0, 1] range is checked below, not by the shared rule.
+    _checks_own_beta: ClassVar[bool] = True
 
     _VALID_DICT_FIELDS = SFTConfig._VALID_DICT_FIELDS + ["teacher_model_init_kwargs"]
 
