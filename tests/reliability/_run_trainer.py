@@ -117,7 +117,13 @@ def build(name: str, output_dir: str):
 
 def half_constant_reward(prompts, completion_ids, **kwargs):
     # Every other prompt scores the same for all its completions: zero-variance groups that the replay buffer replaces.
-    return [0.5 if len(p) % 2 else sum(t < 2048 for t in ids) / max(len(ids), 1) for p, ids in zip(prompts, completion_ids)]
+    return [
+        0.5 if len(p) % 2 else sum(t < 2048 for t in ids) / max(len(ids), 1) for p, ids in zip(prompts, completion_ids)
+    ]
+
+
+def shortest_first(group_completions, group_rewards, **kwargs):
+    return [[-float(len(c)) for c in completions] for completions in group_completions]
 
 
 def _build_added(name: str, output_dir: str, prompts):
@@ -128,8 +134,9 @@ def _build_added(name: str, output_dir: str, prompts):
         from trl.experimental import gkd, gold
 
         prefix, module = ("GKD", gkd) if name == "gkd" else ("GOLD", gold)
+        length = {"max_new_tokens": 6} if name == "gkd" else {"max_completion_length": 6}
         args = getattr(module, f"{prefix}Config")(
-            output_dir, per_device_train_batch_size=2, max_length=32, max_new_tokens=6, lmbda=0.5, **COMMON
+            output_dir, per_device_train_batch_size=2, max_length=32, lmbda=0.5, **length, **COMMON
         )
         trainer_class = getattr(module, f"{prefix}Trainer")
         return trainer_class(model=_lm(), teacher_model=teacher, args=args, train_dataset=conversations)
@@ -149,7 +156,8 @@ def _build_added(name: str, output_dir: str, prompts):
             trainer_class = grpo_with_replay_buffer.GRPOWithReplayBufferTrainer
             options = dict(num_generations=2, replay_buffer_size=3, per_device_train_batch_size=4)
         args = config_class(output_dir, max_completion_length=6, temperature=1.0, **options, **COMMON)
-        return trainer_class(model=_lm(), reward_funcs=half_constant_reward, args=args, train_dataset=prompts)
+        extra = {"group_filter_func": shortest_first} if name == "gfpo" else {}
+        return trainer_class(model=_lm(), reward_funcs=half_constant_reward, args=args, train_dataset=prompts, **extra)
     if name == "ppo":
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
