@@ -107,3 +107,20 @@ def test_sigkill_during_save_keeps_previous_checkpoint_and_resumes_from_it(tmp_p
     _run("sft", run_dir, "resume", tmp_path / "resumed.json")
     assert_same_logs(tmp_path / "reference.json", tmp_path / "resumed.json")
     assert not any(name.startswith(".partial-") for name in os.listdir(run_dir))
+
+
+def test_diffusion_trainers_resume_only_from_complete_checkpoints(tmp_path):
+    # DDPO / AlignProp write `trainer_state.json` after accelerate's `save_state`: a directory without it was cut
+    # short by a kill and is never picked when resuming from the `checkpoints` folder.
+    from trl.experimental._diffusion_trainer import _find_checkpoint
+
+    checkpoints = tmp_path / "checkpoints"
+    for index, complete in ((0, True), (1, True), (2, False)):
+        (checkpoints / f"checkpoint_{index}").mkdir(parents=True)
+        if complete:
+            (checkpoints / f"checkpoint_{index}" / "trainer_state.json").write_text("{}")
+    assert _find_checkpoint(str(checkpoints)) == str(checkpoints / "checkpoint_1")
+    (checkpoints / "checkpoint_0" / "trainer_state.json").unlink()
+    (checkpoints / "checkpoint_1" / "trainer_state.json").unlink()
+    with pytest.raises(ValueError, match="No complete checkpoint_<n>"):
+        _find_checkpoint(str(checkpoints))
