@@ -112,6 +112,77 @@ def build(name: str, output_dir: str):
         config_class, trainer_class = getattr(package, f"{prefix}Config"), getattr(package, f"{prefix}Trainer")
         args = config_class(output_dir, per_device_train_batch_size=2, max_new_tokens=6, **COMMON)
         return trainer_class(_lm(), reward_funcs=low_id_reward, args=args, train_dataset=prompts)
+    return _build_added(name, output_dir, prompts)
+
+
+def half_constant_reward(prompts, completion_ids, **kwargs):
+    # Every other prompt scores the same for all its completions: zero-variance groups that the replay buffer replaces.
+    return [
+        0.5 if len(p) % 2 else sum(t < 2048 for t in ids) / max(len(ids), 1) for p, ids in zip(prompts, completion_ids)
+    ]
+
+
+def shortest_first(group_completions, group_rewards, **kwargs):
+    return [[-float(len(c)) for c in completions] for completions in group_completions]
+
+
+def _build_added(name: str, output_dir: str, prompts):
+    """The trainers added after the first reliability pass: distillation, PPO, GRPO variants, BEMA."""
+    teacher = get_model_path("small-Qwen2ForCausalLM")
+    conversations = load_test_dataset("conversational_language_modeling", "train").select(range(16))
+    if name in ("gkd", "gold"):
+        from trl.experimental import gkd, gold
+
+        prefix, module = ("GKD", gkd) if name == "gkd" else ("GOLD", gold)
+        length = {"max_new_tokens": 6} if name == "gkd" else {"max_completion_length": 6}
+        args = getattr(module, f"{prefix}Config")(
+            output_dir, per_device_train_batch_size=2, max_length=32, lmbda=0.5, **length, **COMMON
+        )
+        trainer_class = getattr(module, f"{prefix}Trainer")
+        return trainer_class(model=_lm(), teacher_model=teacher, args=args, train_dataset=conversations)
+    if name == "distillation":
+        from trl import DistillationConfig, DistillationTrainer
+
+        args = DistillationConfig(output_dir, per_device_train_batch_size=4, max_completion_length=6, **COMMON)
+        return DistillationTrainer(_lm(), teacher_model=teacher, args=args, train_dataset=prompts)
+    if name in ("gfpo", "grpo_replay"):
+        from trl.experimental import gfpo, grpo_with_replay_buffer
+
+        if name == "gfpo":
+            config_class, trainer_class = gfpo.GFPOConfig, gfpo.GFPOTrainer
+            options = dict(num_generations=4, num_remains_in_group=2, per_device_train_batch_size=8)
+        else:
+            config_class = grpo_with_replay_buffer.GRPOWithReplayBufferConfig
+            trainer_class = grpo_with_replay_buffer.GRPOWithReplayBufferTrainer
+            options = dict(num_generations=2, replay_buffer_size=3, per_device_train_batch_size=4)
+        args = config_class(output_dir, max_completion_length=6, temperature=1.0, **options, **COMMON)
+        extra = {"group_filter_func": shortest_first} if name == "gfpo" else {}
+        return trainer_class(model=_lm(), reward_funcs=half_constant_reward, args=args, train_dataset=prompts, **extra)
+    if name == "ppo":
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+        from trl.experimental.ppo import PPOConfig, PPOTrainer
+
+        tokenizer = AutoTokenizer.from_pretrained(_lm(), padding_side="left")
+        tokenized = prompts.map(lambda row: tokenizer(row["prompt"]), remove_columns=["prompt"])
+        scorer = get_model_path("tiny-Qwen2ForSequenceClassification")
+        options = {k: v for k, v in COMMON.items() if k not in ("max_steps", "data_seed")}
+        args = PPOConfig(output_dir, per_device_train_batch_size=4, total_episodes=4 * MAX_STEPS, response_length=6,
+                         num_ppo_epochs=1, num_mini_batches=2, num_sample_generations=0, **options)  # fmt: skip
+        return PPOTrainer(
+            args=args, processing_class=tokenizer, model=AutoModelForCausalLM.from_pretrained(_lm()), ref_model=None,
+            reward_model=AutoModelForSequenceClassification.from_pretrained(scorer, num_labels=1),
+            value_model=AutoModelForSequenceClassification.from_pretrained(scorer, num_labels=1),
+            train_dataset=tokenized,
+        )  # fmt: skip
+    if name == "bema":
+        from trl import DPOConfig
+        from trl.experimental.bema_for_ref_model import BEMACallback, DPOTrainer
+
+        args = DPOConfig(output_dir, per_device_train_batch_size=2, max_length=32, **COMMON)
+        bema = BEMACallback(update_freq=1, lag=1, update_ref_model=True, ref_model_update_freq=2)
+        data = load_test_dataset("standard_preference", "train")
+        return DPOTrainer(_lm(), args=args, train_dataset=data, callbacks=[bema])
     raise ValueError(f"unknown trainer {name!r}")
 
 

@@ -151,6 +151,71 @@ def reward_weights_do_not_match_reward_functions(output_dir):
     GRPOTrainer(get_model_path(LM), reward_funcs=inf_reward, args=args, train_dataset=prompts)
 
 
+def _experimental(module_name, class_name, output_dir, **kwargs):
+    import importlib
+
+    module = importlib.import_module(f"trl.experimental.{module_name}")
+    return getattr(module, class_name)(output_dir, **{**QUIET, **kwargs})
+
+
+def gfpo_filter_count_without_filter_function(output_dir):
+    from trl.experimental.gfpo import GFPOTrainer
+
+    args = _experimental(
+        "gfpo", "GFPOConfig", output_dir, num_generations=4, per_device_train_batch_size=4, num_remains_in_group=2
+    )
+    prompts = load_test_dataset("standard_prompt_only", "train")
+    GFPOTrainer(get_model_path(LM), reward_funcs=inf_reward, args=args, train_dataset=prompts)
+
+
+def _ppo(output_dir, config_options=None, **models):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from trl.experimental.ppo import PPOTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(get_model_path(LM), padding_side="left")
+    prompts = load_test_dataset("standard_prompt_only", "train").select(range(8))
+    prompts = prompts.map(lambda row: tokenizer(row["prompt"]), remove_columns=["prompt"])
+    scorer = get_model_path("tiny-Qwen2ForSequenceClassification")
+    kwargs = dict(
+        model=AutoModelForCausalLM.from_pretrained(get_model_path(LM)),
+        ref_model=None,
+        reward_model=AutoModelForSequenceClassification.from_pretrained(scorer, num_labels=1),
+        value_model=AutoModelForSequenceClassification.from_pretrained(scorer, num_labels=1),
+    )
+    args = _experimental("ppo", "PPOConfig", output_dir, **{"total_episodes": 8, **(config_options or {})})
+    PPOTrainer(args=args, processing_class=tokenizer, train_dataset=prompts, **{**kwargs, **models})
+
+
+def ppo_without_reward_model(output_dir):
+    _ppo(output_dir, reward_model=None)
+
+
+def ppo_rollout_batch_not_divisible_into_mini_batches(output_dir):
+    _ppo(output_dir, dict(per_device_train_batch_size=3, num_mini_batches=2))
+
+
+def distillation_without_teacher(output_dir):
+    from trl import DistillationConfig, DistillationTrainer
+
+    args = DistillationConfig(output_dir, **QUIET)
+    prompts = load_test_dataset("standard_prompt_only", "train")
+    DistillationTrainer(get_model_path(LM), args=args, train_dataset=prompts).train()
+
+
+def gkd_without_teacher(output_dir):
+    from trl.experimental.gkd import GKDTrainer
+
+    data = load_test_dataset("conversational_language_modeling", "train")
+    GKDTrainer(model=get_model_path(LM), args=_experimental("gkd", "GKDConfig", output_dir), train_dataset=data)
+
+
+def bema_update_every_zero_steps(output_dir):
+    from trl import BEMACallback
+
+    BEMACallback(update_freq=0)
+
+
 CASES = [
     # (case, exception type, phrases of the message)
     (images_given_to_text_only_model, ValueError, ["'images' keys", "text-only tokenizer", "processor"]),
@@ -182,6 +247,22 @@ CASES = [
     (lambda d: _config("GRPOConfig", d, temperature=0.0), ValueError, ["temperature must be > 0"]),
     (lambda d: _config("GRPOConfig", d, repetition_penalty=0.0), ValueError, ["repetition_penalty must be > 0"]),
     (lambda d: _config("GRPOConfig", d, top_p=1.5), ValueError, ["top_p must be in (0, 1]"]),
+    # Trainers added after the first pass: GFPO, GRPO with replay buffer, PPO, GKD / GOLD / Distillation, BEMA
+    (lambda d: _experimental("gfpo", "GFPOConfig", d, num_generations=2, per_device_train_batch_size=2, num_remains_in_group=2), ValueError, ["num_remains_in_group", "less than num_generations", "2"]),
+    (lambda d: _experimental("gfpo", "GFPOConfig", d, num_generations=4, per_device_train_batch_size=4, num_remains_in_group=1), ValueError, ["num_remains_in_group must be at least 2", "got 1"]),
+    (gfpo_filter_count_without_filter_function, ValueError, ["group_filter_func", "num_remains_in_group (2)"]),
+    (lambda d: _experimental("grpo_with_replay_buffer", "GRPOWithReplayBufferConfig", d, replay_buffer_size=-1), ValueError, ["replay_buffer_size must be >= 0", "got -1"]),
+    (ppo_without_reward_model, ValueError, ["needs a reward_model", "got None", "AutoModelForSequenceClassification"]),
+    (ppo_rollout_batch_not_divisible_into_mini_batches, ValueError, ["rollout batch of 3", "num_mini_batches=2"]),
+    (lambda d: _experimental("ppo", "PPOConfig", d, num_ppo_epochs=0), ValueError, ["num_ppo_epochs", "got 0"]),
+    (gkd_without_teacher, ValueError, ["needs a teacher", "teacher_model"]),
+    (distillation_without_teacher, ValueError, ["no teacher", "teacher_model"]),
+    (lambda d: _experimental("gkd", "GKDConfig", d, lmbda=1.5), ValueError, ["lmbda", "[0.0, 1.0]", "1.5"]),
+    (lambda d: _experimental("gkd", "GKDConfig", d, beta=-0.5), ValueError, ["beta", "[0.0, 1.0]", "-0.5"]),
+    (lambda d: _experimental("gold", "GOLDConfig", d, lmbda=-0.1), ValueError, ["lmbda", "[0.0, 1.0]", "-0.1"]),
+    (lambda d: _config("DistillationConfig", d, beta=2.0), ValueError, ["beta must be in [0.0, 1.0]", "2.0"]),
+    (lambda d: _config("DistillationConfig", d, temperature=0.0), ValueError, ["temperature must be > 0"]),
+    (bema_update_every_zero_steps, ValueError, ["update_freq", "positive", "got 0"]),
 ]  # fmt: skip
 
 

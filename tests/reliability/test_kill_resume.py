@@ -40,6 +40,13 @@ TRAINERS = [
     ("online_dpo", 2),
     ("xpo", 2),
     ("nash_md", 2),
+    ("bema", 3),  # BEMA averages every step and loads them into the reference model every second step
+    ("gkd", 2),
+    ("gold", 2),
+    ("distillation", 2),
+    ("ppo", 2),
+    ("gfpo", 2),
+    ("grpo_replay", 2),
 ]
 
 
@@ -80,6 +87,13 @@ def test_sigkill_after_checkpoint_then_resume_matches_uninterrupted_run(tmp_path
     assert not (tmp_path / "killed.json").exists()
     _run(trainer, run_dir, "resume", tmp_path / "resumed.json")
     assert_same_logs(tmp_path / "reference.json", tmp_path / "resumed.json")
+    if trainer == "bema":  # the averaged model saved at the end is the same as well
+        from safetensors.torch import load_file
+
+        reference, resumed = (load_file(d / "bema" / "model.safetensors") for d in (reference_dir, run_dir))
+        assert reference.keys() == resumed.keys()
+        for key, tensor in reference.items():
+            assert (resumed[key] - tensor).abs().max() <= 1e-5 * tensor.abs().max() + 1e-7, key
 
 
 def test_sigkill_during_save_keeps_previous_checkpoint_and_resumes_from_it(tmp_path):
@@ -93,3 +107,20 @@ def test_sigkill_during_save_keeps_previous_checkpoint_and_resumes_from_it(tmp_p
     _run("sft", run_dir, "resume", tmp_path / "resumed.json")
     assert_same_logs(tmp_path / "reference.json", tmp_path / "resumed.json")
     assert not any(name.startswith(".partial-") for name in os.listdir(run_dir))
+
+
+def test_diffusion_trainers_resume_only_from_complete_checkpoints(tmp_path):
+    # DDPO / AlignProp write `trainer_state.json` after accelerate's `save_state`: a directory without it was cut
+    # short by a kill and is never picked when resuming from the `checkpoints` folder.
+    from trl.experimental._diffusion_trainer import _find_checkpoint
+
+    checkpoints = tmp_path / "checkpoints"
+    for index, complete in ((0, True), (1, True), (2, False)):
+        (checkpoints / f"checkpoint_{index}").mkdir(parents=True)
+        if complete:
+            (checkpoints / f"checkpoint_{index}" / "trainer_state.json").write_text("{}")
+    assert _find_checkpoint(str(checkpoints)) == str(checkpoints / "checkpoint_1")
+    (checkpoints / "checkpoint_0" / "trainer_state.json").unlink()
+    (checkpoints / "checkpoint_1" / "trainer_state.json").unlink()
+    with pytest.raises(ValueError, match="No complete checkpoint_<n>"):
+        _find_checkpoint(str(checkpoints))

@@ -55,9 +55,12 @@ def _find_checkpoint(path: str) -> str:
         )
     if os.path.basename(path).startswith("checkpoint_"):
         return path
-    indices = _checkpoint_indices(path)
+    # `trainer_state.json` is written last: a checkpoint without it was cut short (a kill during the save).
+    indices = [
+        i for i in _checkpoint_indices(path) if os.path.isfile(os.path.join(path, f"checkpoint_{i}", _STATE_FILE))
+    ]
     if not indices:
-        raise ValueError(f"No checkpoint_<n> directory in resume_from={path!r}.")
+        raise ValueError(f"No complete checkpoint_<n> directory (with {_STATE_FILE}) in resume_from={path!r}.")
     return os.path.join(path, f"checkpoint_{max(indices)}")
 
 

@@ -452,8 +452,16 @@ class _BaseTrainer(Trainer):
         from .utils.checkpoints import save_reference_model, save_trainer_state
 
         save_trainer_state(checkpoint_dir, self.args.process_index, self._checkpoint_state())
-        if getattr(self.args, "sync_ref_model", False) and self.is_world_process_zero():
+        if self._reference_model_changes() and self.is_world_process_zero():
             save_reference_model(checkpoint_dir, self._synced_reference_model())
+        # Callbacks with state of their own (BEMA's averages) write it into the same staged checkpoint.
+        for callback in self.callback_handler.callbacks:
+            if hasattr(callback, "save_checkpoint_files"):
+                callback.save_checkpoint_files(checkpoint_dir, self.is_world_process_zero())
+
+    def _reference_model_changes(self) -> bool:
+        """Hook: whether the reference model is updated during training, so that checkpoints must hold it."""
+        return bool(getattr(self.args, "sync_ref_model", False))
 
     def _synced_reference_model(self) -> nn.Module | None:
         # SyncRef updates the reference model during training, so a resumed run needs it back from the checkpoint.
@@ -468,8 +476,11 @@ class _BaseTrainer(Trainer):
         state = load_trainer_state(checkpoint, self.args.process_index)
         if state is not None:
             self._restore_checkpoint_state(state)
-        if getattr(self.args, "sync_ref_model", False):
+        if self._reference_model_changes():
             load_reference_model(checkpoint, self._synced_reference_model())
+        for callback in self.callback_handler.callbacks:
+            if hasattr(callback, "load_checkpoint_files"):
+                callback.load_checkpoint_files(checkpoint)
 
     def train(self, resume_from_checkpoint: "str | bool | None" = None, *args, **kwargs):
         """Train as [`~transformers.Trainer.train`] does; `resume_from_checkpoint=True` resumes from the latest

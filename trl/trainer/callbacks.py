@@ -304,6 +304,7 @@ class BEMACallback(TrainerCallback):
         self.ema_params: list[torch.Tensor] = []  # EMA buffers, on `device`
         self.running_model: PreTrainedModel | None = None
         self._running_params: list[torch.Tensor] = []
+        self._resumed_state: dict[str, torch.Tensor] | None = None  # read from a checkpoint, applied at train begin
 
     def _ema_beta(self, step: int) -> float:
         return max((self.lag + self.multiplier * step) ** (-self.ema_power), self.min_ema_multiplier)
@@ -365,6 +366,42 @@ class BEMACallback(TrainerCallback):
             self.theta0_params.append(snapshot)
             self.ema_params.append(snapshot.clone())
             self._running_params.append(running_params[name])
+        if self._resumed_state is not None:
+            self._restore_averages(self._resumed_state)
+            self._resumed_state = None
+
+    # Resuming: θ0, the EMA and the shadow model cannot be rebuilt from the checkpointed weights, so a TRL trainer
+    # saves them into each checkpoint (`save_checkpoint_files`) and hands them back on resume (`load_checkpoint_files`).
+    CHECKPOINT_FILE = "bema_state.safetensors"
+
+    def save_checkpoint_files(self, checkpoint_dir: str, is_main_process: bool) -> None:
+        """Write θ0, the EMA and the shadow model's weights into `checkpoint_dir` (main process only)."""
+        if not is_main_process or self.running_model is None:
+            return
+        from safetensors.torch import save_file
+
+        tensors = {f"theta0.{name}": tensor for name, tensor in zip(self.param_names, self.theta0_params)}
+        tensors.update({f"ema.{name}": tensor for name, tensor in zip(self.param_names, self.ema_params)})
+        tensors.update({f"running.{name}": tensor for name, tensor in self.running_model.state_dict().items()})
+        # safetensors refuses tensors that share memory (tied embeddings): store independent contiguous copies.
+        save_file({key: value.detach().clone().contiguous() for key, value in tensors.items()},
+                  os.path.join(checkpoint_dir, self.CHECKPOINT_FILE))  # fmt: skip
+
+    def load_checkpoint_files(self, checkpoint_dir: str) -> None:
+        """Read what `save_checkpoint_files` wrote; it is applied when training begins (nothing if absent)."""
+        path = os.path.join(checkpoint_dir, self.CHECKPOINT_FILE)
+        if os.path.isfile(path):
+            from safetensors.torch import load_file
+
+            self._resumed_state = load_file(path, device=str(self.device))
+
+    @torch.no_grad()
+    def _restore_averages(self, state: dict[str, torch.Tensor]) -> None:
+        for name, theta0, ema in zip(self.param_names, self.theta0_params, self.ema_params):
+            theta0.copy_(state[f"theta0.{name}"])
+            ema.copy_(state[f"ema.{name}"])
+        running = {key.removeprefix("running."): value for key, value in state.items() if key.startswith("running.")}
+        self.running_model.load_state_dict(running, strict=False)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         step = state.global_step

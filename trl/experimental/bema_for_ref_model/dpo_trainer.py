@@ -1,7 +1,7 @@
 """DPO trainer whose callbacks also receive the reference model, for `BEMACallback(update_ref_model=True)`."""
 
 from ...trainer.dpo_trainer import DPOTrainer as _DPOTrainer
-from .callback import CallbackHandlerWithRefModel
+from .callback import BEMACallback, CallbackHandlerWithRefModel
 
 
 class DPOTrainer(_DPOTrainer):
@@ -45,4 +45,11 @@ class DPOTrainer(_DPOTrainer):
             self.processing_class,
             self.optimizer,
             self.lr_scheduler,
+        )
+
+    def _reference_model_changes(self) -> bool:
+        # BEMA loads its averaged weights into the reference model: a checkpoint must hold the reference as it is.
+        return super()._reference_model_changes() or any(
+            isinstance(callback, BEMACallback) and callback.update_ref_model
+            for callback in self.callback_handler.callbacks
         )

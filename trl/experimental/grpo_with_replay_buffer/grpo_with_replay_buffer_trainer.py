@@ -157,6 +157,22 @@ class GRPOWithReplayBufferTrainer(GRPOTrainer):
         size = getattr(self.args, "replay_buffer_size", GRPOWithReplayBufferConfig.replay_buffer_size)
         self.replay_buffer = ReplayBuffer(max_size=size)
 
+    def _checkpoint_state(self) -> dict[str, Any]:
+        # The buffer is per process and cannot be rebuilt from the data seen: a resumed run needs its contents.
+        state = super()._checkpoint_state()
+        state["replay_buffer"] = [
+            [score, {k: v.cpu() for k, v in data.items()}] for score, data in self.replay_buffer.heap
+        ]
+        return state
+
+    def _restore_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super()._restore_checkpoint_state(state)
+        if "replay_buffer" in state:
+            device = self.accelerator.device
+            self.replay_buffer.heap = [
+                (float(score), {k: v.to(device) for k, v in data.items()}) for score, data in state["replay_buffer"]
+            ]
+
     # ------------------------------------------------------------------------------------------------------------
     # The hook: once GRPO has set the advantages of a training batch
     # ------------------------------------------------------------------------------------------------------------

@@ -31,7 +31,6 @@ from accelerate.utils import gather_object
 from datasets import Dataset
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, GenerationConfig, TrainerCallback, TrainerState
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ...models.utils import disable_dropout_in_model, prepare_deepspeed, unwrap_model_for_generation
 from ...trainer.base_trainer import _BaseTrainer
@@ -763,20 +762,18 @@ class PPOTrainer(_BaseTrainer):
         finally:
             self.model = wrapper
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        checkpoint = os.path.join(self._get_output_dir(trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.should_save and os.path.isdir(checkpoint):
+    def _save_checkpoint_extras(self, checkpoint_dir: str) -> None:
+        # Written while the checkpoint is staged, so that a kill never leaves a checkpoint without its value model.
+        super()._save_checkpoint_extras(checkpoint_dir)
+        if self.args.should_save:
             value_model = self.accelerator.unwrap_model(self.model_wrapped).value_model
-            value_model.save_pretrained(os.path.join(checkpoint, _VALUE_MODEL_DIR))
+            value_model.save_pretrained(os.path.join(checkpoint_dir, _VALUE_MODEL_DIR))
 
     def _resume(self, checkpoint: str | bool, batches) -> None:
-        from transformers.trainer_utils import get_last_checkpoint
+        from ...trainer.utils.checkpoints import last_complete_checkpoint
 
         if checkpoint is True:
-            checkpoint = get_last_checkpoint(self.args.output_dir)
-            if checkpoint is None:
-                raise ValueError(f"resume_from_checkpoint=True but no checkpoint in {self.args.output_dir}.")
+            checkpoint = last_complete_checkpoint(self.args.output_dir)  # never one cut short by a kill
         if not os.path.isdir(checkpoint):
             raise ValueError(f"Checkpoint directory {checkpoint!r} does not exist.")
         wrapper = self.accelerator.unwrap_model(self.model_wrapped)
