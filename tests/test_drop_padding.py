@@ -9,7 +9,13 @@ from transformers import AutoModelForSequenceClassification
 from trl import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from trl.assets import get_model_path, load_test_dataset
 from trl.trainer import reward_trainer
-from trl.trainer.utils import drop_padding, sequence_scores_without_padding
+from trl.trainer.utils import (
+    common_packed_width,
+    compute_sequence_token_logps,
+    drop_padding,
+    packed_sequence_logps_in_one_pass,
+    sequence_scores_without_padding,
+)
 
 
 def test_sequence_scores_equal_the_padded_forward():
@@ -89,3 +95,29 @@ def test_sft_padded_batch_runs_without_padding(tmp_path):
     assert "attention_mask" not in seen[0] and "position_ids" in seen[0]
     assert seen[0]["input_ids"].numel() < batch["input_ids"].numel()
     assert seen[0]["input_ids"].shape[1] == batch["attention_mask"].sum(dim=1).max()
+
+
+@pytest.mark.parametrize("layout", ["packed", "padding_free"])
+def test_parts_in_one_pass_equal_their_own_passes_bit_for_bit(tiny_qwen_path, layout):
+    """Two padded batches packed apart but run in one forward give the bits of their own passes at the common width
+    (KTO's reference over main + KL rows vs the policy's KL pass: an exact 0 KL while they are equal)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path)
+
+    def batch(width, lengths):
+        ids = torch.randint(10, 4000, (len(lengths), width))
+        mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+        ids[mask == 0] = 0
+        return ids, mask, mask[:, 1:].bool() & (torch.arange(width - 1)[None] >= 20)
+
+    parts = [batch(200, [200, 150, 180, 90, 120, 199, 60, 170]), batch(170, [170, 120, 100, 150, 80, 130, 70, 160])]
+    width = common_packed_width([mask for _, mask, _ in parts], layout)
+    with torch.no_grad():
+        together = packed_sequence_logps_in_one_pass(model, parts, layout)
+        alone = [compute_sequence_token_logps(model, *part, layout=layout, min_width=width).logps for part in parts]
+        padded = [compute_sequence_token_logps(model, *part).logps for part in parts]
+    for got, want, reference in zip(together, alone, padded, strict=True):
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
