@@ -10,6 +10,7 @@ from trl import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from trl.assets import get_model_path, load_test_dataset
 from trl.trainer import reward_trainer
 from trl.trainer.utils import (
+    MIN_SAVED_SHARE,
     common_packed_width,
     compute_sequence_token_logps,
     drop_padding,
@@ -28,7 +29,9 @@ def test_sequence_scores_equal_the_padded_forward():
     attention_mask[1, 8:] = 0
     attention_mask[3, 5:] = 0
     input_ids[attention_mask == 0] = model.config.pad_token_id
-    scores = sequence_scores_without_padding(model, input_ids, attention_mask)
+    # Rows of 12, 8, 12 and 5 tokens: no two fit in a row of 12, nothing saved; packed anyway when asked to.
+    assert sequence_scores_without_padding(model, input_ids, attention_mask) is None
+    scores = sequence_scores_without_padding(model, input_ids, attention_mask, min_saved_share=0.0)
     expected = model(input_ids=input_ids, attention_mask=attention_mask).logits
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -50,6 +53,29 @@ def test_drop_padding_packs_within_the_longest_row(tiny_qwen_path):
     assert packed.position_ids[1].tolist()[:7] == [0, 1, 2, 3, 0, 1, 2] or packed.position_ids[1].tolist()[:7] == [
         0, 1, 2, 0, 1, 2, 3,
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("saved_rows", [0, 1, 2])
+def test_packed_path_only_when_it_saves_enough_positions(saved_rows):
+    """Little padding saved (under `MIN_SAVED_SHARE` of the positions): the padded path; much: the packed one. Both
+    give the padded forward's scores."""
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        get_model_path("tiny-Qwen2ForSequenceClassification"), num_labels=1
+    )
+    # 8 rows of width 16; each saved row is two sequences of 8 tokens that pack into one row of 16.
+    lengths = [16] * (8 - 2 * saved_rows) + [8] * (2 * saved_rows)
+    attention_mask = (torch.arange(16)[None] < torch.tensor(lengths)[:, None]).long()
+    input_ids = torch.randint(10, 4000, (8, 16))
+    input_ids[attention_mask == 0] = model.config.pad_token_id
+    packed = drop_padding(model, input_ids, attention_mask)
+    scores = sequence_scores_without_padding(model, input_ids, attention_mask)
+    saved_share = saved_rows / 8
+    assert (packed is not None) == (saved_share >= MIN_SAVED_SHARE) == (scores is not None)
+    if packed is not None:
+        assert packed.input_ids.shape == (8 - saved_rows, 16)
+        expected = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("peft", [False, True])

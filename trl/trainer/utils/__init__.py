@@ -60,6 +60,7 @@ from .logprobs import (
     model_accepts_argument,
 )
 from .packing import (
+    MIN_SAVED_SHARE,
     PackedSequences,
     SequenceTokenLogps,
     common_packed_width,

@@ -200,30 +200,50 @@ def pack_padded_sequences(
     return PackedSequences(packed_ids, position_ids, src_row, src_col, dst_row, dst_col, offset)
 
 
-def drop_padding(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedSequences | None:
-    """The sequences of a padded batch packed for `model` (see [`pack_padded_sequences`]), or None when there is no
-    padding to drop or the model cannot attend within packed sequences ([`packed_attention_kind`]).
+# Packing only pays when it saves this share of the padded batch's positions: below, the packed path's own costs (the
+# block-diagonal masks built from `position_ids`, the gathers in and out) eat the saving. Rows of similar lengths,
+# as in most reward batches, save nothing with eager/SDPA attention (no two sequences fit in one row).
+# `benchmarks/bench_drop_padding.py` measured the crossover (docs/benchmarks.md).
+MIN_SAVED_SHARE = 0.1
+
+
+def drop_padding(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    min_saved_share: float = MIN_SAVED_SHARE,
+) -> PackedSequences | None:
+    """The sequences of a padded batch packed for `model` (see [`pack_padded_sequences`]), or None when packing would
+    save less than `min_saved_share` of the batch's positions or the model cannot attend within packed sequences
+    ([`packed_attention_kind`]).
 
     Variable-length kernels get one row; eager/SDPA attention gets rows no longer than the longest sequence, so the
-    dense block-diagonal masks stay as small as the padded batch's.
+    dense block-diagonal masks stay as small as the padded batch's (and only the rows that packing empties are
+    saved).
     """
     kind = packed_attention_kind(model)
     if kind is None or bool(attention_mask.all()):
         return None
     capacity = None if kind == "varlen" else int(attention_mask.sum(dim=1).max().item())
-    return pack_padded_sequences(input_ids, attention_mask, capacity)
+    packed = pack_padded_sequences(input_ids, attention_mask, capacity)
+    if packed.input_ids.numel() > (1 - min_saved_share) * input_ids.numel():
+        return None
+    return packed
 
 
 def sequence_scores_without_padding(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    min_saved_share: float = MIN_SAVED_SHARE,
 ) -> torch.Tensor | None:
     """The pooled logits `(batch, num_labels)` of a `*ForSequenceClassification` model on a padded batch, computed on
     the packed sequences ([`drop_padding`]) instead: the backbone runs without padding, and the score head only at
     the token the model pools (the last one that is not the pad token, as transformers' classification heads read it).
 
-    Returns None (run the model as usual) when the batch has no padding, or the model is not a plain transformers
-    sequence classifier whose backbone can attend within packed sequences (also when it is wrapped for distributed
-    training, whose hooks live on the outer module). PEFT adapters injected into the backbone and head still apply.
+    Returns None (run the model as usual) when packing saves less than `min_saved_share` of the positions (see
+    [`drop_padding`]), or the model is not a plain transformers sequence classifier whose backbone can attend within
+    packed sequences (also when it is wrapped for distributed training, whose hooks live on the outer module). PEFT adapters injected into the backbone and head still apply.
     """
     if hasattr(model, "module"):
         return None
@@ -236,7 +256,7 @@ def sequence_scores_without_padding(
         return None
     if pad_token_id is None or getattr(config, "problem_type", None) not in (None, "regression"):
         return None
-    packed = drop_padding(model, input_ids, attention_mask)
+    packed = drop_padding(model, input_ids, attention_mask, min_saved_share)
     if packed is None:
         return None
     hidden = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)[0]
