@@ -15,6 +15,7 @@ from trl.trainer.utils import (
     compute_sequence_token_logps,
     drop_padding,
     packed_sequence_logps_in_one_pass,
+    packing,
     sequence_scores_without_padding,
 )
 
@@ -108,8 +109,9 @@ def test_reward_step_equals_padded(tmp_path, monkeypatch, peft):
         torch.testing.assert_close(dropped[name], update, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_sft_padded_batch_runs_without_padding(tmp_path):
+def test_sft_padded_batch_runs_without_padding(tmp_path, monkeypatch):
     """The model sees the packed sequences: fewer positions than the padded batch, positions restarting."""
+    monkeypatch.setattr(packing, "MIN_SAVED_SHARE", 0.0)  # pack whatever this batch saves
     dataset = load_test_dataset("standard_language_modeling", split="train")
     args = SFTConfig(output_dir=str(tmp_path), report_to="none", disable_tqdm=True, per_device_train_batch_size=8,
                      **SGD_STEP_ARGS)  # fmt: skip

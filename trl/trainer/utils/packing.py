@@ -212,10 +212,10 @@ def drop_padding(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    min_saved_share: float = MIN_SAVED_SHARE,
+    min_saved_share: float | None = None,
 ) -> PackedSequences | None:
     """The sequences of a padded batch packed for `model` (see [`pack_padded_sequences`]), or None when packing would
-    save less than `min_saved_share` of the batch's positions or the model cannot attend within packed sequences
+    save less than `min_saved_share` (default `MIN_SAVED_SHARE`) of the batch's positions or the model cannot attend within packed sequences
     ([`packed_attention_kind`]).
 
     Variable-length kernels get one row; eager/SDPA attention gets rows no longer than the longest sequence, so the
@@ -227,7 +227,8 @@ def drop_padding(
         return None
     capacity = None if kind == "varlen" else int(attention_mask.sum(dim=1).max().item())
     packed = pack_padded_sequences(input_ids, attention_mask, capacity)
-    if packed.input_ids.numel() > (1 - min_saved_share) * input_ids.numel():
+    share = MIN_SAVED_SHARE if min_saved_share is None else min_saved_share
+    if packed.input_ids.numel() > (1 - share) * input_ids.numel():
         return None
     return packed
 
@@ -236,7 +237,7 @@ def sequence_scores_without_padding(
     model: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
-    min_saved_share: float = MIN_SAVED_SHARE,
+    min_saved_share: float | None = None,
 ) -> torch.Tensor | None:
     """The pooled logits `(batch, num_labels)` of a `*ForSequenceClassification` model on a padded batch, computed on
     the packed sequences ([`drop_padding`]) instead: the backbone runs without padding, and the score head only at
