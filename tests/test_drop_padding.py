@@ -9,7 +9,15 @@ from transformers import AutoModelForSequenceClassification
 from trl import RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 from trl.assets import get_model_path, load_test_dataset
 from trl.trainer import reward_trainer
-from trl.trainer.utils import drop_padding, sequence_scores_without_padding
+from trl.trainer.utils import (
+    MIN_SAVED_SHARE,
+    common_packed_width,
+    compute_sequence_token_logps,
+    drop_padding,
+    packed_sequence_logps_in_one_pass,
+    packing,
+    sequence_scores_without_padding,
+)
 
 
 def test_sequence_scores_equal_the_padded_forward():
@@ -22,7 +30,9 @@ def test_sequence_scores_equal_the_padded_forward():
     attention_mask[1, 8:] = 0
     attention_mask[3, 5:] = 0
     input_ids[attention_mask == 0] = model.config.pad_token_id
-    scores = sequence_scores_without_padding(model, input_ids, attention_mask)
+    # Rows of 12, 8, 12 and 5 tokens: no two fit in a row of 12, nothing saved; packed anyway when asked to.
+    assert sequence_scores_without_padding(model, input_ids, attention_mask) is None
+    scores = sequence_scores_without_padding(model, input_ids, attention_mask, min_saved_share=0.0)
     expected = model(input_ids=input_ids, attention_mask=attention_mask).logits
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -44,6 +54,29 @@ def test_drop_padding_packs_within_the_longest_row(tiny_qwen_path):
     assert packed.position_ids[1].tolist()[:7] == [0, 1, 2, 3, 0, 1, 2] or packed.position_ids[1].tolist()[:7] == [
         0, 1, 2, 0, 1, 2, 3,
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("saved_rows", [0, 1, 2])
+def test_packed_path_only_when_it_saves_enough_positions(saved_rows):
+    """Little padding saved (under `MIN_SAVED_SHARE` of the positions): the padded path; much: the packed one. Both
+    give the padded forward's scores."""
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        get_model_path("tiny-Qwen2ForSequenceClassification"), num_labels=1
+    )
+    # 8 rows of width 16; each saved row is two sequences of 8 tokens that pack into one row of 16.
+    lengths = [16] * (8 - 2 * saved_rows) + [8] * (2 * saved_rows)
+    attention_mask = (torch.arange(16)[None] < torch.tensor(lengths)[:, None]).long()
+    input_ids = torch.randint(10, 4000, (8, 16))
+    input_ids[attention_mask == 0] = model.config.pad_token_id
+    packed = drop_padding(model, input_ids, attention_mask)
+    scores = sequence_scores_without_padding(model, input_ids, attention_mask)
+    saved_share = saved_rows / 8
+    assert (packed is not None) == (saved_share >= MIN_SAVED_SHARE) == (scores is not None)
+    if packed is not None:
+        assert packed.input_ids.shape == (8 - saved_rows, 16)
+        expected = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("peft", [False, True])
@@ -76,8 +109,9 @@ def test_reward_step_equals_padded(tmp_path, monkeypatch, peft):
         torch.testing.assert_close(dropped[name], update, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_sft_padded_batch_runs_without_padding(tmp_path):
+def test_sft_padded_batch_runs_without_padding(tmp_path, monkeypatch):
     """The model sees the packed sequences: fewer positions than the padded batch, positions restarting."""
+    monkeypatch.setattr(packing, "MIN_SAVED_SHARE", 0.0)  # pack whatever this batch saves
     dataset = load_test_dataset("standard_language_modeling", split="train")
     args = SFTConfig(output_dir=str(tmp_path), report_to="none", disable_tqdm=True, per_device_train_batch_size=8,
                      **SGD_STEP_ARGS)  # fmt: skip
@@ -89,3 +123,29 @@ def test_sft_padded_batch_runs_without_padding(tmp_path):
     assert "attention_mask" not in seen[0] and "position_ids" in seen[0]
     assert seen[0]["input_ids"].numel() < batch["input_ids"].numel()
     assert seen[0]["input_ids"].shape[1] == batch["attention_mask"].sum(dim=1).max()
+
+
+@pytest.mark.parametrize("layout", ["packed", "padding_free"])
+def test_parts_in_one_pass_equal_their_own_passes_bit_for_bit(tiny_qwen_path, layout):
+    """Two padded batches packed apart but run in one forward give the bits of their own passes at the common width
+    (KTO's reference over main + KL rows vs the policy's KL pass: an exact 0 KL while they are equal)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path)
+
+    def batch(width, lengths):
+        ids = torch.randint(10, 4000, (len(lengths), width))
+        mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
+        ids[mask == 0] = 0
+        return ids, mask, mask[:, 1:].bool() & (torch.arange(width - 1)[None] >= 20)
+
+    parts = [batch(200, [200, 150, 180, 90, 120, 199, 60, 170]), batch(170, [170, 120, 100, 150, 80, 130, 70, 160])]
+    width = common_packed_width([mask for _, mask, _ in parts], layout)
+    with torch.no_grad():
+        together = packed_sequence_logps_in_one_pass(model, parts, layout)
+        alone = [compute_sequence_token_logps(model, *part, layout=layout, min_width=width).logps for part in parts]
+        padded = [compute_sequence_token_logps(model, *part).logps for part in parts]
+    for got, want, reference in zip(together, alone, padded, strict=True):
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)

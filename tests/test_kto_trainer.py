@@ -535,3 +535,32 @@ def test_bad_inputs(tmp_path, model_path, unpaired):
     stream = IterableDataset.from_generator(lambda: iter(train))
     with pytest.raises(ValueError, match="set args.max_steps"):
         KTOTrainer(model_path, args=make_args(tmp_path, max_steps=-1), train_dataset=stream)
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_gradient_free_forwards_are_batched_and_exact(tmp_path, model_path, unpaired, loss_type):
+    """The reference scores main and KL rows in one forward (none for the KL rows when the loss doesn't use them),
+    and while policy == reference the KL estimate and the rewards are exactly 0, as in TRL."""
+    args = make_args(tmp_path, loss_type=loss_type)
+    trainer = KTOTrainer(model_path, args=args, train_dataset=unpaired["train"].select(range(8)))
+    assert trainer._layout == "packed"
+    trainer.model.train()
+    examples = [dict(trainer.train_dataset[i]) for i in range(4)]
+    if loss_type == "kto":  # KL rows packed wider than the main rows: the parts must still give the same bits
+        examples[0]["KL_completion_ids"] = examples[0]["KL_completion_ids"] * 4
+    batch = trainer.data_collator(examples)
+    calls = {"policy": 0, "ref": 0}
+    for name, model in (("policy", trainer.model), ("ref", trainer.ref_model)):
+        model.model.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    trainer.compute_loss(trainer.model, batch)
+    needs_kl = loss_type == "kto"
+    assert calls == {"policy": 2 if needs_kl else 1, "ref": 1}
+    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    assert metrics["rewards/chosen"] == 0.0 and metrics["rewards/rejected"] == 0.0
+    if needs_kl:
+        assert metrics["kl"] == 0.0
+        one_pass = trainer.compute_ref_log_probs(trainer.model, batch)
+        trainer._kl_in_reference_forward = False
+        two_passes = trainer.compute_ref_log_probs(trainer.model, batch)
+        for key, value in two_passes.items():
+            torch.testing.assert_close(one_pass[key], value, rtol=1e-5, atol=1e-5)

@@ -22,7 +22,9 @@ from .preference_base import _PreferenceTrainer
 from .utils import (
     PromptCompletionTokenizer,
     collate_prompt_completions,
+    common_packed_width,
     map_kwargs_with_desc,
+    packed_sequence_logps_in_one_pass,
     scored_completion_tokens,
 )
 from .utils.vision import VISION_INPUT_KEYS
@@ -186,10 +188,11 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
     # than a separate no-grad forward of the KL rows on an idle CPU (0.6M and 28M models). It only won on a heavily
     # oversubscribed machine, where fewer, larger calls matter more than FLOPs. Set True on a trainer to use it.
     _kl_in_policy_forward: bool = False
-    # Whether the reference scores main and KL sequences in one forward. Cheaper (no backward pass, one call), but the
-    # KL sequences are then padded or packed with other rows than in the policy's KL pass, so at `policy == reference`
-    # the KL estimate is float noise (about 1e-6) instead of TRL's exact 0: off by default, kept for the benchmark.
-    _kl_in_reference_forward: bool = False
+    # Whether the reference scores main and KL sequences in one forward (packed layouts, no images). Each part is
+    # packed on its own, as in the policy's KL pass, before their rows are stacked: the KL estimate stays exactly 0
+    # while policy == reference (stacking the padded parts and packing them together gave ~1e-7 instead: other rows,
+    # widths and summation orders than the policy's KL pass).
+    _kl_in_reference_forward: bool = True
 
     # ------------------------------------------------------------------------------------------------------------
     # Dataset preparation
@@ -407,12 +410,20 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
                 mean_logit=result.stats["mean_logit"][:n],
                 outputs=result.outputs,
             )
-        result = self._token_logps(model, main, self._layout, with_stats=True)
+        # Rows as wide as in the reference's single pass over main + KL rows, so that the policy's values are the
+        # reference's bit for bit while the two are equal (rewards and KL estimate exactly 0 at the first step).
+        width = {}
+        if kl_rows is not None and self._kl_in_one_pass(inputs, self._layout):
+            masks = [main["attention_mask"], kl_rows["attention_mask"]]
+            width["min_width"] = common_packed_width(
+                masks, self._layout, getattr(self.args, "pad_to_multiple_of", None)
+            )
+        result = self._token_logps(model, main, self._layout, with_stats=True, **width)
         target_mask = self._target_mask(main)
         kl_logps = None
         if kl_rows is not None:
             with torch.no_grad():
-                kl_result = self._token_logps(model, kl_rows, self._layout, with_stats=False)
+                kl_result = self._token_logps(model, kl_rows, self._layout, with_stats=False, **width)
             kl_logps = self._sums(kl_result.logps, self._target_mask(kl_rows))
         return PolicyPass(
             logps=self._sums(result.logps, target_mask),
@@ -427,8 +438,9 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         """Reference log-probabilities of the completions (and KL completions) of a collated batch.
 
         The reference is the reference model, the PEFT policy with its adapters disabled or, while precomputing
-        before training, the untrained policy itself. The KL sequences go through their own forward pass, shaped as
-        in the policy's KL pass, so that the KL estimate is exactly 0 while the policy equals the reference.
+        before training, the untrained policy itself. In packed layouts the main and KL sequences go through one
+        forward pass, each packed on its own into rows as wide as in the policy's passes (`_policy_pass`), so that
+        the KL estimate is exactly 0 while the policy equals the reference; otherwise through two.
 
         Args:
             model: The policy (used for the PEFT reference and for precomputation).
@@ -442,25 +454,47 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         main = _main_rows(inputs)
         kl_rows = _kl_rows(inputs) if self._needs_kl else None
         n = main["input_ids"].shape[0]
-        if kl_rows is None:
-            parts = [main]
-        elif self._kl_in_reference_forward:
-            parts = [_stack_rows(main, kl_rows)]
-        else:
-            parts = [main, kl_rows]
+        parts = [main] if kl_rows is None else [main, kl_rows]
         with self._reference_module(model, self._ref_adapter_name) as reference:
-            sums = torch.cat(
-                [
-                    self._sums(
-                        self._token_logps(reference, part, layout, with_stats=False).logps, self._target_mask(part)
-                    )
-                    for part in parts
-                ]
-            )
+            if kl_rows is not None and self._kl_in_one_pass(inputs, layout):
+                logps = self._main_and_kl_logps(reference, main, kl_rows, layout)
+                sums = torch.cat(
+                    [self._sums(part_logps, self._target_mask(part)) for part_logps, part in zip(logps, parts)]
+                )
+            else:
+                sums = torch.cat(
+                    [
+                        self._sums(
+                            self._token_logps(reference, part, layout, with_stats=False).logps, self._target_mask(part)
+                        )
+                        for part in parts
+                    ]
+                )
         out = {"ref_logps": sums[:n]}
         if kl_rows is not None:
             out["ref_KL_logps"] = sums[n:]
         return out
+
+    def _kl_in_one_pass(self, inputs: dict[str, torch.Tensor], layout: str) -> bool:
+        """Whether the reference scores the main and KL rows of `inputs` in one forward pass (packed layouts only,
+        batches without images)."""
+        return (
+            self._kl_in_reference_forward
+            and layout in ("packed", "padding_free")
+            and not any(key in inputs for key in VISION_INPUT_KEYS)
+        )
+
+    def _main_and_kl_logps(
+        self, model: nn.Module, main: dict[str, torch.Tensor], kl_rows: dict[str, torch.Tensor], layout: str
+    ) -> list[torch.Tensor]:
+        """Token log-probs of the main and KL rows in one forward pass (see `packed_sequence_logps_in_one_pass`)."""
+        return packed_sequence_logps_in_one_pass(
+            model,
+            [(part["input_ids"], part["attention_mask"], self._target_mask(part)) for part in (main, kl_rows)],
+            layout,
+            pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=getattr(self.args, "pad_to_multiple_of", None),
+        )
 
     def _reference_logps(self, model: nn.Module, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Precomputed reference values of the batch when present, otherwise computed now."""

@@ -60,12 +60,15 @@ from .logprobs import (
     model_accepts_argument,
 )
 from .packing import (
+    MIN_SAVED_SHARE,
     PackedSequences,
     SequenceTokenLogps,
+    common_packed_width,
     compute_sequence_token_logps,
     drop_padding,
     pack_padded_sequences,
     packed_attention_kind,
+    packed_sequence_logps_in_one_pass,
     precompute_reference_logps,
     sequence_scores_without_padding,
 )

@@ -119,6 +119,7 @@ def pack_padded_sequences(
     capacity: int | None = None,
     pad_token_id: int = 0,
     pad_to_multiple_of: int | None = None,
+    min_width: int | None = None,
 ) -> PackedSequences:
     """Pack the sequences of a padded batch into as few rows as possible, without padding between them.
 
@@ -133,6 +134,8 @@ def pack_padded_sequences(
         capacity: Maximum row length, or None for a single row.
         pad_token_id: Id written into unused slots at the end of rows.
         pad_to_multiple_of: Round the packed width up to a multiple of this value.
+        min_width: Make the rows at least this wide (free slots at the end), e.g. to give two packed batches the same
+            width (see [`common_packed_width`]).
 
     Returns:
         [`PackedSequences`].
@@ -177,6 +180,7 @@ def pack_padded_sequences(
     width = max(max(fills), 2)  # at least two columns so that a next-token position exists
     if pad_to_multiple_of:
         width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    width = max(width, min_width or 0)
     device = input_ids.device
     src_row, src_col = mask.nonzero(as_tuple=True)
     # Index of each token inside its sequence (works for left and right padding).
@@ -196,30 +200,52 @@ def pack_padded_sequences(
     return PackedSequences(packed_ids, position_ids, src_row, src_col, dst_row, dst_col, offset)
 
 
-def drop_padding(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedSequences | None:
-    """The sequences of a padded batch packed for `model` (see [`pack_padded_sequences`]), or None when there is no
-    padding to drop or the model cannot attend within packed sequences ([`packed_attention_kind`]).
+# Packing only pays when it saves at least this share of the padded batch's positions: below, its own costs (the
+# block-diagonal masks built from `position_ids`, the gathers in and out) eat the saving. Rows of similar lengths, as
+# in most reward batches, save nothing with eager/SDPA attention (no two sequences fit in one row).
+# `benchmarks/bench_drop_padding.py` (28M reward model, 8 x 256): 12.5 % of the positions saved ran 0.99x the padded
+# step's CPU time, 25 % 0.80x, 37.5 % 0.79x (docs/benchmarks.md).
+MIN_SAVED_SHARE = 0.15
+
+
+def drop_padding(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    min_saved_share: float | None = None,
+) -> PackedSequences | None:
+    """The sequences of a padded batch packed for `model` (see [`pack_padded_sequences`]), or None when packing would
+    save less than `min_saved_share` (default `MIN_SAVED_SHARE`) of the batch's positions or the model cannot attend within packed sequences
+    ([`packed_attention_kind`]).
 
     Variable-length kernels get one row; eager/SDPA attention gets rows no longer than the longest sequence, so the
-    dense block-diagonal masks stay as small as the padded batch's.
+    dense block-diagonal masks stay as small as the padded batch's (and only the rows that packing empties are
+    saved).
     """
     kind = packed_attention_kind(model)
     if kind is None or bool(attention_mask.all()):
         return None
     capacity = None if kind == "varlen" else int(attention_mask.sum(dim=1).max().item())
-    return pack_padded_sequences(input_ids, attention_mask, capacity)
+    packed = pack_padded_sequences(input_ids, attention_mask, capacity)
+    share = MIN_SAVED_SHARE if min_saved_share is None else min_saved_share
+    if packed.input_ids.numel() > (1 - share) * input_ids.numel():
+        return None
+    return packed
 
 
 def sequence_scores_without_padding(
-    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    min_saved_share: float | None = None,
 ) -> torch.Tensor | None:
     """The pooled logits `(batch, num_labels)` of a `*ForSequenceClassification` model on a padded batch, computed on
     the packed sequences ([`drop_padding`]) instead: the backbone runs without padding, and the score head only at
     the token the model pools (the last one that is not the pad token, as transformers' classification heads read it).
 
-    Returns None (run the model as usual) when the batch has no padding, or the model is not a plain transformers
-    sequence classifier whose backbone can attend within packed sequences (also when it is wrapped for distributed
-    training, whose hooks live on the outer module). PEFT adapters injected into the backbone and head still apply.
+    Returns None (run the model as usual) when packing saves less than `min_saved_share` of the positions (see
+    [`drop_padding`]), or the model is not a plain transformers sequence classifier whose backbone can attend within
+    packed sequences (also when it is wrapped for distributed training, whose hooks live on the outer module). PEFT adapters injected into the backbone and head still apply.
     """
     if hasattr(model, "module"):
         return None
@@ -232,7 +258,7 @@ def sequence_scores_without_padding(
         return None
     if pad_token_id is None or getattr(config, "problem_type", None) not in (None, "regression"):
         return None
-    packed = drop_padding(model, input_ids, attention_mask)
+    packed = drop_padding(model, input_ids, attention_mask, min_saved_share)
     if packed is None:
         return None
     hidden = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)[0]
@@ -274,6 +300,7 @@ def compute_sequence_token_logps(
     pad_to_multiple_of: int | None = None,
     compute_entropy: bool = False,
     logits_stats_fn: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+    min_width: int | None = None,
     **forward_kwargs: Any,
 ) -> SequenceTokenLogps:
     """Per-token log-probs of a padded batch of sequences, computed in one forward pass in the chosen layout.
@@ -293,6 +320,7 @@ def compute_sequence_token_logps(
             the model returned (`(rows, positions, vocab)`) and their target ids (`(rows, positions)`); each returned
             tensor must have the shape of `targets` and is handed back in the padded layout. Use it for metrics that
             need the full distribution (mean logit, argmax accuracy, ...).
+        min_width: Packed layouts: make the rows at least this wide (see [`common_packed_width`]).
         **forward_kwargs: Extra arguments for the model's forward.
 
     Returns:
@@ -305,8 +333,10 @@ def compute_sequence_token_logps(
     if layout == "padded":
         ids, mask, positions_ids, targets_mask = input_ids, attention_mask, None, target_mask
     else:
-        capacity = None if layout == "padding_free" else int(attention_mask.sum(dim=1).max().item())
-        packed = pack_padded_sequences(input_ids, attention_mask, capacity, pad_token_id, pad_to_multiple_of)
+        capacity = _layout_capacity(attention_mask, layout)
+        packed = pack_padded_sequences(
+            input_ids, attention_mask, capacity, pad_token_id, pad_to_multiple_of, min_width
+        )
         ids, mask, positions_ids = packed.input_ids, None, packed.position_ids
         targets_mask = packed.pack_next_token(target_mask, False)
     result = compute_token_logps(
@@ -327,6 +357,77 @@ def compute_sequence_token_logps(
         entropy = packed.unpack_next_token(entropy, shape) if entropy is not None else None
         stats = {name: packed.unpack_next_token(value, shape) for name, value in stats.items()}
     return SequenceTokenLogps(logps=logps, entropy=entropy, stats=stats, outputs=result.outputs)
+
+
+def _layout_capacity(attention_mask: torch.Tensor, layout: str) -> int | None:
+    """Row capacity of a packed layout: one row (`padding_free`) or rows no longer than the longest sequence."""
+    return None if layout == "padding_free" else int(attention_mask.sum(dim=1).max().item())
+
+
+def common_packed_width(
+    attention_masks: list[torch.Tensor], layout: str, pad_to_multiple_of: int | None = None
+) -> int:
+    """The row width that fits every one of several padded batches packed in `layout` (`"packed"` or
+    `"padding_free"`, as in [`compute_sequence_token_logps`]).
+
+    Passing it as `min_width` packs each batch into rows of the same width: rows of one can then run in a forward
+    pass with rows of another and give the same bits as in a pass of their own (the width of a row changes the
+    summation order of attention, its number of rows does not).
+    """
+    width = 2
+    for mask in attention_masks:
+        capacity = _layout_capacity(mask, layout)
+        packed = pack_padded_sequences(mask.long(), mask, capacity, 0, pad_to_multiple_of)
+        width = max(width, packed.input_ids.shape[1])
+    return width
+
+
+def packed_sequence_logps_in_one_pass(
+    model: nn.Module,
+    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    layout: str,
+    pad_token_id: int = 0,
+    pad_to_multiple_of: int | None = None,
+) -> list[torch.Tensor]:
+    """Per-token log-probs of several padded batches in one forward pass of `model`, each one packed on its own.
+
+    Each part is packed as [`compute_sequence_token_logps`] packs it alone with
+    `min_width=common_packed_width(...)` of all parts, and the rows of all parts are stacked: every real token sees
+    the same keys at the same positions in a row of the same width as in that call, and gets the same value while
+    the model is called once. Used for gradient-free passes (KTO's reference over its main and its KL rows).
+
+    Args:
+        model: Causal LM whose attention keeps packed sequences apart ([`packed_attention_kind`]).
+        parts: `(input_ids, attention_mask, target_mask)` of each padded batch; `target_mask` is `(batch, seq_len - 1)`.
+        layout: `"packed"` (rows no longer than the part's longest sequence) or `"padding_free"` (one row per part).
+        pad_token_id: Id used for free slots.
+        pad_to_multiple_of: Round each part's packed width up to a multiple of this value.
+
+    Returns:
+        The `(batch, seq_len - 1)` log-probs of each part, in its padded layout (0 outside its `target_mask`).
+    """
+    if layout not in ("packed", "padding_free"):
+        raise ValueError(f"layout must be 'packed' or 'padding_free'; got {layout!r}.")
+    width = common_packed_width([mask for _, mask, _ in parts], layout, pad_to_multiple_of)
+    packs = [
+        pack_padded_sequences(ids, mask, _layout_capacity(mask, layout), pad_token_id, pad_to_multiple_of, width)
+        for ids, mask, _ in parts
+    ]
+    logps = compute_token_logps(
+        model,
+        torch.cat([pack.input_ids for pack in packs]),
+        position_ids=torch.cat([pack.position_ids for pack in packs]),
+        target_mask=torch.cat(
+            [pack.pack_next_token(target.bool(), False) for pack, (_, _, target) in zip(packs, parts)]
+        ),
+    ).logps
+    out, start = [], 0
+    for pack, (input_ids, _, _) in zip(packs, parts, strict=True):
+        rows = pack.input_ids.shape[0]
+        shape = (input_ids.shape[0], input_ids.shape[1] - 1)
+        out.append(pack.unpack_next_token(logps[start : start + rows], shape))
+        start += rows
+    return out
 
 
 def precompute_reference_logps(
