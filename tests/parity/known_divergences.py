@@ -20,7 +20,7 @@ KNOWN_DIVERGENCES: dict[str, str] = {
     "chat_template_utils/get_training_chat_template/llama3": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
     "chat_template_utils/add_response_schema": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
     "gspo_token/sequence_token/beta=0.04": "step 2 (second iteration on the same rollouts) loss -0.15651 vs -0.15669, "
-    "grad_norm 0.38992 vs 0.38743; step 1 and the logged kl agree. Not GSPO-token's ratio: importance_sampling_level "
+    "grad_norm 0.38992 vs 0.38743; step 1 agrees; kl 0.061057 vs 0.056332 (1.12 logs the plain KL, 1.16 and this project weight it by the importance ratio). Not GSPO-token's ratio: importance_sampling_level "
     "token and sequence give the same gap against TRL 1.12 with beta=0.04 and num_iterations=2 (and without beta "
     "GSPO-token matches); the GRPO base's KL term under num_iterations=2 differs from 1.12's (against 1.16 both the loss "
     "and the logged kl match: parity grpo/num_iterations=2/beta=0.04) (issue 24)",
