@@ -48,8 +48,11 @@ def fusable_lm_head(model: nn.Module) -> nn.Linear | None:
     """The model's output projection if the fused LM head + log-softmax can stand in for it, else None.
 
     It can when the head is a plain `nn.Linear` (not wrapped by PEFT, not sharded by DeepSpeed ZeRO-3 or FSDP) whose
-    output the model returns as is (no logit soft-capping or scaling in the config).
+    output the model returns as is (no logit soft-capping or scaling in the config), and the model is not wrapped by
+    DistributedDataParallel (whose gradient hooks expect every parameter used inside the wrapped forward).
     """
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return None
     target = getattr(model, "module", model)
     get_head = getattr(target, "get_output_embeddings", None)
     try:
