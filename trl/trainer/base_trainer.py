@@ -417,7 +417,16 @@ class _BaseTrainer(Trainer):
             return metrics
         if eval_dataset is not None and not isinstance(eval_dataset, str):
             eval_dataset = self._prepare_eval_dataset(eval_dataset, metric_key_prefix)
-        return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        with self._training_kernels():
+            return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
+    def _training_kernels(self) -> contextlib.AbstractContextManager:
+        """Faster stand-ins for parts of the model, in place while training or evaluating and removed afterwards (the
+        model given and the ones saved keep their own): per-sequence causal attention on padding-free batches
+        ([`~trl.trainer.utils.packing.packed_sdpa_attention`])."""
+        from .utils.packing import packed_sdpa_attention
+
+        return packed_sdpa_attention(self.model)
 
     def _save_checkpoint(self, model, trial):
         if self.args.hub_model_id is None:
@@ -489,7 +498,8 @@ class _BaseTrainer(Trainer):
             from .utils.checkpoints import last_complete_checkpoint
 
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        with self._training_kernels():
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def create_model_card(
         self,

@@ -68,6 +68,8 @@ from .packing import (
     drop_padding,
     pack_padded_sequences,
     packed_attention_kind,
+    packed_sdpa_applicable,
+    packed_sdpa_attention,
     packed_sequence_logps_in_one_pass,
     precompute_reference_logps,
     sequence_scores_without_padding,

@@ -7,14 +7,16 @@ padding ("packed" layouts with restarting `position_ids`), (2) return per-token 
 log-probabilities for a whole dataset once, storing them as dataset columns.
 """
 
+import contextlib
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 
 from ...import_utils import is_peft_available, is_rich_available
+from ...kernels.packed_attention import PACKED_SDPA, register_packed_sdpa
 from .logprobs import compute_token_logps, model_accepts_argument
 
 
@@ -22,7 +24,7 @@ from .logprobs import compute_token_logps, model_accepts_argument
 # `masking_utils` detects the restarting positions and builds a block-diagonal causal mask) or that run variable-length
 # kernels. "varlen" ones cost nothing extra for one long row; the others build a dense mask per row.
 _VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
-_MASKED_ATTENTION = ("eager", "sdpa")
+_MASKED_ATTENTION = ("eager", "sdpa", PACKED_SDPA)
 _PACKABLE_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
@@ -70,6 +72,37 @@ def packed_attention_kind(model: nn.Module) -> str | None:
         if module is not None and hasattr(module, "create_causal_mask"):
             return "masked"
     return None
+
+
+def packed_sdpa_applicable(model: nn.Module) -> bool:
+    """Whether `model`'s SDPA attention can be swapped for [`~trl.kernels.packed_attention.packed_sdpa_attention_forward`]
+    (per-sequence causal kernels on padding-free batches, SDPA itself on every other call).
+
+    It can for a text-only transformers decoder (no vision or audio sub-model, whose encoders read their own sequence
+    boundaries) that attends with `"sdpa"` and builds its masks with `masking_utils` ([`packed_attention_kind`]
+    `"masked"`). PEFT adapters, DeepSpeed and FSDP leave the attention arithmetic alone, so they do not matter here.
+    """
+    base = _base_transformers_model(model)
+    config = getattr(base, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or getattr(config, "sub_configs", None):
+        return False
+    return hasattr(base, "set_attn_implementation") and packed_attention_kind(model) == "masked"
+
+
+@contextlib.contextmanager
+def packed_sdpa_attention(model: nn.Module) -> Iterator[None]:
+    """Within the block, `model` attends with the packed-sequence SDPA kernel when [`packed_sdpa_applicable`]; SDPA is
+    restored afterwards (the implementation is not written to saved configs either). Re-entering the block (an
+    evaluation inside training) leaves the outer one in charge."""
+    if not packed_sdpa_applicable(model):
+        yield
+        return
+    base = _base_transformers_model(model)
+    base.set_attn_implementation(register_packed_sdpa())
+    try:
+        yield
+    finally:
+        base.set_attn_implementation("sdpa")
 
 
 class PackedSequences(NamedTuple):
