@@ -421,12 +421,17 @@ class _BaseTrainer(Trainer):
             return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
     def _training_kernels(self) -> contextlib.AbstractContextManager:
-        """Faster stand-ins for parts of the model, in place while training or evaluating and removed afterwards (the
-        model given and the ones saved keep their own): per-sequence causal attention on padding-free batches
-        ([`~trl.trainer.utils.packing.packed_sdpa_attention`])."""
+        """Faster, leaner stand-ins for parts of the model, in place while training or evaluating and removed
+        afterwards (the model given and the ones saved keep their own): per-sequence causal attention on padding-free
+        batches ([`~trl.trainer.utils.packing.packed_sdpa_attention`]) and the MLPs and RMSNorms that keep fewer
+        activations ([`~trl.trainer.utils.lean_modules.lean_modules`])."""
+        from .utils.lean_modules import lean_modules
         from .utils.packing import packed_sdpa_attention
 
-        return packed_sdpa_attention(self.model)
+        stack = contextlib.ExitStack()
+        stack.enter_context(packed_sdpa_attention(self.model))
+        stack.enter_context(lean_modules(self.model, self.args))
+        return stack
 
     def _save_checkpoint(self, model, trial):
         if self.args.hub_model_id is None:

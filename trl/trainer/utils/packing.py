@@ -84,7 +84,11 @@ def packed_sdpa_applicable(model: nn.Module) -> bool:
     """
     base = _base_transformers_model(model)
     config = getattr(base, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or getattr(config, "sub_configs", None):
+    if (
+        config is None
+        or getattr(config, "_attn_implementation", None) != "sdpa"
+        or getattr(config, "sub_configs", None)
+    ):
         return False
     return hasattr(base, "set_attn_implementation") and packed_attention_kind(model) == "masked"
 

@@ -1,0 +1,219 @@
+"""The kernels trainers put in place while training: packed-sequence SDPA, the memory-lean SwiGLU MLP and RMSNorm.
+
+Each equals what it stands in for (values and gradients), applies only where it is safe, and leaves the model as it
+was (classes, state-dict keys, attention implementation) once training is over."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+from trl import SFTConfig, SFTTrainer
+from trl.kernels.decoder_layers import rms_norm, swiglu_mlp
+from trl.kernels.packed_attention import PACKED_SDPA
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+from trl.trainer.utils.lean_modules import lean_module_kernel, lean_modules
+from trl.trainer.utils.packing import packed_sdpa_applicable, packed_sdpa_attention
+
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _grads(model):
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_close_dicts(a, b, rtol=1e-5, atol=1e-6):
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=key)
+
+
+def _packed_batch(lengths, pad_to_multiple_of=None):
+    torch.manual_seed(0)
+    examples = [{"input_ids": torch.randint(0, 100, (n,)).tolist()} for n in lengths]
+    collator = DataCollatorForLanguageModeling(
+        pad_token_id=0, padding_free=True, pad_to_multiple_of=pad_to_multiple_of
+    )
+    return collator(examples)
+
+
+@pytest.mark.parametrize("pad_to_multiple_of", [None, 16])
+def test_packed_sdpa_equals_block_diagonal_sdpa(tiny_qwen_path, pad_to_multiple_of):
+    batch = _packed_batch([7, 1, 12, 5], pad_to_multiple_of)
+    labels = batch.pop("labels")
+    results = {}
+    for name in ("sdpa", PACKED_SDPA):
+        model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path, attn_implementation="sdpa")
+        with packed_sdpa_attention(model) if name == PACKED_SDPA else torch.enable_grad():
+            assert model.config._attn_implementation == name
+            out = model(**batch, labels=labels, use_cache=False)
+            out.loss.backward()
+        assert model.config._attn_implementation == "sdpa"
+        results[name] = (out.logits.detach(), _grads(model))
+    torch.testing.assert_close(results["sdpa"][0], results[PACKED_SDPA][0], rtol=1e-5, atol=1e-5)
+    _assert_close_dicts(results["sdpa"][1], results[PACKED_SDPA][1])
+
+
+def test_packed_sdpa_matches_separate_sequences(tiny_qwen_path):
+    batch = _packed_batch([6, 9])
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path, attn_implementation="sdpa")
+    with torch.no_grad(), packed_sdpa_attention(model):
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                       cu_seq_lens_q=batch["cu_seq_lens_q"], cu_seq_lens_k=batch["cu_seq_lens_k"]).logits  # fmt: skip
+        ids = batch["input_ids"]
+        separate = torch.cat([model(input_ids=ids[:, :6]).logits, model(input_ids=ids[:, 6:]).logits], dim=1)
+    torch.testing.assert_close(packed, separate, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_sdpa_falls_back_to_sdpa_on_padded_batches(tiny_qwen_path):
+    ids = torch.randint(0, 100, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path, attn_implementation="sdpa")
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        with packed_sdpa_attention(model):
+            got = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, expected)
+
+
+def test_packed_sdpa_applies_to_sdpa_text_models_only(tiny_qwen_path):
+    assert packed_sdpa_applicable(AutoModelForCausalLM.from_pretrained(tiny_qwen_path, attn_implementation="sdpa"))
+    eager = AutoModelForCausalLM.from_pretrained(tiny_qwen_path, attn_implementation="eager")
+    assert not packed_sdpa_applicable(eager)
+    with packed_sdpa_attention(eager):
+        assert eager.config._attn_implementation == "eager"
+    assert not packed_sdpa_applicable(nn.Linear(2, 2))
+
+
+def _mlp_weights(hidden=16, inter=24, dtype=torch.float32):
+    torch.manual_seed(1)
+    return [
+        torch.randn(s, dtype=dtype, requires_grad=True) for s in ((inter, hidden), (inter, hidden), (hidden, inter))
+    ]
+
+
+def _reference_mlp(x, gate, up, down):
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def _reference_rms_norm(x, weight, eps):
+    x32 = x.to(torch.float32)
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("kernel", ["mlp", "norm"])
+def test_kernels_equal_plain_autograd_with_padding_and_accumulation(kernel):
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)  # a padded batch: loss on real tokens
+    inputs = [torch.randn(2, 5, 16) for _ in range(2)]  # two micro-batches, gradients accumulated
+    params = _mlp_weights() if kernel == "mlp" else [torch.rand(16, requires_grad=True)]
+    grads = {}
+    for name in ("plain", "kernel"):
+        for p in params:
+            p.grad = None
+        outputs = []
+        for x in inputs:
+            x = x.clone().requires_grad_(True)
+            if kernel == "mlp":
+                y = swiglu_mlp(x, *params) if name == "kernel" else _reference_mlp(x, *params)
+            else:
+                y = rms_norm(x, params[0], 1e-6) if name == "kernel" else _reference_rms_norm(x, params[0], 1e-6)
+            (y[mask] ** 2).sum().backward()
+            outputs.append((y.detach(), x.grad))
+        grads[name] = (outputs, [p.grad.clone() for p in params])
+    for (y_a, gx_a), (y_b, gx_b) in zip(grads["plain"][0], grads["kernel"][0]):
+        torch.testing.assert_close(y_a, y_b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gx_a, gx_b, rtol=1e-5, atol=1e-5)
+    for g_a, g_b in zip(grads["plain"][1], grads["kernel"][1]):
+        torch.testing.assert_close(g_a, g_b, rtol=1e-5, atol=1e-5)
+
+
+def test_kernels_gradcheck():
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    weights = _mlp_weights(8, 12, torch.float64)
+    assert torch.autograd.gradcheck(swiglu_mlp, (x, *weights))
+    weight = torch.rand(8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, w: rms_norm(a, w, 1e-6), (x, weight))
+
+
+def test_rms_norm_bfloat16_matches_module_formula():
+    x = torch.randn(3, 8, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.rand(8, dtype=torch.bfloat16, requires_grad=True)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), _reference_rms_norm(x, weight, 1e-6))
+
+
+def test_lean_module_predicate(tiny_qwen_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path)
+    layer = model.model.layers[0]
+    assert lean_module_kernel(layer.mlp) is not None
+    assert lean_module_kernel(layer.input_layernorm) is not None
+    assert lean_module_kernel(layer.self_attn) is None
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(model, peft.LoraConfig(target_modules=["gate_proj", "q_proj"], r=2))
+    mlp = lora.base_model.model.model.layers[0].mlp
+    assert lean_module_kernel(mlp) is None  # LoRA-wrapped projection: the stock module runs
+    assert lean_module_kernel(lora.base_model.model.model.layers[0].post_attention_layernorm) is not None
+
+
+@pytest.mark.parametrize(
+    "args",
+    [SFTConfig("out", gradient_checkpointing=True), SFTConfig("out", gradient_checkpointing=False, fsdp="full_shard")],
+)
+def test_lean_modules_off_with_checkpointing_or_sharding(tiny_qwen_path, args):
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path)
+    with lean_modules(model, args) as switched:
+        assert switched == 0
+        assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_lean_modules_leave_model_and_state_dict_unchanged(tiny_qwen_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path)
+    keys, classes = list(model.state_dict()), [type(m) for m in model.modules()]
+    ids = torch.randint(0, 100, (2, 9))
+    expected = model(input_ids=ids, labels=ids)
+    expected.loss.backward()
+    expected_grads = _grads(model)
+    model.zero_grad()
+    with lean_modules(model) as switched:
+        assert switched == 2 * model.config.num_hidden_layers + model.config.num_hidden_layers + 1
+        with lean_modules(model) as inner:
+            assert inner == 0
+        assert list(model.state_dict()) == keys
+        got = model(input_ids=ids, labels=ids)
+        got.loss.backward()
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-6)
+    _assert_close_dicts(_grads(model), expected_grads)
+    assert [type(m) for m in model.modules()] == classes
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_sft_packed_training_with_kernels_equals_without(tiny_qwen_path, tmp_path, gradient_checkpointing):
+    texts = [" ".join(f"w{i * j % 37}" for j in range(3 + (i * 7) % 40)) for i in range(24)]
+    dataset = Dataset.from_dict({"text": texts})
+    losses, models = {}, {}
+    for name in ("kernels", "stock"):
+        args = SFTConfig(
+            str(tmp_path / name), max_steps=3, per_device_train_batch_size=4, packing=True, max_length=64,
+            logging_steps=1, report_to="none", save_strategy="no", seed=0, bf16=False,
+            gradient_checkpointing=gradient_checkpointing, learning_rate=1e-3,
+        )  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path, attn_implementation="sdpa")
+        trainer = SFTTrainer(model, args=args, train_dataset=dataset)
+        if name == "stock":
+            trainer._training_kernels = lambda: torch.enable_grad()
+        trainer.train()
+        losses[name] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+        models[name] = trainer.model
+        assert trainer.model.config._attn_implementation == "sdpa"
+        assert not any("forward" in vars(m) for m in trainer.model.modules())
+    assert losses["kernels"] == pytest.approx(losses["stock"], rel=1e-5)
+    _assert_close_dicts(dict(models["kernels"].named_parameters()), dict(models["stock"].named_parameters()))
+    trainer.save_model(str(tmp_path / "saved"))
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert list(reloaded.state_dict()) == list(models["stock"].state_dict())
+    assert type(reloaded.model.layers[0].mlp) is type(models["stock"].model.layers[0].mlp)

@@ -1,0 +1,87 @@
+"""Memory-lean forwards for the decoder MLPs and RMSNorms of the trained model, in place while a trainer trains or
+evaluates ([`lean_modules`]); which modules qualify is decided here once ([`lean_module_kernel`])."""
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from ...kernels.decoder_layers import rms_norm, swiglu_mlp
+from .distributed import uses_sharding_engine
+
+
+# Classes whose forward is exactly `down_proj(act_fn(gate_proj(x)) * up_proj(x))`, resp. the standard RMSNorm formula
+# `weight * (x.float() * rsqrt(mean(x.float()^2) + variance_epsilon)).to(x.dtype)`; matched by name so that a
+# subclass or a replacement (liger's, a hub kernel's) with other arithmetic never qualifies.
+_SWIGLU_MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+_RMS_NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+
+
+def _plain_weight(weight: Any) -> bool:
+    """A dense floating-point parameter owned by this process (not quantized, not a DeepSpeed ZeRO-3 or FSDP shard)."""
+    return type(weight) is nn.Parameter and weight.is_floating_point() and not hasattr(weight, "ds_id")
+
+
+def _plain_linear(module: Any) -> bool:
+    """An unwrapped `nn.Linear` without bias (PEFT's LoRA layers and quantized linears are other classes)."""
+    return type(module) is nn.Linear and module.bias is None and _plain_weight(module.weight)
+
+
+def _silu(module: Any) -> bool:
+    return type(module) is nn.SiLU or type(module).__name__ == "SiLUActivation"
+
+
+def lean_module_kernel(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The memory-lean forward for `module` when it is a supported SwiGLU MLP or RMSNorm, else None.
+
+    Supported: the Llama / Mistral / Qwen2 / Qwen3 MLP with plain bias-free `nn.Linear` gate, up and down
+    projections and a SiLU activation ([`~trl.kernels.decoder_layers.swiglu_mlp`]), and these models' RMSNorm
+    ([`~trl.kernels.decoder_layers.rms_norm`]), with dense floating-point weights.
+    """
+    name = type(module).__name__
+    if name in _SWIGLU_MLP_CLASSES:
+        projections = [getattr(module, key, None) for key in ("gate_proj", "up_proj", "down_proj")]
+        if all(_plain_linear(p) for p in projections) and _silu(getattr(module, "act_fn", None)):
+            # Weights read at call time: an engine may swap the parameter objects after the switch.
+            return lambda x: swiglu_mlp(x, module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight)
+    if name in _RMS_NORM_CLASSES:
+        weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+        if _plain_weight(weight) and weight.dim() == 1 and isinstance(eps, float):
+            return lambda x: rms_norm(x, module.weight, module.variance_epsilon)
+    return None
+
+
+def lean_modules_applicable(model: nn.Module, args: Any = None) -> bool:
+    """Whether the model-wide conditions for [`lean_modules`] hold: no DeepSpeed or FSDP engine, and no gradient
+    checkpointing (it already drops the activations these kernels save memory on), asked of the training arguments
+    `args` (the trainer turns both on later) and of the model."""
+    if args is not None and (uses_sharding_engine(args) or getattr(args, "gradient_checkpointing", False)):
+        return False
+    target = getattr(model, "module", model)
+    return not any(getattr(m, "gradient_checkpointing", False) is True for m in target.modules())
+
+
+@contextlib.contextmanager
+def lean_modules(model: nn.Module, args: Any = None) -> Iterator[int]:
+    """Within the block, every supported MLP and RMSNorm of `model` ([`lean_module_kernel`]) runs its memory-lean
+    forward (same values and gradients, fewer saved activations). Only the modules' `forward` is replaced, on the
+    instances: no parameter, buffer or state-dict key changes, and saving inside the block writes the same files.
+    Yields how many modules were switched; re-entering the block leaves the outer one in charge."""
+    if not lean_modules_applicable(model, args):
+        yield 0
+        return
+    switched = []
+    for module in getattr(model, "module", model).modules():
+        if "forward" in vars(module):  # already replaced (an outer block) or patched by someone else
+            continue
+        kernel = lean_module_kernel(module)
+        if kernel is not None:
+            module.forward = kernel
+            switched.append(module)
+    try:
+        yield len(switched)
+    finally:
+        for module in switched:
+            del module.forward
