@@ -1,6 +1,8 @@
 """Shared-prefix forward passes (trl/trainer/utils/prefix_sharing.py): the layout and its mask, per-row log-probs,
 pooled scores and their gradients equal to separate rows, and the trainers that use them (DPO, Reward, KTO)."""
 
+import copy
+
 import pytest
 import torch
 from datasets import Dataset
@@ -11,6 +13,8 @@ from trl.trainer.utils.prefix_sharing import (
     MIN_SHARED_SAVING,
     paired_groups,
     pooled_scores_share_safely,
+    prefix_cached_saving,
+    prefix_cached_token_logps,
     share_prefixes,
     shared_prefix_pooled_scores,
     shared_prefix_token_logps,
@@ -235,18 +239,20 @@ def _losses(trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-def _train_twice(make_trainer, attribute: str):
-    shared = make_trainer()
+def _train_twice(make_trainer, model, attribute: str):
+    """Train the same model a few steps with the shared path and with it switched off: same losses."""
+    shared = make_trainer(copy.deepcopy(model))
     assert getattr(shared, attribute)
     shared_losses = _losses(shared)
     assert shared._shared_prefix_passes > 0
-    plain = make_trainer()
+    plain = make_trainer(copy.deepcopy(model))
     setattr(plain, attribute, False)
     if hasattr(plain, "_ref_share_prefix"):
         plain._ref_share_prefix = False
     plain_losses = _losses(plain)
     assert getattr(plain, "_shared_prefix_passes", 0) == 0
     assert shared_losses == pytest.approx(plain_losses, rel=1e-4, abs=1e-6)
+    return shared, plain
 
 
 def test_dpo_trainer_shares_prompts_and_keeps_its_losses(tmp_path, model_path):
@@ -254,14 +260,14 @@ def test_dpo_trainer_shares_prompts_and_keeps_its_losses(tmp_path, model_path):
 
     dataset = Dataset.from_list(_text_rows())
 
-    def make_trainer():
+    def make_trainer(model):
         args = DPOConfig(
             str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
             logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
         )  # fmt: skip
-        return DPOTrainer(model_path, args=args, train_dataset=dataset)
+        return DPOTrainer(model, args=args, train_dataset=dataset)
 
-    _train_twice(make_trainer, "_share_prefix")
+    _train_twice(make_trainer, AutoModelForCausalLM.from_pretrained(model_path), "_share_prefix")
 
 
 def test_reward_trainer_shares_prompts_and_keeps_its_losses(tmp_path, model_path):
@@ -269,14 +275,16 @@ def test_reward_trainer_shares_prompts_and_keeps_its_losses(tmp_path, model_path
 
     dataset = Dataset.from_list(_text_rows())
 
-    def make_trainer():
+    def make_trainer(model):
         args = RewardConfig(
             str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
             logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
         )  # fmt: skip
-        return RewardTrainer(model_path, args=args, train_dataset=dataset)
+        return RewardTrainer(model, args=args, train_dataset=dataset)
 
-    _train_twice(make_trainer, "_share_prefix")
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1)
+    _train_twice(make_trainer, model, "_share_prefix")
 
 
 def test_kto_trainer_shares_prompts_and_keeps_its_losses(tmp_path, model_path):
@@ -286,11 +294,40 @@ def test_kto_trainer_shares_prompts_and_keeps_its_losses(tmp_path, model_path):
     for i, row in enumerate(_text_rows()):
         rows.append({"prompt": row["prompt"], "completion": row["chosen"], "label": i % 2 == 0})
 
-    def make_trainer():
+    def make_trainer(model):
         args = KTOConfig(
-            str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
+            str(tmp_path), max_steps=3, gradient_checkpointing=False, per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
             logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
         )  # fmt: skip
-        return KTOTrainer(model_path, args=args, train_dataset=Dataset.from_list(rows))
+        return KTOTrainer(model, args=args, train_dataset=Dataset.from_list(rows))
 
-    _train_twice(make_trainer, "_share_prefix")
+    _train_twice(make_trainer, AutoModelForCausalLM.from_pretrained(model_path), "_share_kl_prefix")
+
+
+@pytest.mark.parametrize("kind", ["paired", "unrelated"])
+def test_prefix_cached_continuations_equal_separate_rows(causal_lm, kind):
+    """KTO-shaped: main rows with gradient, KL rows (same prompt, another completion) from the cached prefix."""
+    ids, mask, target = _batch(kind)
+    n = len(ids) // 2
+    main, main_mask, main_target = ids[:n], mask[:n], target[:n]
+    width = int(main_mask.sum(dim=1).max())
+    main, main_mask, main_target = main[:, :width], main_mask[:, :width], main_target[:, : width - 1]
+    kl, kl_mask, kl_target = ids[n:], mask[n:], target[n:]
+    causal_lm.zero_grad()
+    result = prefix_cached_token_logps(
+        causal_lm, main, main_mask, main_target, kl, kl_mask, kl_target, compute_entropy=True
+    )
+    result.main.logps.sum().backward()
+    grads = [p.grad.clone() for p in causal_lm.parameters()]
+    assert not result.continuation_logps.requires_grad
+    causal_lm.zero_grad()
+    ref_main = compute_sequence_token_logps(causal_lm, main, main_mask, main_target, compute_entropy=True)
+    ref_main.logps.sum().backward()
+    with torch.no_grad():
+        ref_kl = compute_sequence_token_logps(causal_lm, kl, kl_mask, kl_target).logps
+    torch.testing.assert_close(result.main.logps, ref_main.logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(result.main.entropy, ref_main.entropy, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(result.continuation_logps, ref_kl, rtol=1e-5, atol=1e-5)
+    for grad, ref_grad in zip(grads, [p.grad for p in causal_lm.parameters()], strict=True):
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    assert prefix_cached_saving(main_mask, kl, kl_mask, main) > 0

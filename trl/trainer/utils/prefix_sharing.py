@@ -175,8 +175,10 @@ def supports_prefix_sharing(model: nn.Module | None, causal_lm: bool = True) -> 
     layer_types = getattr(text_config, "layer_types", None)
     if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
         return False
-    if layer_types is None and getattr(text_config, "sliding_window", None) and getattr(
-        text_config, "use_sliding_window", True
+    if (
+        layer_types is None
+        and getattr(text_config, "sliding_window", None)
+        and getattr(text_config, "use_sliding_window", True)
     ):
         return False
     if str(getattr(config, "_attn_implementation", None) or "eager") not in _MASK_ATTENTION:
@@ -308,3 +310,160 @@ def paired_groups(batch: int) -> list[list[int]]:
     """Groups of a batch whose first half pairs row by row with its second half (`[chosen...; rejected...]`)."""
     half = batch // 2
     return [[row, row + half] for row in range(half)]
+
+
+class PrefixCachedLogps(NamedTuple):
+    """Result of [`prefix_cached_token_logps`].
+
+    Attributes:
+        main: Per-token log-probs of the main rows ([`SequenceTokenLogps`], padded layout of the main batch).
+        continuation_logps: `(batch, cont_len - 1)` log-probs of the continuation rows, detached.
+    """
+
+    main: SequenceTokenLogps
+    continuation_logps: torch.Tensor
+
+
+def prefix_cached_saving(
+    main_mask: torch.Tensor, continuation_ids: torch.Tensor, continuation_mask: torch.Tensor, main_ids: torch.Tensor
+) -> float:
+    """Share of the tokens of an unshared main + continuation pass that [`prefix_cached_token_logps`] saves (the
+    continuation tokens it skips, less the padding of the main rows it computes), as a fraction of all real tokens."""
+    prefix = _row_common_prefix(main_ids, main_mask, continuation_ids, continuation_mask)
+    skipped = int(prefix.sum())
+    padding = int((~main_mask.bool()).sum())
+    total = int(main_mask.sum() + continuation_mask.sum())
+    return (skipped - 2 * padding) / total if total else 0.0
+
+
+def _row_common_prefix(
+    ids: torch.Tensor, mask: torch.Tensor, other_ids: torch.Tensor, other_mask: torch.Tensor
+) -> torch.Tensor:
+    """`(batch,)` length of the common token prefix of row `i` of two right-padded batches."""
+    width = min(ids.shape[1], other_ids.shape[1])
+    same = (ids[:, :width] == other_ids[:, :width]) & mask[:, :width].bool() & other_mask[:, :width].bool()
+    return same.long().cumprod(dim=1).sum(dim=1)
+
+
+def prefix_cached_token_logps(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    target_mask: torch.Tensor,
+    continuation_ids: torch.Tensor,
+    continuation_mask: torch.Tensor,
+    continuation_target_mask: torch.Tensor,
+    compute_entropy: bool = False,
+    logits_stats_fn: Any = None,
+) -> PrefixCachedLogps:
+    """Log-probs of right-padded main rows (with gradient), then of continuation rows that start like them (e.g.
+    KTO's KL rows: the same prompt, another completion), without gradient, from the main rows' cached keys/values.
+
+    Row `i` of the continuation batch shares its longest common token prefix with main row `i`; only the tokens
+    after it run through the model, attending to the cached (detached) prefix keys and values. The values are those
+    of separate forward passes up to float rounding; the fused LM head scores only the target tokens.
+
+    Args:
+        model: Causal LM accepted by [`supports_prefix_sharing`] (and not under gradient checkpointing, which
+            disables the cache).
+        input_ids: `(batch, seq_len)` right-padded main rows.
+        attention_mask: `(batch, seq_len)` mask of their real tokens.
+        target_mask: `(batch, seq_len - 1)` next-token positions to score in the main rows.
+        continuation_ids: `(batch, cont_len)` right-padded continuation rows.
+        continuation_mask: `(batch, cont_len)` mask of their real tokens.
+        continuation_target_mask: `(batch, cont_len - 1)` positions to score in them.
+        compute_entropy: Also return the main rows' per-token entropies.
+        logits_stats_fn: Optional `f(logits, targets) -> dict` on the main rows' scored logits.
+
+    Returns:
+        [`PrefixCachedLogps`].
+    """
+    head = fusable_lm_head(model)
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output head the fused LM head can replace.")
+    with capture_lm_head_inputs(head) as captured:
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True)
+    cache_key = "cache" if model_accepts_argument(model, "cache") else "past_key_values"
+    cache = getattr(outputs, cache_key, None)
+    if cache is None:
+        raise RuntimeError("The model returned no key/value cache (gradient checkpointing turns it off).")
+    hidden = captured[0]
+    rows, columns = target_mask.bool().nonzero(as_tuple=True)
+    logps, entropy, stats = linear_selective_log_softmax(
+        hidden[rows, columns], head.weight, input_ids[rows, columns + 1], head.bias, 1.0, compute_entropy,
+        logits_stats_fn,
+    )  # fmt: skip
+    dtype = head.weight.dtype
+    shape = target_mask.shape
+
+    def scatter(value: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return value.new_zeros(shape, dtype=out_dtype).index_put((rows, columns), value.to(out_dtype))
+
+    outputs.logits = None
+    setattr(outputs, cache_key, None)
+    main = SequenceTokenLogps(
+        logps=scatter(logps, dtype),
+        entropy=scatter(entropy, dtype) if entropy is not None else None,
+        stats={name: scatter(value, value.dtype) for name, value in stats.items()},
+        outputs=outputs,
+    )
+    with torch.no_grad():
+        continuation = _continuation_logps(
+            model, head, hidden.detach(), {cache_key: cache}, input_ids.shape[1], attention_mask, input_ids,
+            continuation_ids, continuation_mask, continuation_target_mask,
+        )  # fmt: skip
+    return PrefixCachedLogps(main=main, continuation_logps=continuation.to(dtype))
+
+
+def _continuation_logps(
+    model: nn.Module,
+    head: nn.Linear,
+    main_hidden: torch.Tensor,
+    cache: dict[str, Any],
+    main_width: int,
+    main_mask: torch.Tensor,
+    main_ids: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    target_mask: torch.Tensor,
+) -> torch.Tensor:
+    """The continuation rows' log-probs of [`prefix_cached_token_logps`] (called under no_grad)."""
+    device = ids.device
+    prefix = _row_common_prefix(main_ids, main_mask, ids, mask)
+    lengths = mask.sum(dim=1)
+    suffix_lengths = lengths - prefix
+    width = max(int(suffix_lengths.max()), 1)
+    steps = torch.arange(width, device=device)
+    columns = (prefix.unsqueeze(1) + steps).clamp(max=ids.shape[1] - 1)
+    valid = steps.unsqueeze(0) < suffix_lengths.unsqueeze(1)
+    suffix_ids = torch.where(valid, ids.gather(1, columns), ids.new_zeros(()))
+    # A suffix token attends to the first `prefix` cached positions of its main row and to its own earlier tokens;
+    # padding attends only to itself.
+    past = torch.arange(main_width, device=device).unsqueeze(0) < prefix.unsqueeze(1)
+    allowed_past = past.unsqueeze(1) & valid.unsqueeze(2)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    allowed_own = (causal & valid.unsqueeze(1) & valid.unsqueeze(2)) | torch.eye(
+        width, dtype=torch.bool, device=device
+    )
+    allowed = torch.cat([allowed_past, allowed_own], dim=2)
+    dtype = _mask_dtype(model)
+    zeros = torch.zeros((), dtype=dtype, device=device)
+    attention = torch.where(allowed, zeros, torch.finfo(dtype).min).unsqueeze(1)
+    with capture_lm_head_inputs(head) as captured:
+        model(
+            input_ids=suffix_ids,
+            attention_mask=attention,
+            position_ids=prefix.unsqueeze(1) + steps,
+            use_cache=True,
+            **cache,
+        )
+    suffix_hidden = captured[0]
+    # Entry t predicts token t + 1 from token t: a prefix token's hidden state comes from the main pass.
+    rows, cols = target_mask.bool().nonzero(as_tuple=True)
+    in_prefix = cols < prefix[rows]
+    suffix_cols = (cols - prefix[rows]).clamp(min=0)
+    hidden = torch.where(
+        in_prefix.unsqueeze(1), main_hidden[rows, cols.clamp(max=main_width - 1)], suffix_hidden[rows, suffix_cols]
+    )
+    logps, _, _ = linear_selective_log_softmax(hidden, head.weight, ids[rows, cols + 1], head.bias, 1.0, False, None)
+    return logps.new_zeros(target_mask.shape).index_put((rows, cols), logps)
