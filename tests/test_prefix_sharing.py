@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 from datasets import Dataset
+from trainer_utils import COMMON_ARGS
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from trl.trainer.utils import compute_sequence_token_logps
@@ -25,6 +26,7 @@ from trl.trainer.utils.prefix_sharing import (
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 PAD = 0
+SHORT_RUN = dict(max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, seed=0)
 
 
 def _padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,6 +236,10 @@ def _text_rows(n: int = 8) -> list[dict[str, str]]:
     return rows
 
 
+def _short_run(config_class, tmp_path, **overrides):
+    return config_class(**{"output_dir": str(tmp_path), **COMMON_ARGS, **SHORT_RUN, **overrides})
+
+
 def _losses(trainer) -> list[float]:
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -261,10 +267,7 @@ def test_dpo_trainer_shares_prompts_and_keeps_its_losses(tmp_path, model_path):
     dataset = Dataset.from_list(_text_rows())
 
     def make_trainer(model):
-        args = DPOConfig(
-            str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
-            logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
-        )  # fmt: skip
+        args = _short_run(DPOConfig, tmp_path)
         return DPOTrainer(model, args=args, train_dataset=dataset)
 
     _train_twice(make_trainer, AutoModelForCausalLM.from_pretrained(model_path), "_share_prefix")
@@ -276,10 +279,7 @@ def test_reward_trainer_shares_prompts_and_keeps_its_losses(tmp_path, model_path
     dataset = Dataset.from_list(_text_rows())
 
     def make_trainer(model):
-        args = RewardConfig(
-            str(tmp_path), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
-            logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
-        )  # fmt: skip
+        args = _short_run(RewardConfig, tmp_path)
         return RewardTrainer(model, args=args, train_dataset=dataset)
 
     torch.manual_seed(0)
@@ -295,10 +295,7 @@ def test_kto_trainer_shares_prompts_and_keeps_its_losses(tmp_path, model_path):
         rows.append({"prompt": row["prompt"], "completion": row["chosen"], "label": i % 2 == 0})
 
     def make_trainer(model):
-        args = KTOConfig(
-            str(tmp_path), max_steps=3, gradient_checkpointing=False, per_device_train_batch_size=4, learning_rate=1e-2, report_to="none",
-            logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0,
-        )  # fmt: skip
+        args = _short_run(KTOConfig, tmp_path, gradient_checkpointing=False)
         return KTOTrainer(model, args=args, train_dataset=Dataset.from_list(rows))
 
     _train_twice(make_trainer, AutoModelForCausalLM.from_pretrained(model_path), "_share_kl_prefix")

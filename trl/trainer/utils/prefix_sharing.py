@@ -239,10 +239,26 @@ def shared_prefix_token_logps(
     rows, columns = target_mask.bool().nonzero(as_tuple=True)
     # Entry t of a row predicts its token t + 1 from the hidden state of its token t.
     hidden = layout.gather(captured[0], rows, columns)
+    return _scored_logps(head, hidden, input_ids, rows, columns, target_mask.shape, outputs, compute_entropy,
+        logits_stats_fn)  # fmt: skip
+
+
+def _scored_logps(
+    head: nn.Linear,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    rows: torch.Tensor,
+    columns: torch.Tensor,
+    shape: torch.Size,
+    outputs: Any,
+    compute_entropy: bool,
+    logits_stats_fn: Any,
+) -> SequenceTokenLogps:
+    """Fused LM head + log-softmax on the gathered `hidden` states that predict `input_ids[rows, columns + 1]`,
+    scattered back into the padded `shape` (0 elsewhere; log-probs and entropies in the head's dtype)."""
     logps, entropy, stats = linear_selective_log_softmax(
         hidden, head.weight, input_ids[rows, columns + 1], head.bias, 1.0, compute_entropy, logits_stats_fn
     )
-    shape = target_mask.shape
 
     def scatter(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return value.new_zeros(shape, dtype=dtype).index_put((rows, columns), value.to(dtype))
@@ -389,30 +405,15 @@ def prefix_cached_token_logps(
         raise RuntimeError("The model returned no key/value cache (gradient checkpointing turns it off).")
     hidden = captured[0]
     rows, columns = target_mask.bool().nonzero(as_tuple=True)
-    logps, entropy, stats = linear_selective_log_softmax(
-        hidden[rows, columns], head.weight, input_ids[rows, columns + 1], head.bias, 1.0, compute_entropy,
-        logits_stats_fn,
-    )  # fmt: skip
-    dtype = head.weight.dtype
-    shape = target_mask.shape
-
-    def scatter(value: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return value.new_zeros(shape, dtype=out_dtype).index_put((rows, columns), value.to(out_dtype))
-
-    outputs.logits = None
     setattr(outputs, cache_key, None)
-    main = SequenceTokenLogps(
-        logps=scatter(logps, dtype),
-        entropy=scatter(entropy, dtype) if entropy is not None else None,
-        stats={name: scatter(value, value.dtype) for name, value in stats.items()},
-        outputs=outputs,
-    )
+    main = _scored_logps(head, hidden[rows, columns], input_ids, rows, columns, target_mask.shape, outputs,
+        compute_entropy, logits_stats_fn)  # fmt: skip
     with torch.no_grad():
         continuation = _continuation_logps(
             model, head, hidden.detach(), {cache_key: cache}, input_ids.shape[1], attention_mask, input_ids,
             continuation_ids, continuation_mask, continuation_target_mask,
         )  # fmt: skip
-    return PrefixCachedLogps(main=main, continuation_logps=continuation.to(dtype))
+    return PrefixCachedLogps(main=main, continuation_logps=continuation.to(head.weight.dtype))
 
 
 def _continuation_logps(
