@@ -522,7 +522,8 @@ class _PreferenceTrainer(_BaseTrainer):
         from .utils.prefix_sharing import MIN_SHARED_SAVING, share_prefixes, shared_prefix_token_logps
         from .utils.vision import vision_forward_inputs
 
-        if prefix_groups is not None and not forward_kwargs:
+        # (A model wrapped for distributed training keeps whole-row passes: its hooks live on the outer module.)
+        if prefix_groups is not None and not forward_kwargs and not hasattr(model, "module"):
             shared = share_prefixes(inputs["input_ids"], inputs["attention_mask"], prefix_groups, self.pad_token_id)
             if shared.saved_share >= MIN_SHARED_SAVING:
                 self._shared_prefix_passes = getattr(self, "_shared_prefix_passes", 0) + 1

@@ -416,7 +416,9 @@ class RewardTrainer(_BaseTrainer):
     ) -> torch.Tensor | None:
         """Rewards of the batch with each pair's common prefix run once, or None when that does not apply or saves
         too few tokens (see `trl.trainer.utils.prefix_sharing`)."""
-        if not self._share_prefix or not pooled_scores_share_safely(model, input_ids, attention_mask):
+        if not self._share_prefix or hasattr(model, "module"):  # distributed wrappers keep whole-row passes
+            return None
+        if not pooled_scores_share_safely(model, input_ids, attention_mask):
             return None
         layout = share_prefixes(input_ids, attention_mask, paired_groups(len(input_ids)), self._pad_token_id())
         if layout.saved_share < MIN_SHARED_SAVING:

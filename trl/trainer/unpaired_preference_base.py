@@ -515,6 +515,8 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
 
         if not self._share_kl_prefix or any(key in inputs for key in VISION_INPUT_KEYS):
             return False
+        if getattr(self, "model_wrapped", self.model) is not self.model:  # DDP / DeepSpeed: whole-row passes
+            return False
         if not bool(main["attention_mask"][:, 0].all()):
             return False
         saving = prefix_cached_saving(
