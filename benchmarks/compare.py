@@ -360,7 +360,13 @@ class _TokenCounter:
             mask = kwargs.get("attention_mask")
             if ids is None:
                 return
-            real = int(mask.sum()) if mask is not None else ids.numel()
+            if mask is not None and mask.dim() == 4:
+                # A shared-prefix layout's additive mask: padding attends only to itself and nothing attends to it.
+                sees = mask[:, 0] == 0
+                others = sees & ~torch.eye(sees.shape[-1], dtype=torch.bool, device=sees.device)
+                real = int((others.any(dim=-1) | others.any(dim=-2)).sum())
+            else:
+                real = int(mask.sum()) if mask is not None else ids.numel()
             self.current += real
             self.lengths.append(ids.shape[-1])
 

@@ -34,6 +34,7 @@ from .utils import (
     map_kwargs_with_desc,
     scored_completion_tokens,
 )
+from .utils.prefix_sharing import paired_groups, supports_prefix_sharing
 from .vision_collators import DataCollatorForVisionPreference  # noqa: F401  (public here, as in TRL)
 
 
@@ -370,6 +371,11 @@ class DPOTrainer(_PreferenceTrainer):
         self.pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
         self._layout = self._choose_layout(model, args.padding_free, warn=True)
         self._ref_layout = self._choose_layout(ref_model, args.padding_free) if ref_model is not None else None
+        # A pair's chosen and rejected rows share their prompt: run it once (see `supports_prefix_sharing`).
+        share = not (self._is_vision_dataset or args.padding_free or args.precompute_ref_log_probs)
+        share = share and not self._aux_loss_enabled and supports_prefix_sharing(model)
+        self._share_prefix = share
+        self._ref_share_prefix = share and (ref_model is None or supports_prefix_sharing(ref_model))
         if self._is_vision_dataset:  # pixel values belong to whole rows: no packing
             self._layout = "padded"
             self._ref_layout = "padded" if ref_model is not None else None
@@ -561,7 +567,8 @@ class DPOTrainer(_PreferenceTrainer):
         target_mask = self._target_mask(inputs)
         layout = self._ref_layout if self.ref_model is not None else self._layout
         with self._reference_module(model, self.args.ref_adapter_name) as reference:
-            result = self._token_logps(reference, inputs, layout, with_stats=False)
+            groups = paired_groups(len(inputs["input_ids"])) if self._ref_share_prefix else None
+            result = self._token_logps(reference, inputs, layout, with_stats=False, prefix_groups=groups)
         sums, _ = self._sequence_logps(result.logps.float(), target_mask)
         num_pairs = sums.shape[0] // 2
         return {"ref_chosen_logps": sums[:num_pairs], "ref_rejected_logps": sums[num_pairs:]}
@@ -580,7 +587,8 @@ class DPOTrainer(_PreferenceTrainer):
         target_mask = self._target_mask(inputs)
         num_pairs = inputs["input_ids"].shape[0] // 2
 
-        policy = self._token_logps(model, inputs, self._layout, with_stats=True)
+        groups = paired_groups(num_pairs * 2) if self._share_prefix else None
+        policy = self._token_logps(model, inputs, self._layout, with_stats=True, prefix_groups=groups)
         token_logps = policy.logps.float()
         sums, counts = self._sequence_logps(token_logps, target_mask)
         chosen_logps, rejected_logps = sums[:num_pairs], sums[num_pairs:]

@@ -507,13 +507,34 @@ class _PreferenceTrainer(_BaseTrainer):
         return logits_statistics(logits, targets)
 
     def _token_logps(
-        self, model: nn.Module, inputs: dict[str, torch.Tensor], layout: str, with_stats: bool, **forward_kwargs: Any
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        layout: str,
+        with_stats: bool,
+        prefix_groups: list[list[int]] | None = None,
+        **forward_kwargs: Any,
     ):
         """Per-token log-probs of the completion tokens of `inputs` (see `compute_sequence_token_logps`); extra
-        keyword arguments go to the model's forward."""
+        keyword arguments go to the model's forward. With `prefix_groups` (rows that start alike, for a model that
+        `supports_prefix_sharing`), each group's common prefix runs once when that saves enough tokens."""
         from .utils import compute_sequence_token_logps
+        from .utils.prefix_sharing import MIN_SHARED_SAVING, share_prefixes, shared_prefix_token_logps
         from .utils.vision import vision_forward_inputs
 
+        # (A model wrapped for distributed training keeps whole-row passes: its hooks live on the outer module.)
+        if prefix_groups is not None and not forward_kwargs and not hasattr(model, "module"):
+            shared = share_prefixes(inputs["input_ids"], inputs["attention_mask"], prefix_groups, self.pad_token_id)
+            if shared.saved_share >= MIN_SHARED_SAVING:
+                self._shared_prefix_passes = getattr(self, "_shared_prefix_passes", 0) + 1
+                return shared_prefix_token_logps(
+                    model,
+                    inputs["input_ids"],
+                    shared,
+                    self._target_mask(inputs),
+                    compute_entropy=with_stats,
+                    logits_stats_fn=self._logits_stats if with_stats else None,
+                )
         # Batches with images carry pixel values (and per-token image ids) for the forward pass.
         forward_kwargs = {**vision_forward_inputs(inputs), **forward_kwargs}
         return compute_sequence_token_logps(

@@ -24,6 +24,14 @@ from ..data_utils import get_dataset_column_names, is_conversational
 from .base_trainer import _BaseTrainer
 from .reward_config import RewardConfig
 from .utils import disable_dropout_in_model, model_accepts_argument, pad, sequence_scores_without_padding
+from .utils.prefix_sharing import (
+    MIN_SHARED_SAVING,
+    paired_groups,
+    pooled_scores_share_safely,
+    share_prefixes,
+    shared_prefix_pooled_scores,
+    supports_prefix_sharing,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -260,6 +268,8 @@ class RewardTrainer(_BaseTrainer):
         # steps itself, which is exact for equal-size micro-batches.
         self.model_accepts_loss_kwargs = False
         self._forward_accepts_use_cache = model_accepts_argument(self.model, "use_cache")
+        # A pair's chosen and rejected texts usually start alike (the prompt): run that prefix once.
+        self._share_prefix = supports_prefix_sharing(self.model, causal_lm=False)
 
         self._init_activation_offloading()
         self._add_model_tags(self.model)
@@ -382,7 +392,9 @@ class RewardTrainer(_BaseTrainer):
             forward_kwargs["use_cache"] = False
         # One forward pass over [chosen; rejected]: the first half of the rows are the chosen sequences. Their
         # padding is dropped when the model allows it (same scores).
-        pooled = sequence_scores_without_padding(model, inputs["input_ids"], inputs["attention_mask"])
+        pooled = self._shared_prefix_scores(model, inputs["input_ids"], inputs["attention_mask"])
+        if pooled is None:
+            pooled = sequence_scores_without_padding(model, inputs["input_ids"], inputs["attention_mask"])
         outputs = model(**forward_kwargs) if pooled is None else None
         rewards = (outputs.logits if pooled is None else pooled)[:, 0].float()
         rewards_chosen, rewards_rejected = rewards.chunk(2)
@@ -398,6 +410,24 @@ class RewardTrainer(_BaseTrainer):
         if return_outputs:
             return loss, {"rewards_chosen": rewards_chosen, "rewards_rejected": rewards_rejected}
         return loss
+
+    def _shared_prefix_scores(
+        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Rewards of the batch with each pair's common prefix run once, or None when that does not apply or saves
+        too few tokens (see `trl.trainer.utils.prefix_sharing`)."""
+        if not self._share_prefix or hasattr(model, "module"):  # distributed wrappers keep whole-row passes
+            return None
+        if not pooled_scores_share_safely(model, input_ids, attention_mask):
+            return None
+        layout = share_prefixes(input_ids, attention_mask, paired_groups(len(input_ids)), self._pad_token_id())
+        if layout.saved_share < MIN_SHARED_SAVING:
+            return None
+        self._shared_prefix_passes = getattr(self, "_shared_prefix_passes", 0) + 1
+        return shared_prefix_pooled_scores(model, input_ids, attention_mask, layout)
+
+    def _pad_token_id(self) -> int:
+        return self.accelerator.unwrap_model(self.model).config.pad_token_id
 
     def _log_reward_metrics(
         self,

@@ -193,6 +193,9 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
     # while policy == reference (stacking the padded parts and packing them together gave ~1e-7 instead: other rows,
     # widths and summation orders than the policy's KL pass).
     _kl_in_reference_forward: bool = True
+    # Whether the KL rows (same prompt as the main row, another completion) are scored from the main rows' cached
+    # prompt keys/values, by the policy and the reference alike (set by a subclass whose model supports it).
+    _share_kl_prefix: bool = False
 
     # ------------------------------------------------------------------------------------------------------------
     # Dataset preparation
@@ -395,6 +398,17 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         main = _main_rows(inputs)
         # (A batch may carry KL rows the loss does not use, e.g. `kto`-prepared data trained with `apo_zero_unpaired`.)
         kl_rows = _kl_rows(inputs) if self._needs_kl else None
+        if kl_rows is not None and self._kl_from_cached_prefix(inputs, main, kl_rows):
+            result = self._prefix_cached_logps(model, main, kl_rows, with_stats=True)
+            target_mask = self._target_mask(main)
+            return PolicyPass(
+                logps=self._sums(result.main.logps, target_mask),
+                kl_logps=self._sums(result.continuation_logps, self._target_mask(kl_rows)),
+                target_mask=target_mask,
+                entropy=result.main.entropy,
+                mean_logit=result.main.stats["mean_logit"],
+                outputs=result.main.outputs,
+            )
         if kl_rows is not None and self._kl_in_policy_forward:
             # One forward over main + KL rows (packed together when the attention allows it).
             n = main["input_ids"].shape[0]
@@ -456,7 +470,13 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         n = main["input_ids"].shape[0]
         parts = [main] if kl_rows is None else [main, kl_rows]
         with self._reference_module(model, self._ref_adapter_name) as reference:
-            if kl_rows is not None and self._kl_in_one_pass(inputs, layout):
+            if kl_rows is not None and self._kl_from_cached_prefix(inputs, main, kl_rows):
+                result = self._prefix_cached_logps(reference, main, kl_rows, with_stats=False)
+                logps = [result.main.logps, result.continuation_logps]
+                sums = torch.cat(
+                    [self._sums(part_logps, self._target_mask(part)) for part_logps, part in zip(logps, parts)]
+                )
+            elif kl_rows is not None and self._kl_in_one_pass(inputs, layout):
                 logps = self._main_and_kl_logps(reference, main, kl_rows, layout)
                 sums = torch.cat(
                     [self._sums(part_logps, self._target_mask(part)) for part_logps, part in zip(logps, parts)]
@@ -474,6 +494,54 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         if kl_rows is not None:
             out["ref_KL_logps"] = sums[n:]
         return out
+
+    def _can_share_kl_prefix(self, model: nn.Module, ref_model: nn.Module | None, args: Any) -> bool:
+        """Whether `_share_kl_prefix` may be set: both models take shared-prefix passes, and nothing needs whole-row
+        forwards (MoE router loss, precomputed reference values, gradient checkpointing, which turns off the cache)."""
+        from .utils.prefix_sharing import supports_prefix_sharing
+
+        if self._aux_loss_enabled or getattr(args, "precompute_ref_log_probs", False):
+            return False
+        if getattr(args, "gradient_checkpointing", False):
+            return False
+        return supports_prefix_sharing(model) and (ref_model is None or supports_prefix_sharing(ref_model))
+
+    def _kl_from_cached_prefix(
+        self, inputs: dict[str, torch.Tensor], main: dict[str, torch.Tensor], kl_rows: dict[str, torch.Tensor]
+    ) -> bool:
+        """Whether this batch's KL rows are scored from the main rows' cached prompts (`_share_kl_prefix`, text-only
+        right-padded rows, enough tokens saved); a function of the batch alone, so policy and reference agree."""
+        from .utils.prefix_sharing import MIN_SHARED_SAVING, prefix_cached_saving
+
+        if not self._share_kl_prefix or any(key in inputs for key in VISION_INPUT_KEYS):
+            return False
+        if getattr(self, "model_wrapped", self.model) is not self.model:  # DDP / DeepSpeed: whole-row passes
+            return False
+        if not bool(main["attention_mask"][:, 0].all()):
+            return False
+        saving = prefix_cached_saving(
+            main["attention_mask"], kl_rows["input_ids"], kl_rows["attention_mask"], main["input_ids"]
+        )
+        return saving >= MIN_SHARED_SAVING
+
+    def _prefix_cached_logps(
+        self, model: nn.Module, main: dict[str, torch.Tensor], kl_rows: dict[str, torch.Tensor], with_stats: bool
+    ):
+        """Main rows' token log-probs and the KL rows' (detached) from one pass plus a cached-prefix continuation."""
+        from .utils.prefix_sharing import prefix_cached_token_logps
+
+        self._shared_prefix_passes = getattr(self, "_shared_prefix_passes", 0) + 1
+        return prefix_cached_token_logps(
+            model,
+            main["input_ids"],
+            main["attention_mask"],
+            self._target_mask(main),
+            kl_rows["input_ids"],
+            kl_rows["attention_mask"],
+            self._target_mask(kl_rows),
+            compute_entropy=with_stats,
+            logits_stats_fn=self._logits_stats if with_stats else None,
+        )
 
     def _kl_in_one_pass(self, inputs: dict[str, torch.Tensor], layout: str) -> bool:
         """Whether the reference scores the main and KL rows of `inputs` in one forward pass (packed layouts only,

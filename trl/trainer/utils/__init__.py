@@ -7,6 +7,7 @@
 | `sampling` | repeated-index samplers, splitting and shuffling dictionaries of batch data |
 | `logprobs` | per-token log-probabilities of a causal LM, per-token statistics of the output distribution |
 | `packing` | packed sequences, sequence-level log-probabilities, precomputed reference log-probabilities |
+| `prefix_sharing` | rows that start alike (preference pairs, KTO's KL rows) run their common prefix once |
 | `dataset_rows` | prompt/completion tokenisation and collation for the offline preference trainers |
 | `reporting` | console sample tables, tracker URLs and tables, model cards |
 | `flops` | FLOPs per token, accelerator peak FLOP/s, MFU |

@@ -1,0 +1,470 @@
+"""Shared-prefix forward passes: rows that begin with the same tokens (a DPO pair's chosen and rejected sequences, a
+reward pair, a KTO example and its KL completion) run their common prefix once.
+
+The rows of a group become one sequence `[prefix | suffix_1 | suffix_2 | ...]` with a 4D attention mask (a suffix sees
+the prefix and its own earlier tokens, never another suffix) and position ids where every suffix continues from the
+prefix's length, so each token gets exactly the keys and positions it has in its own row. Per-row values are then
+gathered back: the prediction of a suffix's first token sits at the prefix's last position, shared by the group.
+"""
+
+import sys
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn as nn
+
+from ...kernels.linear_log_softmax import linear_selective_log_softmax
+from .logprobs import capture_lm_head_inputs, fusable_lm_head, model_accepts_argument
+from .packing import SequenceTokenLogps, _base_transformers_model
+
+
+# Sharing pays only when it removes at least this share of the tokens the unshared (padding-free) pass computes:
+# below, the dense per-group masks and the gathers cost about what the skipped tokens would.
+MIN_SHARED_SAVING = 0.15
+# Attention implementations that take a custom additive 4D mask with arbitrary position ids.
+_MASK_ATTENTION = ("eager", "sdpa")
+
+
+class SharedPrefixLayout(NamedTuple):
+    """Rows of a padded batch laid out as one `[prefix | suffixes]` sequence per group (see [`share_prefixes`]).
+
+    Attributes:
+        input_ids: `(groups, length)` token ids; pad positions hold `pad_token_id`.
+        position_ids: `(groups, length)` positions; every suffix continues from its group's prefix length.
+        segment_ids: `(groups, length)` 0 on the prefix, `i + 1` on the `i`-th suffix, -1 on padding.
+        token_index: `(batch, seq_len)` flat index (`group * length + column`) of every real token of the padded
+            batch in the shared layout, -1 on padding.
+        saved_share: Share of the batch's real tokens that the shared layout does not compute.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segment_ids: torch.Tensor
+    token_index: torch.Tensor
+    saved_share: float
+
+    def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The `(groups, 1, length, length)` additive mask: 0 where a query may attend to a key, `finfo.min` elsewhere.
+
+        A suffix token attends to the prefix and to its own suffix up to itself; padding attends only to itself (so
+        that no softmax row is empty) and nothing attends to it.
+        """
+        segments = self.segment_ids
+        length = segments.shape[1]
+        query, key = segments.unsqueeze(2), segments.unsqueeze(1)
+        causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
+        allowed = causal & (query >= 0) & ((key == 0) | (key == query))
+        allowed |= torch.eye(length, dtype=torch.bool, device=segments.device)
+        zeros = torch.zeros((), dtype=dtype, device=segments.device)
+        return torch.where(allowed, zeros, torch.finfo(dtype).min).unsqueeze(1)
+
+    def gather(self, values: torch.Tensor, rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """`values[group, column]` (a `(groups, length, ...)` tensor of the shared layout) at the tokens
+        `(rows, columns)` of the padded batch."""
+        flat = values.reshape(-1, *values.shape[2:])
+        return flat[self.token_index[rows, columns]]
+
+
+def _common_prefix_length(rows: list[list[int]]) -> int:
+    first = rows[0]
+    length = min(len(row) for row in rows)
+    for row in rows[1:]:
+        index = 0
+        while index < length and row[index] == first[index]:
+            index += 1
+        length = index
+    return length
+
+
+def share_prefixes(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: list[list[int]], pad_token_id: int = 0
+) -> SharedPrefixLayout:
+    """Lay out the rows of a padded batch as one `[prefix | suffix_1 | ...]` sequence per group of rows.
+
+    The prefix of a group is the longest common token prefix of its rows' real tokens (whatever produced them: a
+    tokenized prompt or a whole tokenized text); a row equal to the prefix gets an empty suffix. Groups are padded to
+    the longest one.
+
+    Args:
+        input_ids: `(batch, seq_len)` token ids, each row's real tokens contiguous (left or right padding).
+        attention_mask: `(batch, seq_len)` mask of real tokens.
+        groups: Row indices of each group; every row of the batch in exactly one group.
+        pad_token_id: Id written at pad positions.
+
+    Returns:
+        [`SharedPrefixLayout`].
+
+    Example:
+    ```python
+    >>> ids = torch.tensor([[5, 6, 7, 0], [5, 6, 8, 9]])
+    >>> layout = share_prefixes(ids, ids != 0, [[0, 1]])
+    >>> layout.input_ids, layout.position_ids
+    (tensor([[5, 6, 7, 8, 9]]), tensor([[0, 1, 2, 2, 3]]))
+    ```
+    """
+    mask = attention_mask.bool()
+    batch = input_ids.shape[0]
+    if sorted(row for group in groups for row in group) != list(range(batch)):
+        raise ValueError(f"Every row of the batch ({batch} rows) must be in exactly one group; got {groups}.")
+    lengths = mask.sum(dim=1).tolist()
+    starts = mask.long().argmax(dim=1).tolist()
+    ids_list = input_ids.tolist()
+    tokens = [ids_list[row][start : start + length] for row, (start, length) in enumerate(zip(starts, lengths))]
+    sequences, segments, positions = [], [], []
+    # Column in the shared layout of every row's first token after the prefix, and its group and prefix length.
+    row_group, row_prefix, row_suffix_start = [0] * batch, [0] * batch, [0] * batch
+    for group_index, group in enumerate(groups):
+        prefix = _common_prefix_length([tokens[row] for row in group])
+        sequence, segment = list(tokens[group[0]][:prefix]), [0] * prefix
+        position = list(range(prefix))
+        for suffix_index, row in enumerate(group):
+            suffix = tokens[row][prefix:]
+            row_group[row], row_prefix[row], row_suffix_start[row] = group_index, prefix, len(sequence)
+            sequence += suffix
+            segment += [suffix_index + 1] * len(suffix)
+            position += range(prefix, prefix + len(suffix))
+        sequences.append(sequence)
+        segments.append(segment)
+        positions.append(position)
+    width = max(2, max(len(sequence) for sequence in sequences))
+    device = input_ids.device
+    shared_ids = torch.full((len(groups), width), pad_token_id, dtype=input_ids.dtype)
+    segment_ids = torch.full((len(groups), width), -1, dtype=torch.long)
+    position_ids = torch.zeros((len(groups), width), dtype=torch.long)
+    for index, (sequence, segment, position) in enumerate(zip(sequences, segments, positions)):
+        shared_ids[index, : len(sequence)] = torch.tensor(sequence, dtype=input_ids.dtype)
+        segment_ids[index, : len(segment)] = torch.tensor(segment, dtype=torch.long)
+        position_ids[index, : len(position)] = torch.tensor(position, dtype=torch.long)
+    # Pad positions count on from the group's end (any value works: nothing attends to them).
+    ends = torch.tensor([len(sequence) for sequence in sequences]).unsqueeze(1)
+    pads = segment_ids < 0
+    position_ids[pads] = (torch.arange(width).unsqueeze(0) - ends + 1).clamp(min=0).expand_as(position_ids)[pads]
+    # Flat shared index of every real token of the padded batch.
+    offset = mask.long().cumsum(dim=1) - 1
+    group_t = torch.tensor(row_group, device=device).unsqueeze(1)
+    prefix_t = torch.tensor(row_prefix, device=device).unsqueeze(1)
+    start_t = torch.tensor(row_suffix_start, device=device).unsqueeze(1)
+    column = torch.where(offset < prefix_t, offset, start_t + offset - prefix_t)
+    token_index = torch.where(mask, group_t * width + column, torch.full_like(column, -1))
+    total = sum(lengths)
+    saved = 1.0 - sum(len(sequence) for sequence in sequences) / total if total else 0.0
+    return SharedPrefixLayout(
+        shared_ids.to(device), position_ids.to(device), segment_ids.to(device), token_index, saved
+    )
+
+
+def supports_prefix_sharing(model: nn.Module | None, causal_lm: bool = True) -> bool:
+    """Whether `model` can run shared-prefix layouts and give exactly the values of separate rows.
+
+    It can when it is a decoder-only transformers model with eager or SDPA attention (they take a custom 4D mask;
+    flash-attention variants do not), whose layers all use full attention (a sliding window would need its own mask),
+    whose forward takes `position_ids`, and that is not wrapped for distributed training. A causal LM also needs an
+    output head the fused LM head can stand in for ([`fusable_lm_head`]) so that no full logits are built.
+
+    Args:
+        model: The (possibly PEFT- or accelerate-wrapped) model, or None.
+        causal_lm: Check the causal-LM head (False for sequence classifiers, whose score head is applied directly).
+    """
+    if model is None or isinstance(model, nn.parallel.DistributedDataParallel) or hasattr(model, "module"):
+        return False
+    base = _base_transformers_model(model)
+    config = getattr(base, "config", None)
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return False
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
+        return False
+    if (
+        layer_types is None
+        and getattr(text_config, "sliding_window", None)
+        and getattr(text_config, "use_sliding_window", True)
+    ):
+        return False
+    if str(getattr(config, "_attn_implementation", None) or "eager") not in _MASK_ATTENTION:
+        return False
+    module = sys.modules.get(type(base).__module__)
+    # Models that build their masks with transformers' `masking_utils` pass a prepared 4D mask through as is.
+    if module is None or not hasattr(module, "create_causal_mask"):
+        return False
+    if not model_accepts_argument(model, "position_ids"):
+        return False
+    return not causal_lm or fusable_lm_head(model) is not None
+
+
+def _mask_dtype(model: nn.Module) -> torch.dtype:
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.float32
+
+
+def shared_prefix_token_logps(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    layout: SharedPrefixLayout,
+    target_mask: torch.Tensor,
+    compute_entropy: bool = False,
+    logits_stats_fn: Any = None,
+) -> SequenceTokenLogps:
+    """Per-token log-probs of a padded batch computed on its shared-prefix layout, in the batch's padded shape.
+
+    The model runs once on the layout; the final hidden state that predicts each scored token of each row is
+    gathered and goes through the fused LM head + log-softmax ([`linear_selective_log_softmax`]), so no
+    full-vocabulary logits are built. Same result as [`compute_sequence_token_logps`] up to float rounding.
+
+    Args:
+        model: Causal LM accepted by [`supports_prefix_sharing`].
+        input_ids: `(batch, seq_len)` padded token ids the layout was built from.
+        layout: [`share_prefixes`] of `input_ids`.
+        target_mask: `(batch, seq_len - 1)` bool mask of the next-token positions to score.
+        compute_entropy: Also return per-token entropies.
+        logits_stats_fn: Optional `f(logits, targets) -> dict` evaluated on the scored positions' logits.
+
+    Returns:
+        [`SequenceTokenLogps`] (its `outputs.logits` is None).
+    """
+    head = fusable_lm_head(model)
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output head the fused LM head can replace.")
+    with capture_lm_head_inputs(head) as captured:
+        outputs = model(
+            input_ids=layout.input_ids,
+            attention_mask=layout.attention_mask(_mask_dtype(model)),
+            position_ids=layout.position_ids,
+            use_cache=False,
+        )
+    if len(captured) != 1:
+        raise RuntimeError(f"The LM head ran {len(captured)} times in one forward pass.")
+    rows, columns = target_mask.bool().nonzero(as_tuple=True)
+    # Entry t of a row predicts its token t + 1 from the hidden state of its token t.
+    hidden = layout.gather(captured[0], rows, columns)
+    return _scored_logps(head, hidden, input_ids, rows, columns, target_mask.shape, outputs, compute_entropy,
+        logits_stats_fn)  # fmt: skip
+
+
+def _scored_logps(
+    head: nn.Linear,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    rows: torch.Tensor,
+    columns: torch.Tensor,
+    shape: torch.Size,
+    outputs: Any,
+    compute_entropy: bool,
+    logits_stats_fn: Any,
+) -> SequenceTokenLogps:
+    """Fused LM head + log-softmax on the gathered `hidden` states that predict `input_ids[rows, columns + 1]`,
+    scattered back into the padded `shape` (0 elsewhere; log-probs and entropies in the head's dtype)."""
+    logps, entropy, stats = linear_selective_log_softmax(
+        hidden, head.weight, input_ids[rows, columns + 1], head.bias, 1.0, compute_entropy, logits_stats_fn
+    )
+
+    def scatter(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return value.new_zeros(shape, dtype=dtype).index_put((rows, columns), value.to(dtype))
+
+    dtype = head.weight.dtype
+    outputs.logits = None
+    return SequenceTokenLogps(
+        logps=scatter(logps, dtype),
+        entropy=scatter(entropy, dtype) if entropy is not None else None,
+        stats={name: scatter(value, value.dtype) for name, value in stats.items()},
+        outputs=outputs,
+    )
+
+
+def shared_prefix_pooled_scores(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: SharedPrefixLayout
+) -> torch.Tensor:
+    """The pooled scores `(batch, num_labels)` of a `*ForSequenceClassification` model, computed on the shared-prefix
+    layout: the backbone runs once per group, the score head only at the token the model pools (the rightmost one
+    that is not the pad id, see [`pooled_scores_share_safely`]).
+
+    Args:
+        model: Sequence classifier accepted by `supports_prefix_sharing(model, causal_lm=False)` with a `score` head.
+        input_ids: `(batch, seq_len)` padded token ids the layout was built from.
+        attention_mask: `(batch, seq_len)` mask of real tokens.
+        layout: [`share_prefixes`] of the batch.
+    """
+    base = _base_transformers_model(model)
+    backbone = getattr(base, base.base_model_prefix)
+    hidden = backbone(
+        input_ids=layout.input_ids,
+        attention_mask=layout.attention_mask(_mask_dtype(model)),
+        position_ids=layout.position_ids,
+        use_cache=False,
+    )[0]
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    return base.score(layout.gather(hidden, rows, _pooled_columns(input_ids, base.config.pad_token_id)))
+
+
+def _pooled_columns(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Column of the rightmost token that is not the pad id in every row (what transformers' classifiers pool)."""
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return (columns * (input_ids != pad_token_id)).argmax(dim=-1)
+
+
+def pooled_scores_share_safely(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bool:
+    """Whether the scores of a sequence classifier can come from [`shared_prefix_pooled_scores`]: a plain
+    transformers `*ForSequenceClassification` with a `score` head and a regression (or default) problem type, whose
+    pooled token (the rightmost one that is not the pad id) is a real token of every row."""
+    base = _base_transformers_model(model)
+    config = getattr(base, "config", None)
+    pad_token_id = getattr(config, "pad_token_id", None)
+    if not type(base).__name__.endswith("ForSequenceClassification") or getattr(base, "score", None) is None:
+        return False
+    if pad_token_id is None or getattr(config, "problem_type", None) not in (None, "regression"):
+        return False
+    if getattr(base, getattr(base, "base_model_prefix", ""), None) is None:
+        return False
+    pooled = _pooled_columns(input_ids, pad_token_id)
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    return bool(attention_mask.bool()[rows, pooled].all())
+
+
+def paired_groups(batch: int) -> list[list[int]]:
+    """Groups of a batch whose first half pairs row by row with its second half (`[chosen...; rejected...]`)."""
+    half = batch // 2
+    return [[row, row + half] for row in range(half)]
+
+
+class PrefixCachedLogps(NamedTuple):
+    """Result of [`prefix_cached_token_logps`].
+
+    Attributes:
+        main: Per-token log-probs of the main rows ([`SequenceTokenLogps`], padded layout of the main batch).
+        continuation_logps: `(batch, cont_len - 1)` log-probs of the continuation rows, detached.
+    """
+
+    main: SequenceTokenLogps
+    continuation_logps: torch.Tensor
+
+
+def prefix_cached_saving(
+    main_mask: torch.Tensor, continuation_ids: torch.Tensor, continuation_mask: torch.Tensor, main_ids: torch.Tensor
+) -> float:
+    """Share of the tokens of an unshared main + continuation pass that [`prefix_cached_token_logps`] saves (the
+    continuation tokens it skips, less the padding of the main rows it computes), as a fraction of all real tokens."""
+    prefix = _row_common_prefix(main_ids, main_mask, continuation_ids, continuation_mask)
+    skipped = int(prefix.sum())
+    padding = int((~main_mask.bool()).sum())
+    total = int(main_mask.sum() + continuation_mask.sum())
+    return (skipped - 2 * padding) / total if total else 0.0
+
+
+def _row_common_prefix(
+    ids: torch.Tensor, mask: torch.Tensor, other_ids: torch.Tensor, other_mask: torch.Tensor
+) -> torch.Tensor:
+    """`(batch,)` length of the common token prefix of row `i` of two right-padded batches."""
+    width = min(ids.shape[1], other_ids.shape[1])
+    same = (ids[:, :width] == other_ids[:, :width]) & mask[:, :width].bool() & other_mask[:, :width].bool()
+    return same.long().cumprod(dim=1).sum(dim=1)
+
+
+def prefix_cached_token_logps(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    target_mask: torch.Tensor,
+    continuation_ids: torch.Tensor,
+    continuation_mask: torch.Tensor,
+    continuation_target_mask: torch.Tensor,
+    compute_entropy: bool = False,
+    logits_stats_fn: Any = None,
+) -> PrefixCachedLogps:
+    """Log-probs of right-padded main rows (with gradient), then of continuation rows that start like them (e.g.
+    KTO's KL rows: the same prompt, another completion), without gradient, from the main rows' cached keys/values.
+
+    Row `i` of the continuation batch shares its longest common token prefix with main row `i`; only the tokens
+    after it run through the model, attending to the cached (detached) prefix keys and values. The values are those
+    of separate forward passes up to float rounding; the fused LM head scores only the target tokens.
+
+    Args:
+        model: Causal LM accepted by [`supports_prefix_sharing`] (and not under gradient checkpointing, which
+            disables the cache).
+        input_ids: `(batch, seq_len)` right-padded main rows.
+        attention_mask: `(batch, seq_len)` mask of their real tokens.
+        target_mask: `(batch, seq_len - 1)` next-token positions to score in the main rows.
+        continuation_ids: `(batch, cont_len)` right-padded continuation rows.
+        continuation_mask: `(batch, cont_len)` mask of their real tokens.
+        continuation_target_mask: `(batch, cont_len - 1)` positions to score in them.
+        compute_entropy: Also return the main rows' per-token entropies.
+        logits_stats_fn: Optional `f(logits, targets) -> dict` on the main rows' scored logits.
+
+    Returns:
+        [`PrefixCachedLogps`].
+    """
+    head = fusable_lm_head(model)
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output head the fused LM head can replace.")
+    with capture_lm_head_inputs(head) as captured:
+        outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True)
+    cache_key = "cache" if model_accepts_argument(model, "cache") else "past_key_values"
+    cache = getattr(outputs, cache_key, None)
+    if cache is None:
+        raise RuntimeError("The model returned no key/value cache (gradient checkpointing turns it off).")
+    hidden = captured[0]
+    rows, columns = target_mask.bool().nonzero(as_tuple=True)
+    setattr(outputs, cache_key, None)
+    main = _scored_logps(head, hidden[rows, columns], input_ids, rows, columns, target_mask.shape, outputs,
+        compute_entropy, logits_stats_fn)  # fmt: skip
+    with torch.no_grad():
+        continuation = _continuation_logps(
+            model, head, hidden.detach(), {cache_key: cache}, input_ids.shape[1], attention_mask, input_ids,
+            continuation_ids, continuation_mask, continuation_target_mask,
+        )  # fmt: skip
+    return PrefixCachedLogps(main=main, continuation_logps=continuation.to(head.weight.dtype))
+
+
+def _continuation_logps(
+    model: nn.Module,
+    head: nn.Linear,
+    main_hidden: torch.Tensor,
+    cache: dict[str, Any],
+    main_width: int,
+    main_mask: torch.Tensor,
+    main_ids: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    target_mask: torch.Tensor,
+) -> torch.Tensor:
+    """The continuation rows' log-probs of [`prefix_cached_token_logps`] (called under no_grad)."""
+    device = ids.device
+    prefix = _row_common_prefix(main_ids, main_mask, ids, mask)
+    lengths = mask.sum(dim=1)
+    suffix_lengths = lengths - prefix
+    width = max(int(suffix_lengths.max()), 1)
+    steps = torch.arange(width, device=device)
+    columns = (prefix.unsqueeze(1) + steps).clamp(max=ids.shape[1] - 1)
+    valid = steps.unsqueeze(0) < suffix_lengths.unsqueeze(1)
+    suffix_ids = torch.where(valid, ids.gather(1, columns), ids.new_zeros(()))
+    # A suffix token attends to the first `prefix` cached positions of its main row and to its own earlier tokens;
+    # padding attends only to itself.
+    past = torch.arange(main_width, device=device).unsqueeze(0) < prefix.unsqueeze(1)
+    allowed_past = past.unsqueeze(1) & valid.unsqueeze(2)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    allowed_own = (causal & valid.unsqueeze(1) & valid.unsqueeze(2)) | torch.eye(
+        width, dtype=torch.bool, device=device
+    )
+    allowed = torch.cat([allowed_past, allowed_own], dim=2)
+    dtype = _mask_dtype(model)
+    zeros = torch.zeros((), dtype=dtype, device=device)
+    attention = torch.where(allowed, zeros, torch.finfo(dtype).min).unsqueeze(1)
+    with capture_lm_head_inputs(head) as captured:
+        model(
+            input_ids=suffix_ids,
+            attention_mask=attention,
+            position_ids=prefix.unsqueeze(1) + steps,
+            use_cache=True,
+            **cache,
+        )
+    suffix_hidden = captured[0]
+    # Entry t predicts token t + 1 from token t: a prefix token's hidden state comes from the main pass.
+    rows, cols = target_mask.bool().nonzero(as_tuple=True)
+    in_prefix = cols < prefix[rows]
+    suffix_cols = (cols - prefix[rows]).clamp(min=0)
+    hidden = torch.where(
+        in_prefix.unsqueeze(1), main_hidden[rows, cols.clamp(max=main_width - 1)], suffix_hidden[rows, suffix_cols]
+    )
+    logps, _, _ = linear_selective_log_softmax(hidden, head.weight, ids[rows, cols + 1], head.bias, 1.0, False, None)
+    return logps.new_zeros(target_mask.shape).index_put((rows, cols), logps)
