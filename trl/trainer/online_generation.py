@@ -25,6 +25,7 @@ from ..data_utils import apply_chat_template, is_conversational
 from ..models.utils import unwrap_model_for_generation
 from .online_math import completion_mask_from_ids
 from .utils import pad
+from .utils.rollout_decode import decode_rollouts, rollout_decode_fallback_reason
 
 
 # Row key holding exact prompt token ids for `_generate` (multi-turn continuation; see `_tokenize_prompts`).
@@ -42,6 +43,7 @@ def generate_with_shared_prompts(
     row_to_prompt: torch.Tensor,
     generation_config: GenerationConfig,
     share_prompt_cache: bool = True,
+    rollout_decode: bool = False,
     **generate_kwargs: Any,
 ) -> torch.Tensor:
     """Sample one completion per row, computing each distinct prompt's KV cache only once.
@@ -60,6 +62,8 @@ def generate_with_shared_prompts(
         share_prompt_cache: Prefill once per prompt. Falls back to plain `generate` when False, when a prompt has
             fewer than 2 tokens, when no prompt is repeated, with a non-default `cache_implementation`, or with beam
             search / `num_return_sequences > 1`.
+        rollout_decode: Run the rollout decode loop (`utils/rollout_decode.py`, the same tokens with less work per
+            token) instead of `generate` when it supports the model and settings.
         **generate_kwargs: Extra arguments for `generate`.
 
     Returns:
@@ -67,6 +71,9 @@ def generate_with_shared_prompts(
     """
     from transformers import DynamicCache
 
+    if rollout_decode and rollout_decode_fallback_reason(model, generation_config, generate_kwargs) is None:
+        output = decode_rollouts(model, prompt_ids, prompt_mask, row_to_prompt, generation_config, share_prompt_cache)
+        return output.sequences
     ids = prompt_ids[row_to_prompt]
     mask = prompt_mask[row_to_prompt]
     share = (
@@ -89,11 +96,11 @@ def generate_with_shared_prompts(
             input_ids=prompt_ids[:, :-1],
             attention_mask=prompt_mask[:, :-1],
             position_ids=positions[:, :-1],
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
         )
         cache.batch_select_indices(row_to_prompt)
-        generate_kwargs["past_key_values"] = cache
+        generate_kwargs["cache"] = cache
     return model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **generate_kwargs)
 
 
@@ -125,6 +132,8 @@ class _OnlineGenerationMixin:
 
     # Prefill each distinct prompt once and share its KV cache across its group (see generate_with_shared_prompts).
     _share_prompt_cache = True
+    # Decode with the rollout loop (same tokens as `generate`, less work per token) when it supports the settings.
+    _use_rollout_decode = True
 
     # ------------------------------------------------------------------------------------------------------------
     # Construction
@@ -257,6 +266,7 @@ class _OnlineGenerationMixin:
                         row_to_prompt,
                         self.generation_config,
                         share_prompt_cache=self._share_prompt_cache,
+                        rollout_decode=self._use_rollout_decode,
                         disable_compile=True,
                     )
                     completion_ids = output[:, prompt_ids.shape[1] :]
