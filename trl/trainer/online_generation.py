@@ -25,7 +25,12 @@ from ..data_utils import apply_chat_template, is_conversational
 from ..models.utils import unwrap_model_for_generation
 from .online_math import completion_mask_from_ids
 from .utils import pad
-from .utils.rollout_decode import decode_rollouts, rollout_decode_fallback_reason
+from .utils.rollout_decode import (
+    decode_rollouts,
+    prefill_shared_prompts,
+    rollout_decode_fallback_reason,
+    shares_prompt_prefill,
+)
 
 
 # Row key holding exact prompt token ids for `_generate` (multi-turn continuation; see `_tokenize_prompts`).
@@ -69,18 +74,12 @@ def generate_with_shared_prompts(
     Returns:
         `(N, L + T)` prompt and completion ids (completions right-padded with the pad id).
     """
-    from transformers import DynamicCache
-
     if rollout_decode and rollout_decode_fallback_reason(model, generation_config, generate_kwargs) is None:
         output = decode_rollouts(model, prompt_ids, prompt_mask, row_to_prompt, generation_config, share_prompt_cache)
         return output.sequences
-    ids = prompt_ids[row_to_prompt]
-    mask = prompt_mask[row_to_prompt]
     share = (
         share_prompt_cache
-        and prompt_ids.shape[1] >= 2
-        and row_to_prompt.numel() > prompt_ids.shape[0]
-        and int(prompt_mask.sum(dim=1).min()) >= 2
+        and shares_prompt_prefill(prompt_ids, prompt_mask, row_to_prompt)
         and getattr(generation_config, "cache_implementation", None) in (None, "dynamic")
         # Beam search and several sequences per row expand the batch inside `generate`: the prefilled cache rows
         # would no longer line up, so such settings generate plainly.
@@ -89,18 +88,9 @@ def generate_with_shared_prompts(
         and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
     )
     if share:
-        # Same positions as `generate` uses for left-padded prompts: counted from the first real token.
-        positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache(config=model.config)
-        model(
-            input_ids=prompt_ids[:, :-1],
-            attention_mask=prompt_mask[:, :-1],
-            position_ids=positions[:, :-1],
-            cache=cache,
-            use_cache=True,
-        )
-        cache.batch_select_indices(row_to_prompt)
-        generate_kwargs["cache"] = cache
+        generate_kwargs["cache"] = prefill_shared_prompts(model, prompt_ids, prompt_mask, row_to_prompt)
+    ids = prompt_ids[row_to_prompt]
+    mask = prompt_mask[row_to_prompt]
     return model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **generate_kwargs)
 
 

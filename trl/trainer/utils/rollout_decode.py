@@ -261,6 +261,48 @@ class _SamplingProcessors:
         return scores
 
 
+def shares_prompt_prefill(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, row_to_prompt: torch.Tensor) -> bool:
+    """Whether prefilling each distinct prompt once applies: some prompt is repeated and every prompt has at least two
+    tokens (all but the last are prefilled; the last is the first decoding step's input)."""
+    return (
+        prompt_ids.shape[1] >= 2
+        and row_to_prompt.numel() > prompt_ids.shape[0]
+        and int(prompt_mask.sum(dim=1).min()) >= 2
+    )
+
+
+def prefill_shared_prompts(
+    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, row_to_prompt: torch.Tensor
+) -> Any:
+    """KV cache of every distinct prompt but its last token, computed once and copied to the rows sharing it.
+
+    Positions are those `generate` uses for left-padded prompts (counted from the first real token), so continuing
+    from this cache gives the same numbers as prefilling the repeated prompts.
+
+    Args:
+        model: The unwrapped causal LM.
+        prompt_ids: `(U, L)` left-padded ids of the distinct prompts.
+        prompt_mask: `(U, L)` attention mask.
+        row_to_prompt: `(N,)` index of the prompt of each output row.
+
+    Returns:
+        A `DynamicCache` with `N` rows of `L - 1` positions.
+    """
+    from transformers import DynamicCache
+
+    positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    model(
+        input_ids=prompt_ids[:, :-1],
+        attention_mask=prompt_mask[:, :-1],
+        position_ids=positions[:, :-1],
+        cache=cache,
+        use_cache=True,
+    )
+    cache.batch_select_indices(row_to_prompt)
+    return cache
+
+
 @torch.no_grad()
 def decode_rollouts(
     model: nn.Module,
@@ -304,25 +346,12 @@ def decode_rollouts(
     pad_id = config.pad_token_id
     vocab_size = None
 
-    cache = DynamicCache(config=model.config)
     first_input = 0
-    share = (
-        share_prompt_cache
-        and prompt_length >= 2
-        and num_rows > prompt_ids.shape[0]
-        and int(prompt_mask.sum(dim=1).min()) >= 2
-    )
-    if share:
-        unique_positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-        model(
-            input_ids=prompt_ids[:, :-1],
-            attention_mask=prompt_mask[:, :-1],
-            position_ids=unique_positions[:, :-1],
-            cache=cache,
-            use_cache=True,
-        )
-        cache.batch_select_indices(row_to_prompt)
+    if share_prompt_cache and shares_prompt_prefill(prompt_ids, prompt_mask, row_to_prompt):
+        cache = prefill_shared_prompts(model, prompt_ids, prompt_mask, row_to_prompt)
         first_input = prompt_length - 1
+    else:
+        cache = DynamicCache(config=model.config)
 
     # Token buffer for the whole rollout; `sequences[:, :length]` is what `generate` holds at each step.
     tokens = torch.full((num_rows, prompt_length + max_new_tokens), pad_id, dtype=sequences.dtype)
