@@ -6,7 +6,9 @@ prompts of a round (`_render_prompts`, `_tokenize_prompts`), and `_generate` sam
 - a user `rollout_func(prompts, trainer)` when one was given (`_generate_with_rollout_func`);
 - vLLM when `use_vllm=True` (`_generate_with_vllm`, a server client or an in-process engine);
 - transformers continuous batching when `use_transformers_continuous_batching=True`;
-- otherwise transformers `generate`, prefilling each distinct prompt once ([`generate_with_shared_prompts`]).
+- otherwise transformers `generate`, prefilling each distinct prompt once ([`generate_with_shared_prompts`]), through
+  the rollout decode loop (`utils/rollout_decode.py`: the same tokens, less work per token) whenever
+  `rollout_decode_fallback_reason` finds nothing it cannot reproduce.
 
 `_rollout` is the hook wrapped by multi-turn rollouts (tool calling, see `tool_calling.py`); `_generate` the one a new
 back-end replaces. The settings are read once at construction (`_eos_token_ids`, `_build_generation_config`).

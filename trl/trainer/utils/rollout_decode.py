@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from transformers.cache_utils import DynamicLayer
 
 
 # Generation settings the loop reproduces; every other setting must keep its neutral value (see `_neutral_settings`).
@@ -161,13 +162,13 @@ def rollout_decode_fallback_reason(
             return "top_p outside [0, 1]"
         if effective.min_p is not None and not 0 <= effective.min_p <= 1:
             return "min_p outside [0, 1]"
-    if any(type(layer).__name__ != "DynamicLayer" for layer in DynamicCache(config=config).layers):
+    if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=config).layers):
         return "cache layers other than plain dynamic ones (sliding window, linear attention, ...)"
     return None
 
 
-class _PreallocatedLayer:
-    """Mixin body of a `DynamicLayer` whose keys and values live in buffers sized for the whole rollout.
+class _PreallocatedLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values live in buffers sized for the whole rollout.
 
     The cache contents handed to attention are views of the filled part, the same shape and values `DynamicLayer`
     returns, so the model computes the same numbers without a concatenation per token.
@@ -200,12 +201,9 @@ class _PreallocatedLayer:
 
 def _preallocate(cache: Any, capacity: int) -> None:
     """Swap every filled layer of a `DynamicCache` for a preallocated one holding the same keys and values."""
-    from transformers.cache_utils import DynamicLayer
-
-    layer_class = type("PreallocatedDynamicLayer", (_PreallocatedLayer, DynamicLayer), {})
     for i, layer in enumerate(cache.layers):
         if layer.is_initialized and layer.keys is not None and layer.keys.numel() > 0:
-            new_layer = layer_class()
+            new_layer = _PreallocatedLayer()
             new_layer.adopt(layer, capacity)
             cache.layers[i] = new_layer
 
