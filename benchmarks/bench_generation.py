@@ -4,7 +4,10 @@ Each configuration runs in its own subprocess; memory is the resident size of th
 vLLM engine and server processes) at the end of the run. The vLLM configurations run
 with the vLLM environment's interpreter (`make vllm-env` builds `.venv-vllm`; pass `--vllm-python` otherwise):
 
-- `hf`: `model.generate` on left-padded batches (what the trainers do without `use_vllm`);
+- `hf`: `model.generate` on left-padded batches;
+- `hf-groups` / `loop`: the online trainers' transformers path without `use_vllm`: each group of `--n` rows shares
+  one prompt prefill, then `generate` (`hf-groups`, `generate_with_shared_prompts`) or the rollout decode loop
+  (`loop`, `trl/trainer/utils/rollout_decode.py`, the same tokens); no end token, so every row runs to the end;
 - `vllm`: an in-process `vllm.LLM` (what colocate mode runs);
 - `vllm-serve` (with `--server`): `trl vllm-serve` queried through `VLLMClient` (server mode), start-up excluded.
 
@@ -85,6 +88,32 @@ def run_hf(model_path: str, prompts: list[list[int]], n: int, max_new_tokens: in
         tokens += (out.shape[1] - len(expanded[0])) * out.shape[0]
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "completions": len(expanded), "tokens": tokens, "rss_mb": _total_rss_mb()}
+
+
+def run_rollouts(model_path: str, prompts: list[list[int]], n: int, max_new_tokens: int, loop: bool) -> dict:
+    """Grouped rollouts as the online trainers run them: `generate_with_shared_prompts` with or without the loop."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from trl.trainer.online_generation import generate_with_shared_prompts
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, top_k=0, pad_token_id=0)
+    ids = torch.tensor(prompts)  # equal-length prompts: no padding needed
+    rows = torch.arange(len(prompts)).repeat_interleave(n)
+
+    def generate(prompt_ids, row_to_prompt):
+        return generate_with_shared_prompts(
+            model, prompt_ids, torch.ones_like(prompt_ids), row_to_prompt, config, rollout_decode=loop
+        )
+
+    generate(ids[:1], rows[:2] * 0)  # warm-up
+    start = time.perf_counter()
+    out = generate(ids, rows)
+    seconds = time.perf_counter() - start
+    tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    return {"seconds": seconds, "completions": out.shape[0], "tokens": tokens, "rss_mb": _total_rss_mb()}
 
 
 def run_vllm(model_path: str, prompts: list[list[int]], n: int, max_new_tokens: int) -> dict:
@@ -190,6 +219,8 @@ def worker(args: argparse.Namespace) -> None:
     prompts = _prompts(args.num_prompts, args.prompt_length, vocab_size)
     if args.worker == "hf":
         result = run_hf(model_path, prompts, args.n, args.max_new_tokens, args.hf_batch_size)
+    elif args.worker in ("hf-groups", "loop"):
+        result = run_rollouts(model_path, prompts, args.n, args.max_new_tokens, loop=args.worker == "loop")
     elif args.worker == "vllm":
         result = run_vllm(model_path, prompts, args.n, args.max_new_tokens)
     elif args.worker in ("grpo-hf", "grpo-vllm"):
@@ -213,7 +244,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="GRPO steps with --trainer (the first is warm-up)")
     parser.add_argument("--vllm-python", default=os.path.join(ROOT, ".venv-vllm", "bin", "python"))
     parser.add_argument(
-        "--worker", choices=["hf", "vllm", "vllm-serve", "grpo-hf", "grpo-vllm"], help=argparse.SUPPRESS
+        "--worker",
+        choices=["hf", "hf-groups", "loop", "vllm", "vllm-serve", "grpo-hf", "grpo-vllm"],
+        help=argparse.SUPPRESS,
     )
     args = parser.parse_args()
     if args.worker:
@@ -223,7 +256,8 @@ def main() -> None:
     keys = ["model", "num_prompts", "n", "prompt_length", "max_new_tokens", "hf_batch_size", "steps"]
     forwarded = _harness.forwarded_flags(args, keys, dashes=True)
     vllm_python = args.vllm_python if os.path.exists(args.vllm_python) else sys.executable
-    configurations = [("hf", sys.executable), ("vllm", vllm_python)]
+    configurations = [("hf", sys.executable), ("hf-groups", sys.executable), ("loop", sys.executable)]
+    configurations.append(("vllm", vllm_python))
     if args.server:
         configurations.append(("vllm-serve", vllm_python))
     if args.trainer:  # both in the vLLM environment: same library versions for the comparison

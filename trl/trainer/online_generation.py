@@ -6,7 +6,9 @@ prompts of a round (`_render_prompts`, `_tokenize_prompts`), and `_generate` sam
 - a user `rollout_func(prompts, trainer)` when one was given (`_generate_with_rollout_func`);
 - vLLM when `use_vllm=True` (`_generate_with_vllm`, a server client or an in-process engine);
 - transformers continuous batching when `use_transformers_continuous_batching=True`;
-- otherwise transformers `generate`, prefilling each distinct prompt once ([`generate_with_shared_prompts`]).
+- otherwise transformers `generate`, prefilling each distinct prompt once ([`generate_with_shared_prompts`]), through
+  the rollout decode loop (`utils/rollout_decode.py`: the same tokens, less work per token) whenever
+  `rollout_decode_fallback_reason` finds nothing it cannot reproduce.
 
 `_rollout` is the hook wrapped by multi-turn rollouts (tool calling, see `tool_calling.py`); `_generate` the one a new
 back-end replaces. The settings are read once at construction (`_eos_token_ids`, `_build_generation_config`).
@@ -25,6 +27,12 @@ from ..data_utils import apply_chat_template, is_conversational
 from ..models.utils import unwrap_model_for_generation
 from .online_math import completion_mask_from_ids
 from .utils import pad
+from .utils.rollout_decode import (
+    decode_rollouts,
+    prefill_shared_prompts,
+    rollout_decode_fallback_reason,
+    shares_prompt_prefill,
+)
 
 
 # Row key holding exact prompt token ids for `_generate` (multi-turn continuation; see `_tokenize_prompts`).
@@ -42,6 +50,7 @@ def generate_with_shared_prompts(
     row_to_prompt: torch.Tensor,
     generation_config: GenerationConfig,
     share_prompt_cache: bool = True,
+    rollout_decode: bool = False,
     **generate_kwargs: Any,
 ) -> torch.Tensor:
     """Sample one completion per row, computing each distinct prompt's KV cache only once.
@@ -60,20 +69,19 @@ def generate_with_shared_prompts(
         share_prompt_cache: Prefill once per prompt. Falls back to plain `generate` when False, when a prompt has
             fewer than 2 tokens, when no prompt is repeated, with a non-default `cache_implementation`, or with beam
             search / `num_return_sequences > 1`.
+        rollout_decode: Run the rollout decode loop (`utils/rollout_decode.py`, the same tokens with less work per
+            token) instead of `generate` when it supports the model and settings.
         **generate_kwargs: Extra arguments for `generate`.
 
     Returns:
         `(N, L + T)` prompt and completion ids (completions right-padded with the pad id).
     """
-    from transformers import DynamicCache
-
-    ids = prompt_ids[row_to_prompt]
-    mask = prompt_mask[row_to_prompt]
+    if rollout_decode and rollout_decode_fallback_reason(model, generation_config, generate_kwargs) is None:
+        output = decode_rollouts(model, prompt_ids, prompt_mask, row_to_prompt, generation_config, share_prompt_cache)
+        return output.sequences
     share = (
         share_prompt_cache
-        and prompt_ids.shape[1] >= 2
-        and row_to_prompt.numel() > prompt_ids.shape[0]
-        and int(prompt_mask.sum(dim=1).min()) >= 2
+        and shares_prompt_prefill(prompt_ids, prompt_mask, row_to_prompt)
         and getattr(generation_config, "cache_implementation", None) in (None, "dynamic")
         # Beam search and several sequences per row expand the batch inside `generate`: the prefilled cache rows
         # would no longer line up, so such settings generate plainly.
@@ -82,18 +90,9 @@ def generate_with_shared_prompts(
         and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
     )
     if share:
-        # Same positions as `generate` uses for left-padded prompts: counted from the first real token.
-        positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
-        cache = DynamicCache(config=model.config)
-        model(
-            input_ids=prompt_ids[:, :-1],
-            attention_mask=prompt_mask[:, :-1],
-            position_ids=positions[:, :-1],
-            past_key_values=cache,
-            use_cache=True,
-        )
-        cache.batch_select_indices(row_to_prompt)
-        generate_kwargs["past_key_values"] = cache
+        generate_kwargs["cache"] = prefill_shared_prompts(model, prompt_ids, prompt_mask, row_to_prompt)
+    ids = prompt_ids[row_to_prompt]
+    mask = prompt_mask[row_to_prompt]
     return model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **generate_kwargs)
 
 
@@ -125,6 +124,8 @@ class _OnlineGenerationMixin:
 
     # Prefill each distinct prompt once and share its KV cache across its group (see generate_with_shared_prompts).
     _share_prompt_cache = True
+    # Decode with the rollout loop (same tokens as `generate`, less work per token) when it supports the settings.
+    _use_rollout_decode = True
 
     # ------------------------------------------------------------------------------------------------------------
     # Construction
@@ -257,6 +258,7 @@ class _OnlineGenerationMixin:
                         row_to_prompt,
                         self.generation_config,
                         share_prompt_cache=self._share_prompt_cache,
+                        rollout_decode=self._use_rollout_decode,
                         disable_compile=True,
                     )
                     completion_ids = output[:, prompt_ids.shape[1] :]

@@ -1,0 +1,404 @@
+"""A decode loop for rollouts that reproduces `model.generate` token for token, with less work per token.
+
+`decode_rollouts` is what the online trainers run instead of transformers `generate` when
+`rollout_decode_fallback_reason` finds nothing it cannot reproduce. It makes the same model calls as `generate` (same
+inputs, positions, masks and cache contents, so bitwise the same logits), applies the same sampling processors in the
+same order as tensor ops, and draws with one `torch.multinomial` over the whole batch per step (finished rows stay in
+the batch, as in `generate`, so the random stream is consumed identically). What it saves:
+
+- the KV cache is preallocated once for the whole rollout instead of growing by concatenation at every token;
+- no per-token bookkeeping of `generate` (logits-processor and stopping-criteria objects, model-input preparation,
+  growing position ids);
+- each distinct prompt is prefilled once and its cache shared by the rows of its group (as `generate` is given it by
+  `generate_with_shared_prompts`).
+
+Anything else (beam search, other processors, stop strings, encoder-decoders, models with their own input preparation
+or cache, extra `generate` arguments, ...) is reported by `rollout_decode_fallback_reason`, and the caller uses
+`generate`.
+"""
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from transformers.cache_utils import DynamicLayer
+
+
+# Generation settings the loop reproduces; every other setting must keep its neutral value (see `_neutral_settings`).
+_HANDLED_SETTINGS = frozenset(
+    {
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "max_new_tokens",
+        "max_length",  # derived from `max_new_tokens`, which is required
+        "eos_token_id",
+        "pad_token_id",
+        "bos_token_id",  # only used by `generate` without prompt ids
+        "decoder_start_token_id",  # encoder-decoders, which are refused
+        "use_cache",  # must be True, checked below
+        "cache_implementation",  # None or "dynamic", checked below
+        "disable_compile",  # the loop never compiles
+        "compile_config",
+        "transformers_version",
+        "_from_model_config",
+        # Settings that only beam search / assisted decoding read; both are refused through `num_beams` and the
+        # assistant settings keeping their neutral values.
+        "early_stopping",
+        "length_penalty",
+        "num_assistant_tokens",
+        "num_assistant_tokens_schedule",
+        "assistant_confidence_threshold",
+        "assistant_lookbehind",
+        "target_lookbehind",
+    }
+)
+
+# `generate` keyword arguments the loop accepts (anything else makes the caller use `generate`).
+_ACCEPTED_GENERATE_KWARGS = frozenset({"disable_compile"})
+
+
+@dataclass
+class RolloutDecodeOutput:
+    """Result of [`decode_rollouts`].
+
+    Attributes:
+        sequences: `(N, L + T)` prompt and completion ids, as `generate` returns them (rows that ended early are
+            right-padded with the pad id).
+        logps: `(N, T)` log-probabilities of the sampled tokens under the distribution they were drawn from (after
+            the sampling processors; 0 after a row ended), or None when not asked for.
+    """
+
+    sequences: torch.Tensor
+    logps: torch.Tensor | None = None
+
+
+def _neutral_settings(model: nn.Module) -> dict[str, Any]:
+    """Values of the generation settings under which they change nothing (the defaults `generate` fills in)."""
+    from transformers import GenerationConfig
+
+    neutral = GenerationConfig()
+    defaults = getattr(getattr(model, "generation_config", None), "_get_default_generation_params", None)
+    if defaults is not None:
+        neutral.update(**defaults())
+    return neutral.to_dict()
+
+
+def _effective_generation_config(model: nn.Module, generation_config: Any) -> Any:
+    """The settings `generate` would run with: the given ones, unset values filled from the model's own generation
+    config and transformers' defaults."""
+    effective, model_kwargs = model._prepare_generation_config(generation_config)
+    if model_kwargs:
+        raise ValueError(f"unexpected model arguments from the generation config: {sorted(model_kwargs)}")
+    return effective
+
+
+def rollout_decode_fallback_reason(
+    model: nn.Module, generation_config: Any, generate_kwargs: dict[str, Any] | None = None
+) -> str | None:
+    """Why [`decode_rollouts`] cannot reproduce `model.generate` for these settings, or None when it can.
+
+    This is the single place that decides between the rollout loop and `generate`: a model or a setting the loop does
+    not know is a reason (never silently dropped).
+
+    Args:
+        model: The unwrapped causal LM.
+        generation_config: The `GenerationConfig` given to `generate`.
+        generate_kwargs: Other keyword arguments that would be given to `generate`.
+
+    Returns:
+        A short reason, or None.
+    """
+    from transformers import DynamicCache, GenerationMixin
+
+    unknown = sorted(set(generate_kwargs or {}) - _ACCEPTED_GENERATE_KWARGS)
+    if unknown:
+        return f"generate arguments {unknown}"
+    config = getattr(model, "config", None)
+    if config is None or not isinstance(model, GenerationMixin):
+        return "not a transformers generative model"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder model"
+    # Models that prepare their own inputs, caches or sampling steps (multimodal, recurrent, ...) go through generate.
+    for hook in ("prepare_inputs_for_generation", "_update_model_kwargs_for_generation", "_sample", "_prefill"):
+        if getattr(type(model), hook, None) is not getattr(GenerationMixin, hook, None):
+            return f"model overrides {hook}"
+    if not model._supports_default_dynamic_cache():
+        return "model does not use the default dynamic cache"
+    parameters = inspect.signature(model.forward).parameters
+    if not {"cache", "position_ids", "logits_to_keep", "attention_mask"} <= set(parameters):
+        return "model forward lacks cache / position_ids / logits_to_keep"
+    if model.device.type != "cpu" and "grouped_mm" in str(getattr(model, "get_experts_implementation", dict)()):
+        return "mixture-of-experts implementation switched by generate off CPU"
+    try:
+        effective = _effective_generation_config(model, generation_config)
+    except (AttributeError, TypeError, ValueError) as error:
+        return f"generation config not understood ({error})"
+    neutral = _neutral_settings(model)
+    for key, value in effective.to_dict().items():
+        if key not in _HANDLED_SETTINGS and value != neutral.get(key):
+            return f"generation setting {key}={value!r}"
+    if effective.max_new_tokens is None or effective.max_new_tokens < 1:
+        return "max_new_tokens not set"
+    if effective.pad_token_id is None:
+        return "no pad token id"
+    if effective.use_cache is not True:
+        return "use_cache=False"
+    if effective.cache_implementation not in (None, "dynamic"):
+        return f"cache_implementation={effective.cache_implementation!r}"
+    if not isinstance(effective.repetition_penalty, float) or effective.repetition_penalty <= 0:
+        return "repetition_penalty is not a positive float"
+    if effective.do_sample:
+        if effective.temperature is not None and not effective.temperature > 0:
+            return "temperature is not positive"
+        if effective.top_k is not None and (not isinstance(effective.top_k, int) or effective.top_k < 0):
+            return "top_k is not a non-negative integer"
+        if effective.top_p is not None and not 0 <= effective.top_p <= 1:
+            return "top_p outside [0, 1]"
+        if effective.min_p is not None and not 0 <= effective.min_p <= 1:
+            return "min_p outside [0, 1]"
+    if any(type(layer) is not DynamicLayer for layer in DynamicCache(config=config).layers):
+        return "cache layers other than plain dynamic ones (sliding window, linear attention, ...)"
+    return None
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values live in buffers sized for the whole rollout.
+
+    The cache contents handed to attention are views of the filled part, the same shape and values `DynamicLayer`
+    returns, so the model computes the same numbers without a concatenation per token.
+    """
+
+    def adopt(self, layer: Any, capacity: int) -> None:
+        keys, values = layer.keys, layer.values
+        length = keys.shape[-2]
+        self._key_buffer = keys.new_empty((*keys.shape[:-2], capacity, keys.shape[-1]))
+        self._value_buffer = values.new_empty((*values.shape[:-2], capacity, values.shape[-1]))
+        self._key_buffer[..., :length, :].copy_(keys)
+        self._value_buffer[..., :length, :].copy_(values)
+        self._length = length
+        self.device = keys.device
+        self.is_initialized = True
+        self.keys = self._key_buffer[..., :length, :]
+        self.values = self._value_buffer[..., :length, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        start, end = self._length, self._length + key_states.shape[-2]
+        if end > self._key_buffer.shape[-2]:  # never in `decode_rollouts`; kept correct regardless
+            return super().update(key_states, value_states, *args, **kwargs)
+        self._key_buffer[..., start:end, :].copy_(key_states)
+        self._value_buffer[..., start:end, :].copy_(value_states)
+        self._length = end
+        self.keys = self._key_buffer[..., :end, :]
+        self.values = self._value_buffer[..., :end, :]
+        return self.keys, self.values
+
+
+def _preallocate(cache: Any, capacity: int) -> None:
+    """Swap every filled layer of a `DynamicCache` for a preallocated one holding the same keys and values."""
+    for i, layer in enumerate(cache.layers):
+        if layer.is_initialized and layer.keys is not None and layer.keys.numel() > 0:
+            new_layer = _PreallocatedLayer()
+            new_layer.adopt(layer, capacity)
+            cache.layers[i] = new_layer
+
+
+class _SamplingProcessors:
+    """`generate`'s logits processors for the handled settings, as tensor ops, in `generate`'s order: repetition
+    penalty, then (sampling only) temperature, top-k, top-p, min-p. Each step's result equals transformers' own
+    processors bitwise (same operations on the same values)."""
+
+    def __init__(self, config: Any, sequences: torch.Tensor, prompt_mask: torch.Tensor | None, vocab_size: int):
+        self.penalty = config.repetition_penalty if config.repetition_penalty != 1.0 else None
+        sampling = bool(config.do_sample)
+        self.temperature = config.temperature if sampling and config.temperature not in (None, 1.0) else None
+        self.top_k = min(max(config.top_k, 1), vocab_size) if sampling and config.top_k else None
+        self.top_p = config.top_p if sampling and config.top_p is not None and config.top_p < 1.0 else None
+        self.min_p = config.min_p if sampling and config.min_p is not None else None
+        self.seen = None
+        if self.penalty is not None:
+            # Tokens already in each row (its left padding excluded, as `generate` does given the prompt mask).
+            ids = sequences
+            if prompt_mask is not None:
+                padding = (prompt_mask != 0).int().argmax(dim=1)
+                positions = torch.arange(ids.shape[1], device=ids.device)
+                ids = ids.masked_fill(positions[None, :] < padding[:, None], vocab_size)
+            self.seen = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)
+            self.seen.scatter_(1, ids.clamp(max=vocab_size), True)
+
+    def add_tokens(self, tokens: torch.Tensor) -> None:
+        if self.seen is not None:
+            self.seen.scatter_(1, tokens.clamp(max=self.seen.shape[1] - 1)[:, None], True)
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.penalty is not None:
+            seen = self.seen[:, : scores.shape[-1]]
+            penalized = torch.where(scores < 0, scores * self.penalty, scores / self.penalty)
+            scores = torch.where(seen, penalized, scores)
+        if self.temperature is not None:
+            scores = scores / self.temperature
+        if self.top_k is not None:
+            kth = torch.topk(scores, self.top_k)[0][..., -1, None]
+            scores = scores.masked_fill(scores < kth, -float("inf"))
+        if self.top_p is not None:
+            sorted_scores, order = torch.sort(scores, descending=False)
+            cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+            drop_sorted = cumulative <= (1 - self.top_p)
+            drop_sorted[..., -1:] = 0  # the most likely token always stays
+            scores = scores.masked_fill(drop_sorted.scatter(1, order, drop_sorted), -float("inf"))
+        if self.min_p is not None:
+            probs = torch.softmax(scores, dim=-1)
+            drop = probs < self.min_p * probs.amax(dim=-1, keepdim=True)
+            drop.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
+            scores = scores.masked_fill(drop, -float("inf"))
+        return scores
+
+
+def shares_prompt_prefill(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, row_to_prompt: torch.Tensor) -> bool:
+    """Whether prefilling each distinct prompt once applies: some prompt is repeated and every prompt has at least two
+    tokens (all but the last are prefilled; the last is the first decoding step's input)."""
+    return (
+        prompt_ids.shape[1] >= 2
+        and row_to_prompt.numel() > prompt_ids.shape[0]
+        and int(prompt_mask.sum(dim=1).min()) >= 2
+    )
+
+
+def prefill_shared_prompts(
+    model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, row_to_prompt: torch.Tensor
+) -> Any:
+    """KV cache of every distinct prompt but its last token, computed once and copied to the rows sharing it.
+
+    Positions are those `generate` uses for left-padded prompts (counted from the first real token), so continuing
+    from this cache gives the same numbers as prefilling the repeated prompts.
+
+    Args:
+        model: The unwrapped causal LM.
+        prompt_ids: `(U, L)` left-padded ids of the distinct prompts.
+        prompt_mask: `(U, L)` attention mask.
+        row_to_prompt: `(N,)` index of the prompt of each output row.
+
+    Returns:
+        A `DynamicCache` with `N` rows of `L - 1` positions.
+    """
+    from transformers import DynamicCache
+
+    positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    model(
+        input_ids=prompt_ids[:, :-1],
+        attention_mask=prompt_mask[:, :-1],
+        position_ids=positions[:, :-1],
+        cache=cache,
+        use_cache=True,
+    )
+    cache.batch_select_indices(row_to_prompt)
+    return cache
+
+
+@torch.no_grad()
+def decode_rollouts(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    row_to_prompt: torch.Tensor,
+    generation_config: Any,
+    share_prompt_cache: bool = True,
+    return_logps: bool = False,
+) -> RolloutDecodeOutput:
+    """Sample one completion per row, exactly as `generate` on the repeated prompts would, with less work per token.
+
+    Call only when [`rollout_decode_fallback_reason`] returns None. With `share_prompt_cache`, every distinct prompt
+    but its last token is prefilled once and its cache copied to the rows of its group (as in
+    `generate_with_shared_prompts`); without, the first call runs the whole repeated prompts (as plain `generate`).
+
+    Args:
+        model: The unwrapped causal LM.
+        prompt_ids: `(U, L)` left-padded ids of the distinct prompts.
+        prompt_mask: `(U, L)` attention mask.
+        row_to_prompt: `(N,)` index of the prompt of each output row.
+        generation_config: The `GenerationConfig` `generate` would be given.
+        share_prompt_cache: Prefill each distinct prompt once (when a prompt is repeated and has at least 2 tokens).
+        return_logps: Also return the log-probabilities of the sampled tokens.
+
+    Returns:
+        A [`RolloutDecodeOutput`].
+    """
+    from transformers import DynamicCache
+
+    config = _effective_generation_config(model, generation_config)
+    sequences = prompt_ids[row_to_prompt]
+    mask = prompt_mask[row_to_prompt]
+    num_rows, prompt_length = sequences.shape
+    max_new_tokens = config.max_new_tokens
+    # As `generate`: positions counted from each row's first real token; an all-ones mask is not passed at all.
+    positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    attention_mask = None if bool((mask == 1).all()) else mask
+    eos = config.eos_token_id
+    eos_ids = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), device=sequences.device)
+    pad_id = config.pad_token_id
+    vocab_size = None
+
+    first_input = 0
+    if share_prompt_cache and shares_prompt_prefill(prompt_ids, prompt_mask, row_to_prompt):
+        cache = prefill_shared_prompts(model, prompt_ids, prompt_mask, row_to_prompt)
+        first_input = prompt_length - 1
+    else:
+        cache = DynamicCache(config=model.config)
+
+    # Token buffer for the whole rollout; `sequences[:, :length]` is what `generate` holds at each step.
+    tokens = torch.full((num_rows, prompt_length + max_new_tokens), pad_id, dtype=sequences.dtype)
+    tokens = tokens.to(sequences.device)
+    tokens[:, :prompt_length] = sequences
+    full_mask = None
+    if attention_mask is not None:
+        full_mask = torch.ones((num_rows, prompt_length + max_new_tokens), dtype=mask.dtype, device=mask.device)
+        full_mask[:, :prompt_length] = mask
+    unfinished = torch.ones(num_rows, dtype=torch.long, device=sequences.device)
+    logps = [] if return_logps else None
+    processors = None
+    step_ids = sequences[:, first_input:]
+    step_positions = positions[:, first_input:]
+    length = prompt_length
+    for step in range(max_new_tokens):
+        outputs = model(
+            input_ids=step_ids,
+            attention_mask=None if full_mask is None else full_mask[:, :length],
+            position_ids=step_positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            return_dict=True,
+        )
+        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
+        del outputs
+        if step == 0:
+            vocab_size = logits.shape[-1]
+            processors = _SamplingProcessors(config, sequences, attention_mask, vocab_size)
+            _preallocate(cache, prompt_length + max_new_tokens)
+        scores = processors(logits)
+        if config.do_sample:
+            next_tokens = torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        else:
+            next_tokens = torch.argmax(scores, dim=-1)
+        if eos_ids.numel():
+            next_tokens = next_tokens * unfinished + pad_id * (1 - unfinished)
+        if logps is not None:
+            picked = torch.log_softmax(scores, dim=-1).gather(1, next_tokens[:, None]).squeeze(1)
+            logps.append(picked * unfinished)
+        tokens[:, length] = next_tokens
+        length += 1
+        processors.add_tokens(next_tokens)
+        if eos_ids.numel():
+            unfinished = unfinished & ~torch.isin(next_tokens, eos_ids)
+            if not bool(unfinished.any()):
+                break
+        step_ids = next_tokens[:, None]
+        step_positions = step_positions[:, -1:] + 1
+    logps_tensor = torch.stack(logps, dim=1) if logps is not None else None
+    return RolloutDecodeOutput(sequences=tokens[:, :length], logps=logps_tensor)
