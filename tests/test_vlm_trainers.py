@@ -315,3 +315,35 @@ def test_peft_on_language_model_only(tmp_path):
     trainer.train()
     changed = changed_params(before, trainer.model, trainable_only=False)
     assert changed and all("lora_" in n for n in changed)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Resuming from a checkpoint (weights saved under the models' original checkpoint names)
+# ---------------------------------------------------------------------------------------------------------------------
+def _interrupted_equals_uninterrupted(trainer_class, make_args, name, data, tmp_path):
+    """Train 4 steps saving at step 2; a fresh trainer resumed from `checkpoint-2` ends on the same parameters."""
+    args = dict(max_steps=4, save_strategy="steps", save_steps=2, seed=0)
+    full = trainer_class(model=get_model_path(name), args=make_args(tmp_path / "full", **args), train_dataset=data)
+    full.train()
+    resumed = trainer_class(
+        model=get_model_path(name), args=make_args(tmp_path / "resumed", **args), train_dataset=data
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    for param_name, param in full.model.named_parameters():
+        assert torch.equal(param, resumed.model.get_parameter(param_name)), param_name
+    return resumed
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_sft_resume_from_checkpoint_matches_uninterrupted_run(name, tmp_path):
+    data = load_test_dataset("vision_conversational_prompt_completion", "train")
+    resumed = _interrupted_equals_uninterrupted(SFTTrainer, sft_args, name, data, tmp_path)
+    assert_saved_model_reloads(resumed, tmp_path / "final", model_class=AutoModelForImageTextToText)
+
+
+def test_dpo_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
+    data = load_test_dataset("vision_conversational_preference", "train")
+    name = "tiny-LlavaForConditionalGeneration"
+    resumed = _interrupted_equals_uninterrupted(DPOTrainer, dpo_args, name, data, tmp_path)
+    assert_saved_model_reloads(resumed, tmp_path / "final", model_class=AutoModelForImageTextToText)
