@@ -4,6 +4,8 @@ vLLM receives each prompt's token ids with one placeholder per image plus the im
 the placeholders with its own processor; the trainer checks the expanded prompt is the one its processor trains on.
 Layouts: image tiles (Idefics3, vLLM's own implementation) in colocate and server mode, fixed-size images (LLaVA,
 vLLM's transformers backend) in server mode. The grid layout (Qwen2-VL) needs torchvision in vLLM, absent here.
+The unmarked tests run in the main environment with a stand-in for the vLLM back-end (what the trainer sends, the
+check of the expanded prompt) and check the server's sampling parameters.
 """
 
 import pytest
@@ -19,6 +21,87 @@ requires_vllm = pytest.mark.skipif(
 pytest.importorskip("PIL")
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# Main environment (no vLLM): the trainer's side, with a stand-in for the vLLM back-end
+# ---------------------------------------------------------------------------------------------------------------------
+class _StandInVLLM:
+    """Records what the trainer sends and answers as vLLM would: placeholders expanded by the model's processor
+    (or, with `drop_prompt_tokens`, a prompt shorter than the trainer's), fixed completions."""
+
+    def __init__(self, processor, drop_prompt_tokens=0):
+        self.processor, self.drop_prompt_tokens, self.calls = processor, drop_prompt_tokens, []
+
+    def generate(self, prompt_ids, model=None, weights_version=None, images=None):
+        self.calls.append((prompt_ids, images))
+        tokenizer = self.processor.tokenizer
+        expanded = []
+        for ids, row_images in zip(prompt_ids, images):
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            full = self.processor(text=[text], images=[row_images], add_special_tokens=False)["input_ids"][0]
+            expanded.append(list(full)[self.drop_prompt_tokens :])
+        completions = [[11, 12, tokenizer.eos_token_id] for _ in prompt_ids]
+        return {"prompt_ids": expanded, "completion_ids": completions, "logprobs": [[-1.0] * 3 for _ in prompt_ids]}
+
+
+def _trainer_with_stand_in(tmp_path, seen, drop_prompt_tokens=0):
+    from trl import GRPOConfig, GRPOTrainer
+
+    def image_reward(prompts, completions, images, **kwargs):
+        seen.append(images)
+        return [float(sum(row[0].getpixel((0, 0)))) / 765.0 for row in images]
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        vllm_importance_sampling_correction=False,
+    )
+    data = load_test_dataset("vision_conversational_prompt_only", "train")
+    name = "tiny-Qwen2VLForConditionalGeneration"
+    trainer = GRPOTrainer(model=get_model_path(name), reward_funcs=image_reward, args=args, train_dataset=data)
+    trainer.vllm_generation = _StandInVLLM(trainer.processing_class, drop_prompt_tokens)
+    return trainer
+
+
+def test_vllm_receives_unexpanded_placeholders_and_images_per_row(tmp_path):
+    seen = []
+    trainer = _trainer_with_stand_in(tmp_path, seen)
+    trainer.train()
+    prompt_ids, images = trainer.vllm_generation.calls[0]
+    image_token = trainer.processing_class.image_token_id
+    assert len(prompt_ids) == len(images) == 4
+    # One placeholder per image: vLLM's processor expands it.
+    assert all(ids.count(image_token) == len(row) == 1 for ids, row in zip(prompt_ids, images))
+    # The rows of a group carry the same image, the one the rewards receive.
+    assert images[0][0].tobytes() == images[1][0].tobytes() != images[2][0].tobytes()
+    assert [row[0].tobytes() for row in seen[0]] == [row[0].tobytes() for row in images]
+    log = [log for log in trainer.state.log_history if "loss" in log][-1]
+    assert log["completions/mean_length"] == 3
+
+
+def test_vllm_prompt_expanded_differently_fails_clearly(tmp_path):
+    trainer = _trainer_with_stand_in(tmp_path, [], drop_prompt_tokens=1)
+    with pytest.raises(RuntimeError, match="vLLM expanded the image placeholders"):
+        trainer.train()
+
+
+def test_server_turns_json_logit_bias_keys_into_token_ids():
+    from trl.scripts._vllm_engines import _sampling_params
+
+    request = dict(n=1, repetition_penalty=1.0, temperature=1.0, top_p=1.0, top_k=-1, min_p=0.0, max_tokens=4)
+    request.update(logprobs=0, generation_kwargs={"logit_bias": {"7": -100}})
+    assert _sampling_params(request, dict)["logit_bias"] == {7: -100.0}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# vLLM environment
+# ---------------------------------------------------------------------------------------------------------------------
 def _online_args(config_class, tmp_path, **overrides):
     values = dict(
         output_dir=str(tmp_path / "out"),
