@@ -7,8 +7,10 @@ from datasets import Dataset
 from trainer_utils import (
     PREFERENCE_ARGS,
     args_builder,
+    assert_rewards_saw_group_images,
     assert_saved_model_reloads,
     changed_params,
+    recording_image_reward,
     snapshot,
     train_and_check_metrics,
 )
@@ -236,15 +238,7 @@ def test_online_trainers_generate_per_image_and_rewards_see_images(trainer_name,
 
     config_class, trainer_class = (GRPOConfig, GRPOTrainer) if trainer_name == "grpo" else (RLOOConfig, RLOOTrainer)
     seen = []
-
-    def image_reward(prompts, completions, images, **kwargs):
-        seen.append((prompts, completions, images))
-        # Depends on the image (brighter top-left pixel, higher reward) and on the completion (so groups differ).
-        return [
-            float(sum(row[0].getpixel((0, 0)))) / 765.0 + 0.01 * len(completion[0]["content"])
-            for row, completion in zip(images, completions)
-        ]
-
+    image_reward = recording_image_reward(seen)
     args = config_class(
         output_dir=str(tmp_path),
         max_steps=2,
@@ -265,12 +259,7 @@ def test_online_trainers_generate_per_image_and_rewards_see_images(trainer_name,
     before = snapshot(trainer.model)
     trainer.train()
     assert changed_params(before, trainer.model)
-    prompts, completions, images = seen[0]
-    assert len(completions) == len(images) == 4
-    # The two completions of a group share the prompt's image; the prompt messages carry it too.
-    assert images[0][0].tobytes() == images[1][0].tobytes()
-    assert images[0][0].tobytes() != images[2][0].tobytes()
-    assert prompts[0][0]["content"][0]["image"] is images[0][0]
+    assert_rewards_saw_group_images(seen)
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert "rewards/image_reward/mean" in logs[-1] and logs[-1]["num_tokens"] > 0
 

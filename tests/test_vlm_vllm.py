@@ -9,7 +9,14 @@ check of the expanded prompt) and check the server's sampling parameters.
 """
 
 import pytest
-from vllm_utils import free_port, running_server
+from trainer_utils import (
+    assert_rewards_saw_group_images,
+    changed_params,
+    recording_image_reward,
+    snapshot,
+    train_logs,
+)
+from vllm_utils import free_port, online_args, running_server
 
 from trl.assets import get_model_path, load_test_dataset
 from trl.import_utils import is_vllm_available
@@ -46,10 +53,6 @@ class _StandInVLLM:
 def _trainer_with_stand_in(tmp_path, seen, drop_prompt_tokens=0):
     from trl import GRPOConfig, GRPOTrainer
 
-    def image_reward(prompts, completions, images, **kwargs):
-        seen.append(images)
-        return [float(sum(row[0].getpixel((0, 0)))) / 765.0 for row in images]
-
     args = GRPOConfig(
         output_dir=str(tmp_path),
         max_steps=1,
@@ -64,7 +67,9 @@ def _trainer_with_stand_in(tmp_path, seen, drop_prompt_tokens=0):
     )
     data = load_test_dataset("vision_conversational_prompt_only", "train")
     name = "tiny-Qwen2VLForConditionalGeneration"
-    trainer = GRPOTrainer(model=get_model_path(name), reward_funcs=image_reward, args=args, train_dataset=data)
+    trainer = GRPOTrainer(
+        model=get_model_path(name), reward_funcs=recording_image_reward(seen), args=args, train_dataset=data
+    )
     trainer.vllm_generation = _StandInVLLM(trainer.processing_class, drop_prompt_tokens)
     return trainer
 
@@ -80,8 +85,8 @@ def test_vllm_receives_unexpanded_placeholders_and_images_per_row(tmp_path):
     assert all(ids.count(image_token) == len(row) == 1 for ids, row in zip(prompt_ids, images))
     # The rows of a group carry the same image, the one the rewards receive.
     assert images[0][0].tobytes() == images[1][0].tobytes() != images[2][0].tobytes()
-    assert [row[0].tobytes() for row in seen[0]] == [row[0].tobytes() for row in images]
-    log = [log for log in trainer.state.log_history if "loss" in log][-1]
+    assert [row[0].tobytes() for row in seen[0][2]] == [row[0].tobytes() for row in images]
+    log = train_logs(trainer)[-1]
     assert log["completions/mean_length"] == 3
 
 
@@ -102,60 +107,23 @@ def test_server_turns_json_logit_bias_keys_into_token_ids():
 # ---------------------------------------------------------------------------------------------------------------------
 # vLLM environment
 # ---------------------------------------------------------------------------------------------------------------------
-def _online_args(config_class, tmp_path, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=6,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_gpu_memory_utilization=0.1,
-        vllm_max_model_length=256,
-    )
-    values.update(overrides)
-    return config_class(**values)
-
-
 def _train_and_check(trainer_class, config_class, name, tmp_path, importance_sampling=True, **overrides):
     """Train on image prompts through vLLM; the rewards see each row's image and the log-probs match vLLM's."""
-    import torch
-
     seen = []
-
-    def image_reward(prompts, completions, images, **kwargs):
-        seen.append((prompts, completions, images))
-        # Depends on the image (brighter top-left pixel, higher reward) and on the completion (so groups differ).
-        return [
-            float(sum(row[0].getpixel((0, 0)))) / 765.0 + 0.01 * len(completion[0]["content"])
-            for row, completion in zip(images, completions)
-        ]
-
     data = load_test_dataset("vision_conversational_prompt_only", "train")
-    args = _online_args(config_class, tmp_path, **overrides)
-    trainer = trainer_class(model=get_model_path(name), reward_funcs=image_reward, args=args, train_dataset=data)
-    image_token = trainer.processing_class.image_token_id
-    assert trainer.vllm_generation.suppress_token_ids == [image_token]
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    args = online_args(config_class, tmp_path, max_steps=2, max_completion_length=6, **overrides)
+    trainer = trainer_class(
+        model=get_model_path(name), reward_funcs=recording_image_reward(seen), args=args, train_dataset=data
+    )
+    assert trainer.vllm_generation.suppress_token_ids == [trainer.processing_class.image_token_id]
+    before = snapshot(trainer.model)
     try:
         trainer.train()
     finally:
         trainer.end()
-    assert any(not torch.equal(before[n], p.detach()) for n, p in trainer.model.named_parameters())
-    prompts, completions, images = seen[0]
-    assert len(completions) == len(images) == 4
-    # The two completions of a group share the prompt's image, the next group has another one.
-    assert images[0][0].tobytes() == images[1][0].tobytes()
-    assert images[0][0].tobytes() != images[2][0].tobytes()
-    assert prompts[0][0]["content"][0]["image"] is images[0][0]
-    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert changed_params(before, trainer.model)
+    assert_rewards_saw_group_images(seen)
+    logs = train_logs(trainer)
     assert len(logs) == 2
     for log in logs:
         assert "rewards/image_reward/mean" in log and 0 < log["completions/max_length"] <= 6
