@@ -471,8 +471,8 @@ class _BaseTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
         # transformers (5.24) reloads a checkpoint with a plain `load_state_dict`, but `save_pretrained` wrote the
         # weights of models with a conversion mapping (vision-language models) under their original names: every
-        # renamed weight would silently keep its initial value. Map the names back for a bare model; anything else
-        # (PEFT adapters, FSDP, DeepSpeed, wrapped models) loads as transformers does.
+        # renamed weight would silently keep its initial value. Map the names back for a bare model; PEFT adapters
+        # and FSDP load as transformers does (DeepSpeed resumes through its own checkpoint, not this method).
         if (
             (model is None or model is self.model)
             and isinstance(self.model, PreTrainedModel)

@@ -393,10 +393,10 @@ class _OnlineGenerationMixin:
         for row, (ours, theirs) in enumerate(zip(prompt_ids, output["prompt_ids"])):
             if list(theirs) != ours:
                 raise RuntimeError(
-                    f"vLLM expanded the image placeholders of prompt {row} into {len(theirs)} tokens, but the "
-                    f"trainer's processor ({type(self.processing_class).__name__}) gives {len(ours)}: the completion "
-                    "would be trained on another prompt than it was sampled from. Make the processor saved with the "
-                    "model (the one vLLM loads) match `processing_class`, or set use_vllm=False."
+                    f"vLLM expanded the image placeholders of prompt {row} into {len(theirs)} tokens that differ "
+                    f"from the {len(ours)} the trainer's processor ({type(self.processing_class).__name__}) gives: "
+                    "the completion would be trained on another prompt than it was sampled from. Make the processor "
+                    "saved with the model (the one vLLM loads) match `processing_class`, or set use_vllm=False."
                 )
         return {
             "prompt_ids": prompt_ids,
