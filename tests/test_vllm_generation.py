@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from distributed_utils import engine_params
-from vllm_utils import free_port, running_server, trainer_logps
+from vllm_utils import free_port, online_args, running_server, trainer_logps
 
 from trl.assets import get_model_path, load_test_dataset
 from trl.generation.vllm_generation import vllm_weight_name
@@ -265,27 +265,6 @@ def test_sleep_mode_on_cpu_warns_and_generation_works(trainer_model, accelerator
 # ---------------------------------------------------------------------------------------------------------------------
 # Trainers, colocate mode
 # ---------------------------------------------------------------------------------------------------------------------
-def online_args(config_class, tmp_path, **overrides):
-    values = dict(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        learning_rate=1e-2,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        gradient_checkpointing=False,
-        disable_tqdm=True,
-        seed=0,
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_gpu_memory_utilization=0.1,
-        vllm_max_model_length=256,
-    )
-    values.update(overrides)
-    return config_class(**values)
 
 
 @pytest.mark.vllm

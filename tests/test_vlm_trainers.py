@@ -7,8 +7,10 @@ from datasets import Dataset
 from trainer_utils import (
     PREFERENCE_ARGS,
     args_builder,
+    assert_rewards_saw_group_images,
     assert_saved_model_reloads,
     changed_params,
+    recording_image_reward,
     snapshot,
     train_and_check_metrics,
 )
@@ -236,15 +238,7 @@ def test_online_trainers_generate_per_image_and_rewards_see_images(trainer_name,
 
     config_class, trainer_class = (GRPOConfig, GRPOTrainer) if trainer_name == "grpo" else (RLOOConfig, RLOOTrainer)
     seen = []
-
-    def image_reward(prompts, completions, images, **kwargs):
-        seen.append((prompts, completions, images))
-        # Depends on the image (brighter top-left pixel, higher reward) and on the completion (so groups differ).
-        return [
-            float(sum(row[0].getpixel((0, 0)))) / 765.0 + 0.01 * len(completion[0]["content"])
-            for row, completion in zip(images, completions)
-        ]
-
+    image_reward = recording_image_reward(seen)
     args = config_class(
         output_dir=str(tmp_path),
         max_steps=2,
@@ -265,12 +259,7 @@ def test_online_trainers_generate_per_image_and_rewards_see_images(trainer_name,
     before = snapshot(trainer.model)
     trainer.train()
     assert changed_params(before, trainer.model)
-    prompts, completions, images = seen[0]
-    assert len(completions) == len(images) == 4
-    # The two completions of a group share the prompt's image; the prompt messages carry it too.
-    assert images[0][0].tobytes() == images[1][0].tobytes()
-    assert images[0][0].tobytes() != images[2][0].tobytes()
-    assert prompts[0][0]["content"][0]["image"] is images[0][0]
+    assert_rewards_saw_group_images(seen)
     logs = [log for log in trainer.state.log_history if "loss" in log]
     assert "rewards/image_reward/mean" in logs[-1] and logs[-1]["num_tokens"] > 0
 
@@ -315,3 +304,35 @@ def test_peft_on_language_model_only(tmp_path):
     trainer.train()
     changed = changed_params(before, trainer.model, trainable_only=False)
     assert changed and all("lora_" in n for n in changed)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Resuming from a checkpoint (weights saved under the models' original checkpoint names)
+# ---------------------------------------------------------------------------------------------------------------------
+def _interrupted_equals_uninterrupted(trainer_class, make_args, name, data, tmp_path):
+    """Train 4 steps saving at step 2; a fresh trainer resumed from `checkpoint-2` ends on the same parameters."""
+    args = dict(max_steps=4, save_strategy="steps", save_steps=2, seed=0)
+    full = trainer_class(model=get_model_path(name), args=make_args(tmp_path / "full", **args), train_dataset=data)
+    full.train()
+    resumed = trainer_class(
+        model=get_model_path(name), args=make_args(tmp_path / "resumed", **args), train_dataset=data
+    )
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    for param_name, param in full.model.named_parameters():
+        assert torch.equal(param, resumed.model.get_parameter(param_name)), param_name
+    return resumed
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_sft_resume_from_checkpoint_matches_uninterrupted_run(name, tmp_path):
+    data = load_test_dataset("vision_conversational_prompt_completion", "train")
+    resumed = _interrupted_equals_uninterrupted(SFTTrainer, sft_args, name, data, tmp_path)
+    assert_saved_model_reloads(resumed, tmp_path / "final", model_class=AutoModelForImageTextToText)
+
+
+def test_dpo_resume_from_checkpoint_matches_uninterrupted_run(tmp_path):
+    data = load_test_dataset("vision_conversational_preference", "train")
+    name = "tiny-LlavaForConditionalGeneration"
+    resumed = _interrupted_equals_uninterrupted(DPOTrainer, dpo_args, name, data, tmp_path)
+    assert_saved_model_reloads(resumed, tmp_path / "final", model_class=AutoModelForImageTextToText)

@@ -293,3 +293,30 @@ def encoder_decoder_pair_logps(model, rows):
     mask = label_ids != -100
     token_logps = torch.log_softmax(logits, -1).gather(-1, label_ids.clamp(min=0)[..., None]).squeeze(-1) * mask
     return token_logps, mask.float(), logits
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Vision-language models
+# ---------------------------------------------------------------------------------------------------------------------
+def recording_image_reward(seen):
+    """A reward function (named `image_reward`) that appends `(prompts, completions, images)` of each call to `seen`
+    and depends on the row's image (brighter top-left pixel, higher) and on the completion (so groups differ)."""
+
+    def image_reward(prompts, completions, images, **kwargs):
+        seen.append((prompts, completions, images))
+        return [
+            float(sum(row[0].getpixel((0, 0)))) / 765.0 + 0.01 * len(completion[0]["content"])
+            for row, completion in zip(images, completions)
+        ]
+
+    return image_reward
+
+
+def assert_rewards_saw_group_images(seen):
+    """The first reward call got 4 completions in groups of 2: a group shares its prompt's image (also inside the
+    prompt messages), the next group has another one."""
+    prompts, completions, images = seen[0]
+    assert len(completions) == len(images) == 4
+    assert images[0][0].tobytes() == images[1][0].tobytes()
+    assert images[0][0].tobytes() != images[2][0].tobytes()
+    assert prompts[0][0]["content"][0]["image"] is images[0][0]

@@ -83,3 +83,27 @@ def trainer_logps(model, prompt: list[int], completion: list[int]) -> list[float
     with torch.no_grad():
         logps = compute_token_logps(model, input_ids, target_mask=target_mask).logps
     return logps[0, len(prompt) - 1 :].tolist()
+
+
+def online_args(config_class, tmp_path, **overrides):
+    """An online trainer config generating with a colocated vLLM engine (3 short steps, small KV cache)."""
+    values = dict(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=8,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        gradient_checkpointing=False,
+        disable_tqdm=True,
+        seed=0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.1,
+        vllm_max_model_length=256,
+    )
+    values.update(overrides)
+    return config_class(**values)

@@ -138,6 +138,8 @@ class VLLMGeneration:
             Maximum completion length; `None` reads `max_completion_length` (or `max_new_tokens`) from `args`.
         llm_kwargs (`dict` or `None`, *optional*, defaults to `None`):
             Colocate mode: extra `vllm.LLM` keyword arguments, applied last (e.g. `{"enforce_eager": False}`).
+        suppress_token_ids (`list[int]` or `None`, *optional*, defaults to `None`):
+            Tokens never sampled (e.g. a vision-language model's image token, which would have no image behind it).
 
     Example:
 
@@ -156,6 +158,7 @@ class VLLMGeneration:
         eos_token_ids: list[int] | None = None,
         max_tokens: int | None = None,
         llm_kwargs: dict | None = None,
+        suppress_token_ids: list[int] | None = None,
     ):
         self.accelerator = accelerator
         self.args = args
@@ -164,6 +167,7 @@ class VLLMGeneration:
         if self.mode not in ("server", "colocate"):
             raise ValueError(f"Expected vllm_mode to be 'server' or 'colocate', got {self.mode!r}.")
         self.eos_token_ids = list(eos_token_ids or [])
+        self.suppress_token_ids = list(suppress_token_ids or [])
         if max_tokens is None:
             max_tokens = _setting(args, "max_completion_length", None) or _setting(args, "max_new_tokens", 16)
         self.max_tokens = int(max_tokens)
@@ -370,6 +374,9 @@ class VLLMGeneration:
         }
         if self.eos_token_ids:
             kwargs["stop_token_ids"] = list(self.eos_token_ids)
+        if self.suppress_token_ids:
+            # vLLM clamps logit biases to [-100, 100]: -100 makes these tokens practically impossible to sample.
+            kwargs["logit_bias"] = {int(token): -100.0 for token in self.suppress_token_ids}
         kwargs.update(_setting(args, "generation_kwargs", None) or {})
         return kwargs
 
@@ -385,7 +392,11 @@ class VLLMGeneration:
         return SamplingParams(**kwargs)
 
     def generate(
-        self, prompt_ids: list[list[int]], model: nn.Module | None = None, weights_version: Any = None
+        self,
+        prompt_ids: list[list[int]],
+        model: nn.Module | None = None,
+        weights_version: Any = None,
+        images: list[list[Any] | None] | None = None,
     ) -> dict[str, list]:
         """Sample one completion for each prompt of this process (every process must call this together).
 
@@ -399,6 +410,10 @@ class VLLMGeneration:
                 The accelerator-prepared policy to push weights from (defaults to the construction-time model).
             weights_version (`Any`, *optional*, defaults to `None`):
                 Identifies the policy's current weights; a new value triggers a push.
+            images (`list` or `None`, *optional*, defaults to `None`):
+                Per prompt, its PIL images (or `None`), passed to vLLM as multi-modal data. The prompt then holds one
+                image placeholder per image, not yet expanded: vLLM's processor expands it (the returned
+                `prompt_ids` are the expanded ones).
 
         Returns:
             `dict[str, list]`: `prompt_ids`, `completion_ids` (ending at the first end-of-sequence token, included)
@@ -416,25 +431,32 @@ class VLLMGeneration:
         if self._sleep_enabled:
             self.llm.wake_up(tags=["kv_cache"])
         try:
+            if images is not None and len(images) != len(prompt_ids):
+                raise ValueError(f"Expected one images entry per prompt, got {len(images)} for {len(prompt_ids)}.")
             if self.mode == "server":
-                return self._generate_server(prompt_ids)
-            return self._generate_colocate(prompt_ids)
+                return self._generate_server(prompt_ids, images)
+            return self._generate_colocate(prompt_ids, images)
         finally:
             if self._sleep_enabled:
                 self.llm.sleep(level=2)
 
-    def _generate_server(self, prompt_ids: list[list[int]]) -> dict[str, list]:
+    def _generate_server(self, prompt_ids: list[list[int]], images: list | None) -> dict[str, list]:
         from accelerate.utils import broadcast_object_list, gather_object
 
         accelerator = self.accelerator
         per_process = gather_object([list(map(list, prompt_ids))])
+        per_process_images = gather_object([images]) if images is not None else None
         payload: list[Any] = [None]
         if accelerator.is_main_process:
             flat = [ids for chunk in per_process for ids in chunk]
+            flat_images = None
+            if per_process_images is not None:
+                flat_images = [row for chunk in per_process_images for row in chunk]
             kwargs = self.sampling_kwargs()
             extra = {key: kwargs.pop(key) for key in list(kwargs) if key not in _CLIENT_SAMPLING_ARGS}
             out = self.client.generate(
                 flat,
+                images=flat_images,
                 structured_outputs_regex=_setting(self.args, "vllm_structured_outputs_regex", None),
                 generation_kwargs=extra,
                 **kwargs,
@@ -452,18 +474,22 @@ class VLLMGeneration:
             "logprobs": all_logprobs[local],
         }
 
-    def _generate_colocate(self, prompt_ids: list[list[int]]) -> dict[str, list]:
-        prompts = [list(map(int, ids)) for ids in prompt_ids]
-        start, count = 0, len(prompts)
+    def _generate_colocate(self, prompt_ids: list[list[int]], images: list | None) -> dict[str, list]:
+        requests: list[dict[str, Any]] = []
+        for index, ids in enumerate(prompt_ids):
+            request: dict[str, Any] = {"prompt_token_ids": list(map(int, ids))}
+            if images is not None and images[index]:
+                row = list(images[index])
+                request["multi_modal_data"] = {"image": row[0] if len(row) == 1 else row}
+            requests.append(request)
+        start, count = 0, len(requests)
         if self.tp_group is not None:
             gathered: list[Any] = [None] * self.tensor_parallel_size
-            torch.distributed.all_gather_object(gathered, prompts, group=self.tp_group)
+            torch.distributed.all_gather_object(gathered, requests, group=self.tp_group)
             rank = torch.distributed.get_rank(self.tp_group)
             start = sum(len(chunk) for chunk in gathered[:rank])
-            prompts = [ids for chunk in gathered for ids in chunk]
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompts], self._sampling_params(), use_tqdm=False
-        )
+            requests = [request for chunk in gathered for request in chunk]
+        outputs = self.llm.generate(requests, self._sampling_params(), use_tqdm=False)
         result: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
         for output in outputs[start : start + count]:
             completion = output.outputs[0]

@@ -42,6 +42,8 @@ def _sampling_params(request: dict, SamplingParams) -> Any:
 
         kwargs["structured_outputs"] = StructuredOutputsParams(regex=request["structured_outputs_regex"])
     kwargs.update(request.get("generation_kwargs") or {})
+    if kwargs.get("logit_bias"):  # JSON object keys are strings; vLLM wants token ids
+        kwargs["logit_bias"] = {int(token): float(bias) for token, bias in kwargs["logit_bias"].items()}
     return SamplingParams(**kwargs)
 
 

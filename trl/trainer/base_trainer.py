@@ -482,6 +482,24 @@ class _BaseTrainer(Trainer):
         ref_model = getattr(self, "ref_model", None)
         return self.accelerator.unwrap_model(ref_model) if ref_model is not None else None
 
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        # transformers (5.24) reloads a checkpoint with a plain `load_state_dict`, but `save_pretrained` wrote the
+        # weights of models with a conversion mapping (vision-language models) under their original names: every
+        # renamed weight would silently keep its initial value. Map the names back for a bare model; PEFT adapters
+        # and FSDP load as transformers does (DeepSpeed resumes through its own checkpoint, not this method).
+        if (
+            (model is None or model is self.model)
+            and isinstance(self.model, PreTrainedModel)
+            and not self.is_fsdp_enabled
+        ):
+            from .utils.checkpoints import load_renamed_weights
+
+            result = load_renamed_weights(self.model, resume_from_checkpoint)
+            if result is not None:
+                self._issue_warnings_after_load(result)
+                return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Called on every resume (plain, DeepSpeed and FSDP alike) with the checkpoint directory that was resolved.
         super()._load_optimizer_and_scheduler(checkpoint)

@@ -197,11 +197,10 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         self._is_vision_dataset = is_vision_example(first_example)
         if self._is_vision_dataset:
             check_vision_processing_class(processing_class, trainer_name)
-            if getattr(args, "use_vllm", False) or rollout_func is not None:
+            if rollout_func is not None:
                 raise ValueError(
-                    f"{trainer_name} generates from image prompts with transformers' generate only here; vLLM "
-                    "generation (use_vllm=True) and rollout_func are not supported with images yet. Set "
-                    "use_vllm=False and drop rollout_func, or train on text prompts."
+                    f"{trainer_name} generates from image prompts with transformers' generate or vLLM only; "
+                    "rollout_func is not supported with images. Drop rollout_func, or train on text prompts."
                 )
         tokenizer = self._ensure_pad_token(processing_class)
         self._setup_aux_loss(model, args)

@@ -293,17 +293,25 @@ class _OnlineGenerationMixin:
         ):
             yield unwrapped
 
-    def _generate_with_images(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """HF generation from prompts with images: the processor expands the image tokens and computes the pixel
-        values of every row (left-padded), `generate` runs on the whole batch, and the image inputs are kept per row
-        (`vision_rows`) for the log-probability passes."""
-        from .utils.vision import example_images, vision_forward_inputs, vision_rows_from_batch
+    def _encode_image_prompts(self, inputs: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]], Any, bool]:
+        """Prompt texts, images per row, the processor's left-padded batch (image tokens expanded, pixel values) and
+        whether the data is conversational."""
+        from .utils.vision import example_images
 
-        texts, _ = self._render_prompts(inputs)
+        texts, conversational = self._render_prompts(inputs)
         images = [example_images(example) for example in inputs]
         encoded = self.processing_class(
             text=texts, images=images, padding=True, padding_side="left", return_tensors="pt"
         )
+        return texts, images, encoded, conversational
+
+    def _generate_with_images(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """HF generation from prompts with images: the processor expands the image tokens and computes the pixel
+        values of every row (left-padded), `generate` runs on the whole batch, and the image inputs are kept per row
+        (`vision_rows`) for the log-probability passes."""
+        from .utils.vision import vision_forward_inputs, vision_rows_from_batch
+
+        _, images, encoded, _ = self._encode_image_prompts(inputs)
         device = self.accelerator.device
         prompt_ids = encoded["input_ids"].to(device)
         prompt_mask = encoded["attention_mask"].to(device)
@@ -334,12 +342,15 @@ class _OnlineGenerationMixin:
             return None
         from ..generation.vllm_generation import VLLMGeneration
 
+        image_token_id = getattr(self, "_image_token_id", None)
         return VLLMGeneration(
             self.model,
             self.accelerator,
             args,
             eos_token_ids=self.eos_token_ids,
             max_tokens=self.max_completion_length,
+            # As with transformers' generate: a sampled image token would have no image behind it in training.
+            suppress_token_ids=[image_token_id] if image_token_id is not None else None,
         )
 
     def _uses_sampling_logps(self) -> bool:
@@ -350,6 +361,8 @@ class _OnlineGenerationMixin:
     def _generate_with_vllm(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         """`_generate` through vLLM: the trainer tokenizes (so prompt ids are the same as with transformers), vLLM
         samples one completion per row and returns the sampled tokens' log-probabilities."""
+        if getattr(self, "_is_vision_dataset", False):
+            return self._generate_with_vllm_and_images(inputs)
         prompt_ids = self._tokenize_prompts(inputs)
         start = time.perf_counter()
         # The trainer's step counter versions the weights: a new optimizer step makes vLLM's copy stale.
@@ -362,6 +375,37 @@ class _OnlineGenerationMixin:
             "completion_ids": output["completion_ids"],
             "sampling_logps": output["logprobs"] if self._uses_sampling_logps() else None,
             "extra_fields": {},
+        }
+
+    def _generate_with_vllm_and_images(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """vLLM generation from prompts with images: vLLM receives each prompt's token ids with one placeholder per
+        image (its own processor expands them) and the images as multi-modal data; the trainer's processor computes
+        the expanded prompt ids and pixel values trained on, which must be the prompt vLLM sampled from."""
+        from .utils.vision import vision_rows_from_batch
+
+        texts, images, encoded, conversational = self._encode_image_prompts(inputs)
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        placeholder_ids = tokenizer(texts, add_special_tokens=not conversational)["input_ids"]
+        start = time.perf_counter()
+        output = self.vllm_generation.generate(
+            placeholder_ids, model=self.model_wrapped, weights_version=self.state.global_step, images=images
+        )
+        self._timing["generation"] += time.perf_counter() - start
+        prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
+        for row, (ours, theirs) in enumerate(zip(prompt_ids, output["prompt_ids"])):
+            if list(theirs) != ours:
+                raise RuntimeError(
+                    f"vLLM expanded the image placeholders of prompt {row} into {len(theirs)} tokens that differ "
+                    f"from the {len(ours)} the trainer's processor ({type(self.processing_class).__name__}) gives: "
+                    "the completion would be trained on another prompt than it was sampled from. Make the processor "
+                    "saved with the model (the one vLLM loads) match `processing_class`, or set use_vllm=False."
+                )
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": output["completion_ids"],
+            "sampling_logps": output["logprobs"] if self._uses_sampling_logps() else None,
+            "extra_fields": {},
+            "vision_rows": vision_rows_from_batch(encoded, [len(row) for row in images]),
         }
 
     def end(self) -> None:

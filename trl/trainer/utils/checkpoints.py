@@ -136,3 +136,52 @@ def save_checkpoint_atomically(trainer: Any, model: Any, trial: Any, save: Calla
             use_mtime=True,
         )
     trainer.accelerator.wait_for_everyone()
+
+
+def load_renamed_weights(model: Any, checkpoint_dir: str) -> Any:
+    """Load a checkpoint's weights into `model`, mapping the names `save_pretrained` wrote back to the model's.
+
+    `save_pretrained` writes the weights of models with a transformers conversion mapping (vision-language models,
+    e.g. `model.language_model.layers.*` saved as `model.layers.*`) under their original checkpoint names, and
+    `from_pretrained` converts them back; transformers' `Trainer` reloads a checkpoint with a plain `load_state_dict`,
+    which misses every renamed weight. Here the names are mapped through the model's own reverse conversion (the one
+    `save_pretrained` applied), matched by tensor identity, so pure renames are undone exactly.
+
+    Args:
+        model (`transformers.PreTrainedModel`): The bare (unwrapped, non-PEFT) model to load into.
+        checkpoint_dir (`str`): A checkpoint holding `model.safetensors` or a sharded `model.safetensors.index.json`.
+
+    Returns:
+        The `load_state_dict` result (missing and unexpected keys), or `None` when no weight is saved under another
+        name (the caller then loads as transformers does).
+    """
+    import json
+
+    from safetensors.torch import load_file
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers without conversion mappings saves under the model's own names
+        return None
+    current = dict(model.state_dict())
+    saved = revert_weight_conversion(model, dict(current))
+    name_of = {id(tensor): name for name, tensor in current.items()}
+    renames = {
+        saved_name: name_of[id(t)] for saved_name, t in saved.items() if name_of.get(id(t), saved_name) != saved_name
+    }
+    if not renames:
+        return None
+    single = os.path.join(checkpoint_dir, SAFE_WEIGHTS_NAME)
+    index = os.path.join(checkpoint_dir, SAFE_WEIGHTS_INDEX_NAME)
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        with open(index) as f:
+            files = [os.path.join(checkpoint_dir, name) for name in sorted(set(json.load(f)["weight_map"].values()))]
+    else:
+        return None
+    state = {}
+    for file in files:
+        state.update({renames.get(name, name): tensor for name, tensor in load_file(file, device="cpu").items()})
+    return model.load_state_dict(state, strict=False)
