@@ -96,6 +96,7 @@ def test_reward_step_equals_padded(tmp_path, monkeypatch, peft):
         path = get_model_path("tiny-Qwen2ForSequenceClassification")
         torch.manual_seed(0)  # the LoRA weights are drawn while the model is wrapped, before the Trainer seeds
         trainer = RewardTrainer(path, args=args, train_dataset=dataset, **kwargs)
+        trainer._share_prefix = False  # this test is about the padding-dropping path (prefix sharing comes first)
         return sgd_step_update(trainer), trainer.state.log_history[-1]["train_loss"]
 
     calls = []

@@ -328,3 +328,28 @@ def test_prefix_cached_continuations_equal_separate_rows(causal_lm, kind):
     for grad, ref_grad in zip(grads, [p.grad for p in causal_lm.parameters()], strict=True):
         torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
     assert prefix_cached_saving(main_mask, kl, kl_mask, main) > 0
+
+
+@pytest.mark.parametrize("trainer_name", ["GRPO", "RLOO"])
+def test_online_trainers_share_prompts_and_keep_their_losses(tmp_path, model_path, trainer_name):
+    import trl
+
+    config_class, trainer_class = getattr(trl, f"{trainer_name}Config"), getattr(trl, f"{trainer_name}Trainer")
+    prompts = [row["prompt"] for row in _text_rows(4)]
+    dataset = Dataset.from_dict({"prompt": prompts})
+
+    def reward(completions, **kwargs):
+        return [len(completion) / 10 for completion in completions]
+
+    def make_trainer(model):
+        args = _short_run(
+            config_class, tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=6, beta=0.1
+        )
+        return trainer_class(model, reward_funcs=reward, args=args, train_dataset=dataset)
+
+    shared, plain = _train_twice(make_trainer, AutoModelForCausalLM.from_pretrained(model_path), "_share_prefix")
+    # Same rollouts, and the same log-prob-derived metrics (the on-policy loss alone hardly depends on log-probs).
+    for name in ("reward", "completions/mean_length", "entropy", "kl"):
+        values = [entry[name] for entry in shared.state.log_history if name in entry]
+        assert values
+        assert values == pytest.approx([entry[name] for entry in plain.state.log_history if name in entry], rel=1e-4)

@@ -75,6 +75,15 @@ from .utils import (
     shuffle_sequence_dict,
     split_tensor_dict,
 )
+from .utils.prefix_sharing import (
+    MIN_SHARED_SAVING,
+    SharedPrefixLayout,
+    contiguous_rows,
+    same_prompt_groups,
+    share_prefixes,
+    shared_prefix_token_logps,
+    supports_prefix_sharing,
+)
 from .utils.vision import (
     check_image_columns,
     check_vision_processing_class,
@@ -144,6 +153,10 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
     loss_is_scaled_for_ga = True
     # GRPO and RLOO log each step's wall time (`step_time`) as TRL does; TRL's Online DPO family does not.
     _logs_step_time = True
+    # Completions of one prompt run that prompt once in the loss and log-prob passes (see `_shared_prompt_layout`);
+    # `_shared_prefix_passes` counts the passes that did.
+    _share_prefix = True
+    _shared_prefix_passes = 0
 
     def __init__(
         self,
@@ -679,19 +692,55 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
             image_inputs = collate_vision_rows(inputs["vision_rows"], prompt_length, input_ids.shape[1])
             image_inputs = {key: value.to(input_ids.device) for key, value in image_inputs.items()}
             position_ids = None
-        result = compute_token_logps(
-            model,
-            input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            **image_inputs,
-            target_mask=target_mask,
-            temperature=self._logprob_temperature(),
-            compute_entropy=compute_entropy,
-        )
+        layout = None if image_inputs else self._shared_prompt_layout(model, inputs, input_ids, attention_mask)
+        if layout is not None:
+            result = shared_prefix_token_logps(
+                model,
+                input_ids,
+                layout,
+                target_mask,
+                compute_entropy=compute_entropy,
+                temperature=self._logprob_temperature(),
+            )
+        else:
+            result = compute_token_logps(
+                model,
+                input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                **image_inputs,
+                target_mask=target_mask,
+                temperature=self._logprob_temperature(),
+                compute_entropy=compute_entropy,
+            )
         logps = result.logps[:, prompt_length - 1 :]
         entropy = result.entropy[:, prompt_length - 1 :] if result.entropy is not None else None
         return logps, entropy, result.outputs
+
+    def _shared_prompt_layout(
+        self, model: nn.Module, inputs: dict[str, Any], input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> SharedPrefixLayout | None:
+        """The shared-prefix layout of a rollout micro-batch whose completions of one prompt run that prompt once
+        ([`~trl.trainer.utils.prefix_sharing.share_prefixes`]), or None to run whole rows.
+
+        Whole rows run when the model cannot take the layout ([`supports_prefix_sharing`], checked once per model),
+        when an auxiliary router loss reads the forward's outputs, when attended tokens are not contiguous
+        (multi-turn tool results), or when sharing saves too few tokens to pay."""
+        if not self._share_prefix or self._aux_loss_enabled or "completion_attention_mask" in inputs:
+            return None
+        cache = self.__dict__.setdefault("_prefix_sharing_support", {})
+        if id(model) not in cache:
+            cache[id(model)] = supports_prefix_sharing(model)
+        if not cache[id(model)]:
+            return None
+        groups = same_prompt_groups(inputs["prompt_ids"], inputs["prompt_mask"])
+        if len(groups) == input_ids.shape[0] or not contiguous_rows(attention_mask):
+            return None
+        layout = share_prefixes(input_ids, attention_mask, groups, pad_token_id=self.pad_token_id)
+        if layout.saved_share < MIN_SHARED_SAVING:
+            return None
+        self._shared_prefix_passes += 1
+        return layout
 
     @torch.no_grad()
     def _batched_logps(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from ...kernels.linear_log_softmax import linear_selective_log_softmax
+from ...kernels.packed_attention import PACKED_SDPA
 from .logprobs import capture_lm_head_inputs, fusable_lm_head, model_accepts_argument
 from .packing import SequenceTokenLogps, _base_transformers_model
 
@@ -21,8 +22,9 @@ from .packing import SequenceTokenLogps, _base_transformers_model
 # Sharing pays only when it removes at least this share of the tokens the unshared (padding-free) pass computes:
 # below, the dense per-group masks and the gathers cost about what the skipped tokens would.
 MIN_SHARED_SAVING = 0.15
-# Attention implementations that take a custom additive 4D mask with arbitrary position ids.
-_MASK_ATTENTION = ("eager", "sdpa")
+# Attention implementations that take a custom additive 4D mask with arbitrary position ids (the packed-sequence SDPA
+# that training switches to is SDPA itself on calls without sequence boundaries).
+_MASK_ATTENTION = ("eager", "sdpa", PACKED_SDPA)
 
 
 class SharedPrefixLayout(NamedTuple):
@@ -206,6 +208,7 @@ def shared_prefix_token_logps(
     target_mask: torch.Tensor,
     compute_entropy: bool = False,
     logits_stats_fn: Any = None,
+    temperature: float = 1.0,
 ) -> SequenceTokenLogps:
     """Per-token log-probs of a padded batch computed on its shared-prefix layout, in the batch's padded shape.
 
@@ -220,6 +223,7 @@ def shared_prefix_token_logps(
         target_mask: `(batch, seq_len - 1)` bool mask of the next-token positions to score.
         compute_entropy: Also return per-token entropies.
         logits_stats_fn: Optional `f(logits, targets) -> dict` evaluated on the scored positions' logits.
+        temperature: Logits are divided by this value before the softmax.
 
     Returns:
         [`SequenceTokenLogps`] (its `outputs.logits` is None).
@@ -240,7 +244,7 @@ def shared_prefix_token_logps(
     # Entry t of a row predicts its token t + 1 from the hidden state of its token t.
     hidden = layout.gather(captured[0], rows, columns)
     return _scored_logps(head, hidden, input_ids, rows, columns, target_mask.shape, outputs, compute_entropy,
-        logits_stats_fn)  # fmt: skip
+        logits_stats_fn, temperature)  # fmt: skip
 
 
 def _scored_logps(
@@ -253,11 +257,12 @@ def _scored_logps(
     outputs: Any,
     compute_entropy: bool,
     logits_stats_fn: Any,
+    temperature: float = 1.0,
 ) -> SequenceTokenLogps:
     """Fused LM head + log-softmax on the gathered `hidden` states that predict `input_ids[rows, columns + 1]`,
     scattered back into the padded `shape` (0 elsewhere; log-probs and entropies in the head's dtype)."""
     logps, entropy, stats = linear_selective_log_softmax(
-        hidden, head.weight, input_ids[rows, columns + 1], head.bias, 1.0, compute_entropy, logits_stats_fn
+        hidden, head.weight, input_ids[rows, columns + 1], head.bias, temperature, compute_entropy, logits_stats_fn
     )
 
     def scatter(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -326,6 +331,27 @@ def paired_groups(batch: int) -> list[list[int]]:
     """Groups of a batch whose first half pairs row by row with its second half (`[chosen...; rejected...]`)."""
     half = batch // 2
     return [[row, row + half] for row in range(half)]
+
+
+def same_prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """Rows grouped by identical real prompt tokens (padding ignored), groups in order of their first row.
+
+    Rollout micro-batches may be shuffled, so a group's completions need not be adjacent."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row, (ids, mask) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
+        key = tuple(token for token, keep in zip(ids, mask) if keep)
+        groups.setdefault(key, []).append(row)
+    return list(groups.values())
+
+
+def contiguous_rows(attention_mask: torch.Tensor) -> bool:
+    """Whether every row's real tokens form one contiguous run (left and/or right padding only)."""
+    mask = attention_mask.bool()
+    columns = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    first = torch.where(mask, columns, mask.shape[1]).min(dim=1).values
+    last = torch.where(mask, columns, -1).max(dim=1).values
+    counts = mask.sum(dim=1)
+    return bool(((counts == 0) | (last - first + 1 == counts)).all())
 
 
 class PrefixCachedLogps(NamedTuple):
