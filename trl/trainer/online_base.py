@@ -82,6 +82,7 @@ from .utils.prefix_sharing import (
     same_prompt_groups,
     share_prefixes,
     shared_prefix_token_logps,
+    sharing_possible_now,
     supports_prefix_sharing,
 )
 from .utils.vision import (
@@ -731,7 +732,7 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         cache = self.__dict__.setdefault("_prefix_sharing_support", {})
         if id(model) not in cache:
             cache[id(model)] = supports_prefix_sharing(model)
-        if not cache[id(model)]:
+        if not cache[id(model)] or not sharing_possible_now(model):
             return None
         groups = same_prompt_groups(inputs["prompt_ids"], inputs["prompt_mask"])
         if len(groups) == input_ids.shape[0] or not contiguous_rows(attention_mask):

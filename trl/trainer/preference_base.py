@@ -519,11 +519,16 @@ class _PreferenceTrainer(_BaseTrainer):
         keyword arguments go to the model's forward. With `prefix_groups` (rows that start alike, for a model that
         `supports_prefix_sharing`), each group's common prefix runs once when that saves enough tokens."""
         from .utils import compute_sequence_token_logps
-        from .utils.prefix_sharing import MIN_SHARED_SAVING, share_prefixes, shared_prefix_token_logps
+        from .utils.prefix_sharing import (
+            MIN_SHARED_SAVING,
+            share_prefixes,
+            shared_prefix_token_logps,
+            sharing_possible_now,
+        )
         from .utils.vision import vision_forward_inputs
 
-        # (A model wrapped for distributed training keeps whole-row passes: its hooks live on the outer module.)
-        if prefix_groups is not None and not forward_kwargs and not hasattr(model, "module"):
+        # (A model wrapped or sharded for distributed training keeps whole-row passes.)
+        if prefix_groups is not None and not forward_kwargs and sharing_possible_now(model):
             shared = share_prefixes(inputs["input_ids"], inputs["attention_mask"], prefix_groups, self.pad_token_id)
             if shared.saved_share >= MIN_SHARED_SAVING:
                 self._shared_prefix_passes = getattr(self, "_shared_prefix_passes", 0) + 1

@@ -30,6 +30,7 @@ from .utils.prefix_sharing import (
     pooled_scores_share_safely,
     share_prefixes,
     shared_prefix_pooled_scores,
+    sharing_possible_now,
     supports_prefix_sharing,
 )
 
@@ -416,7 +417,7 @@ class RewardTrainer(_BaseTrainer):
     ) -> torch.Tensor | None:
         """Rewards of the batch with each pair's common prefix run once, or None when that does not apply or saves
         too few tokens (see `trl.trainer.utils.prefix_sharing`)."""
-        if not self._share_prefix or hasattr(model, "module"):  # distributed wrappers keep whole-row passes
+        if not self._share_prefix or not sharing_possible_now(model, causal_lm=False):  # DDP / FSDP / ZeRO-3
             return None
         if not pooled_scores_share_safely(model, input_ids, attention_mask):
             return None

@@ -511,12 +511,12 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
     ) -> bool:
         """Whether this batch's KL rows are scored from the main rows' cached prompts (`_share_kl_prefix`, text-only
         right-padded rows, enough tokens saved); a function of the batch alone, so policy and reference agree."""
-        from .utils.prefix_sharing import MIN_SHARED_SAVING, prefix_cached_saving
+        from .utils.prefix_sharing import MIN_SHARED_SAVING, prefix_cached_saving, sharing_possible_now
 
         if not self._share_kl_prefix or any(key in inputs for key in VISION_INPUT_KEYS):
             return False
-        if getattr(self, "model_wrapped", self.model) is not self.model:  # DDP / DeepSpeed: whole-row passes
-            return False
+        if getattr(self, "model_wrapped", self.model) is not self.model or not sharing_possible_now(self.model):
+            return False  # DDP / FSDP / DeepSpeed: whole-row passes
         if not bool(main["attention_mask"][:, 0].all()):
             return False
         saving = prefix_cached_saving(

@@ -194,6 +194,20 @@ def supports_prefix_sharing(model: nn.Module | None, causal_lm: bool = True) -> 
     return not causal_lm or fusable_lm_head(model) is not None
 
 
+def sharing_possible_now(model: nn.Module, causal_lm: bool = True) -> bool:
+    """The part of [`supports_prefix_sharing`] that engines can change after the trainer is built: the model is not
+    wrapped (DDP), its parameters are not sharded (FSDP, DeepSpeed ZeRO-3: their hooks gather them around the whole
+    model's forward), and a causal LM still has a head the fused LM head can replace."""
+    if hasattr(model, "module"):
+        return False
+    from transformers.integrations import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    if is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model) or type(model).__name__.startswith("FSDP"):
+        return False
+    return not causal_lm or fusable_lm_head(model) is not None
+
+
 def _mask_dtype(model: nn.Module) -> torch.dtype:
     for parameter in model.parameters():
         if parameter.is_floating_point():
