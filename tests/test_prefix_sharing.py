@@ -19,6 +19,7 @@ from trl.trainer.utils.prefix_sharing import (
     share_prefixes,
     shared_prefix_pooled_scores,
     shared_prefix_token_logps,
+    sharing_possible_now,
     supports_prefix_sharing,
 )
 
@@ -353,3 +354,16 @@ def test_online_trainers_share_prompts_and_keep_their_losses(tmp_path, model_pat
         values = [entry[name] for entry in shared.state.log_history if name in entry]
         assert values
         assert values == pytest.approx([entry[name] for entry in plain.state.log_history if name in entry], rel=1e-4)
+
+
+def test_sharing_is_decided_again_at_call_time(causal_lm):
+    """A model that an engine wraps or shards after the trainer is built keeps whole-row passes."""
+    from trl.trainer.utils.distributed import parameters_sharded
+
+    assert sharing_possible_now(causal_lm)
+    assert not parameters_sharded(causal_lm) and not parameters_sharded(causal_lm, across_ranks=True)
+    wrapper = torch.nn.Module()
+    wrapper.module = causal_lm  # what DistributedDataParallel looks like from outside
+    assert not sharing_possible_now(wrapper)
+    fsdp_like = type("FSDPQwen2ForCausalLM", (torch.nn.Module,), {})()
+    assert parameters_sharded(fsdp_like) and not sharing_possible_now(fsdp_like)

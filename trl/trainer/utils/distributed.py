@@ -49,3 +49,24 @@ def uses_sharding_engine(args: Any) -> bool:
         return True
     flags = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP")
     return any(os.environ.get(flag, "false").lower() == "true" for flag in flags)
+
+
+def parameters_sharded(model: Any, across_ranks: bool = False) -> bool:
+    """Whether `model`'s parameters are sharded by DeepSpeed ZeRO-3 or FSDP, whose hooks gather them collectively
+    around the whole model's forward (so a part of the model cannot be run alone, and every rank must run as many
+    forwards as the others).
+
+    Args:
+        model: The (possibly FSDP-managed) model.
+        across_ranks: Only count sharding when more than one process takes part.
+    """
+    import torch.distributed as dist
+
+    if across_ranks and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    from transformers.integrations import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    return bool(
+        is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model) or type(model).__name__.startswith("FSDP")
+    )

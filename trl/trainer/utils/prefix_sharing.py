@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from ...kernels.linear_log_softmax import linear_selective_log_softmax
 from ...kernels.packed_attention import PACKED_SDPA
+from .distributed import parameters_sharded
 from .logprobs import capture_lm_head_inputs, fusable_lm_head, model_accepts_argument
 from .packing import SequenceTokenLogps, _base_transformers_model
 
@@ -200,10 +201,7 @@ def sharing_possible_now(model: nn.Module, causal_lm: bool = True) -> bool:
     model's forward), and a causal LM still has a head the fused LM head can replace."""
     if hasattr(model, "module"):
         return False
-    from transformers.integrations import is_deepspeed_zero3_enabled
-    from transformers.integrations.fsdp import is_fsdp_managed_module
-
-    if is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model) or type(model).__name__.startswith("FSDP"):
+    if parameters_sharded(model):
         return False
     return not causal_lm or fusable_lm_head(model) is not None
 

@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 from transformers.cache_utils import DynamicLayer
 
+from .distributed import parameters_sharded
+
 
 # Generation settings the loop reproduces; every other setting must keep its neutral value (see `_neutral_settings`).
 _HANDLED_SETTINGS = frozenset(
@@ -98,17 +100,6 @@ def _effective_generation_config(model: nn.Module, generation_config: Any) -> An
     return effective
 
 
-def _sharded_across_ranks(model: nn.Module) -> bool:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return False
-    from transformers.integrations import is_deepspeed_zero3_enabled
-    from transformers.integrations.fsdp import is_fsdp_managed_module
-
-    return bool(is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model))
-
-
 def rollout_decode_fallback_reason(
     model: nn.Module, generation_config: Any, generate_kwargs: dict[str, Any] | None = None
 ) -> str | None:
@@ -135,7 +126,7 @@ def rollout_decode_fallback_reason(
         return "not a transformers generative model"
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder model"
-    if _sharded_across_ranks(model):
+    if parameters_sharded(model, across_ranks=True):
         # Every forward gathers parameters collectively, so all ranks must keep stepping until the last one is done
         # (generate's `synced_gpus`); the loop stops each rank on its own.
         return "parameters sharded across processes (DeepSpeed ZeRO-3 / FSDP)"
