@@ -264,3 +264,16 @@ def test_fallback_still_generates(monkeypatch):
     torch.manual_seed(0)
     assert torch.equal(decode_rollouts(model, ids, mask, rows, config).sequences, expected)
     assert calls == []
+
+
+def test_grpo_rollouts_take_the_lean_step(tmp_path, model_path, prompts, monkeypatch):
+    """Inside GRPO's training step (training kernels switched in, model in train mode) the rollouts decode through
+    the lean step (that they equal `generate`'s there: `test_rollout_decode.py::test_grpo_trains_with_the_loop_as_with_generate`)."""
+    from trainer_utils import GROUP_ARGS, args_builder, low_id_reward
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    calls = _count_lean_steps(monkeypatch)
+    args = args_builder(GRPOConfig, **GROUP_ARGS)(tmp_path, max_steps=1)
+    GRPOTrainer(model_path, reward_funcs=low_id_reward, args=args, train_dataset=prompts).train()
+    assert len(calls) > 0
