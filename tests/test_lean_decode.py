@@ -268,7 +268,7 @@ def test_fallback_still_generates(monkeypatch):
 
 def test_grpo_rollouts_take_the_lean_step(tmp_path, model_path, prompts, monkeypatch):
     """Inside GRPO's training step (training kernels switched in, model in train mode) the rollouts decode through
-    the lean step (that they equal `generate`'s there: `test_rollout_decode.py::test_grpo_trains_with_the_loop_as_with_generate`)."""
+    the lean step (that they equal `generate`'s there is `test_rollout_decode.py`'s GRPO test)."""
     from trainer_utils import GROUP_ARGS, args_builder, low_id_reward
 
     from trl import GRPOConfig, GRPOTrainer
