@@ -172,14 +172,18 @@ def test_rollouts_equal_generate(family, settings, monkeypatch):
 def test_rollouts_with_the_assets_model(monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(get_model_path("tiny-LlamaForCausalLM")).eval()
     calls = _count_lean_steps(monkeypatch)
+    _assert_sampled_rollouts_equal_generate(model, max_new_tokens=8)
+    assert len(calls) == 7  # every step after the first
+
+
+def _assert_sampled_rollouts_equal_generate(model, max_new_tokens):
     ids, mask = _prompts(num_rows=2)
     rows = torch.tensor([0, 0, 1, 1])
-    config = GenerationConfig(max_new_tokens=8, do_sample=True, top_k=0, pad_token_id=PAD)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, top_k=0, pad_token_id=PAD)
     torch.manual_seed(0)
     expected = generate_with_shared_prompts(model, ids, mask, rows, config)
     torch.manual_seed(0)
     assert torch.equal(decode_rollouts(model, ids, mask, rows, config).sequences, expected)
-    assert len(calls) == 7  # every step after the first
 
 
 class _Qwen2Subclass(Qwen2ForCausalLM):
@@ -256,13 +260,7 @@ def test_fallback_still_generates(monkeypatch):
     model = _build("llama")
     model.model.layers[0].mlp.register_forward_hook(lambda module, args, output: output * 2)
     calls = _count_lean_steps(monkeypatch)
-    ids, mask = _prompts(num_rows=2)
-    rows = torch.tensor([0, 0, 1, 1])
-    config = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=PAD)
-    torch.manual_seed(0)
-    expected = generate_with_shared_prompts(model, ids, mask, rows, config)
-    torch.manual_seed(0)
-    assert torch.equal(decode_rollouts(model, ids, mask, rows, config).sequences, expected)
+    _assert_sampled_rollouts_equal_generate(model, max_new_tokens=6)
     assert calls == []
 
 
