@@ -84,7 +84,7 @@ def lean_decode_fallback_reason(model: nn.Module) -> str | None:
     if impl not in _ATTENTION_IMPLEMENTATIONS:
         return f"attention implementation {impl!r}"
     expected_mask = eager_mask if impl == "eager" else sdpa_mask
-    if ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(impl) is not expected_mask:
+    if ALL_MASK_ATTENTION_FUNCTIONS.get(impl) is not expected_mask:
         return f"mask builder of {impl!r} replaced"
     if not getattr(config, "is_causal", True):
         return "bidirectional attention"
