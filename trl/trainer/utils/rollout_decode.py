@@ -11,6 +11,8 @@ the batch, as in `generate`, so the random stream is consumed identically). What
   growing position ids);
 - each distinct prompt is prefilled once and its cache shared by the rows of its group (as `generate` is given it by
   `generate_with_shared_prompts`).
+- after the first step, Llama-style models step through `lean_decode.LeanDecoder` (the same ops as their forward,
+  bitwise the same logits, without its module-call machinery) unless `lean_decode_fallback_reason` says otherwise.
 
 Anything else (beam search, other processors, stop strings, encoder-decoders, models with their own input preparation
 or cache, extra `generate` arguments, ...) is reported by `rollout_decode_fallback_reason`, and the caller uses
