@@ -5,9 +5,11 @@ vLLM engine and server processes) at the end of the run. The vLLM configurations
 with the vLLM environment's interpreter (`make vllm-env` builds `.venv-vllm`; pass `--vllm-python` otherwise):
 
 - `hf`: `model.generate` on left-padded batches;
-- `hf-groups` / `loop`: the online trainers' transformers path without `use_vllm`: each group of `--n` rows shares
-  one prompt prefill, then `generate` (`hf-groups`, `generate_with_shared_prompts`) or the rollout decode loop
-  (`loop`, `trl/trainer/utils/rollout_decode.py`, the same tokens); no end token, so every row runs to the end;
+- `hf-groups` / `loop-forward` / `loop`: the online trainers' transformers path without `use_vllm`: each group of
+  `--n` rows shares one prompt prefill, then `generate` (`hf-groups`, `generate_with_shared_prompts`) or the rollout
+  decode loop (`trl/trainer/utils/rollout_decode.py`, the same tokens) stepping through the transformers forward
+  (`loop-forward`) or through the lean decode step (`loop`, `trl/trainer/utils/lean_decode.py`, bitwise the same
+  logits); no end token, so every row runs to the end;
 - `vllm`: an in-process `vllm.LLM` (what colocate mode runs);
 - `vllm-serve` (with `--server`): `trl vllm-serve` queried through `VLLMClient` (server mode), start-up excluded.
 
@@ -22,6 +24,8 @@ Usage:
     python benchmarks/bench_generation.py                         # ~30M model, 64 completions of 64 tokens
     python benchmarks/bench_generation.py --model tiny --server   # tiny model, also through the HTTP server
     python benchmarks/bench_generation.py --trainer               # also GRPO step time, HF generate vs colocate
+    python benchmarks/bench_generation.py --only hf-groups,loop-forward,loop --num-prompts 2 --prompt-length 80 \
+        --max-new-tokens 32 --repeats 5                           # the GRPO benchmark's rollout, no vLLM
 """
 
 import argparse
@@ -90,12 +94,19 @@ def run_hf(model_path: str, prompts: list[list[int]], n: int, max_new_tokens: in
     return {"seconds": seconds, "completions": len(expanded), "tokens": tokens, "rss_mb": _total_rss_mb()}
 
 
-def run_rollouts(model_path: str, prompts: list[list[int]], n: int, max_new_tokens: int, loop: bool) -> dict:
-    """Grouped rollouts as the online trainers run them: `generate_with_shared_prompts` with or without the loop."""
+def run_rollouts(
+    model_path: str, prompts: list[list[int]], n: int, max_new_tokens: int, loop: bool, lean: bool, repeats: int
+) -> dict:
+    """Grouped rollouts as the online trainers run them: `generate_with_shared_prompts` with or without the loop
+    (and the loop with or without the lean decode step); the fastest of `repeats` runs."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from trl.trainer.online_generation import generate_with_shared_prompts
+    from trl.trainer.utils import rollout_decode
+
+    if not lean:  # the loop steps through the transformers forward, as before the lean step
+        rollout_decode.lean_decode_fallback_reason = lambda model: "switched off by the benchmark"
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -109,9 +120,11 @@ def run_rollouts(model_path: str, prompts: list[list[int]], n: int, max_new_toke
         )
 
     generate(ids[:1], rows[:2] * 0)  # warm-up
-    start = time.perf_counter()
-    out = generate(ids, rows)
-    seconds = time.perf_counter() - start
+    seconds = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = generate(ids, rows)
+        seconds = min(seconds, time.perf_counter() - start)
     tokens = (out.shape[1] - ids.shape[1]) * out.shape[0]
     return {"seconds": seconds, "completions": out.shape[0], "tokens": tokens, "rss_mb": _total_rss_mb()}
 
@@ -219,8 +232,9 @@ def worker(args: argparse.Namespace) -> None:
     prompts = _prompts(args.num_prompts, args.prompt_length, vocab_size)
     if args.worker == "hf":
         result = run_hf(model_path, prompts, args.n, args.max_new_tokens, args.hf_batch_size)
-    elif args.worker in ("hf-groups", "loop"):
-        result = run_rollouts(model_path, prompts, args.n, args.max_new_tokens, loop=args.worker == "loop")
+    elif args.worker in ("hf-groups", "loop", "loop-forward"):
+        loop, lean = args.worker != "hf-groups", args.worker == "loop"
+        result = run_rollouts(model_path, prompts, args.n, args.max_new_tokens, loop, lean, args.repeats)
     elif args.worker == "vllm":
         result = run_vllm(model_path, prompts, args.n, args.max_new_tokens)
     elif args.worker in ("grpo-hf", "grpo-vllm"):
@@ -242,10 +256,12 @@ def main() -> None:
     parser.add_argument("--server", action="store_true", help="also measure `trl vllm-serve` through VLLMClient")
     parser.add_argument("--trainer", action="store_true", help="also time GRPO steps: HF generate vs colocate")
     parser.add_argument("--steps", type=int, default=4, help="GRPO steps with --trainer (the first is warm-up)")
+    parser.add_argument("--repeats", type=int, default=1, help="rollouts timed per configuration (fastest kept)")
+    parser.add_argument("--only", help="comma-separated configurations to run (default: all)")
     parser.add_argument("--vllm-python", default=os.path.join(ROOT, ".venv-vllm", "bin", "python"))
     parser.add_argument(
         "--worker",
-        choices=["hf", "hf-groups", "loop", "vllm", "vllm-serve", "grpo-hf", "grpo-vllm"],
+        choices=["hf", "hf-groups", "loop-forward", "loop", "vllm", "vllm-serve", "grpo-hf", "grpo-vllm"],
         help=argparse.SUPPRESS,
     )
     args = parser.parse_args()
@@ -253,15 +269,17 @@ def main() -> None:
         worker(args)
         return
 
-    keys = ["model", "num_prompts", "n", "prompt_length", "max_new_tokens", "hf_batch_size", "steps"]
+    keys = ["model", "num_prompts", "n", "prompt_length", "max_new_tokens", "hf_batch_size", "steps", "repeats"]
     forwarded = _harness.forwarded_flags(args, keys, dashes=True)
     vllm_python = args.vllm_python if os.path.exists(args.vllm_python) else sys.executable
-    configurations = [("hf", sys.executable), ("hf-groups", sys.executable), ("loop", sys.executable)]
+    configurations = [(name, sys.executable) for name in ("hf", "hf-groups", "loop-forward", "loop")]
     configurations.append(("vllm", vllm_python))
     if args.server:
         configurations.append(("vllm-serve", vllm_python))
     if args.trainer:  # both in the vLLM environment: same library versions for the comparison
         configurations += [("grpo-hf", vllm_python), ("grpo-vllm", vllm_python)]
+    if args.only:
+        configurations = [(name, python) for name, python in configurations if name in args.only.split(",")]
     print(
         f"model={MODELS[args.model]} prompts={args.num_prompts} n={args.n} prompt_length={args.prompt_length} "
         f"max_new_tokens={args.max_new_tokens}"

@@ -11,6 +11,8 @@ the batch, as in `generate`, so the random stream is consumed identically). What
   growing position ids);
 - each distinct prompt is prefilled once and its cache shared by the rows of its group (as `generate` is given it by
   `generate_with_shared_prompts`).
+- after the first step, Llama-style models step through `lean_decode.LeanDecoder` (the same ops as their forward,
+  bitwise the same logits, without its module-call machinery) unless `lean_decode_fallback_reason` says otherwise.
 
 Anything else (beam search, other processors, stop strings, encoder-decoders, models with their own input preparation
 or cache, extra `generate` arguments, ...) is reported by `rollout_decode_fallback_reason`, and the caller uses
@@ -26,6 +28,7 @@ import torch.nn as nn
 from transformers.cache_utils import DynamicLayer
 
 from .distributed import parameters_sharded
+from .lean_decode import LeanDecoder, lean_decode_fallback_reason
 
 
 # Generation settings the loop reproduces; every other setting must keep its neutral value (see `_neutral_settings`).
@@ -371,22 +374,29 @@ def decode_rollouts(
     step_ids = sequences[:, first_input:]
     step_positions = positions[:, first_input:]
     length = prompt_length
+    # After the first (prompt) step, Llama-style models decode through the lean step: the same logits, bitwise.
+    lean_step = None
     for step in range(max_new_tokens):
-        outputs = model(
-            input_ids=step_ids,
-            attention_mask=None if full_mask is None else full_mask[:, :length],
-            position_ids=step_positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            return_dict=True,
-        )
-        logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32)
-        del outputs
+        if lean_step is not None:
+            step_logits = lean_step(step_ids, step_positions, cache, length)
+        else:
+            step_logits = model(
+                input_ids=step_ids,
+                attention_mask=None if full_mask is None else full_mask[:, :length],
+                position_ids=step_positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                return_dict=True,
+            ).logits
+        logits = step_logits[:, -1].to(copy=True, dtype=torch.float32)
+        del step_logits
         if step == 0:
             vocab_size = logits.shape[-1]
             processors = _SamplingProcessors(config, sequences, attention_mask, vocab_size)
             _preallocate(cache, prompt_length + max_new_tokens)
+            if lean_decode_fallback_reason(model) is None:
+                lean_step = LeanDecoder(model, full_mask, num_rows, prompt_length + max_new_tokens)
         scores = processors(logits)
         if config.do_sample:
             next_tokens = torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
