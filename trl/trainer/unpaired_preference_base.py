@@ -204,8 +204,9 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
     # while policy == reference (stacking the padded parts and packing them together gave ~1e-7 instead: other rows,
     # widths and summation orders than the policy's KL pass).
     _kl_in_reference_forward: bool = True
-    # Whether the KL rows (same prompt as the main row, another completion) are scored from the main rows' cached
-    # prompt keys/values, by the policy and the reference alike (set by a subclass whose model supports it).
+    # Whether the KL rows (same prompt as the main row, another completion) are scored from the main rows' prompt
+    # keys/values, recorded during their forward pass (so also under gradient checkpointing), by the policy and the
+    # reference alike (set by a subclass whose models support it; `_kl_prefix_fallback_reason` decides per batch).
     _share_kl_prefix: bool = False
 
     # ------------------------------------------------------------------------------------------------------------
