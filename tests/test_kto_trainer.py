@@ -564,3 +564,71 @@ def test_gradient_free_forwards_are_batched_and_exact(tmp_path, model_path, unpa
         two_passes = trainer.compute_ref_log_probs(trainer.model, batch)
         for key, value in two_passes.items():
             torch.testing.assert_close(one_pass[key], value, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# KL rows continued from the main rows' prompt keys/values
+# ---------------------------------------------------------------------------------------------------------------------
+def _call_counter(calls, name):
+    def hook(*_):
+        calls[name] += 1
+
+    return hook
+
+
+def _rows(batch, prefix=""):
+    return {key: batch[prefix + key] for key in ("input_ids", "attention_mask", "completion_mask")}
+
+
+def test_kl_rows_continue_from_the_main_rows_prompts_under_gradient_checkpointing(tmp_path, model_path, unpaired):
+    """Under gradient checkpointing (KTO's default) the policy and the reference run only the KL completions,
+    continued from the main rows' recorded prompt keys/values: the losses of whole KL rows, KL estimate and rewards
+    exactly 0 at the first step, and evaluation still works."""
+    data, test = unpaired["train"].select(range(8)), unpaired["test"].select(range(4))
+    logs = {}
+    for share in (True, False):
+        args = make_args(
+            tmp_path / str(share), logging_steps=1, eval_strategy="steps", eval_steps=2, gradient_checkpointing=True
+        )
+        trainer = KTOTrainer(model_path, args=args, train_dataset=data, eval_dataset=test)
+        assert trainer._share_kl_prefix
+        trainer._share_kl_prefix = share
+        calls = {"policy": 0, "ref": 0}
+        for name, model in (("policy", trainer.model), ("ref", trainer.ref_model)):
+            model.model.register_forward_hook(_call_counter(calls, name))
+        before = snapshot(trainer.model)
+        trainer.train()
+        assert changed_params(before, trainer.model)
+        # Per batch (2 training steps, 1 evaluation batch): main + KL continuation on each model when shared; the
+        # policy's main and KL forwards and the reference's single packed forward otherwise.
+        passes = getattr(trainer, "_shared_prefix_passes", 0)
+        assert (passes, calls["ref"]) == ((6, 6) if share else (0, 3)) and calls["policy"] == 6
+        logs[share] = [log for log in trainer.state.log_history if "loss" in log or "eval_loss" in log]
+        first = logs[share][0]
+        assert first["kl"] == 0.0 and first["rewards/chosen"] == 0.0 and first["rewards/rejected"] == 0.0
+    for shared, plain in zip(logs[True], logs[False], strict=True):
+        assert shared.keys() == plain.keys()
+        for key in (key for key in shared if "runtime" not in key and "per_second" not in key):
+            assert shared[key] == pytest.approx(plain[key], rel=1e-4, abs=1e-6), key
+
+
+def test_kl_prefix_fallback_reasons(tmp_path, model_path, unpaired):
+    data = unpaired["train"].select(range(8))
+    trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=data)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    main, kl = _rows(batch), _rows(batch, "KL_")
+    # The attention function that records keys/values is switched in while training (`_training_kernels`) only.
+    assert "attend through" in trainer._kl_prefix_fallback_reason(batch, main, kl)
+    with trainer._training_kernels():
+        assert trainer._kl_prefix_fallback_reason(batch, main, kl) is None
+        assert "images" in trainer._kl_prefix_fallback_reason({**batch, "pixel_values": torch.zeros(1)}, main, kl)
+        left = {**kl, "attention_mask": kl["attention_mask"].flip(1), "input_ids": kl["input_ids"].flip(1)}
+        assert "right-padded" in trainer._kl_prefix_fallback_reason(batch, main, left)
+        other = {**kl, "input_ids": kl["input_ids"] + 1}  # no shared prompt
+        assert "would save 0%" in trainer._kl_prefix_fallback_reason(batch, main, other)
+        trainer.model_wrapped = torch.nn.Module()
+        assert "wrapped" in trainer._kl_prefix_fallback_reason(batch, main, kl)
+    for kwargs in ({"precompute_ref_log_probs": True}, {"model_init_kwargs": {"attn_implementation": "eager"}}):
+        other_trainer = KTOTrainer(model_path, args=make_args(tmp_path, **kwargs), train_dataset=data)
+        assert not other_trainer._share_kl_prefix, kwargs
+        assert "does not share" in other_trainer._kl_prefix_fallback_reason(batch, main, kl)

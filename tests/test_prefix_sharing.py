@@ -9,9 +9,13 @@ from datasets import Dataset
 from trainer_utils import COMMON_ARGS
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from trl.kernels.packed_attention import capture_keys_values
 from trl.trainer.utils import compute_sequence_token_logps
+from trl.trainer.utils.packing import packed_sdpa_attention
 from trl.trainer.utils.prefix_sharing import (
     MIN_SHARED_SAVING,
+    continuation_starts,
+    keys_values_capturable,
     paired_groups,
     pooled_scores_share_safely,
     prefix_cached_saving,
@@ -302,33 +306,80 @@ def test_kto_trainer_shares_prompts_and_keeps_its_losses(tmp_path, model_path):
     _train_twice(make_trainer, AutoModelForCausalLM.from_pretrained(model_path), "_share_kl_prefix")
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("kind", ["paired", "unrelated"])
-def test_prefix_cached_continuations_equal_separate_rows(causal_lm, kind):
-    """KTO-shaped: main rows with gradient, KL rows (same prompt, another completion) from the cached prefix."""
+def test_prefix_cached_continuations_equal_separate_rows(causal_lm, kind, layout, checkpointing):
+    """KTO-shaped: main rows with gradient, KL rows (same prompt, another completion) continued from the main rows'
+    recorded prompt keys/values, with and without gradient checkpointing (which turns the model's own cache off)."""
+    model = copy.deepcopy(causal_lm)
+    if checkpointing:
+        model.activation_checkpointing_enable()
+        model.train()
     ids, mask, target = _batch(kind)
     n = len(ids) // 2
     main, main_mask, main_target = ids[:n], mask[:n], target[:n]
     width = int(main_mask.sum(dim=1).max())
     main, main_mask, main_target = main[:, :width], main_mask[:, :width], main_target[:, : width - 1]
     kl, kl_mask, kl_target = ids[n:], mask[n:], target[n:]
-    causal_lm.zero_grad()
-    result = prefix_cached_token_logps(
-        causal_lm, main, main_mask, main_target, kl, kl_mask, kl_target, compute_entropy=True
-    )
-    result.main.logps.sum().backward()
-    grads = [p.grad.clone() for p in causal_lm.parameters()]
+    with pytest.raises(ValueError, match="packed_sdpa_attention"):
+        prefix_cached_token_logps(model, main, main_mask, main_target, kl, kl_mask, kl_target, layout=layout)
+    with packed_sdpa_attention(model):
+        assert keys_values_capturable(model)
+        model.zero_grad()
+        result = prefix_cached_token_logps(
+            model, main, main_mask, main_target, kl, kl_mask, kl_target, layout=layout, compute_entropy=True
+        )
+        result.main.logps.sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
     assert not result.continuation_logps.requires_grad
-    causal_lm.zero_grad()
-    ref_main = compute_sequence_token_logps(causal_lm, main, main_mask, main_target, compute_entropy=True)
+    assert all(module.gradient_checkpointing == checkpointing for module in model.model.layers)
+    model.zero_grad()
+    ref_main = compute_sequence_token_logps(model, main, main_mask, main_target, compute_entropy=True)
     ref_main.logps.sum().backward()
     with torch.no_grad():
-        ref_kl = compute_sequence_token_logps(causal_lm, kl, kl_mask, kl_target).logps
+        ref_kl = compute_sequence_token_logps(model, kl, kl_mask, kl_target).logps
     torch.testing.assert_close(result.main.logps, ref_main.logps, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(result.main.entropy, ref_main.entropy, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(result.continuation_logps, ref_kl, rtol=1e-5, atol=1e-5)
-    for grad, ref_grad in zip(grads, [p.grad for p in causal_lm.parameters()], strict=True):
+    for grad, ref_grad in zip(grads, [p.grad for p in model.parameters()], strict=True):
         torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
-    assert prefix_cached_saving(main_mask, kl, kl_mask, main) > 0
+    assert prefix_cached_saving(main, main_mask, kl, kl_mask, kl_target, layout) > 0
+
+
+def test_continuation_starts_and_saving_on_a_hand_written_example():
+    main, main_mask = _padded([[5, 6, 7, 8], [5, 6]])
+    kl, kl_mask = _padded([[5, 6, 9], [5, 6, 7, 1, 2]])
+    kl_target = _completion_mask([[5, 6, 9], [5, 6, 7, 1, 2]], [2, 2], kl.shape[1])
+    # Row 0 shares [5, 6]: one token from the main row, the last shared one runs again. Row 1 shares [5, 6] too
+    # (the main row ends there). Never past the first scored position (column 1).
+    assert continuation_starts(main, main_mask, kl, kl_mask, kl_target).tolist() == [1, 1]
+    kl_target[1, 1] = False  # first scored column 2: still only [5] (the shared prefix is 2 tokens)
+    assert continuation_starts(main, main_mask, kl, kl_mask, kl_target).tolist() == [1, 1]
+    assert prefix_cached_saving(main, main_mask, kl, kl_mask, kl_target, "packed") == pytest.approx(2 / 14)
+    # The padded main pass also computes the main rows' 2 pads (and their pad rows' keys): counted against it.
+    assert prefix_cached_saving(main, main_mask, kl, kl_mask, kl_target, "padded") == pytest.approx(-2 / 14)
+
+
+def test_key_value_capture_is_scoped_and_keeps_first_calls(causal_lm):
+    from trl.kernels import packed_attention
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with packed_sdpa_attention(causal_lm), torch.no_grad():
+        with capture_keys_values() as captured:
+            causal_lm(input_ids=ids, use_cache=False)
+            first = {layer: key for layer, (key, _) in captured.items()}
+            causal_lm(input_ids=ids[:, :2], use_cache=False)  # a second call does not overwrite the first
+        assert packed_attention._KEY_VALUE_SINK.get() is None
+        causal_lm(input_ids=ids, use_cache=False)
+    layers = causal_lm.config.num_hidden_layers
+    assert sorted(captured) == list(range(layers))
+    heads, dim = (
+        causal_lm.config.num_key_value_heads,
+        causal_lm.config.hidden_size // causal_lm.config.num_attention_heads,
+    )
+    assert all(captured[layer][0] is first[layer] for layer in captured)
+    assert all(key.shape == (1, heads, 4, dim) and not key.requires_grad for key, _ in captured.values())
 
 
 @pytest.mark.parametrize("trainer_name", ["GRPO", "RLOO"])

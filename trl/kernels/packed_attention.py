@@ -12,11 +12,42 @@ given. [`register_packed_sdpa`] makes it available to transformers under the nam
 builder), so a model switched to it computes exactly what SDPA computes, up to float rounding.
 """
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
 
 PACKED_SDPA = "trl_packed_sdpa"
+# Set by [`capture_keys_values`]: receives `(module, key, value)` of every call of the attention function.
+_KEY_VALUE_SINK: contextvars.ContextVar = contextvars.ContextVar("trl_key_value_sink", default=None)
+
+
+@contextlib.contextmanager
+def capture_keys_values() -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """Within the block, [`packed_sdpa_attention_forward`] records the key and value states it receives (after the
+    rotary embedding, before grouped-query repetition; detached, not copied) under the layer's `layer_idx`.
+
+    Only a layer's first call is kept, so a gradient-checkpointing recompute (which runs in backward, normally after
+    the block anyway) cannot overwrite what the forward pass saw. Layers without a `layer_idx` are not recorded.
+
+    Yields:
+        `{layer_idx: (key, value)}`, filled while the block runs; each `(batch, kv_heads, seq_len, head_dim)`.
+    """
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def sink(module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> None:
+        layer = getattr(module, "layer_idx", None)
+        if layer is not None and layer not in captured:
+            captured[layer] = (key.detach(), value.detach())
+
+    token = _KEY_VALUE_SINK.set(sink)
+    try:
+        yield captured
+    finally:
+        _KEY_VALUE_SINK.reset(token)
 
 
 def _sequence_bounds(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> list[int] | None:
@@ -65,6 +96,9 @@ def packed_sdpa_attention_forward(
     """
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+    sink = _KEY_VALUE_SINK.get()
+    if sink is not None:
+        sink(module, key, value)
     causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
     shaped = any(kwargs.get(name) is not None for name in ("sliding_window", "softcap", "position_bias"))
     bounds = _sequence_bounds(query, key, kwargs) if causal and not shaped and dropout == 0.0 else None

@@ -227,7 +227,7 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         self._layout = self._choose_layout(model, padding_free=False)
         self._ref_layout = self._choose_layout(ref_model, padding_free=False) if ref_model is not None else None
         self._needs_kl = args.loss_type == "kto"
-        # The KL rows repeat their example's prompt: score them from its cached keys/values (policy and reference).
+        # The KL rows repeat their example's prompt: continue them from its recorded keys/values (policy, reference).
         self._share_kl_prefix = self._needs_kl and self._can_share_kl_prefix(model, ref_model, args)
         # TRL's public attributes of the loss (the loss reads them, so a callback may change them)
         self.beta, self.loss_type = args.beta, args.loss_type

@@ -168,6 +168,17 @@ def _stack_rows(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor])
     }
 
 
+def _keys_values_capturable_once_switched(model: nn.Module) -> bool:
+    """Whether `model` will attend through the key/value-recording attention function while training (it attends
+    with SDPA, or already with that function) over full-attention layers, with a head the fused LM head replaces."""
+    from .utils.packing import _base_transformers_model, packed_sdpa_applicable
+    from .utils.prefix_sharing import PACKED_SDPA, supports_prefix_sharing
+
+    implementation = getattr(getattr(_base_transformers_model(model), "config", None), "_attn_implementation", None)
+    switchable = packed_sdpa_applicable(model) or implementation == PACKED_SDPA
+    return switchable and supports_prefix_sharing(model)
+
+
 class _UnpairedPreferenceTrainer(_PreferenceTrainer):
     """Private base of [`KTOTrainer`] and the experimental `BCOTrainer`: unpaired data, log-probs, metrics.
 
@@ -193,8 +204,9 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
     # while policy == reference (stacking the padded parts and packing them together gave ~1e-7 instead: other rows,
     # widths and summation orders than the policy's KL pass).
     _kl_in_reference_forward: bool = True
-    # Whether the KL rows (same prompt as the main row, another completion) are scored from the main rows' cached
-    # prompt keys/values, by the policy and the reference alike (set by a subclass whose model supports it).
+    # Whether the KL rows (same prompt as the main row, another completion) are scored from the main rows' prompt
+    # keys/values, recorded during their forward pass (so also under gradient checkpointing), by the policy and the
+    # reference alike (set by a subclass whose models support it; `_kl_prefix_fallback_reason` decides per batch).
     _share_kl_prefix: bool = False
 
     # ------------------------------------------------------------------------------------------------------------
@@ -399,7 +411,7 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         # (A batch may carry KL rows the loss does not use, e.g. `kto`-prepared data trained with `apo_zero_unpaired`.)
         kl_rows = _kl_rows(inputs) if self._needs_kl else None
         if kl_rows is not None and self._kl_from_cached_prefix(inputs, main, kl_rows):
-            result = self._prefix_cached_logps(model, main, kl_rows, with_stats=True)
+            result = self._prefix_cached_logps(model, main, kl_rows, with_stats=True, layout=self._layout)
             target_mask = self._target_mask(main)
             return PolicyPass(
                 logps=self._sums(result.main.logps, target_mask),
@@ -471,7 +483,7 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         parts = [main] if kl_rows is None else [main, kl_rows]
         with self._reference_module(model, self._ref_adapter_name) as reference:
             if kl_rows is not None and self._kl_from_cached_prefix(inputs, main, kl_rows):
-                result = self._prefix_cached_logps(reference, main, kl_rows, with_stats=False)
+                result = self._prefix_cached_logps(reference, main, kl_rows, with_stats=False, layout=layout)
                 logps = [result.main.logps, result.continuation_logps]
                 sums = torch.cat(
                     [self._sums(part_logps, self._target_mask(part)) for part_logps, part in zip(logps, parts)]
@@ -496,38 +508,76 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         return out
 
     def _can_share_kl_prefix(self, model: nn.Module, ref_model: nn.Module | None, args: Any) -> bool:
-        """Whether `_share_kl_prefix` may be set: both models take shared-prefix passes, and nothing needs whole-row
-        forwards (MoE router loss, precomputed reference values, gradient checkpointing, which turns off the cache)."""
-        from .utils.prefix_sharing import supports_prefix_sharing
-
+        """Whether `_share_kl_prefix` may be set: both models attend with SDPA (switched to the attention function
+        that records keys/values while training, see `_training_kernels`) over full-attention layers only, and
+        nothing needs whole-row forwards (MoE router loss, precomputed reference values)."""
         if self._aux_loss_enabled or getattr(args, "precompute_ref_log_probs", False):
             return False
-        if getattr(args, "gradient_checkpointing", False):
-            return False
-        return supports_prefix_sharing(model) and (ref_model is None or supports_prefix_sharing(ref_model))
+        return all(_keys_values_capturable_once_switched(m) for m in (model, ref_model) if m is not None)
+
+    def _training_kernels(self):
+        """The base's training kernels, plus the reference model's attention switched to the one that records
+        keys/values when the KL rows are scored from the main rows' prompts (policy and reference alike)."""
+        from .utils.packing import packed_sdpa_attention
+
+        stack = super()._training_kernels()
+        ref_model = getattr(self, "ref_model", None)
+        if self._share_kl_prefix and ref_model is not None and ref_model is not self.model:
+            stack.enter_context(packed_sdpa_attention(ref_model))
+        return stack
 
     def _kl_from_cached_prefix(
         self, inputs: dict[str, torch.Tensor], main: dict[str, torch.Tensor], kl_rows: dict[str, torch.Tensor]
     ) -> bool:
-        """Whether this batch's KL rows are scored from the main rows' cached prompts (`_share_kl_prefix`, text-only
-        right-padded rows, enough tokens saved); a function of the batch alone, so policy and reference agree."""
-        from .utils.prefix_sharing import MIN_SHARED_SAVING, prefix_cached_saving, sharing_possible_now
+        """Whether this batch's KL rows are scored from the main rows' prompt keys/values (`_share_kl_prefix`,
+        text-only right-padded rows, models attending through the recording attention function, enough tokens
+        saved); a function of the batch and the models, so policy and reference agree."""
+        return self._kl_prefix_fallback_reason(inputs, main, kl_rows) is None
 
-        if not self._share_kl_prefix or any(key in inputs for key in VISION_INPUT_KEYS):
-            return False
-        if getattr(self, "model_wrapped", self.model) is not self.model or not sharing_possible_now(self.model):
-            return False  # DDP / FSDP / DeepSpeed: whole-row passes
-        if not bool(main["attention_mask"][:, 0].all()):
-            return False
-        saving = prefix_cached_saving(
-            main["attention_mask"], kl_rows["input_ids"], kl_rows["attention_mask"], main["input_ids"]
+    def _kl_prefix_fallback_reason(
+        self, inputs: dict[str, torch.Tensor], main: dict[str, torch.Tensor], kl_rows: dict[str, torch.Tensor]
+    ) -> str | None:
+        """Why this batch's KL rows run as whole rows instead (see `_kl_from_cached_prefix`), or None."""
+        from .utils.prefix_sharing import (
+            MIN_SHARED_SAVING,
+            keys_values_capturable,
+            prefix_cached_saving,
+            sharing_possible_now,
         )
-        return saving >= MIN_SHARED_SAVING
+
+        if not self._share_kl_prefix:
+            return "the trainer does not share KL prefixes (MoE router loss, precomputed reference, attention)"
+        if any(key in inputs for key in VISION_INPUT_KEYS):
+            return "the batch has images"
+        if getattr(self, "model_wrapped", self.model) is not self.model or not sharing_possible_now(self.model):
+            return "the model is wrapped or sharded for distributed training"
+        ref_model = getattr(self, "ref_model", None)
+        if not keys_values_capturable(self.model) or (ref_model is not None and not keys_values_capturable(ref_model)):
+            return "a model does not attend through the key/value-recording attention function now"
+        if not bool(main["attention_mask"][:, 0].all() and kl_rows["attention_mask"][:, 0].all()):
+            return "the rows are not right-padded"
+        saving = prefix_cached_saving(
+            main["input_ids"],
+            main["attention_mask"],
+            kl_rows["input_ids"],
+            kl_rows["attention_mask"],
+            self._target_mask(kl_rows),
+            self._layout,
+        )
+        if saving < MIN_SHARED_SAVING:
+            return f"it would save {saving:.0%} of the tokens (less than {MIN_SHARED_SAVING:.0%})"
+        return None
 
     def _prefix_cached_logps(
-        self, model: nn.Module, main: dict[str, torch.Tensor], kl_rows: dict[str, torch.Tensor], with_stats: bool
+        self,
+        model: nn.Module,
+        main: dict[str, torch.Tensor],
+        kl_rows: dict[str, torch.Tensor],
+        with_stats: bool,
+        layout: str,
     ):
-        """Main rows' token log-probs and the KL rows' (detached) from one pass plus a cached-prefix continuation."""
+        """Main rows' token log-probs (forward pass in `layout`) and the KL rows' (detached), continued from the main
+        rows' recorded prompt keys/values."""
         from .utils.prefix_sharing import prefix_cached_token_logps
 
         self._shared_prefix_passes = getattr(self, "_shared_prefix_passes", 0) + 1
@@ -539,6 +589,9 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
             kl_rows["input_ids"],
             kl_rows["attention_mask"],
             self._target_mask(kl_rows),
+            layout=layout,
+            pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=getattr(self.args, "pad_to_multiple_of", None),
             compute_entropy=with_stats,
             logits_stats_fn=self._logits_stats if with_stats else None,
         )

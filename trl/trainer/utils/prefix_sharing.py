@@ -7,17 +7,25 @@ prefix's length, so each token gets exactly the keys and positions it has in its
 gathered back: the prediction of a suffix's first token sits at the prefix's last position, shared by the group.
 """
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
 
 from ...kernels.linear_log_softmax import linear_selective_log_softmax
-from ...kernels.packed_attention import PACKED_SDPA
+from ...kernels.packed_attention import PACKED_SDPA, capture_keys_values
 from .distributed import parameters_sharded
 from .logprobs import capture_lm_head_inputs, fusable_lm_head, model_accepts_argument
-from .packing import SequenceTokenLogps, _base_transformers_model
+from .packing import (
+    SequenceTokenLogps,
+    _base_transformers_model,
+    _layout_capacity,
+    compute_sequence_token_logps,
+    pack_padded_sequences,
+)
 
 
 # Sharing pays only when it removes at least this share of the tokens the unshared (padding-free) pass computes:
@@ -378,16 +386,54 @@ class PrefixCachedLogps(NamedTuple):
     continuation_logps: torch.Tensor
 
 
+def keys_values_capturable(model: nn.Module) -> bool:
+    """Whether `model` attends through [`~trl.kernels.packed_attention.packed_sdpa_attention_forward`] (switched in
+    by [`~trl.trainer.utils.packing.packed_sdpa_attention`]), so that [`capture_keys_values`] sees its keys/values,
+    and every layer is a full-attention layer ([`supports_prefix_sharing`])."""
+    base = _base_transformers_model(model)
+    config = getattr(base, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != PACKED_SDPA:
+        return False
+    return supports_prefix_sharing(model)
+
+
+def continuation_starts(
+    main_ids: torch.Tensor,
+    main_mask: torch.Tensor,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    target_mask: torch.Tensor,
+) -> torch.Tensor:
+    """`(batch,)` number of leading tokens of each continuation row whose keys/values come from its main row.
+
+    That is the rows' common token prefix less one token (the last shared token runs again, so that its hidden state,
+    which predicts the first new token, comes from the continuation pass), and never past the row's first scored
+    position. Both batches right-padded.
+    """
+    prefix = _row_common_prefix(main_ids, main_mask, ids, mask)
+    scored = target_mask.bool()
+    columns = torch.arange(scored.shape[1], device=scored.device).expand_as(scored)
+    first_scored = torch.where(scored, columns, scored.shape[1]).min(dim=1).values
+    return torch.minimum(prefix - 1, first_scored).clamp(min=0)
+
+
 def prefix_cached_saving(
-    main_mask: torch.Tensor, continuation_ids: torch.Tensor, continuation_mask: torch.Tensor, main_ids: torch.Tensor
+    main_ids: torch.Tensor,
+    main_mask: torch.Tensor,
+    continuation_ids: torch.Tensor,
+    continuation_mask: torch.Tensor,
+    continuation_target_mask: torch.Tensor,
+    layout: str = "packed",
 ) -> float:
-    """Share of the tokens of an unshared main + continuation pass that [`prefix_cached_token_logps`] saves (the
-    continuation tokens it skips, less the padding of the main rows it computes), as a fraction of all real tokens."""
-    prefix = _row_common_prefix(main_ids, main_mask, continuation_ids, continuation_mask)
-    skipped = int(prefix.sum())
-    padding = int((~main_mask.bool()).sum())
+    """Share of the tokens of separate main + continuation passes that [`prefix_cached_token_logps`] does not compute:
+    the continuation tokens taken from the main rows (less the main rows' padding in the `"padded"` layout), as a
+    fraction of all real tokens."""
+    starts = continuation_starts(main_ids, main_mask, continuation_ids, continuation_mask, continuation_target_mask)
+    skipped = int(starts.sum())
+    if layout == "padded":
+        skipped -= 2 * int((~main_mask.bool()).sum())
     total = int(main_mask.sum() + continuation_mask.sum())
-    return (skipped - 2 * padding) / total if total else 0.0
+    return skipped / total if total else 0.0
 
 
 def _row_common_prefix(
@@ -407,78 +453,151 @@ def prefix_cached_token_logps(
     continuation_ids: torch.Tensor,
     continuation_mask: torch.Tensor,
     continuation_target_mask: torch.Tensor,
+    layout: str = "padded",
+    pad_token_id: int = 0,
+    pad_to_multiple_of: int | None = None,
     compute_entropy: bool = False,
     logits_stats_fn: Any = None,
 ) -> PrefixCachedLogps:
-    """Log-probs of right-padded main rows (with gradient), then of continuation rows that start like them (e.g.
-    KTO's KL rows: the same prompt, another completion), without gradient, from the main rows' cached keys/values.
+    """Log-probs of right-padded main rows (with gradient, as [`compute_sequence_token_logps`] computes them in
+    `layout`), then of continuation rows that start like them (e.g. KTO's KL rows: the same prompt, another
+    completion), without gradient, from the main rows' prefix keys/values.
 
-    Row `i` of the continuation batch shares its longest common token prefix with main row `i`; only the tokens
-    after it run through the model, attending to the cached (detached) prefix keys and values. The values are those
-    of separate forward passes up to float rounding; the fused LM head scores only the target tokens.
+    The keys/values are recorded during the main forward pass ([`capture_keys_values`]), so this works under
+    gradient checkpointing too (which turns the model's own cache off). Row `i` of the continuation batch takes the
+    first [`continuation_starts`] tokens from main row `i`; only its remaining tokens run through the model, in one
+    forward pass over a key/value cache built from the recorded states. The values are those of separate forward
+    passes up to float rounding; the fused LM head scores only the target tokens.
 
     Args:
-        model: Causal LM accepted by [`supports_prefix_sharing`] (and not under gradient checkpointing, which
-            disables the cache).
+        model: Causal LM for which [`keys_values_capturable`] holds.
         input_ids: `(batch, seq_len)` right-padded main rows.
         attention_mask: `(batch, seq_len)` mask of their real tokens.
         target_mask: `(batch, seq_len - 1)` next-token positions to score in the main rows.
         continuation_ids: `(batch, cont_len)` right-padded continuation rows.
         continuation_mask: `(batch, cont_len)` mask of their real tokens.
         continuation_target_mask: `(batch, cont_len - 1)` positions to score in them.
+        layout: Layout of the main forward pass (see [`compute_sequence_token_logps`]).
+        pad_token_id: Id of free slots of packed rows.
+        pad_to_multiple_of: Round packed row widths up to a multiple of this value.
         compute_entropy: Also return the main rows' per-token entropies.
         logits_stats_fn: Optional `f(logits, targets) -> dict` on the main rows' scored logits.
 
     Returns:
         [`PrefixCachedLogps`].
     """
+    if not keys_values_capturable(model):
+        raise ValueError(
+            f"{type(model).__name__} does not attend through {PACKED_SDPA!r} with full attention only; switch it in "
+            "with trl.trainer.utils.packing.packed_sdpa_attention(model) (models with SDPA attention)."
+        )
     head = fusable_lm_head(model)
-    if head is None:
-        raise ValueError(f"{type(model).__name__} has no output head the fused LM head can replace.")
-    with capture_lm_head_inputs(head) as captured:
-        outputs = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True)
-    cache_key = "cache" if model_accepts_argument(model, "cache") else "past_key_values"
-    cache = getattr(outputs, cache_key, None)
-    if cache is None:
-        raise RuntimeError("The model returned no key/value cache (gradient checkpointing turns it off).")
-    hidden = captured[0]
-    rows, columns = target_mask.bool().nonzero(as_tuple=True)
-    setattr(outputs, cache_key, None)
-    main = _scored_logps(head, hidden[rows, columns], input_ids, rows, columns, target_mask.shape, outputs,
-        compute_entropy, logits_stats_fn)  # fmt: skip
-    with torch.no_grad():
-        continuation = _continuation_logps(
-            model, head, hidden.detach(), {cache_key: cache}, input_ids.shape[1], attention_mask, input_ids,
-            continuation_ids, continuation_mask, continuation_target_mask,
+    with capture_keys_values() as captured:
+        main = compute_sequence_token_logps(
+            model, input_ids, attention_mask, target_mask, layout=layout, pad_token_id=pad_token_id,
+            pad_to_multiple_of=pad_to_multiple_of, compute_entropy=compute_entropy, logits_stats_fn=logits_stats_fn,
         )  # fmt: skip
+    config = _base_transformers_model(model).config
+    num_layers = config.get_text_config().num_hidden_layers
+    if sorted(captured) != list(range(num_layers)):
+        raise RuntimeError(
+            f"The main pass recorded the keys/values of layers {sorted(captured)}, expected all {num_layers}."
+        )
+    slots = _token_slots(input_ids, attention_mask, layout, pad_token_id, pad_to_multiple_of)
+    starts = continuation_starts(
+        input_ids, attention_mask, continuation_ids, continuation_mask, continuation_target_mask
+    )
+    with torch.no_grad(), _gradient_checkpointing_off(model):
+        cache = _prefix_cache(captured, slots, starts, num_layers)
+        captured.clear()
+        continuation = _continuation_logps(
+            model, head, cache, starts, continuation_ids, continuation_mask, continuation_target_mask
+        )
     return PrefixCachedLogps(main=main, continuation_logps=continuation.to(head.weight.dtype))
+
+
+def _token_slots(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    layout: str,
+    pad_token_id: int,
+    pad_to_multiple_of: int | None,
+) -> tuple[torch.Tensor, int]:
+    """Where each token of the padded batch sat in the main forward pass: `(batch, seq_len)` flat indices
+    (`row * width + column` of the forward's rows) and that `width`; packing as [`compute_sequence_token_logps`]
+    packs."""
+    if layout == "padded":
+        rows, width = input_ids.shape
+        return torch.arange(rows * width, device=input_ids.device).view(rows, width), width
+    capacity = _layout_capacity(attention_mask, layout)
+    packed = pack_padded_sequences(input_ids, attention_mask, capacity, pad_token_id, pad_to_multiple_of)
+    width = packed.input_ids.shape[1]
+    slots = torch.zeros_like(input_ids, dtype=torch.long)
+    slots[packed.src_row, packed.src_col] = packed.dst_row * width + packed.dst_col
+    return slots, width
+
+
+def _prefix_cache(
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    slots: tuple[torch.Tensor, int],
+    starts: torch.Tensor,
+    num_layers: int,
+) -> Any:
+    """A `DynamicCache` holding, for continuation row `i`, the recorded keys/values of the first `starts[i]` tokens
+    of main row `i` at cache positions `0 .. starts[i] - 1` (later slots are filler the mask hides)."""
+    from transformers import DynamicCache
+
+    token_slots, width = slots
+    length = max(int(starts.max()), 1)
+    columns = torch.arange(length, device=starts.device).clamp(max=token_slots.shape[1] - 1)
+    index = token_slots[:, columns]  # (batch, length)
+    cache = DynamicCache()
+    for layer in range(num_layers):
+        states = []
+        for tensor in captured[layer]:
+            rows, heads, seq_len, dim = tensor.shape
+            if seq_len != width:
+                raise RuntimeError(f"Layer {layer} saw {seq_len} positions per row; the main pass had {width}.")
+            flat = tensor.transpose(1, 2).reshape(rows * seq_len, heads, dim)
+            states.append(flat[index].transpose(1, 2).contiguous())
+        cache.update(states[0], states[1], layer)
+    return cache
+
+
+@contextlib.contextmanager
+def _gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
+    """Layers run without gradient checkpointing within the block (it would drop the cache a continuation needs)."""
+    layers = [module for module in model.modules() if getattr(module, "gradient_checkpointing", False) is True]
+    for module in layers:
+        module.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for module in layers:
+            module.gradient_checkpointing = True
 
 
 def _continuation_logps(
     model: nn.Module,
     head: nn.Linear,
-    main_hidden: torch.Tensor,
-    cache: dict[str, Any],
-    main_width: int,
-    main_mask: torch.Tensor,
-    main_ids: torch.Tensor,
+    cache: Any,
+    starts: torch.Tensor,
     ids: torch.Tensor,
     mask: torch.Tensor,
     target_mask: torch.Tensor,
 ) -> torch.Tensor:
     """The continuation rows' log-probs of [`prefix_cached_token_logps`] (called under no_grad)."""
     device = ids.device
-    prefix = _row_common_prefix(main_ids, main_mask, ids, mask)
-    lengths = mask.sum(dim=1)
-    suffix_lengths = lengths - prefix
+    cached = cache.get_seq_length()
+    suffix_lengths = mask.sum(dim=1) - starts
     width = max(int(suffix_lengths.max()), 1)
     steps = torch.arange(width, device=device)
-    columns = (prefix.unsqueeze(1) + steps).clamp(max=ids.shape[1] - 1)
+    columns = (starts.unsqueeze(1) + steps).clamp(max=ids.shape[1] - 1)
     valid = steps.unsqueeze(0) < suffix_lengths.unsqueeze(1)
     suffix_ids = torch.where(valid, ids.gather(1, columns), ids.new_zeros(()))
-    # A suffix token attends to the first `prefix` cached positions of its main row and to its own earlier tokens;
-    # padding attends only to itself.
-    past = torch.arange(main_width, device=device).unsqueeze(0) < prefix.unsqueeze(1)
+    # A suffix token attends to its row's first `starts` cached positions and to its own earlier tokens; padding
+    # attends only to itself.
+    past = torch.arange(cached, device=device).unsqueeze(0) < starts.unsqueeze(1)
     allowed_past = past.unsqueeze(1) & valid.unsqueeze(2)
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     allowed_own = (causal & valid.unsqueeze(1) & valid.unsqueeze(2)) | torch.eye(
@@ -488,21 +607,17 @@ def _continuation_logps(
     dtype = _mask_dtype(model)
     zeros = torch.zeros((), dtype=dtype, device=device)
     attention = torch.where(allowed, zeros, torch.finfo(dtype).min).unsqueeze(1)
+    cache_key = "cache" if model_accepts_argument(model, "cache") else "past_key_values"
     with capture_lm_head_inputs(head) as captured:
         model(
             input_ids=suffix_ids,
             attention_mask=attention,
-            position_ids=prefix.unsqueeze(1) + steps,
+            position_ids=starts.unsqueeze(1) + steps,
             use_cache=True,
-            **cache,
+            **{cache_key: cache},
         )
-    suffix_hidden = captured[0]
-    # Entry t predicts token t + 1 from token t: a prefix token's hidden state comes from the main pass.
+    # Entry t of a row predicts its token t + 1 from token t, which the continuation ran at column t - starts.
     rows, cols = target_mask.bool().nonzero(as_tuple=True)
-    in_prefix = cols < prefix[rows]
-    suffix_cols = (cols - prefix[rows]).clamp(min=0)
-    hidden = torch.where(
-        in_prefix.unsqueeze(1), main_hidden[rows, cols.clamp(max=main_width - 1)], suffix_hidden[rows, suffix_cols]
-    )
+    hidden = captured[0][rows, cols - starts[rows]]
     logps, _, _ = linear_selective_log_softmax(hidden, head.weight, ids[rows, cols + 1], head.bias, 1.0, False, None)
     return logps.new_zeros(target_mask.shape).index_put((rows, cols), logps)
