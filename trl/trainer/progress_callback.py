@@ -59,6 +59,11 @@ class RichProgressCallback(TrainerCallback):
         if not is_rich_available():
             raise ImportError("RichProgressCallback requires the `rich` package. Install it with `pip install rich`.")
         self.console = None
+        self.metrics_view = None
+        self._reset_display()
+
+    def _reset_display(self) -> None:
+        """Forget the bars, the live display and the current step (before training starts and after it ends)."""
         self.training_bar = None
         self.prediction_bar = None
         self.training_task_id = None
@@ -66,7 +71,6 @@ class RichProgressCallback(TrainerCallback):
         self.rich_group = None
         self.rich_live = None
         self.training_status = None
-        self.metrics_view = None
         self.current_step = None
 
     # -- replacing the default progress bar -----------------------------------------------------------------------
@@ -243,11 +247,4 @@ class RichProgressCallback(TrainerCallback):
             self.rich_live.stop()
         elif self.console is not None and self.current_step is not None:
             self.console.print(f"Training finished at step {state.global_step}/{state.max_steps}.")
-        self.training_bar = None
-        self.prediction_bar = None
-        self.training_task_id = None
-        self.prediction_task_id = None
-        self.rich_group = None
-        self.rich_live = None
-        self.training_status = None
-        self.current_step = None
+        self._reset_display()
