@@ -12,16 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from distributed_utils import engine_params
-from vllm_utils import free_port, online_args, running_server, trainer_logps
+from vllm_utils import free_port, online_args, requires_vllm, running_server, trainer_logps
 
 from trl.assets import get_model_path, load_test_dataset
 from trl.generation.vllm_generation import vllm_weight_name
 from trl.import_utils import is_vllm_available
 
 
-requires_vllm = pytest.mark.skipif(
-    not is_vllm_available(), reason="needs vLLM (`make test-vllm` builds its environment)"
-)
 MODEL = "tiny-Qwen2ForCausalLM"
 PROMPT_IDS = [[11, 22, 33, 44], [5, 6, 7, 8, 9, 10]]
 

@@ -16,15 +16,11 @@ from trainer_utils import (
     snapshot,
     train_logs,
 )
-from vllm_utils import free_port, online_args, running_server
+from vllm_utils import free_port, online_args, requires_vllm, running_server
 
 from trl.assets import get_model_path, load_test_dataset
-from trl.import_utils import is_vllm_available
 
 
-requires_vllm = pytest.mark.skipif(
-    not is_vllm_available(), reason="needs vLLM (`make test-vllm` builds its environment)"
-)
 pytest.importorskip("PIL")
 
 

@@ -12,8 +12,14 @@ import time
 import pytest
 import torch
 
+from trl.import_utils import is_vllm_available
+
 
 STARTUP_TIMEOUT_S = 300
+# vLLM runs only in its own environment (`make test-vllm`); elsewhere these tests are skipped with this reason.
+requires_vllm = pytest.mark.skipif(
+    not is_vllm_available(), reason="needs vLLM (`make test-vllm` builds its environment)"
+)
 
 
 def free_port() -> int:
