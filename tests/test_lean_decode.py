@@ -1,20 +1,18 @@
 """The lean decode step (`trl/trainer/utils/lean_decode.py`) against the transformers forward: bitwise equal logits
 for every supported family, the same rollouts as `generate`, and the fallback for everything it does not reproduce."""
 
+import functools
+
 import pytest
 import torch
+from trainer_utils import DECODER_PAD, DECODER_SIZES, DECODER_VOCAB, LLAMA_STYLE_FAMILIES, llama_style_decoder
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
     GenerationConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
-    Qwen2Config,
     Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
 )
 
 from trl.assets import get_model_path
@@ -28,25 +26,9 @@ from trl.trainer.utils.rollout_decode import decode_rollouts
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-PAD = 0
-VOCAB = 300
-# Grouped-query attention (4 query heads on 2 key/value heads), 3 layers.
-_SIZES = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    pad_token_id=PAD,
-)
-FAMILIES = {
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**_SIZES)),  # q/k/v biases
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(**_SIZES, attention_bias=True, mlp_bias=True)),
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**_SIZES, sliding_window=None)),
-    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**_SIZES, head_dim=16)),  # per-head q/k norms
-}
+PAD, VOCAB = DECODER_PAD, DECODER_VOCAB
+_SIZES = DECODER_SIZES
+FAMILIES = {family: functools.partial(llama_style_decoder, family) for family in LLAMA_STYLE_FAMILIES}
 
 
 def _build(family: str, attn_implementation: str = "sdpa", dtype=torch.float32):

@@ -12,6 +12,49 @@ from trl.experimental.judges import BasePairwiseJudge
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Llama-style decoders built from configs (grouped-query attention: 4 query heads on 2 key/value heads, 3 layers)
+# ---------------------------------------------------------------------------------------------------------------------
+DECODER_PAD = 0
+DECODER_VOCAB = 300
+DECODER_SIZES = dict(
+    vocab_size=DECODER_VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=DECODER_PAD,
+)
+
+
+def llama_style_decoder(family: str) -> nn.Module:
+    """A random-weight causal LM of `family` ("qwen2": q/k/v biases, "llama": attention and MLP biases, "mistral":
+    no sliding window, "qwen3": per-head q/k norms) with [`DECODER_SIZES`]."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    builders = {
+        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**DECODER_SIZES)),
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(**DECODER_SIZES, attention_bias=True, mlp_bias=True)),
+        "mistral": lambda: MistralForCausalLM(MistralConfig(**DECODER_SIZES, sliding_window=None)),
+        "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**DECODER_SIZES, head_dim=16)),
+    }
+    return builders[family]()
+
+
+LLAMA_STYLE_FAMILIES = ("qwen2", "llama", "mistral", "qwen3")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Training arguments
 # ---------------------------------------------------------------------------------------------------------------------
 # Every trainer test logs each step, saves nothing unless asked and skips gradient checkpointing (tiny models, speed).

@@ -143,7 +143,7 @@ def compute_token_logps(
         kwargs["logits_to_keep"] = positions
     head = fusable_lm_head(model) if fused and (target_mask is None or bool(target_mask.any())) else None
     if head is not None:
-        with capture_lm_head_inputs(head) as captured:
+        with capture_lm_head_inputs(head) as captured, _last_layer_on_targets(model, target_mask, kwargs):
             outputs = model(**kwargs)
         if len(captured) == 1:
             return _fused_token_logps(
@@ -178,6 +178,18 @@ def compute_token_logps(
             entropy = entropy.masked_fill(~target_mask, 0.0)
         stats = {name: value.masked_fill(~target_mask, 0) for name, value in stats.items()}
     return TokenLogps(logps=logps, entropy=entropy, outputs=outputs, stats=stats)
+
+
+def _last_layer_on_targets(model: nn.Module, target_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> Any:
+    """The last decoder layer computed only at the scored positions (their hidden states are all the fused head
+    reads), unless the caller also asked for other outputs of the layers."""
+    from .last_layer_selection import last_layer_at
+
+    if target_mask is None or any(kwargs.get(name) for name in ("output_hidden_states", "output_attentions")):
+        return contextlib.nullcontext(False)
+    rows, columns = target_mask.nonzero(as_tuple=True)
+    length = kwargs["input_ids"].shape[1]
+    return last_layer_at(model, rows * length + columns, length)
 
 
 def _upcast(value: torch.Tensor | None) -> torch.Tensor | None:

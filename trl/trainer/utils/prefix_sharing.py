@@ -18,6 +18,7 @@ import torch.nn as nn
 from ...kernels.linear_log_softmax import linear_selective_log_softmax
 from ...kernels.packed_attention import PACKED_SDPA, capture_keys_values
 from .distributed import parameters_sharded
+from .last_layer_selection import last_layer_at
 from .logprobs import capture_lm_head_inputs, fusable_lm_head, model_accepts_argument
 from .packing import (
     SequenceTokenLogps,
@@ -251,7 +252,10 @@ def shared_prefix_token_logps(
     head = fusable_lm_head(model)
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output head the fused LM head can replace.")
-    with capture_lm_head_inputs(head) as captured:
+    rows, columns = target_mask.bool().nonzero(as_tuple=True)
+    # Only the scored tokens' final hidden states are read: the last layer runs on those alone.
+    selected = layout.token_index[rows, columns]
+    with capture_lm_head_inputs(head) as captured, last_layer_at(model, selected, layout.input_ids.shape[1]):
         outputs = model(
             input_ids=layout.input_ids,
             attention_mask=layout.attention_mask(_mask_dtype(model)),
@@ -260,7 +264,6 @@ def shared_prefix_token_logps(
         )
     if len(captured) != 1:
         raise RuntimeError(f"The LM head ran {len(captured)} times in one forward pass.")
-    rows, columns = target_mask.bool().nonzero(as_tuple=True)
     # Entry t of a row predicts its token t + 1 from the hidden state of its token t.
     hidden = layout.gather(captured[0], rows, columns)
     return _scored_logps(head, hidden, input_ids, rows, columns, target_mask.shape, outputs, compute_entropy,
@@ -313,14 +316,17 @@ def shared_prefix_pooled_scores(
     """
     base = _base_transformers_model(model)
     backbone = getattr(base, base.base_model_prefix)
-    hidden = backbone(
-        input_ids=layout.input_ids,
-        attention_mask=layout.attention_mask(_mask_dtype(model)),
-        position_ids=layout.position_ids,
-        use_cache=False,
-    )[0]
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    return base.score(layout.gather(hidden, rows, _pooled_columns(input_ids, base.config.pad_token_id)))
+    columns = _pooled_columns(input_ids, base.config.pad_token_id)
+    # Only the pooled tokens' final hidden states are read: the last layer runs on those alone.
+    with last_layer_at(model, layout.token_index[rows, columns], layout.input_ids.shape[1]):
+        hidden = backbone(
+            input_ids=layout.input_ids,
+            attention_mask=layout.attention_mask(_mask_dtype(model)),
+            position_ids=layout.position_ids,
+            use_cache=False,
+        )[0]
+    return base.score(layout.gather(hidden, rows, columns))
 
 
 def _pooled_columns(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
