@@ -179,7 +179,7 @@ def _peft(model):
 
 
 def _with_hook(model, kind):
-    target = model.model.layers[1].mlp
+    target = model.model.layers[1].self_attn  # the lean step computes attention from the weights, not this module
     if kind == "forward":
         target.register_forward_hook(lambda module, args, output: None)
     else:
@@ -209,8 +209,8 @@ def _unsupported_attention(model):
         (lambda model: _Qwen2Subclass(model.config), "not one of"),
         (_peft, "not one of"),
         (lambda model: _peft(model).base_model.model, "not plain nn.Linear"),
-        (lambda model: _with_hook(model, "forward"), "hooks on Qwen2MLP"),
-        (lambda model: _with_hook(model, "pre"), "hooks on Qwen2MLP"),
+        (lambda model: _with_hook(model, "forward"), "hooks on Qwen2Attention"),
+        (lambda model: _with_hook(model, "pre"), "hooks on Qwen2Attention"),
         (_sliding_mistral, "sliding-window"),
         (_train_with_dropout, "dropout"),
         (_unsupported_attention, "attention implementation"),
@@ -237,13 +237,47 @@ def test_fallback_for_global_hooks_autocast_and_sharding(monkeypatch):
 
 
 def test_fallback_still_generates(monkeypatch):
-    """A model the lean step refuses (a hook that changes the MLP output) decodes through the forward, hook included:
-    still `generate`'s tokens."""
+    """A model the lean step refuses (a hook that changes an attention projection's output, a module the step does
+    not call) decodes through the forward, hook included: still `generate`'s tokens."""
     model = _build("llama")
-    model.model.layers[0].mlp.register_forward_hook(lambda module, args, output: output * 2)
+    model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda module, args, output: output * 2)
     calls = _count_lean_steps(monkeypatch)
     _assert_sampled_rollouts_equal_generate(model, max_new_tokens=6)
     assert calls == []
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_hooks_on_modules_the_step_calls_run(family, monkeypatch):
+    """Hooks on the modules the lean step calls whole (embeddings, norms, MLPs and what is inside them, Qwen3's
+    query/key norms) run in every step, as in the forward: `generate`'s tokens, and as many hook calls."""
+    counts = {}
+
+    def hooks(model):
+        targets = {
+            "embed": model.model.embed_tokens,  # what gradient checkpointing registers (input embeddings)
+            "norm": model.model.layers[1].input_layernorm,
+            "mlp": model.model.layers[0].mlp,
+            "gate": model.model.layers[1].mlp.gate_proj,
+        }
+        if family == "qwen3":
+            targets["q_norm"] = model.model.layers[0].self_attn.q_norm
+        for name, module in targets.items():
+            counts[name] = 0
+
+            def hook(module, args, output, name=name):
+                counts[name] += 1
+                return output * 1.5 if name in ("mlp", "gate") else None
+
+            module.register_forward_hook(hook)
+        return model
+
+    model = hooks(_build(family))
+    assert lean_decode_fallback_reason(model) is None
+    calls = _count_lean_steps(monkeypatch)
+    _assert_sampled_rollouts_equal_generate(model, max_new_tokens=6)
+    assert len(calls) > 0
+    per_call = dict(counts)
+    assert len(set(per_call.values())) == 1  # every hooked module ran once per forward or lean step
 
 
 def test_grpo_rollouts_take_the_lean_step(tmp_path, model_path, prompts, monkeypatch):
@@ -254,6 +288,56 @@ def test_grpo_rollouts_take_the_lean_step(tmp_path, model_path, prompts, monkeyp
     from trl import GRPOConfig, GRPOTrainer
 
     calls = _count_lean_steps(monkeypatch)
-    args = args_builder(GRPOConfig, **GROUP_ARGS)(tmp_path, max_steps=1)
+    # Gradient checkpointing (GRPO's default) puts a hook on the input embeddings: the lean step runs it.
+    args = args_builder(GRPOConfig, **GROUP_ARGS)(tmp_path, max_steps=1, gradient_checkpointing=True)
     GRPOTrainer(model_path, reward_funcs=low_id_reward, args=args, train_dataset=prompts).train()
     assert len(calls) > 0
+
+
+def _record_model_calls(model, change: str | None):
+    """Hooks on the model itself, as a token counter or a logits filter would register them: they record the inputs
+    of every call and, with `change`, alter the inputs (`"inputs"`) or the logits (`"logits"`)."""
+    seen = []
+
+    def pre_hook(module, args, kwargs):
+        seen.append({name: value.clone() for name, value in kwargs.items() if torch.is_tensor(value)})
+        if change == "inputs":  # shift the positions: a different (still valid) decode
+            return args, {**kwargs, "position_ids": kwargs["position_ids"] + 1}
+        return None
+
+    def forward_hook(module, args, output):
+        if change == "logits":
+            output.logits[..., 7] += 5.0
+        return output
+
+    model.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    model.register_forward_hook(forward_hook)
+    return seen
+
+
+@pytest.mark.parametrize("change", [None, "inputs", "logits"])
+def test_model_hooks_run_around_the_lean_step(change, monkeypatch):
+    """Hooks on the model itself see every decode step's call, with the inputs the forward would get, and what they
+    change takes effect: the rollouts, the recorded inputs and the random stream equal the forward-only loop's."""
+    ids, mask = _prompts(num_rows=2)
+    rows = torch.tensor([0, 0, 1, 1])
+    config = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=0, pad_token_id=PAD)
+    results = []
+    for lean in (True, False):
+        model = _build("qwen2")
+        seen = _record_model_calls(model, change)
+        assert lean_decode_fallback_reason(model) is None
+        calls = _count_lean_steps(monkeypatch)
+        if not lean:
+            monkeypatch.setattr(rollout_decode, "lean_decode_fallback_reason", lambda model: "off")
+        torch.manual_seed(0)
+        sequences = decode_rollouts(model, ids, mask, rows, config).sequences
+        results.append((sequences, seen, torch.rand(2), len(calls)))
+        monkeypatch.undo()
+    (lean_out, lean_seen, lean_rand, lean_calls), (out, seen, rand, calls) = results
+    assert lean_calls == 5 and calls == 0
+    assert torch.equal(lean_out, out) and torch.equal(lean_rand, rand)
+    assert len(lean_seen) == len(seen) == 7  # the shared prompts' prefill, then one call per new token
+    for lean_kwargs, kwargs in zip(lean_seen, seen):
+        assert lean_kwargs.keys() == kwargs.keys()
+        assert all(torch.equal(lean_kwargs[name], kwargs[name]) for name in kwargs)

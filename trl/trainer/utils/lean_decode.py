@@ -63,8 +63,9 @@ def lean_decode_fallback_reason(model: nn.Module) -> str | None:
     """Why [`LeanDecoder`] cannot reproduce `model`'s forward bitwise for rollout decoding, or None when it can.
 
     Qualify: transformers' own Qwen2 / Llama / Mistral / Qwen3 causal LMs with plain `nn.Linear` projections, full
-    (not sliding-window) causal attention through SDPA, eager or packed SDPA, no module hooks, no sharded parameters,
-    no attention dropout in train mode, and no autocast.
+    (not sliding-window) causal attention through SDPA, eager or packed SDPA, no hooks on their inner modules (forward
+    hooks on the model itself run around each step, as `__call__` runs them), no sharded parameters, no attention
+    dropout in train mode, and no autocast.
 
     Args:
         model: The unwrapped causal LM.
@@ -101,8 +102,15 @@ def lean_decode_fallback_reason(model: nn.Module) -> str | None:
         return "autocast active"
     if _global_hooks():
         return "global module hooks registered"
+    if model._backward_hooks or model._backward_pre_hooks or model._forward_hooks_always_called:
+        return f"backward or always-called hooks on {name}"
+    # The model's own forward hooks run around every lean step as `__call__` would run them, and the modules the step
+    # calls whole (embeddings, rotary embedding, norms, MLPs) are called through `__call__` when they have hooks (such
+    # as the one gradient checkpointing puts on the input embeddings); a hook anywhere else would be skipped.
+    called = _modules_called_whole(model)
     for module in model.modules():
-        if module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"):
+        hooked = module._forward_hooks or module._forward_pre_hooks
+        if hasattr(module, "_hf_hook") or (hooked and module is not model and module not in called):
             return f"hooks on {type(module).__name__}"
     prefix = name[: -len("ForCausalLM")]
     base = getattr(model, "model", None)
@@ -140,9 +148,35 @@ def lean_decode_fallback_reason(model: nn.Module) -> str | None:
     return None
 
 
+def _modules_called_whole(model: nn.Module) -> set[nn.Module]:
+    """The modules the lean step calls as modules (so their hooks can run): embeddings, rotary embedding, norms, and
+    the MLPs with everything inside them."""
+    base = model.model
+    called = {base.embed_tokens, base.rotary_emb, base.norm}
+    for layer in base.layers:
+        called.update((layer.input_layernorm, layer.post_attention_layernorm, *layer.mlp.modules()))
+        for name in ("q_norm", "k_norm"):
+            if hasattr(layer.self_attn, name):
+                called.add(getattr(layer.self_attn, name))
+    return called
+
+
+def _hooked(module: nn.Module) -> bool:
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+
+
+def _entry(module: nn.Module):
+    """`module`'s forward without the module-call overhead, or the module itself when it (or a module inside it) has
+    hooks that the call must run."""
+    return module if _hooked(module) else module.forward
+
+
 def _mlp_forward(mlp: nn.Module, modeling: str):
     """The MLP's forward without module call overhead: the instance's own when one is swapped in (`lean_modules`),
-    else the class's `down(act(gate(x)) * up(x))` with `F.linear` on the projections' weights and biases."""
+    else the class's `down(act(gate(x)) * up(x))` with `F.linear` on the projections' weights and biases; the module
+    itself when hooks inside it must run."""
+    if _hooked(mlp):
+        return mlp
     if "forward" in vars(mlp) or type(mlp).forward.__module__ != modeling:
         return mlp.forward
     gate, up, down, act = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn.forward
@@ -161,14 +195,14 @@ class _LayerPlan:
     def __init__(self, layer: nn.Module, modeling: str):
         attn = layer.self_attn
         self.attn = attn
-        self.input_norm = layer.input_layernorm.forward
-        self.post_norm = layer.post_attention_layernorm.forward
+        self.input_norm = _entry(layer.input_layernorm)
+        self.post_norm = _entry(layer.post_attention_layernorm)
         self.mlp = _mlp_forward(layer.mlp, modeling)
         self.q = (attn.q_proj.weight, attn.q_proj.bias)
         self.k = (attn.k_proj.weight, attn.k_proj.bias)
         self.v = (attn.v_proj.weight, attn.v_proj.bias)
         self.o = (attn.o_proj.weight, attn.o_proj.bias)
-        self.qk_norms = (attn.q_norm.forward, attn.k_norm.forward) if hasattr(attn, "q_norm") else None
+        self.qk_norms = (_entry(attn.q_norm), _entry(attn.k_norm)) if hasattr(attn, "q_norm") else None
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
         self.dropout = 0.0 if not attn.training else attn.attention_dropout
@@ -192,11 +226,13 @@ class LeanDecoder:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+        self.model = model
+        self.padding_mask = padding_mask
         base = model.model
         modeling = type(model).__module__
-        self.embed = base.embed_tokens.forward
+        self.embed = _entry(base.embed_tokens)
         self.rotary = base.rotary_emb
-        self.final_norm = base.norm.forward
+        self.final_norm = _entry(base.norm)
         self.head = (model.lm_head.weight, model.lm_head.bias)
         self.layers = [_LayerPlan(layer, modeling) for layer in base.layers[: model.config.num_hidden_layers]]
         self.apply_rotary = sys.modules[modeling].apply_rotary_pos_emb
@@ -225,6 +261,22 @@ class LeanDecoder:
             cache: The rollout's `DynamicCache` with preallocated layers; the new keys and values are appended.
             length: Number of positions attended to after this step (cached ones plus this one).
         """
+        model = self.model
+        if not (model._forward_pre_hooks or model._forward_hooks):
+            return self._step(input_ids, position_ids, cache, length)
+        # What the rollout loop would pass to `model(...)`: the model's hooks see (and may change) exactly that.
+        kwargs = {
+            "input_ids": input_ids,
+            "attention_mask": None if self.padding_mask is None else self.padding_mask[:, :length],
+            "position_ids": position_ids,
+            "cache": cache,
+            "use_cache": True,
+            "logits_to_keep": 1,
+            "return_dict": True,
+        }
+        return _call_with_model_hooks(model, kwargs, lambda: self._step(input_ids, position_ids, cache, length))
+
+    def _step(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Any, length: int) -> torch.Tensor:
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, position_ids)
         mask = None if self.mask is None else self.mask[..., :length]
@@ -255,3 +307,38 @@ class LeanDecoder:
         )
         output = output.reshape(*input_shape, -1).contiguous()
         return F.linear(output, *plan.o)
+
+
+def _call_with_model_hooks(model: nn.Module, kwargs: dict[str, Any], lean_step: Any) -> torch.Tensor:
+    """The logits of `model(**kwargs)` as `nn.Module.__call__` would produce them: the model's forward pre-hooks, then
+    the lean step (or, when a pre-hook changed the inputs, the model's forward on the changed inputs), then its
+    forward hooks, each with the arguments `__call__` gives it."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    args: tuple = ()
+    changed = False
+    for hook_id, hook in list(model._forward_pre_hooks.items()):
+        if hook_id in model._forward_pre_hooks_with_kwargs:
+            result = hook(model, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(
+                        f"forward pre-hook must return None or a tuple of (new_args, new_kwargs), but got {result}."
+                    )
+                (args, kwargs), changed = result, True
+        else:
+            result = hook(model, args)
+            if result is not None:
+                args, changed = (result if isinstance(result, tuple) else (result,)), True
+    if changed:
+        output = model.forward(*args, **kwargs)
+    else:
+        output = CausalLMOutputWithPast(logits=lean_step(), cache=kwargs["cache"])
+    for hook_id, hook in list(model._forward_hooks.items()):
+        if hook_id in model._forward_hooks_with_kwargs:
+            result = hook(model, args, kwargs, output)
+        else:
+            result = hook(model, args, output)
+        if result is not None:
+            output = result
+    return output.logits
