@@ -21,12 +21,14 @@ ROWS, LENGTH = 3, 12
 SELECTED = torch.tensor([2, 11, 3, LENGTH + 5, 2 * LENGTH + 0, 2 * LENGTH + 8, 2 * LENGTH + 7, 3])
 
 
-def _build(family: str, attn_implementation: str = "sdpa", checkpointing: bool = False):
+def _build(family: str, attn_implementation: str = "sdpa", checkpointing: str | None = None):
     torch.manual_seed(0)
     model = llama_style_decoder(family).train()
     model.set_attn_implementation(attn_implementation)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers' default is the reentrant variant (with a hook making the input embeddings require grad).
+        kwargs = {"use_reentrant": checkpointing == "reentrant"}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     return model
 
 
@@ -60,7 +62,7 @@ def _hidden_and_grads(model, inputs: dict, selected: torch.Tensor | None):
 
 @pytest.mark.parametrize("family", LLAMA_STYLE_FAMILIES)
 @pytest.mark.parametrize("mask_kind", ["none", "padding", "shared_prefix"])
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [None, "reentrant", "non_reentrant"])
 def test_equals_full_layer(family, mask_kind, checkpointing, monkeypatch):
     model = _build(family, checkpointing=checkpointing)
     assert last_layer_selection_fallback_reason(model) is None
