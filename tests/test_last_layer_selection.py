@@ -158,10 +158,11 @@ def test_fallback_reasons():
 
     model = _build("qwen2")
     assert last_layer_selection_fallback_reason(model) is None
-    lora = get_peft_model(_build("qwen2"), LoraConfig(target_modules=["q_proj", "v_proj"], r=4))
-    assert "plain nn.Linear" in last_layer_selection_fallback_reason(lora)
-    lora_mlp = get_peft_model(_build("qwen2"), LoraConfig(target_modules=["gate_proj"], r=4))
-    assert last_layer_selection_fallback_reason(lora_mlp) is None  # the MLP runs through its own modules
+    # LoRA dropout would draw fewer random numbers on fewer positions: every later draw would change.
+    lora = get_peft_model(_build("qwen2"), LoraConfig(target_modules=["q_proj", "v_proj"], r=4, lora_dropout=0.1))
+    assert "dropout" in last_layer_selection_fallback_reason(lora)
+    lora.eval()
+    assert last_layer_selection_fallback_reason(lora) is None
     hooked = _build("qwen2")
     hooked.model.layers[-1].mlp.register_forward_hook(lambda *a: None)
     assert "hooks" in last_layer_selection_fallback_reason(hooked)
@@ -169,3 +170,33 @@ def test_fallback_reasons():
     assert "attention implementation" in last_layer_selection_fallback_reason(model)
     with last_layer_at(hooked, SELECTED, LENGTH) as active:
         assert not active
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "down_proj"]])
+def test_lora_layers_equal_full_layer(targets):
+    """LoRA projections (no dropout) are called as the layer calls them: same values, same gradients (LoRA's too)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(_build("qwen2", checkpointing="reentrant"), LoraConfig(target_modules=targets, r=4))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:  # non-zero B, so the adapters change the outputs
+            torch.nn.init.normal_(param, std=0.1)
+    assert last_layer_selection_fallback_reason(model) is None
+    inputs = _inputs("shared_prefix")
+
+    def run(selected):
+        model.zero_grad(set_to_none=True)
+        with last_layer_at(model, selected, LENGTH) as active:
+            hidden = model.base_model.model.model(**inputs, use_cache=False).last_hidden_state
+        picked = hidden.reshape(-1, hidden.shape[-1])[SELECTED]
+        (picked.square().sum() + picked.sum()).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return active, picked.detach(), grads
+
+    _, full, full_grads = run(SELECTED[:0])
+    active, picked, grads = run(SELECTED)
+    assert active and any("lora" in name for name in grads)
+    torch.testing.assert_close(picked, full, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == full_grads.keys()
+    for name, grad in full_grads.items():
+        _assert_grad_close(grads[name], grad, name)

@@ -60,23 +60,19 @@ def _last_layer(model: nn.Module) -> tuple[nn.Module | None, str | None]:
     return layer, family
 
 
-def _plain_linear(module: Any) -> bool:
-    return (
-        type(module) is nn.Linear
-        and "forward" not in vars(module)
-        and all(
-            p is None or (type(p) is nn.Parameter and not hasattr(p, "ds_id")) for p in (module.weight, module.bias)
-        )
-    )
+def _active_dropout(module: nn.Module) -> bool:
+    """A dropout inside `module` that would draw random numbers (PEFT's `lora_dropout`, ...): on fewer positions it
+    would draw fewer, and every later random number would differ from the full layer's run."""
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in module.modules())
 
 
 def last_layer_selection_fallback_reason(model: nn.Module) -> str | None:
     """Why [`last_layer_at`] cannot compute `model`'s last decoder layer on selected positions, or None when it can.
 
     Qualify: transformers' own Llama / Mistral / Qwen2 / Qwen3 decoder layers (inside a causal LM or a sequence
-    classifier, PEFT-wrapped or not) whose last layer has plain `nn.Linear` attention projections, full causal
-    attention through SDPA, eager or packed SDPA, no attention dropout in train mode, no hooks, and parameters that
-    are not sharded.
+    classifier, PEFT-wrapped or not: LoRA or quantized projections are called as the layer calls them) whose last
+    layer has full causal attention through SDPA, eager or packed SDPA, no dropout that would draw random numbers in
+    train mode, no hooks, and parameters that are not sharded.
 
     Args:
         model: The model whose forward is about to run.
@@ -103,10 +99,10 @@ def last_layer_selection_fallback_reason(model: nn.Module) -> str | None:
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
     if layer_types[-1] != "full_attention" or getattr(attn, "sliding_window", None) is not None:
         return "sliding-window attention in the last layer"
-    if not all(_plain_linear(getattr(attn, name, None)) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
-        return "attention projections are not plain nn.Linear (PEFT, quantized, ...)"
-    if attn.training and getattr(attn, "attention_dropout", 0.0) > 0:
-        return "attention dropout in train mode"
+    if not all(isinstance(getattr(attn, name, None), nn.Module) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
+        return "attention projections are not modules"
+    if (attn.training and getattr(attn, "attention_dropout", 0.0) > 0) or _active_dropout(layer):
+        return "dropout in train mode in the last layer"
     if any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in layer.modules()):
         return "hooks on the last decoder layer"
     if parameters_sharded(model):
