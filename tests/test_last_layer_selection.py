@@ -200,3 +200,23 @@ def test_lora_layers_equal_full_layer(targets):
     assert grads.keys() == full_grads.keys()
     for name, grad in full_grads.items():
         _assert_grad_close(grads[name], grad, name)
+
+
+def test_fused_log_probs_keep_every_hidden_state_when_asked(monkeypatch):
+    """`compute_token_logps` selects the scored positions, except when the caller also asks for the hidden states
+    (PPO's value head reads them everywhere): then the last layer runs whole."""
+    from trl.trainer.utils.logprobs import compute_token_logps
+
+    model = _build("qwen2")
+    calls = []
+    selected_layer = last_layer_selection._selected_layer
+    monkeypatch.setattr(last_layer_selection, "_selected_layer", lambda *a: calls.append(1) or selected_layer(*a))
+    ids = _inputs("none")["input_ids"]
+    target_mask = torch.zeros(ROWS, LENGTH - 1, dtype=torch.bool)
+    target_mask[:, 8:] = True
+    plain = compute_token_logps(model, ids, target_mask=target_mask)
+    assert calls == [1]
+    with_hidden = compute_token_logps(model, ids, target_mask=target_mask, output_hidden_states=True)
+    assert calls == [1]
+    assert with_hidden.outputs.hidden_states[-1].abs().amin(dim=-1).gt(0).all()
+    torch.testing.assert_close(plain.logps, with_hidden.logps, rtol=1e-5, atol=1e-6)
