@@ -521,8 +521,17 @@ class _BaseTrainer(Trainer):
             from .utils.checkpoints import last_complete_checkpoint
 
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
-        with self._training_kernels():
+        from .utils.contiguous_state import contiguous_training_state
+
+        with self._training_kernels(), contiguous_training_state(self):
             return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        # Gradients (and Adam's moments) in buffers allocated once, outside glibc's heap (see `contiguous_state`).
+        from .utils.contiguous_state import prepare_contiguous_gradients
+
+        prepare_contiguous_gradients(self)
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def create_model_card(
         self,
