@@ -217,3 +217,36 @@ def test_sft_packed_training_with_kernels_equals_without(tiny_qwen_path, tmp_pat
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
     assert list(reloaded.state_dict()) == list(models["stock"].state_dict())
     assert type(reloaded.model.layers[0].mlp) is type(models["stock"].model.layers[0].mlp)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_packed_continuations_attend_to_their_own_prefix(groups):
+    """`attend_after_prefixes`: each packed continuation equals SDPA over its prefix and itself (causal), for
+    grouped-query attention too; empty continuations and an empty prefix included."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from trl.kernels.packed_attention import attend_after_prefixes, packed_sdpa_attention_forward
+
+    torch.manual_seed(0)
+    kv_heads, dim, prefix_lengths, own = 2, 8, [3, 5, 0, 2], [4, 0, 3, 1]
+    module = nn.Module()
+    module.layer_idx, module.num_key_value_groups, module.is_causal = 0, groups, True
+    prefix_k = torch.randn(4, kv_heads, 5, dim)
+    prefix_v = torch.randn(4, kv_heads, 5, dim)
+    total = sum(own)
+    query = torch.randn(1, kv_heads * groups, total, dim)
+    key, value = torch.randn(1, kv_heads, total, dim), torch.randn(1, kv_heads, total, dim)
+    bounds = [0, 4, 4, 7, 8]
+    with attend_after_prefixes({0: (prefix_k, prefix_v)}, prefix_lengths, bounds):
+        out, _ = packed_sdpa_attention_forward(module, query, key, value, attention_mask=None)
+    assert out.shape == (1, total, kv_heads * groups, dim)
+    for row, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end == start:
+            continue
+        past = prefix_lengths[row]
+        # The whole sequence (prefix + continuation) through causal SDPA; its last `own` queries are the ones packed.
+        keys = repeat_kv(torch.cat([prefix_k[row : row + 1, :, :past], key[:, :, start:end]], dim=2), groups)
+        values = repeat_kv(torch.cat([prefix_v[row : row + 1, :, :past], value[:, :, start:end]], dim=2), groups)
+        queries = torch.cat([torch.zeros(1, kv_heads * groups, past, dim), query[:, :, start:end]], dim=2)
+        expected = F.scaled_dot_product_attention(queries, keys, values, is_causal=True)[:, :, past:]
+        torch.testing.assert_close(out[:, start:end], expected.transpose(1, 2), rtol=1e-5, atol=1e-6)

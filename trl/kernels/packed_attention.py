@@ -8,8 +8,11 @@ sequences need (the sum of their squared lengths), and the masked kernel is slow
 
 [`packed_sdpa_attention_forward`] runs `scaled_dot_product_attention(..., is_causal=True)` on each sequence of the
 row instead (torch's fused causal kernel, no mask), and is plain SDPA attention whenever no sequence boundaries are
-given. [`register_packed_sdpa`] makes it available to transformers under the name [`PACKED_SDPA`] (with SDPA's mask
-builder), so a model switched to it computes exactly what SDPA computes, up to float rounding.
+given. Within [`attend_after_prefixes`], a packed row of continuations attends each sequence to the keys/values of
+its own prefix (recorded from an earlier pass by [`capture_keys_values`]) and causally to itself, so that
+continuations of different prefixes run together without padding or a cache. [`register_packed_sdpa`] makes it
+available to transformers under the name [`PACKED_SDPA`] (with SDPA's mask builder), so a model switched to it
+computes exactly what SDPA computes, up to float rounding.
 """
 
 import contextlib
@@ -23,6 +26,8 @@ import torch.nn.functional as F
 PACKED_SDPA = "trl_packed_sdpa"
 # Set by [`capture_keys_values`]: receives `(module, key, value)` of every call of the attention function.
 _KEY_VALUE_SINK: contextvars.ContextVar = contextvars.ContextVar("trl_key_value_sink", default=None)
+# Set by [`attend_after_prefixes`]: the prefixes the sequences of a packed row continue.
+_PREFIXES: contextvars.ContextVar = contextvars.ContextVar("trl_prefixes", default=None)
 
 
 @contextlib.contextmanager
@@ -48,6 +53,54 @@ def capture_keys_values() -> Iterator[dict[int, tuple[torch.Tensor, torch.Tensor
         yield captured
     finally:
         _KEY_VALUE_SINK.reset(token)
+
+
+@contextlib.contextmanager
+def attend_after_prefixes(
+    prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]], prefix_lengths: list[int], bounds: list[int]
+) -> Iterator[None]:
+    """Within the block, [`packed_sdpa_attention_forward`] treats a one-row call of `bounds[-1]` tokens as packed
+    continuations: sequence `i` (tokens `bounds[i]:bounds[i + 1]` of the row) attends to the first
+    `prefix_lengths[i]` keys/values of row `i` of `prefixes[layer_idx]` and causally to itself, as it would in a
+    forward pass over prefix and continuation together. No cache, no padding and no dense mask are involved.
+
+    Args:
+        prefixes: `{layer_idx: (key, value)}`, each `(sequences, kv_heads, max_prefix_len, head_dim)`, post-RoPE
+            (as [`capture_keys_values`] records them, gathered per sequence).
+        prefix_lengths: The prefix length of each sequence.
+        bounds: Start offsets of the sequences in the row, plus the total.
+    """
+    token = _PREFIXES.set((prefixes, prefix_lengths, bounds))
+    try:
+        yield
+    finally:
+        _PREFIXES.reset(token)
+
+
+def _attend_after_prefixes(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """Each packed sequence attends to its prefix and causally to itself (see [`attend_after_prefixes`])."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    prefixes, lengths, bounds = _PREFIXES.get()
+    prefix_keys, prefix_values = prefixes[module.layer_idx]
+    groups = getattr(module, "num_key_value_groups", 1)
+    pieces = []
+    for row, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end == start:
+            continue
+        past, own = lengths[row], end - start
+        keys = torch.cat([prefix_keys[row : row + 1, :, :past], key[:, :, start:end]], dim=2)
+        values = torch.cat([prefix_values[row : row + 1, :, :past], value[:, :, start:end]], dim=2)
+        if groups > 1:
+            keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
+        # Query t sees the whole prefix and its own tokens up to t.
+        allowed = torch.ones(own, past + own, dtype=torch.bool, device=query.device).tril(diagonal=past)
+        pieces.append(
+            F.scaled_dot_product_attention(query[:, :, start:end], keys, values, attn_mask=allowed, scale=scaling)
+        )
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
 
 
 def _sequence_bounds(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> list[int] | None:
@@ -99,6 +152,9 @@ def packed_sdpa_attention_forward(
     sink = _KEY_VALUE_SINK.get()
     if sink is not None:
         sink(module, key, value)
+    prefixes = _PREFIXES.get()
+    if prefixes is not None and query.shape[0] == 1 and query.shape[2] == prefixes[2][-1] and dropout == 0.0:
+        return _attend_after_prefixes(module, query, key, value, scaling).transpose(1, 2).contiguous(), None
     causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
     shaped = any(kwargs.get(name) is not None for name in ("sliding_window", "softcap", "position_bias"))
     bounds = _sequence_bounds(query, key, kwargs) if causal and not shaped and dropout == 0.0 else None

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ...kernels.linear_log_softmax import linear_selective_log_softmax
-from ...kernels.packed_attention import PACKED_SDPA, capture_keys_values
+from ...kernels.packed_attention import PACKED_SDPA, attend_after_prefixes, capture_keys_values
 from .distributed import parameters_sharded
 from .last_layer_selection import last_layer_at
 from .logprobs import capture_lm_head_inputs, fusable_lm_head, model_accepts_argument
@@ -471,9 +471,10 @@ def prefix_cached_token_logps(
 
     The keys/values are recorded during the main forward pass ([`capture_keys_values`]), so this works under
     gradient checkpointing too (which turns the model's own cache off). Row `i` of the continuation batch takes the
-    first [`continuation_starts`] tokens from main row `i`; only its remaining tokens run through the model, in one
-    forward pass over a key/value cache built from the recorded states. The values are those of separate forward
-    passes up to float rounding; the fused LM head scores only the target tokens.
+    first [`continuation_starts`] tokens from main row `i`; only its remaining tokens run through the model, all rows'
+    packed into one row without padding, each attending to its own recorded prefix ([`attend_after_prefixes`]).
+    The values are those of separate forward passes up to float rounding; the fused LM head scores only the target
+    tokens.
 
     Args:
         model: Causal LM for which [`keys_values_capturable`] holds.
@@ -514,10 +515,10 @@ def prefix_cached_token_logps(
         input_ids, attention_mask, continuation_ids, continuation_mask, continuation_target_mask
     )
     with torch.no_grad(), _gradient_checkpointing_off(model):
-        cache = _prefix_cache(captured, slots, starts, num_layers)
+        prefixes = _gathered_prefixes(captured, slots, starts, num_layers)
         captured.clear()
         continuation = _continuation_logps(
-            model, head, cache, starts, continuation_ids, continuation_mask, continuation_target_mask
+            model, head, prefixes, starts, continuation_ids, continuation_mask, continuation_target_mask
         )
     return PrefixCachedLogps(main=main, continuation_logps=continuation.to(head.weight.dtype))
 
@@ -543,21 +544,19 @@ def _token_slots(
     return slots, width
 
 
-def _prefix_cache(
+def _gathered_prefixes(
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]],
     slots: tuple[torch.Tensor, int],
     starts: torch.Tensor,
     num_layers: int,
-) -> Any:
-    """A `DynamicCache` holding, for continuation row `i`, the recorded keys/values of the first `starts[i]` tokens
-    of main row `i` at cache positions `0 .. starts[i] - 1` (later slots are filler the mask hides)."""
-    from transformers import DynamicCache
-
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the recorded keys/values of the first `starts[i]` tokens of main row `i`, gathered into
+    `(batch, kv_heads, max(starts), head_dim)` (later positions of shorter rows are filler, never attended to)."""
     token_slots, width = slots
     length = max(int(starts.max()), 1)
     columns = torch.arange(length, device=starts.device).clamp(max=token_slots.shape[1] - 1)
     index = token_slots[:, columns]  # (batch, length)
-    cache = DynamicCache()
+    prefixes = {}
     for layer in range(num_layers):
         states = []
         for tensor in captured[layer]:
@@ -565,14 +564,15 @@ def _prefix_cache(
             if seq_len != width:
                 raise RuntimeError(f"Layer {layer} saw {seq_len} positions per row; the main pass had {width}.")
             flat = tensor.transpose(1, 2).reshape(rows * seq_len, heads, dim)
-            states.append(flat[index].transpose(1, 2).contiguous())
-        cache.update(states[0], states[1], layer)
-    return cache
+            states.append(flat[index].transpose(1, 2))
+        prefixes[layer] = (states[0], states[1])
+    return prefixes
 
 
 @contextlib.contextmanager
 def _gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
-    """Layers run without gradient checkpointing within the block (it would drop the cache a continuation needs)."""
+    """Layers run without gradient checkpointing within the block (the continuation has no gradient to save
+    memory for; checkpointing would only add its overhead and warnings)."""
     layers = [module for module in model.modules() if getattr(module, "gradient_checkpointing", False) is True]
     for module in layers:
         module.gradient_checkpointing = False
@@ -586,44 +586,30 @@ def _gradient_checkpointing_off(model: nn.Module) -> Iterator[None]:
 def _continuation_logps(
     model: nn.Module,
     head: nn.Linear,
-    cache: Any,
+    prefixes: dict[int, tuple[torch.Tensor, torch.Tensor]],
     starts: torch.Tensor,
     ids: torch.Tensor,
     mask: torch.Tensor,
     target_mask: torch.Tensor,
 ) -> torch.Tensor:
-    """The continuation rows' log-probs of [`prefix_cached_token_logps`] (called under no_grad)."""
-    device = ids.device
-    cached = cache.get_seq_length()
-    suffix_lengths = mask.sum(dim=1) - starts
-    width = max(int(suffix_lengths.max()), 1)
-    steps = torch.arange(width, device=device)
-    columns = (starts.unsqueeze(1) + steps).clamp(max=ids.shape[1] - 1)
-    valid = steps.unsqueeze(0) < suffix_lengths.unsqueeze(1)
-    suffix_ids = torch.where(valid, ids.gather(1, columns), ids.new_zeros(()))
-    # A suffix token attends to its row's first `starts` cached positions and to its own earlier tokens; padding
-    # attends only to itself.
-    past = torch.arange(cached, device=device).unsqueeze(0) < starts.unsqueeze(1)
-    allowed_past = past.unsqueeze(1) & valid.unsqueeze(2)
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    allowed_own = (causal & valid.unsqueeze(1) & valid.unsqueeze(2)) | torch.eye(
-        width, dtype=torch.bool, device=device
+    """The continuation rows' log-probs of [`prefix_cached_token_logps`] (called under no_grad).
+
+    The continuations (each row's tokens from `starts[i]` on) run packed into one row without padding; each attends
+    to its own prefix keys/values and causally to itself ([`attend_after_prefixes`]).
+    """
+    suffix_lengths = (mask.sum(dim=1) - starts).clamp(min=0)
+    rows = torch.repeat_interleave(torch.arange(ids.shape[0], device=ids.device), suffix_lengths)
+    offsets = torch.cumsum(suffix_lengths, dim=0) - suffix_lengths
+    columns = torch.arange(rows.numel(), device=ids.device) - offsets[rows] + starts[rows]
+    bounds = [0, *torch.cumsum(suffix_lengths, dim=0).tolist()]
+    if bounds[-1] == 0:
+        return torch.zeros(target_mask.shape, dtype=torch.float32, device=ids.device)
+    with capture_lm_head_inputs(head) as captured, attend_after_prefixes(prefixes, starts.tolist(), bounds):
+        model(input_ids=ids[rows, columns].unsqueeze(0), position_ids=columns.unsqueeze(0), use_cache=False)
+    # Entry t of a row predicts its token t + 1 from token t, which the continuation ran at offset t - starts.
+    target_rows, target_cols = target_mask.bool().nonzero(as_tuple=True)
+    hidden = captured[0][0, offsets[target_rows] + target_cols - starts[target_rows]]
+    logps, _, _ = linear_selective_log_softmax(
+        hidden, head.weight, ids[target_rows, target_cols + 1], head.bias, 1.0, False, None
     )
-    allowed = torch.cat([allowed_past, allowed_own], dim=2)
-    dtype = _mask_dtype(model)
-    zeros = torch.zeros((), dtype=dtype, device=device)
-    attention = torch.where(allowed, zeros, torch.finfo(dtype).min).unsqueeze(1)
-    cache_key = "cache" if model_accepts_argument(model, "cache") else "past_key_values"
-    with capture_lm_head_inputs(head) as captured:
-        model(
-            input_ids=suffix_ids,
-            attention_mask=attention,
-            position_ids=starts.unsqueeze(1) + steps,
-            use_cache=True,
-            **{cache_key: cache},
-        )
-    # Entry t of a row predicts its token t + 1 from token t, which the continuation ran at column t - starts.
-    rows, cols = target_mask.bool().nonzero(as_tuple=True)
-    hidden = captured[0][rows, cols - starts[rows]]
-    logps, _, _ = linear_selective_log_softmax(hidden, head.weight, ids[rows, cols + 1], head.bias, 1.0, False, None)
-    return logps.new_zeros(target_mask.shape).index_put((rows, cols), logps)
+    return logps.new_zeros(target_mask.shape).index_put((target_rows, target_cols), logps)
