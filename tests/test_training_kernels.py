@@ -250,3 +250,36 @@ def test_packed_continuations_attend_to_their_own_prefix(groups):
         queries = torch.cat([torch.zeros(1, kv_heads * groups, past, dim), query[:, :, start:end]], dim=2)
         expected = F.scaled_dot_product_attention(queries, keys, values, is_causal=True)[:, :, past:]
         torch.testing.assert_close(out[:, start:end], expected.transpose(1, 2), rtol=1e-5, atol=1e-6)
+
+
+def test_single_packed_row_carries_its_sequence_boundaries(tiny_qwen_path, monkeypatch):
+    """A padding-free row gets `cu_seq_lens_*` from its positions, so the packed SDPA function attends per sequence
+    (instead of a dense block-diagonal mask over the row); values equal the padded layout's."""
+    from trl.kernels import packed_attention
+    from trl.trainer.utils.packing import compute_sequence_token_logps, sequence_boundaries
+
+    boundaries = sequence_boundaries(torch.tensor([[0, 1, 2, 0, 1, 0, 0]]))
+    assert boundaries["cu_seq_lens_q"].tolist() == [0, 3, 5, 6, 7]
+    assert boundaries["cu_seq_lens_q"].dtype == torch.int32
+    assert boundaries["max_length_q"] == boundaries["max_length_k"] == 3
+
+    torch.manual_seed(0)
+    lengths = [9, 4, 12]
+    ids = torch.zeros(3, 12, dtype=torch.long)
+    mask = torch.zeros(3, 12, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.randint(1, 100, (n,))
+        mask[row, :n] = 1
+    target = mask[:, 1:].bool()
+    seen = []
+    original = packed_attention._sequence_bounds
+    monkeypatch.setattr(packed_attention, "_sequence_bounds", lambda *a: seen.append(original(*a)) or seen[-1])
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path, attn_implementation="sdpa")
+    with torch.no_grad():
+        padded = compute_sequence_token_logps(model, ids, mask, target, layout="padded")
+        with packed_sdpa_attention(model):
+            single_row = compute_sequence_token_logps(model, ids, mask, target, layout="padding_free")
+    # Every layer but the last sees the boundaries (the last one, run only at the scored positions by the last-layer
+    # selection, attends with the gathered dense mask instead).
+    assert seen[:-1] and all(bounds == [0, 9, 13, 25] for bounds in seen[:-1])
+    torch.testing.assert_close(single_row.logps, padded.logps, rtol=1e-5, atol=1e-5)

@@ -327,6 +327,29 @@ class SequenceTokenLogps(NamedTuple):
     outputs: Any
 
 
+def sequence_boundaries(position_ids: torch.Tensor) -> dict[str, Any]:
+    """The sequence boundaries of one packed row, in the keyword arguments variable-length attention reads
+    (`cu_seq_lens_q` / `cu_seq_lens_k`, `max_length_q` / `max_length_k`): a sequence starts wherever the positions
+    restart at 0 (free slots at the end form sequences of their own, as the packing lays them out).
+
+    Args:
+        position_ids: `(1, width)` positions of a packed row.
+
+    Returns:
+        The four keyword arguments, as the padding-free SFT collator passes them.
+    """
+    starts = (position_ids[0] == 0).nonzero().flatten().to(torch.int32)
+    width = torch.tensor([position_ids.shape[1]], dtype=torch.int32, device=position_ids.device)
+    cu_seq_lens = torch.cat([starts, width])
+    longest = int((cu_seq_lens[1:] - cu_seq_lens[:-1]).max()) if starts.numel() else 0
+    return {
+        "cu_seq_lens_q": cu_seq_lens,
+        "cu_seq_lens_k": cu_seq_lens.clone(),
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
+
+
 def compute_sequence_token_logps(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -376,6 +399,8 @@ def compute_sequence_token_logps(
         )
         ids, mask, positions_ids = packed.input_ids, None, packed.position_ids
         targets_mask = packed.pack_next_token(target_mask, False)
+        if ids.shape[0] == 1 and "cu_seq_lens_q" not in forward_kwargs:
+            forward_kwargs = {**sequence_boundaries(positions_ids), **forward_kwargs}
     result = compute_token_logps(
         model,
         ids,
