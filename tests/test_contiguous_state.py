@@ -150,6 +150,9 @@ def test_fallback_reasons():
     assert "not a torch.optim" in contiguous_state_fallback_reason(Args(), object())
     frozen = _TwoHeads().requires_grad_(False)
     assert "no trained" in contiguous_state_fallback_reason(Args(), _optimizer(frozen, "sgd"))
+    sparse = _TwoHeads()
+    sparse.embed = nn.Embedding(4, 6, sparse=True)
+    assert "sparse" in contiguous_state_fallback_reason(Args(), _optimizer(sparse, "sgd"), sparse)
     meta = _TwoHeads().to("meta")
     assert "CPU" in contiguous_state_fallback_reason(Args(), torch.optim.SGD(meta.parameters(), lr=0.1))
 

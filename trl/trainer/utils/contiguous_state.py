@@ -15,8 +15,8 @@ is created as the optimizer would create it, with the moments as slices of two m
 `.grad` is `None`, as usual; only the memory behind it differs.
 
 [`contiguous_state_fallback_reason`] says when it is not used: distributed training and sharding engines (they own
-gradient storage), parameters off the CPU (the CUDA caching allocator has no such problem) and optimizers that are
-not `torch.optim` optimizers.
+gradient storage), parameters off the CPU (the CUDA caching allocator has no such problem), embeddings with sparse
+gradients, and optimizers that are not `torch.optim` optimizers.
 """
 
 import contextlib
@@ -50,12 +50,13 @@ def _torch_optimizer(optimizer: Any) -> Any:
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def contiguous_state_fallback_reason(args: Any, optimizer: Any) -> str | None:
+def contiguous_state_fallback_reason(args: Any, optimizer: Any, model: nn.Module | None = None) -> str | None:
     """Why [`ContiguousTrainingState`] is not used for this training run, or None when it is.
 
     Args:
         args: The trainer's `TrainingArguments`.
         optimizer: The trainer's optimizer (accelerate's wrapper or a `torch.optim.Optimizer`).
+        model: The trained model, checked for embeddings with sparse gradients (which a dense buffer would densify).
 
     Returns:
         A short reason, or None.
@@ -73,6 +74,8 @@ def contiguous_state_fallback_reason(args: Any, optimizer: Any) -> str | None:
             return "a trained parameter is not a dense floating-point CPU tensor"
         if type(param) is not nn.Parameter or hasattr(param, "ds_id"):
             return "a trained parameter is a subclass (quantized or sharded)"
+    if model is not None and any(getattr(module, "sparse", False) is True for module in model.modules()):
+        return "an embedding has sparse gradients"
     return None
 
 
@@ -197,7 +200,8 @@ def prepare_contiguous_gradients(trainer: Any) -> None:
     if not getattr(trainer, "_contiguous_state_checked", True):
         trainer._contiguous_state_checked = True
         optimizer = getattr(trainer, "optimizer", None)
-        if optimizer is not None and contiguous_state_fallback_reason(trainer.args, optimizer) is None:
+        model = getattr(trainer, "model", None)
+        if optimizer is not None and contiguous_state_fallback_reason(trainer.args, optimizer, model) is None:
             trainer._contiguous_state = ContiguousTrainingState(optimizer)
     state = getattr(trainer, "_contiguous_state", None)
     if state is not None:
