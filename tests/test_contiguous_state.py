@@ -45,6 +45,10 @@ def _train(model, optimizer, contiguous: bool, steps: int = 3, accumulation: int
                 state.before_micro_batch()
             loss = model(torch.randn(4, 6), head=heads[(step + micro) % len(heads)])
             loss.backward()
+            if state is not None:
+                state.after_micro_batch()
+            # What gradient clipping and callbacks see: the same parameters with a gradient as without buffers.
+            assert (model.unused.weight.grad is None) == ("unused" not in heads[: micro + 1])
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
         optimizer.zero_grad()
@@ -162,9 +166,14 @@ def _sft_run(tmp_path, tiny_qwen_path, monkeypatch, contiguous: bool, name: str)
         monkeypatch.setattr(contiguous_state, "contiguous_state_fallback_reason", lambda *a: "disabled by the test")
     seen = []
 
+    with_grad = []
+
     class Watch(TrainerCallback):
         def on_step_begin(self, args, state, control, model=None, **kwargs):
             seen.append(all(p.grad is None for p in model.parameters()))
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            with_grad.append(sorted(name for name, p in model.named_parameters() if p.grad is not None))
 
         def on_step_end(self, args, state, control, **kwargs):
             seen.append(trainer._contiguous_state is not None)
@@ -183,15 +192,19 @@ def _sft_run(tmp_path, tiny_qwen_path, monkeypatch, contiguous: bool, name: str)
         weight_decay=0.1,
     )
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path)
+    torch.manual_seed(0)
+    model.model.unused_head = nn.Linear(4, 4)  # trained, never reached by the loss: its gradient stays None
     trainer = SFTTrainer(model, args=args, train_dataset=dataset, callbacks=[Watch()])
     trainer.train()
     monkeypatch.undo()
-    return trainer, seen
+    return trainer, seen, with_grad
 
 
 def test_sft_trainer_uses_it_without_changing_a_number(tmp_path, tiny_qwen_path, monkeypatch):
-    plain, plain_seen = _sft_run(tmp_path, tiny_qwen_path, monkeypatch, contiguous=False, name="plain")
-    flat, flat_seen = _sft_run(tmp_path, tiny_qwen_path, monkeypatch, contiguous=True, name="flat")
+    plain, plain_seen, plain_with_grad = _sft_run(tmp_path, tiny_qwen_path, monkeypatch, False, name="plain")
+    flat, flat_seen, flat_with_grad = _sft_run(tmp_path, tiny_qwen_path, monkeypatch, True, name="flat")
+    assert flat_with_grad == plain_with_grad  # what a callback sees before the optimizer step
+    assert not any("unused_head" in name for names in flat_with_grad for name in names)
     assert plain_seen == [True, False] * 2
     assert flat_seen == [True, True] * 2  # gradients are None when a step begins, the buffers in use during it
     for (name, p), q in zip(plain.model.named_parameters(), flat.model.parameters()):

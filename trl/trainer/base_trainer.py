@@ -528,10 +528,12 @@ class _BaseTrainer(Trainer):
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         # Gradients (and Adam's moments) in buffers allocated once, outside glibc's heap (see `contiguous_state`).
-        from .utils.contiguous_state import prepare_contiguous_gradients
+        from .utils.contiguous_state import finish_contiguous_micro_batch, prepare_contiguous_gradients
 
         prepare_contiguous_gradients(self)
-        return super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        finish_contiguous_micro_batch(self)
+        return loss
 
     def create_model_card(
         self,

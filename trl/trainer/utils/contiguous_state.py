@@ -9,10 +9,10 @@ glibc never returns such holes to the system.
 [`ContiguousTrainingState`] puts these long-lived tensors into one buffer per kind instead; a buffer that large is
 mapped on its own, outside the heap. Before the first micro-batch of each optimizer step it points every trained
 parameter's `.grad` at its zeroed slice of the gradient buffer, so autograd accumulates into it in place
-(`0 + g == g`: the values are those of a fresh gradient). Right before the optimizer step, parameters that received
-no gradient get `.grad = None` back, as they would have had, and Adam's state of a parameter seen for the first time
-is created as the optimizer would create it, with the moments as slices of two more buffers. Between steps
-`.grad` is `None`, as usual; only the memory behind it differs.
+(`0 + g == g`: the values are those of a fresh gradient). After each micro-batch, parameters that received no
+gradient get `.grad = None` back, as they would have had; right before the optimizer step, Adam's state of a
+parameter seen for the first time is created as the optimizer would create it, with the moments as slices of two more
+buffers. Between steps `.grad` is `None`, as usual; only the memory behind it differs.
 
 [`contiguous_state_fallback_reason`] says when it is not used: distributed training and sharding engines (they own
 gradient storage), parameters off the CPU (the CUDA caching allocator has no such problem), embeddings with sparse
@@ -130,10 +130,15 @@ class ContiguousTrainingState:
         for param, view in zip(self.params, self._grad_views):
             param.grad = view
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def after_micro_batch(self) -> None:
+        """Give `.grad = None` back to parameters no backward pass of this step has reached so far (as they would
+        have it without the buffer), before gradient clipping, callbacks or the optimizer look at the gradients."""
         for param in self.params:
             if param.grad is not None and id(param) not in self._received and self._owns_grad(param):
-                param.grad = None  # never reached by the backward pass: no gradient, as without the buffer
+                param.grad = None
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.after_micro_batch()  # (a no-op after the trainer's own call; kept for direct use of the class)
         if self._adam_state_supported():
             self._create_adam_state()
 
@@ -206,3 +211,11 @@ def prepare_contiguous_gradients(trainer: Any) -> None:
     state = getattr(trainer, "_contiguous_state", None)
     if state is not None:
         state.before_micro_batch()
+
+
+def finish_contiguous_micro_batch(trainer: Any) -> None:
+    """Called at the end of each training micro-batch: parameters the backward passes have not reached get
+    `.grad = None` back (see [`ContiguousTrainingState.after_micro_batch`])."""
+    state = getattr(trainer, "_contiguous_state", None)
+    if state is not None:
+        state.after_micro_batch()
