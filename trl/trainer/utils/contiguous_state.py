@@ -6,13 +6,13 @@ first step. These long-lived 1-10 MB blocks end up scattered through the heap, a
 form holes that later, differently sized tensors cannot reuse, so the heap (and the resident set) keeps growing.
 glibc never returns such holes to the system.
 
-[`ContiguousTrainingState`] puts these long-lived tensors into one buffer per kind instead, each in an anonymous memory
-mapping of its own, outside the heap. Before the first micro-batch of each optimizer step it points every trained
-parameter's `.grad` at its zeroed slice of the gradient buffer, so autograd accumulates into it in place
-(`0 + g == g`: the values are those of a fresh gradient). After each micro-batch, parameters that received no
-gradient get `.grad = None` back, as they would have had; right before the optimizer step, Adam's state of a
-parameter seen for the first time is created as the optimizer would create it, with the moments as slices of two more
-buffers. Between steps `.grad` is `None`, as usual; only the memory behind it differs.
+[`ContiguousTrainingState`] puts these long-lived tensors into one buffer per kind instead; a buffer that large is
+mapped on its own, outside the heap, unless the heap has a free stretch that fits it. Before the first micro-batch of
+each optimizer step it points every trained parameter's `.grad` at its zeroed slice of the gradient buffer, so
+autograd accumulates into it in place (`0 + g == g`: the values are those of a fresh gradient). After each
+micro-batch, parameters that received no gradient get `.grad = None` back, as they would have had; right before the
+optimizer step, Adam's state of a parameter seen for the first time is created as the optimizer would create it,
+with the moments as slices of two more buffers. Between steps `.grad` is `None`, as usual; only the memory behind it differs.
 
 [`contiguous_state_fallback_reason`] says when it is not used: distributed training and sharding engines (they own
 gradient storage), parameters off the CPU (the CUDA caching allocator has no such problem), embeddings with sparse
@@ -20,7 +20,6 @@ gradients, and optimizers that are not `torch.optim` optimizers.
 """
 
 import contextlib
-import mmap
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,17 +94,10 @@ def _empty_buffers(params: list[nn.Parameter]) -> dict[torch.dtype, torch.Tensor
     sizes: dict[torch.dtype, int] = {}
     for param in params:
         sizes[param.dtype] = sizes.get(param.dtype, 0) + param.numel()
-    return {dtype: _mapped_empty(size, dtype) for dtype, size in sizes.items()}
-
-
-def _mapped_empty(size: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised 1-D tensor in an anonymous memory mapping of its own: never inside glibc's heap (malloc would
-    serve a large request from a free stretch of the heap when it has one), returned to the system when freed, and
-    pages that are never written (parameters that never train) never become resident."""
-    nbytes = size * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=size)
+    # `empty`, not `zeros`: slices are zeroed when taken into use. (Anonymous mappings of their own, outside glibc's
+    # heap, measured ~10 % slower GRPO steps; malloc maps requests this large on their own unless the heap has a free
+    # stretch that fits, which it then reuses.)
+    return {dtype: torch.empty(size, dtype=dtype) for dtype, size in sizes.items()}
 
 
 class ContiguousTrainingState:
@@ -153,8 +145,8 @@ class ContiguousTrainingState:
             self._create_adam_state()
 
     def _owns_grad(self, param: nn.Parameter) -> bool:
-        grad = param.grad
-        return grad.untyped_storage().data_ptr() == self._grad_buffers[param.dtype].untyped_storage().data_ptr()
+        buffer = self._grad_buffers.get(param.grad.dtype)
+        return buffer is not None and param.grad.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
 
     def _adam_state_supported(self) -> bool:
         # Exact classes: a subclass may keep other state; its own lazy initialisation then runs as usual.
