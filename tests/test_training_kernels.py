@@ -240,6 +240,9 @@ def test_packed_continuations_attend_to_their_own_prefix(groups):
     with attend_after_prefixes({0: (prefix_k, prefix_v)}, prefix_lengths, bounds):
         out, _ = packed_sdpa_attention_forward(module, query, key, value, attention_mask=None)
     assert out.shape == (1, total, kv_heads * groups, dim)
+    with attend_after_prefixes({0: (prefix_k, prefix_v)}, prefix_lengths, bounds):
+        with pytest.raises(RuntimeError, match="one packed row of 8 tokens"):
+            packed_sdpa_attention_forward(module, query[:, :, :5], key[:, :, :5], value[:, :, :5], None)
     for row, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
         if end == start:
             continue

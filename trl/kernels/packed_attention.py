@@ -78,7 +78,12 @@ def attend_after_prefixes(
 
 
 def _attend_after_prefixes(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    dropout: float,
 ) -> torch.Tensor:
     """Each packed sequence attends to its prefix and causally to itself (see [`attend_after_prefixes`])."""
     from transformers.integrations.sdpa_attention import repeat_kv
@@ -98,7 +103,9 @@ def _attend_after_prefixes(
         # Query t sees the whole prefix and its own tokens up to t.
         allowed = torch.ones(own, past + own, dtype=torch.bool, device=query.device).tril(diagonal=past)
         pieces.append(
-            F.scaled_dot_product_attention(query[:, :, start:end], keys, values, attn_mask=allowed, scale=scaling)
+            F.scaled_dot_product_attention(
+                query[:, :, start:end], keys, values, attn_mask=allowed, dropout_p=dropout, scale=scaling
+            )
         )
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
 
@@ -153,8 +160,14 @@ def packed_sdpa_attention_forward(
     if sink is not None:
         sink(module, key, value)
     prefixes = _PREFIXES.get()
-    if prefixes is not None and query.shape[0] == 1 and query.shape[2] == prefixes[2][-1] and dropout == 0.0:
-        return _attend_after_prefixes(module, query, key, value, scaling).transpose(1, 2).contiguous(), None
+    if prefixes is not None:
+        if query.shape[0] != 1 or query.shape[2] != prefixes[2][-1] or key.shape[2] != query.shape[2]:
+            raise RuntimeError(
+                f"attend_after_prefixes expects one packed row of {prefixes[2][-1]} tokens; the attention got queries "
+                f"{tuple(query.shape)} and keys {tuple(key.shape)}."
+            )
+        attn_output = _attend_after_prefixes(module, query, key, value, scaling, dropout)
+        return attn_output.transpose(1, 2).contiguous(), None
     causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and query.shape[2] > 1
     shaped = any(kwargs.get(name) is not None for name in ("sliding_window", "softcap", "position_bias"))
     bounds = _sequence_bounds(query, key, kwargs) if causal and not shaped and dropout == 0.0 else None
