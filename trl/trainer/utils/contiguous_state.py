@@ -12,7 +12,8 @@ each optimizer step it points every trained parameter's `.grad` at its zeroed sl
 autograd accumulates into it in place (`0 + g == g`: the values are those of a fresh gradient). After each
 micro-batch, parameters that received no gradient get `.grad = None` back, as they would have had; right before the
 optimizer step, Adam's state of a parameter seen for the first time is created as the optimizer would create it,
-with the moments as slices of two more buffers. Between steps `.grad` is `None`, as usual; only the memory behind it differs.
+with the moments as slices of two more buffers. Between steps `.grad` is `None`, as usual; only the memory behind it
+differs.
 
 [`contiguous_state_fallback_reason`] says when it is not used: distributed training and sharding engines (they own
 gradient storage), parameters off the CPU (the CUDA caching allocator has no such problem), embeddings with sparse
