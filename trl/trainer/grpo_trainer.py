@@ -349,6 +349,7 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
     _default_suffix = "GRPO"
     # Ratio levels this trainer trains with (the GSPO-token subclass adds "sequence_token").
     _importance_sampling_levels = ("token", "sequence")
+    _decode_replay = True
 
     def __init__(
         self,
@@ -448,6 +449,9 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             vespo_k_neg=args.vespo_k_neg,
             vespo_lambda_neg=args.vespo_lambda_neg,
         )
+
+    def _replays_decode_outputs(self) -> bool:
+        return self.liger_grpo_loss is None and super()._replays_decode_outputs()
 
     def _needs_rollout_logps(self) -> bool:
         # The chunked loss cannot compare the sampler's log-probs with its own on the fly: store the old ones.

@@ -37,6 +37,7 @@ Where each concern lives (this module is the front: it defines the trainer and r
   and the loss plumbing.
 """
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -75,6 +76,7 @@ from .utils import (
     shuffle_sequence_dict,
     split_tensor_dict,
 )
+from .utils.decode_replay import layers_checkpointed, replay_decoder_layers, replayed_layer_outputs
 from .utils.prefix_sharing import (
     MIN_SHARED_SAVING,
     SharedPrefixLayout,
@@ -158,6 +160,10 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
     # `_shared_prefix_passes` counts the passes that did.
     _share_prefix = True
     _shared_prefix_passes = 0
+    # The loss pass replays the rollout decode's layer outputs instead of its checkpointed forward when it can (see
+    # `_replayed_layer_outputs`); `_decode_replays` counts the passes that did.
+    _decode_replay = False
+    _decode_replays = 0
 
     def __init__(
         self,
@@ -695,14 +701,18 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
             position_ids = None
         layout = None if image_inputs else self._shared_prompt_layout(model, inputs, input_ids, attention_mask)
         if layout is not None:
-            result = shared_prefix_token_logps(
-                model,
-                input_ids,
-                layout,
-                target_mask,
-                compute_entropy=compute_entropy,
-                temperature=self._logprob_temperature(),
-            )
+            replayed = None
+            if not self._loss_compares_with_rollout_logps(inputs):
+                replayed = self._replayed_layer_outputs(model, input_ids, attention_mask, layout)
+            with contextlib.nullcontext() if replayed is None else replay_decoder_layers(model, replayed):
+                result = shared_prefix_token_logps(
+                    model,
+                    input_ids,
+                    layout,
+                    target_mask,
+                    compute_entropy=compute_entropy,
+                    temperature=self._logprob_temperature(),
+                )
         else:
             result = compute_token_logps(
                 model,
@@ -742,6 +752,39 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
             return None
         self._shared_prefix_passes += 1
         return layout
+
+    def _replays_decode_outputs(self) -> bool:
+        return self._decode_replay and self._share_prefix and not self._aux_loss_enabled
+
+    def _loss_compares_with_rollout_logps(self, inputs: dict[str, Any]) -> bool:
+        """Hook: whether the loss on `inputs` compares the pass's log-probabilities with the rollout's old ones (off
+        policy); on-policy, the loss uses the pass's own, detached."""
+        return "old_per_token_logps" in inputs
+
+    def _replayed_layer_outputs(
+        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: SharedPrefixLayout
+    ) -> list[torch.Tensor] | None:
+        """The rollout decode's decoder-layer outputs laid out for this gradient-checkpointed loss pass (see
+        `utils/decode_replay.py`), or None to run the layers: when nothing was recorded, the pass keeps no graph or
+        runs without checkpointing or under autocast, the parameters changed since the decode (an optimizer step,
+        or any in-place change), or a token was not decoded by this rollout.
+
+        Only on-policy passes replay (the caller checks, `_loss_compares_with_rollout_logps`): their old
+        log-probabilities are the pass's own, detached, so the importance ratio stays exactly 1. Off-policy ones are
+        compared with log-probabilities that a pass of the layers computed, and must be computed the same way."""
+        recorded = self.__dict__.get("_rollout_layer_outputs")
+        if recorded is None or not torch.is_grad_enabled() or not model.training:
+            return None
+        if not layers_checkpointed(model) or torch.is_autocast_enabled(input_ids.device.type):
+            return None
+        if recorded.stamp != self._parameters_stamp(model):
+            return None
+        replayed = replayed_layer_outputs(
+            recorded, input_ids, attention_mask, layout.token_index, tuple(layout.input_ids.shape)
+        )
+        if replayed is not None:
+            self._decode_replays += 1
+        return replayed
 
     @torch.no_grad()
     def _batched_logps(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:

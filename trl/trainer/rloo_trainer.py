@@ -125,6 +125,7 @@ class RLOOTrainer(_OnlineTrainer):
     # As TRL: a metric undefined over the whole logging window (all-None rewards, no completion token) logs None.
     _undefined_metric_value = None
     _default_suffix = "RLOO"
+    _decode_replay = True
 
     def __init__(
         self,
@@ -156,6 +157,10 @@ class RLOOTrainer(_OnlineTrainer):
         self.beta = self.args.beta
         self.epsilon_low = self.args.epsilon
         self.epsilon_high = self.args.epsilon_high if self.args.epsilon_high is not None else self.args.epsilon
+
+    def _loss_compares_with_rollout_logps(self, inputs: dict[str, Any]) -> bool:
+        # On-policy, the loss uses the pass's own log-probabilities (the rollout's serve the KL reward only).
+        return "old_per_token_logps" in inputs and not self._is_on_policy()
 
     def _needs_rollout_logps(self) -> bool:
         # The KL penalty enters the reward, so the sampling policy's log-probabilities are needed right away.

@@ -19,6 +19,7 @@ or cache, extra `generate` arguments, ...) is reported by `rollout_decode_fallba
 `generate`.
 """
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 import torch.nn as nn
 from transformers.cache_utils import DynamicLayer
 
+from .decode_replay import DecodeLayerOutputs, layer_outputs_fallback_reason, recording_layer_outputs
 from .distributed import parameters_sharded
 from .lean_decode import LeanDecoder, lean_decode_fallback_reason
 
@@ -77,10 +79,13 @@ class RolloutDecodeOutput:
             right-padded with the pad id).
         logps: `(N, T)` log-probabilities of the sampled tokens under the distribution they were drawn from (after
             the sampling processors; 0 after a row ended), or None when not asked for.
+        layer_outputs: Every decoder layer's output at every token fed, when asked for (and the model qualifies,
+            see [`~trl.trainer.utils.decode_replay.layer_outputs_fallback_reason`]), else None.
     """
 
     sequences: torch.Tensor
     logps: torch.Tensor | None = None
+    layer_outputs: DecodeLayerOutputs | None = None
 
 
 def _neutral_settings(model: nn.Module) -> dict[str, Any]:
@@ -319,6 +324,7 @@ def decode_rollouts(
     generation_config: Any,
     share_prompt_cache: bool = True,
     return_logps: bool = False,
+    record_layer_outputs: bool = False,
 ) -> RolloutDecodeOutput:
     """Sample one completion per row, exactly as `generate` on the repeated prompts would, with less work per token.
 
@@ -334,6 +340,8 @@ def decode_rollouts(
         generation_config: The `GenerationConfig` `generate` would be given.
         share_prompt_cache: Prefill each distinct prompt once (when a prompt is repeated and has at least 2 tokens).
         return_logps: Also return the log-probabilities of the sampled tokens.
+        record_layer_outputs: Also return every decoder layer's output at every token fed (for a training forward
+            to replay, see `decode_replay`), when the model qualifies.
 
     Returns:
         A [`RolloutDecodeOutput`].
@@ -353,9 +361,15 @@ def decode_rollouts(
     pad_id = config.pad_token_id
     vocab_size = None
 
+    recorded = None
+    if record_layer_outputs and layer_outputs_fallback_reason(model) is None:
+        recorded = DecodeLayerOutputs(model, sequences, mask, max_new_tokens)
+    sink: list[torch.Tensor] = []
     first_input = 0
     if share_prompt_cache and shares_prompt_prefill(prompt_ids, prompt_mask, row_to_prompt):
-        cache = prefill_shared_prompts(model, prompt_ids, prompt_mask, row_to_prompt)
+        with recording_layer_outputs(model, sink) if recorded is not None else contextlib.nullcontext():
+            cache = prefill_shared_prompts(model, prompt_ids, prompt_mask, row_to_prompt)
+        recorded = _record(recorded, sink, row_to_prompt, 0)
         first_input = prompt_length - 1
     else:
         cache = DynamicCache(config=model.config)
@@ -376,19 +390,24 @@ def decode_rollouts(
     length = prompt_length
     # After the first (prompt) step, Llama-style models decode through the lean step: the same logits, bitwise.
     lean_step = None
+    all_rows = torch.arange(num_rows, device=sequences.device)
     for step in range(max_new_tokens):
+        sink = []
         if lean_step is not None:
+            lean_step.layer_outputs = sink if recorded is not None else None
             step_logits = lean_step(step_ids, step_positions, cache, length)
         else:
-            step_logits = model(
-                input_ids=step_ids,
-                attention_mask=None if full_mask is None else full_mask[:, :length],
-                position_ids=step_positions,
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-                return_dict=True,
-            ).logits
+            with recording_layer_outputs(model, sink) if recorded is not None else contextlib.nullcontext():
+                step_logits = model(
+                    input_ids=step_ids,
+                    attention_mask=None if full_mask is None else full_mask[:, :length],
+                    position_ids=step_positions,
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    return_dict=True,
+                ).logits
+        recorded = _record(recorded, sink, all_rows, length - step_ids.shape[1])
         logits = step_logits[:, -1].to(copy=True, dtype=torch.float32)
         del step_logits
         if step == 0:
@@ -417,4 +436,19 @@ def decode_rollouts(
         step_ids = next_tokens[:, None]
         step_positions = step_positions[:, -1:] + 1
     logps_tensor = torch.stack(logps, dim=1) if logps is not None else None
-    return RolloutDecodeOutput(sequences=tokens[:, :length], logps=logps_tensor)
+    if recorded is not None:
+        recorded.set_sequences(tokens[:, :length])
+    return RolloutDecodeOutput(sequences=tokens[:, :length], logps=logps_tensor, layer_outputs=recorded)
+
+
+def _record(
+    recorded: DecodeLayerOutputs | None, sink: list[torch.Tensor], call_rows: torch.Tensor, first_column: int
+) -> DecodeLayerOutputs | None:
+    """Add one call's layer outputs; a call that did not produce one output per layer (a model pre-hook changed the
+    inputs, ...) ends the recording."""
+    if recorded is None:
+        return None
+    if len(sink) != recorded.num_layers or any(not isinstance(output, torch.Tensor) for output in sink):
+        return None
+    recorded.record_call(sink, call_rows, first_column)
+    return recorded
