@@ -229,3 +229,22 @@ def test_parameters_changed_in_place_are_not_replayed(tmp_path, model_path, prom
         results.append(trainer)
     assert results[0]._decode_replays == 0
     assert train_logs(results[0])[0]["loss"] == train_logs(results[1])[0]["loss"]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_gradient_only_linear_back_propagates_as_the_linear(bias):
+    """The recompute's down projection skips its product but gives the linear's gradients (written out by hand)."""
+    from trl.trainer.utils.decode_replay import _GradientOnlyLinear
+
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(2, 5, 6, generator=generator, requires_grad=True)
+    weight = torch.randn(4, 6, generator=generator, requires_grad=True)
+    bias_tensor = torch.randn(4, generator=generator, requires_grad=True) if bias else None
+    grad_output = torch.randn(2, 5, 4, generator=generator)
+    output = _GradientOnlyLinear.apply(inputs, weight, bias_tensor)
+    assert output.shape == (2, 5, 4) and not output.any()
+    output.backward(grad_output)
+    torch.testing.assert_close(inputs.grad, torch.einsum("bto,oi->bti", grad_output, weight.detach()))
+    torch.testing.assert_close(weight.grad, torch.einsum("bto,bti->oi", grad_output, inputs.detach()))
+    if bias:
+        torch.testing.assert_close(bias_tensor.grad, grad_output.sum(dim=(0, 1)))
