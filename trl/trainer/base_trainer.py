@@ -522,7 +522,11 @@ class _BaseTrainer(Trainer):
 
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
         from .utils.contiguous_state import contiguous_training_state
+        from .utils.cpu_allocator import keep_activation_memory
 
+        # On the CPU, freed activation memory stays in the heap for the next step instead of being faulted in anew.
+        parameter = next(self.model.parameters(), None)
+        keep_activation_memory(parameter.device.type if parameter is not None else self.args.device.type)
         with self._training_kernels(), contiguous_training_state(self):
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
