@@ -234,7 +234,7 @@ def test_parameters_changed_in_place_are_not_replayed(tmp_path, model_path, prom
 @pytest.mark.parametrize("bias", [True, False])
 def test_gradient_only_linear_back_propagates_as_the_linear(bias):
     """The recompute's down projection skips its product but gives the linear's gradients (written out by hand)."""
-    from trl.trainer.utils.decode_replay import _GradientOnlyLinear
+    from trl.trainer.utils.layer_checkpoints import _GradientOnlyLinear
 
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(2, 5, 6, generator=generator, requires_grad=True)

@@ -528,7 +528,33 @@ class _BaseTrainer(Trainer):
         parameter = next(self.model.parameters(), None)
         keep_activation_memory(parameter.device.type if parameter is not None else self.args.device.type)
         with self._training_kernels(), contiguous_training_state(self):
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            try:
+                return super().train(resume_from_checkpoint, *args, **kwargs)
+            finally:
+                self._checkpoint_arena = None  # the kept layer outputs' chunks, until the next `train()`
+
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
+        """transformers' context around `compute_loss` (autocast), plus, when training on the CPU in one process with
+        gradient checkpointing, checkpointed decoder layers whose kept outputs live outside the C heap
+        ([`~trl.trainer.utils.layer_checkpoints.lean_layer_checkpoints`])."""
+        from .utils.distributed import uses_sharding_engine
+
+        stack = super().compute_loss_context_manager()
+        args = self.args
+        if (
+            self.model.training
+            and args.gradient_checkpointing
+            and (args.gradient_checkpointing_kwargs or {}) in ({}, {"use_reentrant": False})
+            and self.accelerator.num_processes == 1
+            and not uses_sharding_engine(args)
+        ):
+            from .utils.layer_checkpoints import CheckpointArena, lean_layer_checkpoints
+
+            arena = self.__dict__.get("_checkpoint_arena")
+            if arena is None:
+                arena = self._checkpoint_arena = CheckpointArena()
+            stack.enter_context(lean_layer_checkpoints(self.model, arena))
+        return stack
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         # Gradients (and Adam's moments) in buffers allocated once, outside glibc's heap (see `contiguous_state`).

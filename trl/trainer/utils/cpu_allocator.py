@@ -57,9 +57,9 @@ def activation_memory_fallback_reason(device_type: str) -> str | None:
         return "an allocator preloaded through LD_PRELOAD"
     try:
         libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version
-        libc.mallopt
-    except (OSError, AttributeError):
+    except OSError:
+        return "no C library to load"
+    if not (hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt")):
         return "not glibc"
     return None
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .layer_checkpoints import checkpointed_layer
 from .lean_decode import lean_decode_fallback_reason
 
 
@@ -195,76 +196,6 @@ def replayed_layer_outputs(
     return [recorded.table(layer)[flat] for layer in range(len(recorded.layers))]
 
 
-class _GradientOnlyLinear(torch.autograd.Function):
-    """A linear layer whose output value is never read (a checkpointed layer's last projection, recomputed only to
-    back-propagate through it): the forward returns zeros without a matrix product, the backward is the linear's."""
-
-    @staticmethod
-    def forward(ctx, inputs, weight, bias):
-        ctx.save_for_backward(inputs, weight)
-        ctx.has_bias = bias is not None
-        return inputs.new_zeros(()).expand(*inputs.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        inputs, weight = ctx.saved_tensors
-        grad_inputs = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_inputs = grad_output.matmul(weight)
-        flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
-        if ctx.needs_input_grad[1]:
-            grad_weight = flat_grad.t().mm(inputs.reshape(-1, inputs.shape[-1]))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = flat_grad.sum(dim=0)
-        return grad_inputs, grad_weight, grad_bias
-
-
-def _plain_unhooked_linear(module: Any) -> bool:
-    return (
-        type(module) is nn.Linear
-        and "forward" not in vars(module)
-        and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
-    )
-
-
-@contextlib.contextmanager
-def _last_projection_gradient_only(layer: nn.Module) -> Iterator[None]:
-    """Within the block, the MLP's down projection of `layer` (the last product before the layer's output, which
-    a recompute for the backward pass never reads) runs [`_GradientOnlyLinear`]; as torch's non-reentrant
-    checkpoint, whose recompute stops before that product, the backward pass then skips it."""
-    down = getattr(getattr(layer, "mlp", None), "down_proj", None)
-    if not _plain_unhooked_linear(down):
-        yield
-        return
-    down.forward = lambda inputs: _GradientOnlyLinear.apply(inputs, down.weight, down.bias)
-    try:
-        yield
-    finally:
-        del down.forward
-
-
-class _ReplayedLayer(torch.autograd.Function):
-    """A checkpointed decoder layer whose forward output is given: backward recomputes the layer from its input and
-    back-propagates through it, as gradient checkpointing does."""
-
-    @staticmethod
-    def forward(ctx, function, context, hidden_states, *parameters):
-        ctx.function, ctx.layer = function, context[1]
-        ctx.save_for_backward(hidden_states, *parameters)
-        return context[0]
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        hidden_states, *parameters = ctx.saved_tensors
-        needs = ctx.needs_input_grad[2:]
-        with torch.enable_grad(), _last_projection_gradient_only(ctx.layer):
-            replay_input = hidden_states.detach().requires_grad_(needs[0])
-            output = ctx.function(replay_input)
-        wanted = [tensor for tensor, need in zip((replay_input, *parameters), needs) if need]
-        grads = iter(torch.autograd.grad(output, wanted, grad_output, allow_unused=True))
-        return (None, None, *(next(grads) if need else None for need in needs))
-
-
 def _replay_checkpoint(
     given: torch.Tensor, layer: nn.Module, original: Any, function: Any, *args: Any, **kwargs: Any
 ) -> torch.Tensor:
@@ -272,9 +203,7 @@ def _replay_checkpoint(
     original checkpoint function when the call is not the one the outputs were laid out for."""
     if kwargs or len(args) != 1 or args[0].shape != given.shape or torch.is_autocast_enabled(given.device.type):
         return original(function, *args, **kwargs)
-    trainable = [parameter for parameter in layer.parameters() if parameter.requires_grad]
-    # `given` travels in a tuple: an input tensor returned as the output would be taken for a view of it.
-    return _ReplayedLayer.apply(function, (given, layer), args[0], *trainable)
+    return checkpointed_layer(layer, function, args[0], given=given)
 
 
 @contextlib.contextmanager

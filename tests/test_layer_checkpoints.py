@@ -1,0 +1,146 @@
+"""Checkpointed decoder layers with their kept outputs outside the heap (`trl/trainer/utils/layer_checkpoints.py`):
+the values and gradients of torch's checkpoint, the arena reused step after step, and transformers' checkpoint kept
+wherever the layer or the settings do not qualify."""
+
+import pytest
+import torch
+from trainer_utils import LLAMA_STYLE_FAMILIES, args_builder, llama_style_decoder, train_logs
+
+from trl import SFTConfig, SFTTrainer
+from trl.trainer.utils import layer_checkpoints
+from trl.trainer.utils.layer_checkpoints import (
+    CheckpointArena,
+    layer_checkpoint_fallback_reason,
+    lean_layer_checkpoints,
+)
+
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _loss_and_grads(model, ids, arena=None):
+    model.zero_grad(set_to_none=True)
+    if arena is None:
+        logits = model(input_ids=ids).logits
+    else:
+        with lean_layer_checkpoints(model, arena) as switched:
+            assert switched == model.config.num_hidden_layers
+            logits = model(input_ids=ids).logits
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", LLAMA_STYLE_FAMILIES)
+def test_values_and_gradients_are_the_checkpoint(family):
+    torch.manual_seed(0)
+    model = llama_style_decoder(family).train()
+    model.activation_checkpointing_enable()
+    ids = torch.randint(1, 300, (2, 11))
+    loss, grads = _loss_and_grads(model, ids)
+    arena = CheckpointArena()
+    lean_loss, lean_grads = _loss_and_grads(model, ids, arena)
+    torch.testing.assert_close(lean_loss, loss, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(lean_grads[name], grad, rtol=1e-6, atol=1e-8, msg=name)
+    # Every kept output was released by its layer's backward pass: the next step starts at the chunk's beginning.
+    assert arena.live == 0 and arena.offset == 0 and len(arena.chunks) == 1
+
+
+def test_kept_outputs_live_in_the_arena_and_are_reused():
+    torch.manual_seed(0)
+    model = llama_style_decoder("qwen2").train()
+    model.activation_checkpointing_enable()
+    arena = CheckpointArena()
+    kept = []
+    original = arena.keep
+
+    def recording_keep(output):
+        result = original(output)
+        kept.append(result.untyped_storage().data_ptr())
+        return result
+
+    arena.keep = recording_keep
+    for _ in range(3):
+        _loss_and_grads(model, torch.randint(1, 300, (2, 9)), arena)
+    chunk = arena.chunks[0]
+    assert chunk.numel() * chunk.element_size() >= layer_checkpoints.MIN_CHUNK_BYTES  # mapped apart by glibc
+    assert set(kept) == {chunk.untyped_storage().data_ptr()} and len(kept) == 3 * model.config.num_hidden_layers
+
+
+def test_arena_grows_and_merges_its_chunks():
+    arena = CheckpointArena()
+    small = torch.ones(4)
+    first = arena.keep(small)
+    big = torch.ones(layer_checkpoints.MIN_CHUNK_BYTES // 4)  # does not fit behind `first`
+    second = arena.keep(big)
+    assert len(arena.chunks) == 2 and torch.equal(first, small) and torch.equal(second, big)
+    neighbour = arena.keep(small)  # right behind `second`, in the same chunk
+    assert neighbour.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    version = second._version
+    neighbour.add_(1)  # kept outputs are tensors of their own: writing one leaves the others' version counters alone
+    assert second._version == version and torch.equal(second, big)
+    for _ in range(3):
+        arena.release()
+    assert arena.chunks == [] and arena.needed >= big.numel() * 4  # one chunk large enough for both next time
+    arena.keep(small)
+    arena.keep(big)
+    assert len(arena.chunks) == 1
+
+
+def test_a_step_after_a_dropped_graph_does_not_overwrite_its_outputs():
+    torch.manual_seed(0)
+    model = llama_style_decoder("llama").train()
+    model.activation_checkpointing_enable()
+    arena = CheckpointArena()
+    with lean_layer_checkpoints(model, arena):
+        dropped = model(input_ids=torch.randint(1, 300, (1, 7)), output_hidden_states=True)
+    assert arena.live == model.config.num_hidden_layers
+    kept = [state.clone() for state in dropped.hidden_states[1:-1]]
+    _loss_and_grads(model, torch.randint(1, 300, (1, 7)), arena)
+    for state, copy in zip(dropped.hidden_states[1:-1], kept):
+        assert torch.equal(state, copy)
+
+
+def test_layers_and_settings_that_keep_transformers_checkpoint():
+    torch.manual_seed(0)
+    model = llama_style_decoder("qwen2").train()
+    layer = model.model.layers[0]
+    assert layer_checkpoint_fallback_reason(layer) == "gradient checkpointing off"
+    model.activation_checkpointing_enable()
+    assert layer_checkpoint_fallback_reason(layer) is None
+    layer.self_attn.attention_dropout = 0.1
+    assert layer_checkpoint_fallback_reason(layer) == "attention dropout"
+    layer.self_attn.attention_dropout = 0.0
+    with lean_layer_checkpoints(model, CheckpointArena()), torch.autocast("cpu", dtype=torch.bfloat16):
+        calls = []
+        original = layer_checkpoints.checkpointed_layer
+        layer_checkpoints.checkpointed_layer = lambda *a, **k: calls.append(1) or original(*a, **k)
+        try:
+            model(input_ids=torch.randint(1, 300, (1, 5))).logits.sum().backward()
+        finally:
+            layer_checkpoints.checkpointed_layer = original
+    assert calls == []  # autocast: transformers' checkpoint replays its state, so it keeps the layers
+
+
+make_args = args_builder(SFTConfig, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2, seed=0)
+
+
+def test_sft_trains_as_with_transformers_checkpoint(tmp_path, model_path, monkeypatch):
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict({"text": [f"row {i} " + "word " * (3 + i % 5) for i in range(8)]})
+    results = []
+    for lean in (True, False):
+        if not lean:
+            monkeypatch.setattr(layer_checkpoints, "layer_checkpoint_fallback_reason", lambda layer: "off")
+        args = make_args(tmp_path / str(lean), gradient_checkpointing=True)
+        trainer = SFTTrainer(model_path, args=args, train_dataset=dataset)
+        trainer.train()
+        arena = trainer.__dict__.get("_checkpoint_arena")
+        assert arena is None  # released when `train()` returns
+        results.append(([log["loss"] for log in train_logs(trainer)], trainer.model.state_dict()))
+    (losses, weights), (plain_losses, plain_weights) = results
+    assert losses == pytest.approx(plain_losses, rel=1e-6)
+    for name, value in plain_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-7, msg=name)

@@ -1,0 +1,246 @@
+"""Gradient checkpointing of decoder layers whose kept outputs live in a reusable buffer outside the C heap.
+
+With gradient checkpointing, each decoder layer's output is the one activation kept from the forward pass to the
+backward pass (it is the next layer's checkpointed input). On the CPU these outputs are allocated in glibc's heap
+between the layers' short-lived temporaries, and the holes they leave when freed keep the heap growing: in the packed
+SFT benchmark, half of the heap was free at the peak. [`lean_layer_checkpoints`] gives transformers' checkpointed
+decoder layers a checkpoint function that runs the layer without gradients, as torch's non-reentrant checkpoint does,
+and copies its output into a [`CheckpointArena`]: chunks of at least 64 MiB (which glibc maps on their own, outside
+the heap), reused every step. The backward pass recomputes the layer from its kept input and back-propagates through
+it, skipping the product of the MLP's down projection whose value the recompute never reads (as torch's early-stopping
+recompute does). Values and gradients are those of torch's checkpoint.
+
+The same function takes a given output instead of running the layer (the rollout decode's recorded outputs, see
+`decode_replay`).
+
+It applies to transformers' Llama / Mistral / Qwen2 / Qwen3 decoder layers on the CPU, in a single process, with the
+default checkpoint settings, and without dropout or autocast (torch's checkpoint would have to replay their random
+numbers and autocast state); [`layer_checkpoint_fallback_reason`] says why not otherwise, and the layer keeps
+transformers' checkpoint function.
+"""
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+
+_LAYER_CLASSES = {
+    "transformers.models.llama.modeling_llama": "LlamaDecoderLayer",
+    "transformers.models.mistral.modeling_mistral": "MistralDecoderLayer",
+    "transformers.models.qwen2.modeling_qwen2": "Qwen2DecoderLayer",
+    "transformers.models.qwen3.modeling_qwen3": "Qwen3DecoderLayer",
+}
+# Chunks at least this large are mapped by glibc on their own (its mmap threshold never exceeds 32 MiB by default).
+MIN_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+class CheckpointArena:
+    """A bump allocator for the checkpointed layer outputs of one training step.
+
+    [`keep`] copies a layer output into the current chunk (a new, larger chunk when it does not fit); each kept
+    output is released by its layer's backward pass, and once all are released the next step starts again at the
+    beginning of the chunks. Kept outputs are tensors of their own (own version counter) on the chunk's storage.
+    """
+
+    def __init__(self):
+        self.chunks: list[torch.Tensor] = []
+        self.offset = 0  # elements used in the last chunk
+        self.live = 0
+        self.needed = 0  # bytes kept at once at the most, to size the next chunk
+
+    def keep(self, output: torch.Tensor) -> torch.Tensor:
+        """A copy of `output` in the arena."""
+        count = output.numel()
+        nbytes = count * output.element_size()
+        chunk = self.chunks[-1] if self.chunks else None
+        if chunk is not None and chunk.dtype == output.dtype and chunk.device == output.device:
+            start = -(-self.offset * chunk.element_size() // output.element_size())
+        else:
+            chunk, start = None, 0
+        if chunk is None or start + count > chunk.numel():
+            size = max(MIN_CHUNK_BYTES, 2 * nbytes, self.needed) // output.element_size()
+            chunk = torch.empty(size, dtype=output.dtype, device=output.device)
+            self.chunks.append(chunk)
+            start = 0
+        kept = torch.empty(0, dtype=output.dtype, device=output.device)
+        kept.set_(chunk.untyped_storage(), start, output.shape)
+        kept.copy_(output)
+        self.offset = start + count
+        self.live += 1
+        used = sum(c.numel() * c.element_size() for c in self.chunks[:-1]) + self.offset * chunk.element_size()
+        self.needed = max(self.needed, used)
+        return kept
+
+    def release(self) -> None:
+        """One kept output is no longer needed; when none is, the chunks are reused from the start."""
+        self.live -= 1
+        if self.live <= 0:
+            self.reset()
+
+    def reset(self) -> None:
+        """Start again at the beginning; several chunks are merged into one (allocated at the next `keep`)."""
+        self.live = 0
+        self.offset = 0
+        if len(self.chunks) > 1:
+            self.chunks = []
+
+    def abandon(self) -> None:
+        """Forget the chunks (kept outputs still referenced somewhere keep their memory alive)."""
+        self.chunks, self.offset, self.live = [], 0, 0
+
+
+class _GradientOnlyLinear(torch.autograd.Function):
+    """A linear layer whose output value is never read (a checkpointed layer's last projection, recomputed only to
+    back-propagate through it): the forward returns zeros without a matrix product, the backward is the linear's."""
+
+    @staticmethod
+    def forward(ctx, inputs, weight, bias):
+        ctx.save_for_backward(inputs, weight)
+        ctx.has_bias = bias is not None
+        return inputs.new_zeros(()).expand(*inputs.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        inputs, weight = ctx.saved_tensors
+        grad_inputs = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_inputs = grad_output.matmul(weight)
+        flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_weight = flat_grad.t().mm(inputs.reshape(-1, inputs.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = flat_grad.sum(dim=0)
+        return grad_inputs, grad_weight, grad_bias
+
+
+def _plain_unhooked_linear(module: Any) -> bool:
+    return (
+        type(module) is nn.Linear
+        and "forward" not in vars(module)
+        and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
+    )
+
+
+@contextlib.contextmanager
+def _last_projection_gradient_only(layer: nn.Module) -> Iterator[None]:
+    """Within the block, the MLP's down projection of `layer` (the last product before the layer's output, which a
+    recompute for the backward pass never reads) runs [`_GradientOnlyLinear`]."""
+    down = getattr(getattr(layer, "mlp", None), "down_proj", None)
+    if not _plain_unhooked_linear(down):
+        yield
+        return
+    down.forward = lambda inputs: _GradientOnlyLinear.apply(inputs, down.weight, down.bias)
+    try:
+        yield
+    finally:
+        del down.forward
+
+
+class _CheckpointedLayer(torch.autograd.Function):
+    """A checkpointed decoder layer: the forward runs it without gradients (or takes a given output) and keeps the
+    output in the arena; the backward recomputes the layer from its input and back-propagates through it."""
+
+    @staticmethod
+    def forward(ctx, function, context, hidden_states, *parameters):
+        layer, given, arena = context
+        ctx.function, ctx.layer, ctx.arena = function, layer, arena
+        ctx.save_for_backward(hidden_states, *parameters)
+        if given is None:
+            with torch.no_grad():
+                given = function(hidden_states)
+        return given if arena is None else arena.keep(given)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        hidden_states, *parameters = ctx.saved_tensors
+        needs = ctx.needs_input_grad[2:]
+        with torch.enable_grad(), _last_projection_gradient_only(ctx.layer):
+            replay_input = hidden_states.detach().requires_grad_(needs[0])
+            output = ctx.function(replay_input)
+        wanted = [tensor for tensor, need in zip((replay_input, *parameters), needs) if need]
+        grads = iter(torch.autograd.grad(output, wanted, grad_output, allow_unused=True))
+        if ctx.arena is not None:
+            ctx.arena.release()  # this layer's output: every later layer's backward has run
+        return (None, None, *(next(grads) if need else None for need in needs))
+
+
+def checkpointed_layer(
+    layer: nn.Module,
+    function: Any,
+    hidden_states: torch.Tensor,
+    given: torch.Tensor | None = None,
+    arena: CheckpointArena | None = None,
+) -> torch.Tensor:
+    """Run (or take `given` as) `function(hidden_states)` as a checkpointed layer (see [`_CheckpointedLayer`])."""
+    trainable = [parameter for parameter in layer.parameters() if parameter.requires_grad]
+    # The context travels in a tuple: tensors among the inputs would be taken for inputs of the graph.
+    return _CheckpointedLayer.apply(function, (layer, given, arena), hidden_states, *trainable)
+
+
+def layer_checkpoint_fallback_reason(layer: nn.Module) -> str | None:
+    """Why [`lean_layer_checkpoints`] leaves `layer` with transformers' checkpoint function, or None when it can
+    replace it.
+
+    Args:
+        layer: A decoder layer.
+
+    Returns:
+        A short reason, or None.
+    """
+    cls = type(layer)
+    if _LAYER_CLASSES.get(cls.__module__) != cls.__name__:
+        return f"decoder layer {cls.__module__}.{cls.__name__} is not a Llama-style one"
+    if not getattr(layer, "gradient_checkpointing", False) or "_gradient_checkpointing_func" not in vars(layer):
+        return "gradient checkpointing off"
+    parameter = next(layer.parameters(), None)
+    if parameter is None or parameter.device.type != "cpu" or hasattr(parameter, "ds_id"):
+        return "parameters not dense CPU tensors of this process"
+    for module in layer.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return "dropout in the layer"
+    if getattr(getattr(layer, "self_attn", None), "attention_dropout", 0.0):
+        return "attention dropout"
+    return None
+
+
+def _lean_checkpoint(
+    layer: nn.Module, arena: CheckpointArena, original: Any, function: Any, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """The checkpoint function [`lean_layer_checkpoints`] installs: [`checkpointed_layer`] for a plain call, the
+    original one for anything else (keyword arguments, autocast)."""
+    if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or torch.is_autocast_enabled("cpu"):
+        return original(function, *args, **kwargs)
+    return checkpointed_layer(layer, function, args[0], arena=arena)
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    target = getattr(model, "module", model)
+    return [module for module in target.modules() if hasattr(module, "_gradient_checkpointing_func")]
+
+
+@contextlib.contextmanager
+def lean_layer_checkpoints(model: nn.Module, arena: CheckpointArena) -> Iterator[int]:
+    """Within the block, the qualifying checkpointed decoder layers of `model` ([`layer_checkpoint_fallback_reason`])
+    use [`checkpointed_layer`] with outputs kept in `arena`. Yields how many layers were switched.
+
+    A step that starts while outputs of an earlier one are still kept (a graph dropped without a backward pass)
+    abandons the arena's chunks rather than overwrite them.
+    """
+    if arena.live:
+        arena.abandon()
+    switched = []
+    for layer in _decoder_layers(model):
+        original = vars(layer).get("_gradient_checkpointing_func")
+        if getattr(original, "func", None) is _lean_checkpoint or layer_checkpoint_fallback_reason(layer):
+            continue
+        layer._gradient_checkpointing_func = functools.partial(_lean_checkpoint, layer, arena, original)
+        switched.append((layer, original))
+    try:
+        yield len(switched)
+    finally:
+        for layer, original in switched:
+            layer._gradient_checkpointing_func = original
