@@ -28,6 +28,7 @@ from ..models.utils import unwrap_model_for_generation
 from .online_math import completion_mask_from_ids
 from .utils import pad
 from .utils.decode_replay import parameters_stamp
+from .utils.packing import plain_sdpa_attention
 from .utils.rollout_decode import (
     decode_rollouts,
     prefill_shared_prompts,
@@ -462,9 +463,11 @@ class _OnlineGenerationMixin:
         from transformers import ContinuousBatchingConfig
 
         config = ContinuousBatchingConfig(**(self.args.transformers_continuous_batching_config or {}))
-        results = model.generate_batch(
-            inputs=prompt_lists, generation_config=self.generation_config, continuous_batching_config=config
-        )
+        # Continuous batching accepts transformers' own attention implementations only.
+        with plain_sdpa_attention(model):
+            results = model.generate_batch(
+                inputs=prompt_lists, generation_config=self.generation_config, continuous_batching_config=config
+            )
         # Request ids are assigned in input order.
         ordered = sorted(results.values(), key=lambda r: int(str(r.request_id).rsplit("_", 1)[-1]))
         completions = []

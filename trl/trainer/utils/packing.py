@@ -109,6 +109,23 @@ def packed_sdpa_attention(model: nn.Module) -> Iterator[None]:
         base.set_attn_implementation("sdpa")
 
 
+@contextlib.contextmanager
+def plain_sdpa_attention(model: nn.Module) -> Iterator[None]:
+    """Within the block, a model switched to the packed-sequence SDPA kernel by [`packed_sdpa_attention`] attends with
+    plain SDPA (the same function on calls without sequence boundaries), for code that accepts only transformers' own
+    implementation names (continuous batching); the packed kernel is back afterwards."""
+    base = _base_transformers_model(model)
+    config = getattr(base, "config", None)
+    if getattr(config, "_attn_implementation", None) != PACKED_SDPA:
+        yield
+        return
+    base.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        base.set_attn_implementation(register_packed_sdpa())
+
+
 class PackedSequences(NamedTuple):
     """Sequences of a right- or left-padded batch packed into rows, as built by [`pack_padded_sequences`].
 
