@@ -15,7 +15,7 @@ from trl.kernels.decoder_layers import rms_norm, swiglu_mlp
 from trl.kernels.packed_attention import PACKED_SDPA
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.utils.lean_modules import lean_module_kernel, lean_modules
-from trl.trainer.utils.packing import packed_sdpa_applicable, packed_sdpa_attention
+from trl.trainer.utils.packing import packed_sdpa_applicable, packed_sdpa_attention, plain_sdpa_attention
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -87,6 +87,18 @@ def test_packed_sdpa_applies_to_sdpa_text_models_only(tiny_qwen_path):
     with packed_sdpa_attention(eager):
         assert eager.config._attn_implementation == "eager"
     assert not packed_sdpa_applicable(nn.Linear(2, 2))
+
+
+def test_plain_sdpa_inside_packed_sdpa_for_transformers_only_names(tiny_qwen_path):
+    """Continuous batching accepts transformers' implementation names only: the packed kernel steps aside for it."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path, attn_implementation="sdpa")
+    with packed_sdpa_attention(model):
+        assert model.config._attn_implementation == PACKED_SDPA
+        with plain_sdpa_attention(model):
+            assert model.config._attn_implementation == "sdpa"
+        assert model.config._attn_implementation == PACKED_SDPA
+    with plain_sdpa_attention(model):  # nothing to switch
+        assert model.config._attn_implementation == "sdpa"
 
 
 def _mlp_weights(hidden=16, inter=24, dtype=torch.float32):
