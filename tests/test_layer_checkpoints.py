@@ -144,3 +144,65 @@ def test_sft_trains_as_with_transformers_checkpoint(tmp_path, model_path, monkey
     assert losses == pytest.approx(plain_losses, rel=1e-6)
     for name, value in plain_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("trainer_name", ["dpo", "kto", "reward"])
+def test_preference_trainers_train_as_with_transformers_checkpoint(tmp_path, trainer_name, monkeypatch):
+    """Two-pass trainers (a reference pass, chosen and rejected rows, KL rows) with checkpointing: the same logged
+    losses and weights as with transformers' checkpoint, gradient accumulation included."""
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer
+    from trl.assets import get_model_path, load_test_dataset
+
+    trainers = {
+        "dpo": (DPOTrainer, DPOConfig, "standard_preference", "tiny-Qwen2ForCausalLM"),
+        "kto": (KTOTrainer, KTOConfig, "standard_unpaired_preference", "tiny-Qwen2ForCausalLM"),
+        "reward": (RewardTrainer, RewardConfig, "standard_preference", "tiny-Qwen2ForSequenceClassification"),
+    }
+    trainer_class, config_class, dataset_name, model_name = trainers[trainer_name]
+    dataset = load_test_dataset(dataset_name, split="train").select(range(8))
+    results = []
+    for lean in (True, False):
+        if not lean:
+            monkeypatch.setattr(layer_checkpoints, "layer_checkpoint_fallback_reason", lambda layer: "off")
+        args = config_class(
+            output_dir=str(tmp_path / str(lean)), max_steps=2, per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, learning_rate=1e-2, gradient_checkpointing=True, logging_steps=1,
+            report_to="none", save_strategy="no", disable_tqdm=True, seed=0, bf16=False,
+        )  # fmt: skip
+        trainer = trainer_class(get_model_path(model_name), args=args, train_dataset=dataset)
+        switched = []
+        original = layer_checkpoints.checkpointed_layer
+        monkeypatch.setattr(
+            layer_checkpoints, "checkpointed_layer", lambda *a, **k: switched.append(1) or original(*a, **k)
+        )
+        trainer.train()
+        monkeypatch.setattr(layer_checkpoints, "checkpointed_layer", original)
+        assert bool(switched) == lean
+        results.append(([log["loss"] for log in train_logs(trainer)], trainer.model.state_dict()))
+    (losses, weights), (plain_losses, plain_weights) = results
+    assert losses == pytest.approx(plain_losses, rel=1e-6)
+    for name, value in plain_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_peft_sft_trains_as_with_transformers_checkpoint(tmp_path, model_path, monkeypatch):
+    """LoRA adapters inside the checkpointed layers (their projections are PEFT layers, the base weights frozen)."""
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    dataset = Dataset.from_dict({"text": [f"row {i} " + "word " * (3 + i % 5) for i in range(8)]})
+    results = []
+    for lean in (True, False):
+        if not lean:
+            monkeypatch.setattr(layer_checkpoints, "layer_checkpoint_fallback_reason", lambda layer: "off")
+        args = make_args(tmp_path / str(lean), gradient_checkpointing=True)
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+        torch.manual_seed(0)  # the adapters' initialisation draws from the global generator
+        trainer = SFTTrainer(model_path, args=args, train_dataset=dataset, peft_config=peft_config)
+        trainer.train()
+        adapters = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if "lora_" in name}
+        results.append(([log["loss"] for log in train_logs(trainer)], adapters))
+    (losses, adapters), (plain_losses, plain_adapters) = results
+    assert losses == pytest.approx(plain_losses, rel=1e-6) and adapters.keys() == plain_adapters.keys()
+    for name, value in plain_adapters.items():
+        torch.testing.assert_close(adapters[name], value, rtol=1e-5, atol=1e-7, msg=name)

@@ -25,6 +25,20 @@ if is_peft_available():
     from peft import PeftModel
 
 
+def _seed_initialisations(args: TrainingArguments) -> None:
+    """Seed every generator with `args.seed` (as `Trainer` does, full determinism included) before the trained
+    model's random initialisations."""
+    from transformers.trainer_utils import enable_full_determinism, set_seed
+
+    seed = getattr(args, "seed", None)
+    if seed is None:
+        return
+    if getattr(args, "full_determinism", False):
+        enable_full_determinism(seed)
+    else:
+        set_seed(seed)
+
+
 class _BaseTrainer(Trainer):
     """Private base class of all TRL trainers (a [`~transformers.Trainer`] subclass).
 
@@ -68,15 +82,22 @@ class _BaseTrainer(Trainer):
         args: TrainingArguments,
         architecture: Any = None,
         quantization_config: Any = None,
+        seed_initialisations: bool = True,
         **extra_init_kwargs: Any,
     ) -> PreTrainedModel:
         """Load `model` when it is a path or id, using `args.model_init_kwargs`; otherwise return it unchanged.
 
         A model instance combined with `model_init_kwargs` or `quantization_config` keeps the instance as is and warns
         that those options were ignored.
+
+        The trained model's random initialisations (weights a checkpoint lacks, such as a new score head, then the
+        PEFT adapters) draw from the generators seeded with `args.seed`, as in TRL: the same seed, the same model
+        (`seed_initialisations=False` for a reference model, loaded after the trained one).
         """
         from .utils import create_model_from_path
 
+        if seed_initialisations:
+            _seed_initialisations(args)
         init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
         if isinstance(model, str):
             if quantization_config is not None:
@@ -246,7 +267,7 @@ class _BaseTrainer(Trainer):
                 "let the trainer create a frozen copy (or use the adapter-disabled model with PEFT)."
             )
         if isinstance(ref_model, str):
-            ref_model = cls._load_model(ref_model, args)
+            ref_model = cls._load_model(ref_model, args, seed_initialisations=False)
         if ref_model is not None:
             return cls._freeze(ref_model)
         if not needed or cls._is_peft_model(policy):
