@@ -140,6 +140,8 @@ register_offline("sft/dataset_text_field", "sft", rename={"text": "content"}, da
 register_offline("sft/tools", "sft", dataset="conversational_language_modeling_tools")
 register_offline("sft/llama", "sft", dataset="conversational_language_modeling", model="tiny-LlamaForCausalLM")
 register_offline("sft/peft_lora", "sft", peft=True)
+# A seed other than the case's global one: the adapters' initialisation must follow `args.seed`.
+register_offline("sft/peft_lora_seed=7", "sft", peft=True, seed=7)
 
 # A ChatML template with `{% generation %}` markers, so that `assistant_only_loss` has assistant masks to use.
 CHATML_TRAINING_TEMPLATE = (
@@ -273,6 +275,8 @@ register_offline("reward/center_rewards_coefficient=0.01", "reward", center_rewa
 register_offline("reward/conversational_preference", "reward", dataset="conversational_preference")
 register_offline("reward/standard_implicit_prompt_preference", "reward", dataset="standard_implicit_prompt_preference")
 register_offline("reward/margin", "reward", margin=True)
+# The new score head's initialisation follows `args.seed`, not the generators' state before the trainer.
+register_offline("reward/seed=7", "reward", seed=7)
 register_offline(
     "reward/llama", "reward", dataset="conversational_preference", model="tiny-LlamaForSequenceClassification"
 )
