@@ -173,7 +173,9 @@ def test_preference_trainers_train_as_with_transformers_checkpoint(tmp_path, tra
         switched = []
         original = layer_checkpoints.checkpointed_layer
         monkeypatch.setattr(
-            layer_checkpoints, "checkpointed_layer", lambda *a, **k: switched.append(1) or original(*a, **k)
+            layer_checkpoints,
+            "checkpointed_layer",
+            lambda *a, switched=switched, original=original, **k: switched.append(1) or original(*a, **k),
         )
         trainer.train()
         monkeypatch.setattr(layer_checkpoints, "checkpointed_layer", original)
