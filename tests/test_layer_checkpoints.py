@@ -126,8 +126,12 @@ def test_layers_and_settings_that_keep_transformers_checkpoint():
 make_args = args_builder(SFTConfig, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2, seed=0)
 
 
-def test_sft_trains_as_with_transformers_checkpoint(tmp_path, model_path, monkeypatch):
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_sft_trains_as_with_transformers_checkpoint(tmp_path, model_path, monkeypatch, peft):
+    """SFT end to end, also with LoRA adapters inside the checkpointed layers (their projections are PEFT layers,
+    the base weights frozen): the same losses and trained weights as with transformers' checkpoint."""
     from datasets import Dataset
+    from peft import LoraConfig
 
     dataset = Dataset.from_dict({"text": [f"row {i} " + "word " * (3 + i % 5) for i in range(8)]})
     results = []
@@ -135,13 +139,14 @@ def test_sft_trains_as_with_transformers_checkpoint(tmp_path, model_path, monkey
         if not lean:
             monkeypatch.setattr(layer_checkpoints, "layer_checkpoint_fallback_reason", lambda layer: "off")
         args = make_args(tmp_path / str(lean), gradient_checkpointing=True)
-        trainer = SFTTrainer(model_path, args=args, train_dataset=dataset)
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0) if peft else None
+        trainer = SFTTrainer(model_path, args=args, train_dataset=dataset, peft_config=peft_config)
         trainer.train()
-        arena = trainer.__dict__.get("_checkpoint_arena")
-        assert arena is None  # released when `train()` returns
-        results.append(([log["loss"] for log in train_logs(trainer)], trainer.model.state_dict()))
+        assert trainer.__dict__.get("_checkpoint_arena") is None  # released when `train()` returns
+        trained = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
+        results.append(([log["loss"] for log in train_logs(trainer)], trained))
     (losses, weights), (plain_losses, plain_weights) = results
-    assert losses == pytest.approx(plain_losses, rel=1e-6)
+    assert losses == pytest.approx(plain_losses, rel=1e-6) and weights.keys() == plain_weights.keys()
     for name, value in plain_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-7, msg=name)
 
@@ -185,26 +190,3 @@ def test_preference_trainers_train_as_with_transformers_checkpoint(tmp_path, tra
     assert losses == pytest.approx(plain_losses, rel=1e-6)
     for name, value in plain_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-7, msg=name)
-
-
-def test_peft_sft_trains_as_with_transformers_checkpoint(tmp_path, model_path, monkeypatch):
-    """LoRA adapters inside the checkpointed layers (their projections are PEFT layers, the base weights frozen)."""
-    from datasets import Dataset
-    from peft import LoraConfig
-
-    dataset = Dataset.from_dict({"text": [f"row {i} " + "word " * (3 + i % 5) for i in range(8)]})
-    results = []
-    for lean in (True, False):
-        if not lean:
-            monkeypatch.setattr(layer_checkpoints, "layer_checkpoint_fallback_reason", lambda layer: "off")
-        args = make_args(tmp_path / str(lean), gradient_checkpointing=True)
-        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
-        torch.manual_seed(0)  # the adapters' initialisation draws from the global generator
-        trainer = SFTTrainer(model_path, args=args, train_dataset=dataset, peft_config=peft_config)
-        trainer.train()
-        adapters = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if "lora_" in name}
-        results.append(([log["loss"] for log in train_logs(trainer)], adapters))
-    (losses, adapters), (plain_losses, plain_adapters) = results
-    assert losses == pytest.approx(plain_losses, rel=1e-6) and adapters.keys() == plain_adapters.keys()
-    for name, value in plain_adapters.items():
-        torch.testing.assert_close(adapters[name], value, rtol=1e-5, atol=1e-7, msg=name)
