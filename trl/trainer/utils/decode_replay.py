@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .last_layer_selection import has_dropout
 from .layer_checkpoints import checkpointed_layer
 from .lean_decode import lean_decode_fallback_reason
 
@@ -62,9 +63,8 @@ def layer_outputs_fallback_reason(model: nn.Module) -> str | None:
     reason = lean_decode_fallback_reason(model)
     if reason is not None:
         return reason
-    for module in model.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            return "dropout modules in the model"
+    if has_dropout(model, active_only=False):  # the loss pass runs in train mode, whatever mode decodes
+        return "dropout modules in the model"
     if getattr(model.config, "attention_dropout", 0.0):
         return "attention dropout"
     return None

@@ -60,10 +60,19 @@ def _last_layer(model: nn.Module) -> tuple[nn.Module | None, str | None]:
     return layer, family
 
 
-def _active_dropout(module: nn.Module) -> bool:
-    """A dropout inside `module` that would draw random numbers (PEFT's `lora_dropout`, ...): on fewer positions it
-    would draw fewer, and every later random number would differ from the full layer's run."""
-    return any(isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in module.modules())
+def has_dropout(module: nn.Module, active_only: bool = True) -> bool:
+    """Whether a dropout module inside `module` (PEFT's `lora_dropout`, ...) draws random numbers: in train mode
+    with `active_only`, in either mode otherwise. A forward run on other positions, or not run at all, would draw other
+    numbers than the plain forward, and every later random number would differ.
+
+    Args:
+        module: The module to search.
+        active_only: Count only dropouts in train mode.
+    """
+    return any(
+        isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and (m.training or not active_only)
+        for m in module.modules()
+    )
 
 
 def last_layer_selection_fallback_reason(model: nn.Module) -> str | None:
@@ -101,7 +110,7 @@ def last_layer_selection_fallback_reason(model: nn.Module) -> str | None:
         return "sliding-window attention in the last layer"
     if not all(isinstance(getattr(attn, name, None), nn.Module) for name in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "attention projections are not modules"
-    if (attn.training and getattr(attn, "attention_dropout", 0.0) > 0) or _active_dropout(layer):
+    if (attn.training and getattr(attn, "attention_dropout", 0.0) > 0) or has_dropout(layer):
         return "dropout in train mode in the last layer"
     if any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in layer.modules()):
         return "hooks on the last decoder layer"

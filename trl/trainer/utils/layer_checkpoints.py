@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .last_layer_selection import has_dropout
+
 
 _LAYER_CLASSES = {
     "transformers.models.llama.modeling_llama": "LlamaDecoderLayer",
@@ -199,9 +201,8 @@ def layer_checkpoint_fallback_reason(layer: nn.Module) -> str | None:
     parameter = next(layer.parameters(), None)
     if parameter is None or parameter.device.type != "cpu" or hasattr(parameter, "ds_id"):
         return "parameters not dense CPU tensors of this process"
-    for module in layer.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            return "dropout in the layer"
+    if has_dropout(layer, active_only=False):
+        return "dropout in the layer"
     if getattr(getattr(layer, "self_attn", None), "attention_dropout", 0.0):
         return "attention dropout"
     return None
