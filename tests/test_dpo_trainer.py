@@ -158,6 +158,10 @@ def test_packed_attention_kind():
     with pytest.warns(UserWarning, match="falling back to padded batches"):
         assert DPOTrainer._choose_layout(encoder_decoder, padding_free=True, warn=True) == "padded"
     model = AutoModelForCausalLM.from_pretrained(get_model_path(MODEL))
+    # SDPA: the trainer swaps in per-sequence attention while it trains and evaluates, so one row is cheapest.
+    assert model.config._attn_implementation == "sdpa"
+    assert DPOTrainer._choose_layout(model, padding_free=False) == "padding_free"
+    model.config._attn_implementation = "eager"  # a dense block mask per row: rows stay short
     assert DPOTrainer._choose_layout(model, padding_free=False) == "packed"
     assert DPOTrainer._choose_layout(model, padding_free=True) == "padding_free"
     model.config._attn_implementation = "flash_attention_2"

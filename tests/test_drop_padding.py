@@ -112,7 +112,8 @@ def test_reward_step_equals_padded(tmp_path, monkeypatch, peft):
 
 
 def test_sft_padded_batch_runs_without_padding(tmp_path, monkeypatch):
-    """The model sees the packed sequences: fewer positions than the padded batch, positions restarting."""
+    """The model sees the packed sequences: no padding, positions restarting; with the per-sequence SDPA kernel the
+    trainer swaps in, one row carrying the sequence boundaries."""
     monkeypatch.setattr(packing, "MIN_SAVED_SHARE", 0.0)  # pack whatever this batch saves
     dataset = load_test_dataset("standard_language_modeling", split="train")
     args = SFTConfig(output_dir=str(tmp_path), report_to="none", disable_tqdm=True, per_device_train_batch_size=8,
@@ -123,8 +124,34 @@ def test_sft_padded_batch_runs_without_padding(tmp_path, monkeypatch):
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.train()
     assert "attention_mask" not in seen[0] and "position_ids" in seen[0]
-    assert seen[0]["input_ids"].numel() < batch["input_ids"].numel()
-    assert seen[0]["input_ids"].shape[1] == batch["attention_mask"].sum(dim=1).max()
+    assert seen[0]["input_ids"].shape == (1, int(batch["attention_mask"].sum()))
+    lengths = batch["attention_mask"].sum(dim=1)
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    assert sorted(seen[0]["cu_seq_lens_q"].diff().tolist()) == sorted(bounds.diff().tolist())
+
+
+def test_drop_padding_rows_follow_the_attention(tiny_qwen_path):
+    """Rows no longer than the longest sequence for a dense block mask (eager/SDPA); one row with boundaries for the
+    per-sequence SDPA kernel."""
+    from transformers import AutoModelForCausalLM
+
+    from trl.trainer.utils.packing import packed_forward_inputs, packed_sdpa_attention
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path)
+    lengths = torch.tensor([5, 12, 3, 7])
+    mask = (torch.arange(12)[None] < lengths[:, None]).long()
+    ids = torch.randint(10, 1000, (4, 12)) * mask
+    rows = drop_padding(model, ids, mask, min_saved_share=0.0)
+    assert rows.input_ids.shape[1] == 12 and "cu_seq_lens_q" not in packed_forward_inputs(rows)
+    expected = compute_sequence_token_logps(model, ids, mask, mask[:, 1:].bool()).logps
+    with packed_sdpa_attention(model):
+        one_row = drop_padding(model, ids, mask, min_saved_share=0.0)
+        inputs = packed_forward_inputs(one_row)
+        assert one_row.input_ids.shape == (1, 27) and inputs["cu_seq_lens_q"].tolist() == [0, 5, 17, 20, 27]
+        logits = model(**inputs).logits
+    logps = torch.log_softmax(logits[0, :-1], -1).gather(-1, one_row.input_ids[0, 1:, None]).squeeze(-1)
+    got = one_row.unpack_next_token(logps[None], (4, 11)) * mask[:, 1:]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", ["packed", "padding_free"])

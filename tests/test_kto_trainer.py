@@ -543,7 +543,7 @@ def test_gradient_free_forwards_are_batched_and_exact(tmp_path, model_path, unpa
     and while policy == reference the KL estimate and the rewards are exactly 0, as in TRL."""
     args = make_args(tmp_path, loss_type=loss_type)
     trainer = KTOTrainer(model_path, args=args, train_dataset=unpaired["train"].select(range(8)))
-    assert trainer._layout == "packed"
+    assert trainer._layout == "padding_free"
     trainer.model.train()
     examples = [dict(trainer.train_dataset[i]) for i in range(4)]
     if loss_type == "kto":  # KL rows packed wider than the main rows: the parts must still give the same bits

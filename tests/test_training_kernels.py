@@ -28,7 +28,7 @@ def _grads(model):
 def _assert_close_dicts(a, b, rtol=1e-5, atol=1e-6):
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=key)
+        torch.testing.assert_close(a[key], b[key], rtol=rtol, atol=atol, msg=lambda m, key=key: f"{key}: {m}")
 
 
 def _packed_batch(lengths, pad_to_multiple_of=None):
@@ -224,7 +224,10 @@ def test_sft_packed_training_with_kernels_equals_without(tiny_qwen_path, tmp_pat
         assert trainer.model.config._attn_implementation == "sdpa"
         assert not any("forward" in vars(m) for m in trainer.model.modules())
     assert losses["kernels"] == pytest.approx(losses["stock"], rel=1e-5)
-    _assert_close_dicts(dict(models["kernels"].named_parameters()), dict(models["stock"].named_parameters()))
+    # AdamW moves an element whose gradient is float noise by a noise-dependent fraction of lr (1e-3): 1e-5 absolute.
+    _assert_close_dicts(
+        dict(models["kernels"].named_parameters()), dict(models["stock"].named_parameters()), atol=1e-5
+    )
     trainer.save_model(str(tmp_path / "saved"))
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "saved"))
     assert list(reloaded.state_dict()) == list(models["stock"].state_dict())

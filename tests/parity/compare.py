@@ -31,6 +31,17 @@ GRAD_ATOL = ATOL
 # gradient is near eps (1e-8) move by noise-dependent fractions of lr. These sizes are there to catch a different
 # learning rate, schedule or optimizer (effects of 1 % and more), not to re-check the gradients.
 UPDATE_RTOL = 1e-3
+# Float noise that depends on the machine's kernels (AVX2 vs AVX-512 summation orders): what each tolerance below
+# allows is the rounding of the quantity a value is made from, not a looser check of the value itself.
+# - A gradient's linear statistics (`sum`, `proj`) can cancel to far below the gradient's size while their rounding
+#   scales with that size: they are compared to RTOL of the gradient's l2 norm (the precision asked of the l2 itself).
+# - Implicit rewards (`rewards/chosen|rejected|margins`) are beta <= 1 times a difference of two sequence log-prob sums:
+#   a few ulps of sums of magnitude |logps|, SUM_RESOLUTION * |logps| (~8 fp32 ulps).
+# - The update of a parameter whose gradient is float noise on TRL's side at every step (l2 < GRAD_ATOL, e.g. a key
+#   projection's bias: 0 in exact arithmetic) is noise too (AdamW divides it by its own size): NOISE_UPDATE_ATOL.
+SUM_RESOLUTION = 1e-6
+NOISE_UPDATE_ATOL = 1e-5
+_IMPLICIT_REWARD = re.compile(r"^(.*)rewards/(?:chosen|rejected|margins)$")
 
 # Wall-clock figures: present on both sides, values never compared.
 RUNTIME_KEYS = re.compile(r"(_runtime|_samples_per_second|_steps_per_second|_preparation_time|^step_time)$")
@@ -205,6 +216,7 @@ def compare(real: dict, ours: dict, phrases: tuple[str, ...] = ()) -> Comparison
     result.missing = sorted(set(flat_real) - set(flat_ours), key=_natural)
     result.extra = sorted(set(flat_ours) - set(flat_real), key=_natural)
 
+    noise_gradients = _noise_gradient_params(flat_real)
     groups: dict[str, list[tuple[str, Any, Any]]] = {}
     for path in sorted(set(flat_real) & set(flat_ours), key=_natural):
         a, b = flat_real[path], flat_ours[path]
@@ -215,7 +227,7 @@ def compare(real: dict, ours: dict, phrases: tuple[str, ...] = ()) -> Comparison
             continue
         if _is_runtime(path):
             continue
-        atol = GRAD_ATOL if path.startswith("grads[") else ATOL
+        atol = _abs_tolerance(path, flat_real, noise_gradients)
         if not _values_equal(a, b, atol, UPDATE_RTOL if path.startswith("update.") else RTOL):
             groups.setdefault(_fold(path), []).append((path, a, b))
     result.groups = groups
@@ -233,6 +245,32 @@ def compare(real: dict, ours: dict, phrases: tuple[str, ...] = ()) -> Comparison
             worst = entries[0]
         result.differing.append(f"{pattern}: {len(entries)} of {total} differ; {which} {_describe(*worst)}")
     return result
+
+
+def _noise_gradient_params(flat_real: dict) -> set[str]:
+    """Parameters whose recorded gradient is float noise at every step on TRL's side (l2 below GRAD_ATOL)."""
+    largest: dict[str, float] = {}
+    for path, value in flat_real.items():
+        if path.startswith("grads[") and path.endswith(".l2") and isinstance(value, (int, float)):
+            param = _param_of(path)
+            largest[param] = max(largest.get(param, 0.0), abs(value))
+    return {param for param, l2 in largest.items() if l2 < GRAD_ATOL}
+
+
+def _abs_tolerance(path: str, flat_real: dict, noise_gradients: set[str]) -> float:
+    """The absolute tolerance of one value (see the notes at SUM_RESOLUTION)."""
+    if path.startswith("grads["):
+        l2 = flat_real.get(path.rsplit(".", 1)[0] + ".l2") if path.endswith((".sum", ".proj")) else None
+        return max(GRAD_ATOL, RTOL * abs(l2)) if isinstance(l2, (int, float)) else GRAD_ATOL
+    if path.startswith("update."):
+        return NOISE_UPDATE_ATOL if _param_of(path) in noise_gradients else ATOL
+    reward = _IMPLICIT_REWARD.match(path)
+    if reward:
+        sums = [flat_real.get(f"{reward.group(1)}logps/{side}") for side in ("chosen", "rejected")]
+        sums = [abs(v) for v in sums if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if sums:
+            return max(ATOL, SUM_RESOLUTION * max(sums))
+    return ATOL
 
 
 def _param_of(path: str) -> str:

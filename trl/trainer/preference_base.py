@@ -225,6 +225,17 @@ class _PreferenceTrainer(_BaseTrainer):
         self._add_sync_ref_model_callback(self.ref_model)
         self._init_activation_offloading()
 
+    def _training_kernels(self) -> contextlib.ExitStack:
+        """The base's training kernels, plus the per-sequence attention for a separate reference model, which runs
+        in the same layout as the policy (`_choose_layout`)."""
+        from .utils.packing import packed_sdpa_attention
+
+        stack = super()._training_kernels()
+        ref_model = getattr(self, "ref_model", None)
+        if ref_model is not None and ref_model is not self.model:
+            stack.enter_context(packed_sdpa_attention(ref_model))
+        return stack
+
     # ------------------------------------------------------------------------------------------------------------
     # Batch layout, and reference log-probs computed on the fly or once before training
     # ------------------------------------------------------------------------------------------------------------
@@ -234,9 +245,13 @@ class _PreferenceTrainer(_BaseTrainer):
 
         See `trl.trainer.utils.compute_sequence_token_logps`. Packing is used whenever the model's attention can keep
         packed sequences apart; `padding_free=True` asks for a single row (a warning falls back to padded batches
-        when the attention cannot handle it).
+        when the attention cannot handle it). A model whose SDPA attention the trainer swaps for the per-sequence
+        kernel while it trains and evaluates (`packed_sdpa_applicable`, see `_training_kernels`) gets one row too:
+        rows capped at the longest sequence rarely fit two sequences of similar lengths, so they would keep most of
+        the padding, while one row costs exactly the tokens and the per-sequence attention the sequences need.
         """
         from .utils import packed_attention_kind
+        from .utils.packing import packed_sdpa_applicable
 
         kind = packed_attention_kind(model) if model is not None else None
         if kind is None:
@@ -249,7 +264,7 @@ class _PreferenceTrainer(_BaseTrainer):
                     stacklevel=3,
                 )
             return "padded"
-        if padding_free or kind == "varlen":
+        if padding_free or kind == "varlen" or packed_sdpa_applicable(model):
             return "padding_free"
         return "packed"
 
@@ -327,15 +342,16 @@ class _PreferenceTrainer(_BaseTrainer):
             )
 
         try:
-            self.train_dataset = score(self.train_dataset, batch_size or args.per_device_train_batch_size, "train")
-            if self.eval_dataset is not None:
-                size = eval_batch_size or args.per_device_eval_batch_size
-                if isinstance(self.eval_dataset, dict):
-                    self.eval_dataset = {
-                        key: score(ds, size, f"eval ({key})") for key, ds in self.eval_dataset.items()
-                    }
-                else:
-                    self.eval_dataset = score(self.eval_dataset, size, "eval")
+            with self._training_kernels():  # the layout chosen for training assumes its attention kernels
+                self.train_dataset = score(self.train_dataset, batch_size or args.per_device_train_batch_size, "train")
+                if self.eval_dataset is not None:
+                    size = eval_batch_size or args.per_device_eval_batch_size
+                    if isinstance(self.eval_dataset, dict):
+                        self.eval_dataset = {
+                            key: score(ds, size, f"eval ({key})") for key, ds in self.eval_dataset.items()
+                        }
+                    else:
+                        self.eval_dataset = score(self.eval_dataset, size, "eval")
         finally:
             self._policy_is_reference = False
             self.model.train(was_training)
@@ -381,15 +397,16 @@ class _PreferenceTrainer(_BaseTrainer):
                 return compute_fn(model, batch)
 
         try:
-            return precompute_reference_logps(
-                dataset,
-                self.data_collator,
-                compute,
-                batch_size=batch_size or self.args.per_device_eval_batch_size,
-                accelerator=self.accelerator,
-                num_workers=self.args.dataloader_num_workers,
-                desc="Computing reference log-probs of the evaluation dataset",
-            )
+            with self._training_kernels():  # re-entered under evaluate(): the outer block stays in charge
+                return precompute_reference_logps(
+                    dataset,
+                    self.data_collator,
+                    compute,
+                    batch_size=batch_size or self.args.per_device_eval_batch_size,
+                    accelerator=self.accelerator,
+                    num_workers=self.args.dataloader_num_workers,
+                    desc="Computing reference log-probs of the evaluation dataset",
+                )
         finally:
             self._policy_is_reference = False
             self.model.train(was_training)

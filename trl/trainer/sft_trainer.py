@@ -43,6 +43,7 @@ from .utils import (
     pad,
 )
 from .utils.dataset_rows import map_kwargs_with_desc as _desc
+from .utils.packing import packed_forward_inputs
 from .utils.vision import check_image_columns, check_vision_processing_class, is_vision_example
 from .vision_collators import DataCollatorForVisionLanguageModeling  # noqa: F401  (public here, as in TRL)
 
@@ -789,7 +790,7 @@ class SFTTrainer(_BaseTrainer):
                 # A plain padded batch: its sequences packed, so no compute is spent on padding (same sums).
                 packed = drop_padding(model, inputs["input_ids"], inputs["attention_mask"])
             if packed is not None:
-                forward_kwargs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
+                forward_kwargs = packed_forward_inputs(packed)
                 shift_labels = packed.pack_next_token(shift_labels, -100)
                 target_mask = shift_labels != -100
             result = compute_token_logps(

@@ -515,17 +515,6 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
             return False
         return all(_keys_values_capturable_once_switched(m) for m in (model, ref_model) if m is not None)
 
-    def _training_kernels(self):
-        """The base's training kernels, plus the reference model's attention switched to the one that records
-        keys/values when the KL rows are scored from the main rows' prompts (policy and reference alike)."""
-        from .utils.packing import packed_sdpa_attention
-
-        stack = super()._training_kernels()
-        ref_model = getattr(self, "ref_model", None)
-        if self._share_kl_prefix and ref_model is not None and ref_model is not self.model:
-            stack.enter_context(packed_sdpa_attention(ref_model))
-        return stack
-
     def _kl_from_cached_prefix(
         self, inputs: dict[str, torch.Tensor], main: dict[str, torch.Tensor], kl_rows: dict[str, torch.Tensor]
     ) -> bool:

@@ -272,19 +272,34 @@ def drop_padding(
     save less than `min_saved_share` (default `MIN_SAVED_SHARE`) of the batch's positions or the model cannot attend within packed sequences
     ([`packed_attention_kind`]).
 
-    Variable-length kernels get one row; eager/SDPA attention gets rows no longer than the longest sequence, so the
-    dense block-diagonal masks stay as small as the padded batch's (and only the rows that packing empties are
-    saved).
+    Variable-length kernels and the per-sequence SDPA kernel ([`packed_sdpa_attention`]) get one row (pass
+    [`packed_forward_inputs`] to the model: that kernel reads the sequence boundaries); eager/SDPA attention gets
+    rows no longer than the longest sequence, so the dense block-diagonal masks stay as small as the padded batch's
+    (and only the rows that packing empties are saved).
     """
     kind = packed_attention_kind(model)
     if kind is None or bool(attention_mask.all()):
         return None
-    capacity = None if kind == "varlen" else int(attention_mask.sum(dim=1).max().item())
+    one_row = kind == "varlen" or _attention_implementation(model) == PACKED_SDPA
+    capacity = None if one_row else int(attention_mask.sum(dim=1).max().item())
     packed = pack_padded_sequences(input_ids, attention_mask, capacity)
     share = MIN_SAVED_SHARE if min_saved_share is None else min_saved_share
     if packed.input_ids.numel() > (1 - share) * input_ids.numel():
         return None
     return packed
+
+
+def _attention_implementation(model: nn.Module) -> str | None:
+    return getattr(getattr(_base_transformers_model(model), "config", None), "_attn_implementation", None)
+
+
+def packed_forward_inputs(packed: PackedSequences) -> dict[str, Any]:
+    """The model inputs of packed sequences: ids, restarting positions and, for one row, the sequence boundaries
+    ([`sequence_boundaries`]) that variable-length kernels and the per-sequence SDPA kernel read."""
+    inputs = {"input_ids": packed.input_ids, "position_ids": packed.position_ids}
+    if packed.input_ids.shape[0] == 1:
+        inputs.update(sequence_boundaries(packed.position_ids))
+    return inputs
 
 
 def sequence_scores_without_padding(
@@ -315,7 +330,7 @@ def sequence_scores_without_padding(
     packed = drop_padding(model, input_ids, attention_mask, min_saved_share)
     if packed is None:
         return None
-    hidden = backbone(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)[0]
+    hidden = backbone(**packed_forward_inputs(packed), use_cache=False)[0]
     # The pooled token of each row, as the model picks it: the rightmost token that is not the pad token.
     columns = torch.arange(input_ids.shape[1], device=input_ids.device)
     pooled_col = (columns * (input_ids != pad_token_id)).argmax(dim=-1)
