@@ -135,7 +135,7 @@ def test_drop_padding_rows_follow_the_attention(tiny_qwen_path):
     per-sequence SDPA kernel."""
     from transformers import AutoModelForCausalLM
 
-    from trl.trainer.utils.packing import packed_forward_inputs, packed_sdpa_attention
+    from trl.trainer.utils.packing import packed_attention_kind, packed_forward_inputs, packed_sdpa_attention
 
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path)
     lengths = torch.tensor([5, 12, 3, 7])
@@ -145,6 +145,7 @@ def test_drop_padding_rows_follow_the_attention(tiny_qwen_path):
     assert rows.input_ids.shape[1] == 12 and "cu_seq_lens_q" not in packed_forward_inputs(rows)
     expected = compute_sequence_token_logps(model, ids, mask, mask[:, 1:].bool()).logps
     with packed_sdpa_attention(model):
+        assert packed_attention_kind(model) == "varlen"
         one_row = drop_padding(model, ids, mask, min_saved_share=0.0)
         inputs = packed_forward_inputs(one_row)
         assert one_row.input_ids.shape == (1, 27) and inputs["cu_seq_lens_q"].tolist() == [0, 5, 17, 20, 27]

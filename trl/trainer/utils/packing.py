@@ -22,9 +22,11 @@ from .logprobs import compute_token_logps, model_accepts_argument
 
 # Attention implementations whose masks are built from `position_ids` when no attention mask is given (transformers'
 # `masking_utils` detects the restarting positions and builds a block-diagonal causal mask) or that run variable-length
-# kernels. "varlen" ones cost nothing extra for one long row; the others build a dense mask per row.
-_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
-_MASKED_ATTENTION = ("eager", "sdpa", PACKED_SDPA)
+# kernels. "varlen" ones cost nothing extra for one long row; the others build a dense mask per row. The per-sequence
+# SDPA kernel is "varlen" when a one-row call carries the sequence boundaries ([`packed_forward_inputs`]); without them
+# it is SDPA over the dense mask (correct, slower).
+_VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention", PACKED_SDPA)
+_MASKED_ATTENTION = ("eager", "sdpa")
 _PACKABLE_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
@@ -50,7 +52,8 @@ def packed_attention_kind(model: nn.Module) -> str | None:
         model: The (possibly wrapped) causal language model.
 
     Returns:
-        `"varlen"` for variable-length kernels (FlashAttention, flex attention: one long row is free), `"masked"` for
+        `"varlen"` for variable-length kernels (FlashAttention, flex attention, the per-sequence SDPA kernel a trainer
+        swaps in: one long row is free), `"masked"` for
         eager/SDPA attention (a dense block-diagonal mask per row: rows should stay short), or None.
     """
     base = _base_transformers_model(model)
@@ -280,17 +283,12 @@ def drop_padding(
     kind = packed_attention_kind(model)
     if kind is None or bool(attention_mask.all()):
         return None
-    one_row = kind == "varlen" or _attention_implementation(model) == PACKED_SDPA
-    capacity = None if one_row else int(attention_mask.sum(dim=1).max().item())
+    capacity = None if kind == "varlen" else int(attention_mask.sum(dim=1).max().item())
     packed = pack_padded_sequences(input_ids, attention_mask, capacity)
     share = MIN_SAVED_SHARE if min_saved_share is None else min_saved_share
     if packed.input_ids.numel() > (1 - share) * input_ids.numel():
         return None
     return packed
-
-
-def _attention_implementation(model: nn.Module) -> str | None:
-    return getattr(getattr(_base_transformers_model(model), "config", None), "_attn_implementation", None)
 
 
 def packed_forward_inputs(packed: PackedSequences) -> dict[str, Any]:
