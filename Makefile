@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: install torch assets deepspeed test test-reliability test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench bench-compare lint format clean
+.PHONY: install torch assets deepspeed test test-reliability test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench bench-env bench-compare lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
@@ -144,9 +144,29 @@ demo: install
 bench: install
 	$(PYTHON) benchmarks/run_all.py
 
-# The six jobs of issue 25 side by side with real TRL 1.16 (needs `make parity-env`); long on a CPU.
-bench-compare: install parity-env
-	$(PYTHON) benchmarks/compare.py
+# The six jobs of issue 25 side by side with real TRL 1.16; long on a CPU. Each side runs from a venv holding only its
+# own requirements under the same pins: TRL from the parity venv, this project from .venv-bench. (The development
+# environment carries extras, e.g. scipy and boto3, that transformers and accelerate import when present: ~45 MB of
+# resident memory that a plain `pip install` does not have.)
+BENCH_VENV ?= .venv-bench
+
+bench-env: install
+	@pins="$$(echo 'trl (this checkout, editable)'; $(PARITY_PINS); echo '# with: Pillow')"; \
+	if [ -f $(BENCH_VENV)/.trl-bench-env ] && [ "$$(cat $(BENCH_VENV)/.trl-bench-env)" = "$$pins" ] \
+		&& $(BENCH_VENV)/bin/python -c "import trl, peft" 2>/dev/null; then \
+		echo "bench-env: $(BENCH_VENV) is ready"; \
+	else \
+		set -e; start=$$(date +%s); \
+		rm -rf $(BENCH_VENV); $(PYTHON) -m venv $(BENCH_VENV); \
+		echo "$$pins" | grep '==' > $(BENCH_VENV)/constraints.txt; \
+		$(BENCH_VENV)/bin/python -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
+		$(BENCH_VENV)/bin/python -m pip install -q -c $(BENCH_VENV)/constraints.txt -e . Pillow; \
+		echo "$$pins" > $(BENCH_VENV)/.trl-bench-env; \
+		echo "bench-env: built $(BENCH_VENV) in $$(( $$(date +%s) - start ))s ($$(du -sh $(BENCH_VENV) | cut -f1))"; \
+	fi
+
+bench-compare: bench-env parity-env
+	$(BENCH_VENV)/bin/python benchmarks/compare.py
 
 lint: install
 	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .

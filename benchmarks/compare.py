@@ -7,7 +7,10 @@ seeded score head, saved once and loaded by both sides.
 
 Every run is a fresh interpreter (peak RSS is its own) started from an empty temporary directory. The TRL side runs
 the parity environment's interpreter (`--trl_python`, default `$PARITY_VENV/bin/python`) without `PYTHONPATH`, so it
-imports the real `trl`; this project's side runs with `PYTHONPATH` set to the repository. Runs are interleaved (ours,
+imports the real `trl`; this project's side runs the interpreter that runs this program, with `PYTHONPATH` set to the
+repository. `make bench-compare` runs it from `.venv-bench`, a venv with only this project's own requirements under
+the parity venv's pins, so that neither side pays for packages the other does not load (a development environment's
+extras, e.g. scipy or boto3, are imported by transformers and accelerate when installed). Runs are interleaved (ours,
 TRL, ours, TRL, ...) so that load on a shared machine hits both sides alike; with `--rounds N` each job runs N times
 per side and the medians are kept.
 
@@ -16,7 +19,7 @@ from the wall time, MFU (model FLOPs per CPU-second against a `torch.mm` FLOPs p
 threads), and both final losses (they must agree: speed never buys a different number). Ratios are ours / TRL.
 
 Usage:
-    make bench-compare                           # python benchmarks/compare.py
+    make bench-compare                           # .venv-bench/bin/python benchmarks/compare.py
     python benchmarks/compare.py --jobs sft_padded,dpo --steps 6 --rounds 2
     python benchmarks/compare.py --quick         # smoke test: tiny model, 2 steps, every job
 
@@ -176,7 +179,7 @@ def print_table(rows: list[dict]) -> None:
         "| MFU ours / TRL | final loss ours / TRL |"
     )
     print(head)
-    print("|" + "---|" * 10)
+    print("|" + "---|" * 9)
     for r in rows:
         loss = f"{r['ours_loss']:.6g} / {r['trl_loss']:.6g}" + ("" if r["loss_agrees"] else " (DIFFER)")
         print(
@@ -220,6 +223,7 @@ def main() -> int:
         paths = prepare_inputs(workdir, args.quick)
         peak = measure_matmul_peak(args.threads)
         print(f"matmul peak: {peak / 1e9:.1f} GFLOP per CPU-second ({args.threads} threads)", flush=True)
+        print(f"ours: {sys.executable}\ntrl:  {trl_python}", flush=True)
         for job in jobs:
             results = {"ours": [], "trl": []}
             for _ in range(args.rounds):
