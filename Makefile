@@ -78,20 +78,21 @@ PARITY_VENV_15 ?= .venv-parity-15
 PARITY_TRL_VERSION_15 ?= 1.5.0
 PARITY_PINS = $(PYTHON) -c "import importlib.metadata as m; print('torch==$(TORCH_CPU_VERSION)'); [print(p + '==' + m.version(p)) for p in ('transformers', 'accelerate', 'datasets', 'peft')]"
 
-# $(call parity_env,VENV,TRL_VERSION[,EXTRA]): build VENV with trl==TRL_VERSION, peft and the EXTRA packages under the
-# pins, unless its stamp file already holds the same pins (and extras) and trl imports.
-define parity_env
-	@pins="$$(echo 'trl==$(2)'; $(PARITY_PINS); $(if $(3),echo '# with: $(3)'))"; \
+# $(call trl_venv,VENV,TRL_REQUIREMENT[,EXTRA]): build VENV with TRL_REQUIREMENT (`trl==X.Y.Z`, or `-e .` for this
+# checkout), peft and the EXTRA packages under the pins, unless its stamp file already holds the same pins (and
+# extras) and trl imports.
+define trl_venv
+	@pins="$$(echo '$(2)'; $(PARITY_PINS); $(if $(3),echo '# with: $(3)'))"; \
 	if [ -f $(1)/.trl-parity-env ] && [ "$$(cat $(1)/.trl-parity-env)" = "$$pins" ] && $(1)/bin/python -c "import trl, peft" 2>/dev/null; then \
-		echo "parity-env: $(1) is ready (trl $(2))"; \
+		echo "venv: $(1) is ready ($(2))"; \
 	else \
 		set -e; start=$$(date +%s); \
 		rm -rf $(1); $(PYTHON) -m venv $(1); \
-		echo "$$pins" > $(1)/constraints.txt; \
+		echo "$$pins" | grep -v '^-e ' > $(1)/constraints.txt; \
 		$(1)/bin/python -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
-		$(1)/bin/python -m pip install -q -c $(1)/constraints.txt "trl==$(2)" peft $(3); \
+		$(1)/bin/python -m pip install -q -c $(1)/constraints.txt $(2) peft $(3); \
 		echo "$$pins" > $(1)/.trl-parity-env; \
-		echo "parity-env: built $(1) in $$(( $$(date +%s) - start ))s ($$(du -sh $(1) | cut -f1))"; \
+		echo "venv: built $(1) in $$(( $$(date +%s) - start ))s ($$(du -sh $(1) | cut -f1))"; \
 	fi
 endef
 
@@ -119,13 +120,13 @@ parity-env-022:
 	fi
 
 parity-env: install
-	$(call parity_env,$(PARITY_VENV),$(PARITY_TRL_VERSION),Pillow)
+	$(call trl_venv,$(PARITY_VENV),trl==$(PARITY_TRL_VERSION),Pillow)
 
 parity-env-112: install
-	$(call parity_env,$(PARITY_VENV_112),$(PARITY_TRL_VERSION_112),requests)
+	$(call trl_venv,$(PARITY_VENV_112),trl==$(PARITY_TRL_VERSION_112),requests)
 
 parity-env-15: install
-	$(call parity_env,$(PARITY_VENV_15),$(PARITY_TRL_VERSION_15),requests)
+	$(call trl_venv,$(PARITY_VENV_15),trl==$(PARITY_TRL_VERSION_15),requests)
 
 test-parity: parity-env parity-env-112 parity-env-15
 	$(PYTHON) -m pytest -m parity -q -p no:cacheprovider tests/parity -k "not ddpo and not alignprop"
@@ -151,19 +152,7 @@ bench: install
 BENCH_VENV ?= .venv-bench
 
 bench-env: install
-	@pins="$$(echo 'trl (this checkout, editable)'; $(PARITY_PINS); echo '# with: Pillow')"; \
-	if [ -f $(BENCH_VENV)/.trl-bench-env ] && [ "$$(cat $(BENCH_VENV)/.trl-bench-env)" = "$$pins" ] \
-		&& $(BENCH_VENV)/bin/python -c "import trl, peft" 2>/dev/null; then \
-		echo "bench-env: $(BENCH_VENV) is ready"; \
-	else \
-		set -e; start=$$(date +%s); \
-		rm -rf $(BENCH_VENV); $(PYTHON) -m venv $(BENCH_VENV); \
-		echo "$$pins" | grep '==' > $(BENCH_VENV)/constraints.txt; \
-		$(BENCH_VENV)/bin/python -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
-		$(BENCH_VENV)/bin/python -m pip install -q -c $(BENCH_VENV)/constraints.txt -e . Pillow; \
-		echo "$$pins" > $(BENCH_VENV)/.trl-bench-env; \
-		echo "bench-env: built $(BENCH_VENV) in $$(( $$(date +%s) - start ))s ($$(du -sh $(BENCH_VENV) | cut -f1))"; \
-	fi
+	$(call trl_venv,$(BENCH_VENV),-e .,Pillow)
 
 bench-compare: bench-env parity-env
 	$(BENCH_VENV)/bin/python benchmarks/compare.py
