@@ -102,6 +102,36 @@ def test_a_step_after_a_dropped_graph_does_not_overwrite_its_outputs():
         assert torch.equal(state, copy)
 
 
+def test_recompute_runs_the_lean_mlp_unless_hooked(monkeypatch):
+    """The backward pass's recompute runs a plain SwiGLU MLP through the lean kernel with its output unused (it keeps
+    two `tokens x intermediate` tensors instead of four); an MLP with a hook on a projection keeps its own calls (the
+    hook runs), with only the down product skipped. Gradients are transformers' checkpoint's either way."""
+    torch.manual_seed(0)
+    model = llama_style_decoder("qwen2").train()
+    model.activation_checkpointing_enable()
+    ids = torch.randint(1, 300, (2, 9))
+    _, grads = _loss_and_grads(model, ids)
+    hooked = []
+    model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda *args: hooked.append(1))
+    lean_calls, gradient_only_calls = [], []
+    original_lean, original_gradient_only = layer_checkpoints.swiglu_mlp, layer_checkpoints._GradientOnlyLinear.apply
+    monkeypatch.setattr(
+        layer_checkpoints, "swiglu_mlp", lambda *a, **k: lean_calls.append(k) or original_lean(*a, **k)
+    )
+    monkeypatch.setattr(
+        layer_checkpoints._GradientOnlyLinear,
+        "apply",
+        lambda *a: gradient_only_calls.append(1) or original_gradient_only(*a),
+    )
+    hooked.clear()
+    _, lean_grads = _loss_and_grads(model, ids, CheckpointArena())
+    layers = model.config.num_hidden_layers
+    assert lean_calls == [{"output_unused": True}] * (layers - 1) and gradient_only_calls == [1]
+    assert hooked == [1, 1]  # the hooked layer's forward, then its recompute
+    for name, grad in grads.items():
+        torch.testing.assert_close(lean_grads[name], grad, rtol=1e-6, atol=1e-8, msg=name)
+
+
 def test_layers_and_settings_that_keep_transformers_checkpoint():
     torch.manual_seed(0)
     model = llama_style_decoder("qwen2").train()

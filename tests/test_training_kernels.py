@@ -301,3 +301,31 @@ def test_single_packed_row_carries_its_sequence_boundaries(tiny_qwen_path, monke
     # selection, attends with the gathered dense mask instead).
     assert seen[:-1] and all(bounds == [0, 9, 13, 25] for bounds in seen[:-1])
     torch.testing.assert_close(single_row.logps, padded.logps, rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu_gradients_are_plain_autograds_with_or_without_the_output():
+    """The kernel's backward runs plain autograd's operations on the same values: bitwise the same gradients. A
+    checkpointed layer's recompute reads none of the MLP's output: with `output_unused=True` the kernel skips the
+    activation and the down product, returns zeros, and back-propagates the same."""
+    torch.manual_seed(0)
+    weights = _mlp_weights()
+    x = torch.randn(2, 5, 16)
+    grad_output = torch.randn(2, 5, 16)
+    grads = {}
+    for name in ("plain", "kernel", "output_unused"):
+        for weight in weights:
+            weight.grad = None
+        inputs = x.clone().requires_grad_(True)
+        if name == "plain":
+            output = _reference_mlp(inputs, *weights)
+        else:
+            output = swiglu_mlp(inputs, *weights, output_unused=name == "output_unused")
+        if name == "output_unused":
+            assert output.shape == (2, 5, 16) and not output.any()
+        else:
+            grads[f"{name}_output"] = [output.detach()]
+        output.backward(grad_output)
+        grads[name] = [inputs.grad] + [weight.grad.clone() for weight in weights]
+    assert torch.equal(grads["plain_output"][0], grads["kernel_output"][0])
+    for plain, kernel, unused in zip(grads["plain"], grads["kernel"], grads["output_unused"]):
+        assert torch.equal(plain, kernel) and torch.equal(kernel, unused)

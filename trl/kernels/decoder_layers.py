@@ -16,28 +16,31 @@ class _SwiGLUMLP(torch.autograd.Function):
     """`down(silu(x @ gate^T) * (x @ up^T))` without biases; saves `x`, the gate and up projections."""
 
     @staticmethod
-    def forward(ctx, x, gate_weight, up_weight, down_weight):
+    def forward(ctx, x, gate_weight, up_weight, down_weight, output_unused):
         gate = F.linear(x, gate_weight)
         up = F.linear(x, up_weight)
-        output = F.linear(F.silu(gate) * up, down_weight)
         ctx.save_for_backward(x, gate, up, gate_weight, up_weight, down_weight)
-        return output
+        if output_unused:
+            # A recompute for the backward pass never reads the output: no activation, no down product.
+            return x.new_zeros(()).expand(*x.shape[:-1], down_weight.shape[0])
+        return F.linear(F.silu(gate).mul_(up), down_weight)
 
     @staticmethod
     def backward(ctx, grad_output):
         x, gate, up, gate_weight, up_weight, down_weight = ctx.saved_tensors
-        sig = torch.sigmoid(gate)
-        activated = gate * sig  # silu(gate), recomputed
+        # The operations plain autograd runs, on the same values (bitwise the same gradients), with each buffer reused
+        # in place once its value is no longer needed: at most three `tokens x intermediate` temporaries at once.
+        activated = F.silu(gate)  # recomputed, as the forward computed it
         grad_hidden = grad_output @ down_weight
+        grad_up = grad_hidden * activated
+        hidden = activated.mul_(up)  # the down projection's input, silu(gate) * up
+        del activated
         grad_down = None
         if ctx.needs_input_grad[3]:
-            hidden = activated * up
             grad_down = grad_output.reshape(-1, grad_output.shape[-1]).T @ hidden.reshape(-1, hidden.shape[-1])
-            del hidden
-        grad_up = grad_hidden * activated
-        # d silu(g) / dg = sig * (1 + g * (1 - sig))
-        grad_gate = grad_hidden.mul_(up).mul_(sig.mul_(1 + gate * (1 - sig)))
-        del activated, sig
+        del hidden
+        grad_gate = torch.ops.aten.silu_backward(grad_hidden.mul_(up), gate)
+        del grad_hidden
         flat_x = x.reshape(-1, x.shape[-1])
         flat_gate, flat_up = grad_gate.reshape(-1, grad_gate.shape[-1]), grad_up.reshape(-1, grad_up.shape[-1])
         grad_x = grad_gate_weight = grad_up_weight = None
@@ -47,11 +50,15 @@ class _SwiGLUMLP(torch.autograd.Function):
             grad_gate_weight = flat_gate.T @ flat_x
         if ctx.needs_input_grad[2]:
             grad_up_weight = flat_up.T @ flat_x
-        return grad_x, grad_gate_weight, grad_up_weight, grad_down
+        return grad_x, grad_gate_weight, grad_up_weight, grad_down, None
 
 
 def swiglu_mlp(
-    x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, down_weight: torch.Tensor
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    down_weight: torch.Tensor,
+    output_unused: bool = False,
 ) -> torch.Tensor:
     """`F.linear(F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight), down_weight)`, keeping only `x` and the
     two projections for the backward pass.
@@ -61,11 +68,15 @@ def swiglu_mlp(
         gate_weight: `(intermediate, hidden)` gate projection weight.
         up_weight: `(intermediate, hidden)` up projection weight.
         down_weight: `(hidden, intermediate)` down projection weight.
+        output_unused: The caller only back-propagates through the result and never reads its value (a checkpointed
+            layer's recompute): the forward computes the two projections only and returns zeros; the gradients are
+            unchanged.
 
     Returns:
-        `(..., hidden)` output, as the plain expression's (values and gradients equal up to float rounding).
+        `(..., hidden)` output: the plain expression's values and gradients, bitwise (the backward pass runs the
+        operations plain autograd runs).
     """
-    return _SwiGLUMLP.apply(x, gate_weight, up_weight, down_weight)
+    return _SwiGLUMLP.apply(x, gate_weight, up_weight, down_weight, output_unused)
 
 
 class _RMSNorm(torch.autograd.Function):

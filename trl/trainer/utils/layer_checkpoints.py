@@ -8,7 +8,9 @@ decoder layers a checkpoint function that runs the layer without gradients, as t
 and copies its output into a [`CheckpointArena`]: chunks of at least 64 MiB (which glibc maps on their own, outside
 the heap), reused every step. The backward pass recomputes the layer from its kept input and back-propagates through
 it, skipping the product of the MLP's down projection whose value the recompute never reads (as torch's early-stopping
-recompute does). Values and gradients are those of torch's checkpoint.
+recompute does). A plain SwiGLU MLP is recomputed by the lean kernel (`trl.kernels.decoder_layers.swiglu_mlp` with its
+output unused), which keeps two of the four `tokens x intermediate` tensors plain autograd keeps for the backward
+pass. Values and gradients are those of torch's checkpoint.
 
 The same function takes a given output instead of running the layer (the rollout decode's recorded outputs, see
 `decode_replay`).
@@ -27,7 +29,9 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ...kernels.decoder_layers import swiglu_mlp
 from .last_layer_selection import has_dropout
+from .lean_modules import is_lean_swiglu_mlp
 
 
 _LAYER_CLASSES = {
@@ -119,19 +123,42 @@ class _GradientOnlyLinear(torch.autograd.Function):
         return grad_inputs, grad_weight, grad_bias
 
 
-def _plain_unhooked_linear(module: Any) -> bool:
-    return (
-        type(module) is nn.Linear
-        and "forward" not in vars(module)
-        and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
+def _unhooked(module: Any) -> bool:
+    return "forward" not in vars(module) and not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
     )
+
+
+def _plain_unhooked_linear(module: Any) -> bool:
+    return type(module) is nn.Linear and _unhooked(module)
+
+
+def _lean_recompute_mlp(mlp: Any) -> bool:
+    """A SwiGLU MLP the lean kernel computes exactly, with no hook on it or its projections (the kernel reads the
+    weights directly, so the projections' own calls, and their hooks, would be skipped)."""
+    if mlp is None or not is_lean_swiglu_mlp(mlp) or not _unhooked(mlp):
+        return False
+    return all(_unhooked(getattr(mlp, key)) for key in ("gate_proj", "up_proj", "down_proj"))
 
 
 @contextlib.contextmanager
 def _last_projection_gradient_only(layer: nn.Module) -> Iterator[None]:
-    """Within the block, the MLP's down projection of `layer` (the last product before the layer's output, which a
-    recompute for the backward pass never reads) runs [`_GradientOnlyLinear`]."""
-    down = getattr(getattr(layer, "mlp", None), "down_proj", None)
+    """Within the block, the MLP of `layer` skips the product of its down projection (the last product before the
+    layer's output, which a recompute for the backward pass never reads). A supported SwiGLU MLP runs the lean kernel
+    with its output unused, which also keeps only the gate and up projections for the backward pass (two of the
+    four `tokens x intermediate` tensors plain autograd keeps); another MLP's plain down projection runs
+    [`_GradientOnlyLinear`]."""
+    mlp = getattr(layer, "mlp", None)
+    if _lean_recompute_mlp(mlp):
+        mlp.forward = lambda inputs: swiglu_mlp(
+            inputs, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, output_unused=True
+        )
+        try:
+            yield
+        finally:
+            del mlp.forward
+        return
+    down = getattr(mlp, "down_proj", None)
     if not _plain_unhooked_linear(down):
         yield
         return

@@ -33,6 +33,15 @@ def _silu(module: Any) -> bool:
     return type(module) is nn.SiLU or type(module).__name__ == "SiLUActivation"
 
 
+def is_lean_swiglu_mlp(module: Any) -> bool:
+    """Whether `module` is a Llama / Mistral / Qwen2 / Qwen3 MLP that [`~trl.kernels.decoder_layers.swiglu_mlp`]
+    computes exactly: plain bias-free `nn.Linear` gate, up and down projections and a SiLU activation."""
+    if type(module).__name__ not in _SWIGLU_MLP_CLASSES:
+        return False
+    projections = [getattr(module, key, None) for key in ("gate_proj", "up_proj", "down_proj")]
+    return all(_plain_linear(p) for p in projections) and _silu(getattr(module, "act_fn", None))
+
+
 def lean_module_kernel(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The memory-lean forward for `module` when it is a supported SwiGLU MLP or RMSNorm, else None.
 
@@ -40,13 +49,10 @@ def lean_module_kernel(module: nn.Module) -> Callable[[torch.Tensor], torch.Tens
     projections and a SiLU activation ([`~trl.kernels.decoder_layers.swiglu_mlp`]), and these models' RMSNorm
     ([`~trl.kernels.decoder_layers.rms_norm`]), with dense floating-point weights.
     """
-    name = type(module).__name__
-    if name in _SWIGLU_MLP_CLASSES:
-        projections = [getattr(module, key, None) for key in ("gate_proj", "up_proj", "down_proj")]
-        if all(_plain_linear(p) for p in projections) and _silu(getattr(module, "act_fn", None)):
-            # Weights read at call time: an engine may swap the parameter objects after the switch.
-            return lambda x: swiglu_mlp(x, module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight)
-    if name in _RMS_NORM_CLASSES:
+    if is_lean_swiglu_mlp(module):
+        # Weights read at call time: an engine may swap the parameter objects after the switch.
+        return lambda x: swiglu_mlp(x, module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight)
+    if type(module).__name__ in _RMS_NORM_CLASSES:
         weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
         if _plain_weight(weight) and weight.dim() == 1 and isinstance(eps, float):
             return lambda x: rms_norm(x, module.weight, module.variance_epsilon)
