@@ -644,6 +644,32 @@ def test_evaluate_prepares_a_raw_dataset(tmp_path, model_path, preference):
     assert {"eval_first_loss", "eval_second_loss", "eval_rewards/chosen", "eval_logps/chosen"} <= set(both)
 
 
+def test_compute_metrics_and_predict_get_logits_and_token_ids(tmp_path, model_path, preference):
+    """As in TRL: predictions are the policy's logits over each batch's padded chosen rows then rejected rows, labels
+    their token ids; `predict()` prepares a raw dataset and gives the same."""
+    seen = {}
+
+    def compute_metrics(prediction):
+        seen["predictions"], seen["labels"] = prediction.predictions, prediction.label_ids
+        return {"test": 1.0}
+
+    test = preference["test"].select(range(4))
+    trainer = DPOTrainer(model_path, args=make_args(tmp_path), train_dataset=test, eval_dataset=test,
+                         compute_metrics=compute_metrics)  # fmt: skip
+    assert trainer.evaluate()["eval_test"] == 1.0
+    predictions, labels = seen["predictions"], seen["labels"]
+    batch = trainer.data_collator([trainer.eval_dataset[i] for i in range(4)])  # one batch: per_device_eval_batch_size
+    assert labels.tolist() == batch["input_ids"].tolist() and batch["input_ids"].shape[0] == 8
+    assert predictions.shape == (*labels.shape, trainer.model.config.vocab_size)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.allclose(torch.from_numpy(predictions), logits, atol=1e-5)
+    predicted = trainer.predict(test)
+    assert predicted.label_ids.tolist() == labels.tolist()
+    assert predicted.predictions == pytest.approx(predictions, abs=1e-6)
+    assert predicted.metrics["test_loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy == reference
+
+
 def test_evaluate_raw_dataset_with_precomputed_reference(tmp_path, model_path, preference):
     """With precompute_ref_log_probs=True a raw evaluation dataset gets its reference log-probs first: from the
     policy before training, from a reference model the user passed (kept, as in TRL) at any time; without one, after

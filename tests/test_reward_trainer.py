@@ -302,26 +302,35 @@ def test_training_raises_accuracy_on_separable_data(tmp_path, model_path):
 
 
 def test_compute_metrics_gets_chosen_and_rejected_rewards(tmp_path, model_path):
+    """As in TRL: predictions are each batch's chosen rewards then its rejected ones, `(2 * n, 1)`, without labels;
+    `predict()` gives the same for a raw dataset."""
     seen = {}
 
     def compute_metrics(eval_pred):
         seen["predictions"], seen["labels"] = eval_pred.predictions, eval_pred.label_ids
-        return {"pairwise_accuracy": float((eval_pred.predictions.argmax(-1) == eval_pred.label_ids).mean())}
+        chosen_then_rejected = eval_pred.predictions[:, 0].reshape(-1, 2, 4)  # batches of 4 pairs
+        return {"pairwise_accuracy": float((chosen_then_rejected[:, 0] > chosen_then_rejected[:, 1]).mean())}
 
-    dataset = load_test_dataset("standard_preference")
+    test = load_test_dataset("standard_preference", split="test").select(range(8))
     trainer = RewardTrainer(
         model=model_path,
-        args=make_args(tmp_path),
-        train_dataset=dataset["train"],
-        eval_dataset=dataset["test"],
+        args=make_args(tmp_path, per_device_eval_batch_size=4),
+        train_dataset=test,
+        eval_dataset=test,
         compute_metrics=compute_metrics,
     )
     metrics = trainer.evaluate()
-    assert seen["predictions"].shape == (12, 2) and seen["labels"].tolist() == [0] * 12
-    expected = float((seen["predictions"][:, 0] > seen["predictions"][:, 1]).mean())
-    assert metrics["eval_pairwise_accuracy"] == pytest.approx(expected)
+    assert seen["predictions"].shape == (16, 1) and seen["labels"] == ()
+    for first in (0, 4):
+        batch = trainer.data_collator([trainer.eval_dataset[i] for i in range(first, first + 4)])
+        with torch.no_grad():
+            scores = trainer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        rows = seen["predictions"][2 * first : 2 * first + 8]
+        assert rows == pytest.approx(scores.numpy(), abs=1e-5)  # the batch's chosen rows, then its rejected rows
     logged = trainer.state.log_history[-1]
-    assert logged["eval_accuracy"] == pytest.approx(expected)  # one eval batch of 12 pairs
+    assert logged["eval_accuracy"] == pytest.approx(metrics["eval_pairwise_accuracy"])  # two batches of 4 pairs
+    predicted = trainer.predict(test.select_columns(["chosen", "rejected"]))  # a raw dataset, prepared first
+    assert predicted.predictions == pytest.approx(seen["predictions"], abs=1e-6) and predicted.label_ids == ()
 
 
 def test_gradient_accumulation_invariance(tmp_path, model_path):

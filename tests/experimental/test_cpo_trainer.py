@@ -270,19 +270,28 @@ def test_tokenization_and_truncation(tmp_path, model_path, tokenizer, caplog):
 
 
 def test_compute_metrics_and_evaluate_raw_dataset(tmp_path, model_path):
+    """As in TRL, `compute_metrics` gets two predictions per evaluation batch, its mean chosen and rejected logits
+    (the `eval_logits/*` metrics), with labels 0.0; `ignore_keys` leaves one out."""
     test = small("standard_preference", "test", 4)
+    seen = []
     trainer = CPOTrainer(
         model_path,
-        args=make_args(tmp_path, eval_strategy="steps", eval_steps=1),
+        args=make_args(tmp_path, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4),
         train_dataset=small("standard_preference", "train"),
         eval_dataset=test,
-        compute_metrics=lambda prediction: {"test": float(prediction.predictions.shape[1])},
+        compute_metrics=lambda prediction: seen.append(prediction) or {"test": float(prediction.predictions.size)},
     )
     trainer.train()
     evals = [log for log in trainer.state.log_history if "eval_test" in log]
     assert evals and evals[-1]["eval_test"] == 2.0
+    metrics = trainer.evaluate()
+    predictions, labels = seen[-1].predictions, seen[-1].label_ids
+    assert predictions.tolist() == pytest.approx([metrics["eval_logits/chosen"], metrics["eval_logits/rejected"]])
+    assert labels.tolist() == [0.0, 0.0]
+    only_rejected = trainer.predict(test, ignore_keys=["eval_logits/chosen"])
+    assert only_rejected.predictions.tolist() == pytest.approx([metrics["eval_logits/rejected"]])
     raw = trainer.evaluate(eval_dataset=test)
-    assert raw["eval_loss"] == pytest.approx(trainer.evaluate()["eval_loss"])
+    assert raw["eval_loss"] == pytest.approx(metrics["eval_loss"])
 
 
 # ---------------------------------------------------------------------------------------------------------------------

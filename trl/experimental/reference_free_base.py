@@ -659,13 +659,17 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
                 means["aux_loss"] = aux_loss.detach().float()
             self._record_batch_metrics(mode, means=means)
         if return_outputs:
-            return loss, {"chosen_rewards": chosen_rewards, "rejected_rewards": rejected_rewards}
+            return loss, {"logits/chosen": means["logits/chosen"], "logits/rejected": means["logits/rejected"]}
         return loss
 
-    def _prediction_logits_and_labels(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        # Predictions: the chosen and rejected rewards of every pair; labels: index 0 (the chosen one is preferred).
-        logits = torch.stack([outputs["chosen_rewards"], outputs["rejected_rewards"]], dim=1)
-        return logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    def _prediction_logits_and_labels(
+        self, model: nn.Module, inputs: dict[str, Any], outputs: dict[str, torch.Tensor], ignore_keys: list[str]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # As in TRL: the batch's mean chosen and rejected logits (those named in `ignore_keys`, as "eval_logits/...",
+        # left out), with zeros as labels.
+        names = [name for name in ("logits/chosen", "logits/rejected") if f"eval_{name}" not in ignore_keys]
+        logits = torch.stack([outputs[name].float() for name in names]) if names else torch.zeros(0)
+        return logits, torch.zeros(logits.shape[0], device=logits.device)
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         # TRL's CPO / ORPO batches hold no `input_ids` key, so transformers counts no FLOPs there and `total_flos`

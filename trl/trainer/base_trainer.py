@@ -441,6 +441,18 @@ class _BaseTrainer(Trainer):
         with self._training_kernels():
             return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
 
+    def predict(
+        self,
+        test_dataset: Any,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+    ) -> Any:
+        """Predict as [`~transformers.Trainer.predict`] does, preparing a raw `test_dataset` first (as `evaluate`
+        does) and with the trainer's faster, leaner kernels in place (see `_training_kernels`)."""
+        test_dataset = self._prepare_eval_dataset(test_dataset, metric_key_prefix)
+        with self._training_kernels():
+            return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
     def _training_kernels(self) -> contextlib.AbstractContextManager:
         """Faster, leaner stand-ins for parts of the model, in place while training or evaluating and removed
         afterwards (the model given and the ones saved keep their own): per-sequence causal attention on padding-free

@@ -294,7 +294,8 @@ class DPOTrainer(_PreferenceTrainer):
         processing_class (`PreTrainedTokenizerBase`, `ProcessorMixin` or `None`, defaults to `None`):
             Tokenizer; loaded from the model's path when omitted (a missing pad token is set to the eos token).
         compute_metrics (`Callable` or `None`, defaults to `None`):
-            Metric function for evaluation; receives the chosen and rejected rewards as predictions.
+            Metric function for evaluation. As in TRL, it receives the policy's logits over each batch's padded
+            chosen then rejected rows as predictions, and their token ids as labels.
         callbacks (`list[TrainerCallback]` or `None`, defaults to `None`):
             Extra callbacks.
         optimizers (`tuple`, defaults to `(None, None)`):
@@ -693,12 +694,6 @@ class DPOTrainer(_PreferenceTrainer):
         self._record_batch_metrics(
             mode, means=pair_level, ratios=token_level, num_tokens=inputs["attention_mask"].sum()
         )
-
-    def _prediction_logits_and_labels(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        # Predictions: the chosen and rejected rewards of every pair; labels: index 0 (the chosen one is preferred).
-        logits = torch.stack([outputs["chosen_rewards"], outputs["rejected_rewards"]], dim=1)
-        labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-        return logits, labels
 
 
 # ----------------------------------------------------------------------------------------------------------------

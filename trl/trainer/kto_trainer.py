@@ -313,23 +313,6 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
     def router_aux_loss_coef(self, value: float) -> None:
         self._aux_loss_coef = float(value)
 
-    def prediction_step(
-        self,
-        model: nn.Module,
-        inputs: dict[str, torch.Tensor | Any],
-        prediction_loss_only: bool,
-        ignore_keys: list[str] | None = None,
-    ):
-        """The loss of a batch and, for `compute_metrics`, the policy's logits `(n, T, V)` of the completions' padded
-        sequences with their token ids `(n, T)` as labels (what TRL hands to `compute_metrics`)."""
-        loss, _, _ = super().prediction_step(model, inputs, prediction_loss_only=True, ignore_keys=ignore_keys)
-        if prediction_loss_only:
-            return loss, None, None
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.compute_loss_context_manager():
-            logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
-        return loss, logits.detach(), inputs["input_ids"]
-
     def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
         """A dataset given to `evaluate()`: prepared like the constructor's `eval_dataset` (a prepared one, with its
         token ids and KL completions, is returned unchanged)."""

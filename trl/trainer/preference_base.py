@@ -592,8 +592,18 @@ class _PreferenceTrainer(_BaseTrainer):
         loss = loss.detach()
         if prediction_loss_only:
             return loss, None, None
-        return (loss, *self._prediction_logits_and_labels(outputs))
+        return (loss, *self._prediction_logits_and_labels(model, inputs, outputs, ignore_keys or []))
 
-    def _prediction_logits_and_labels(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Predictions and labels handed to `compute_metrics`, from the outputs of `compute_loss`."""
-        raise NotImplementedError
+    def _prediction_logits_and_labels(
+        self, model: nn.Module, inputs: dict[str, Any], outputs: dict[str, torch.Tensor], ignore_keys: list[str]
+    ) -> tuple[Any, Any]:
+        """Predictions and labels of a batch for `compute_metrics` and `predict()`. As in TRL: the policy's logits
+        `(rows, T, V)` over the batch's padded sequences, with their token ids `(rows, T)` as labels (a forward pass
+        of its own, run only when predictions are asked for)."""
+        from .utils.vision import vision_forward_inputs
+
+        with torch.no_grad(), self.compute_loss_context_manager():
+            logits = model(
+                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], **vision_forward_inputs(inputs)
+            ).logits
+        return logits.detach(), inputs["input_ids"]

@@ -130,8 +130,8 @@ class RewardTrainer(_BaseTrainer):
             Tokenizer; loaded with `AutoTokenizer` from the model's path when omitted. A missing pad token is set to
             the eos token, and the model's `pad_token_id` is set to the tokenizer's.
         compute_metrics (`Callable` or `None`, defaults to `None`):
-            Metric function for evaluation. It receives predictions of shape `(n, 2)` holding the chosen and rejected
-            rewards, and labels that are all 0 (the index of the preferred column).
+            Metric function for evaluation. As in TRL, it receives the rewards of each batch's chosen sequences
+            followed by its rejected ones, `(2 * batch, 1)` concatenated over the batches, and no labels.
         callbacks (`list[TrainerCallback]` or `None`, defaults to `None`):
             Extra callbacks.
         optimizers (`tuple`, defaults to `(None, None)`):
@@ -139,7 +139,7 @@ class RewardTrainer(_BaseTrainer):
         optimizer_cls_and_kwargs (`tuple` or `None`, defaults to `None`):
             Optimizer class and its kwargs, created on the model's parameters.
         preprocess_logits_for_metrics (`Callable` or `None`, defaults to `None`):
-            Transform the `(n, 2)` reward predictions before they are cached for `compute_metrics`.
+            Transform each batch's `(2 * batch, 1)` reward predictions before they are cached for `compute_metrics`.
         quantization_config (`BitsAndBytesConfig` or `None`, defaults to `None`):
             Quantization used when `model` is a string.
         peft_config (`PeftConfig` or `None`, defaults to `None`):
@@ -456,17 +456,17 @@ class RewardTrainer(_BaseTrainer):
         inputs: dict[str, torch.Tensor | Any],
         prediction_loss_only: bool,
         ignore_keys: list[str] | None = None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """Evaluation step: the loss, and `(n, 2)` predictions `[r_chosen, r_rejected]` with all-zero labels."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple | None]:
+        """Evaluation step: the loss and, as in TRL, the rewards of the batch's chosen then rejected sequences as
+        predictions `(2 * n, 1)`, without labels (an empty tuple)."""
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
             loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
         loss = loss.detach()
         if prediction_loss_only:
             return loss, None, None
-        logits = torch.stack([outputs["rewards_chosen"], outputs["rewards_rejected"]], dim=1)
-        labels = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-        return loss, logits, labels
+        logits = torch.cat([outputs["rewards_chosen"], outputs["rewards_rejected"]]).unsqueeze(-1)
+        return loss, logits, ()
 
 
 # ----------------------------------------------------------------------------------------------------------------

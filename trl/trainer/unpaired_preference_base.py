@@ -730,13 +730,6 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
             metrics["rewards/margins"] = [metrics["rewards/chosen"][0] - metrics["rewards/rejected"][0]]
         super().log(logs, start_time)
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Evaluation
-    # ------------------------------------------------------------------------------------------------------------
-    def _prediction_logits_and_labels(self, outputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        # Predictions: the implied reward of every example; labels: 1 for desirable, 0 for undesirable.
-        return outputs["rewards"], outputs["label"].long()
-
 
 class _UnpairedTokenizer:
     """Turns one `{prompt, completion, label}` example into `prompt_ids` and `completion_ids` (label kept)."""

@@ -109,6 +109,30 @@ def to_jsonable(value: Any) -> Any:
     return repr(value)
 
 
+def prediction_fingerprint(output: Any) -> dict:
+    """A `PredictionOutput` as JSON: predictions and label ids with their shapes and dtypes (small arrays in full,
+    large ones as sums and their first and last values) and the metrics other than timings."""
+    import numpy as np
+
+    def arrays(value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, (tuple, list)):
+            return {"tuple": [arrays(item) for item in value]}
+        array = np.asarray(value)
+        summary = {"shape": list(array.shape), "dtype": str(array.dtype)}
+        if array.size <= 512:
+            return {**summary, "values": array.tolist()}
+        flat = array.astype(np.float64).ravel()
+        return {**summary, "sum": flat.sum(), "abs_sum": np.abs(flat).sum(), "head": flat[:16], "tail": flat[-16:]}
+
+    timings = ("_runtime", "_per_second", "_time")
+    metrics = {key: value for key, value in output.metrics.items() if not key.endswith(timings)}
+    return to_jsonable(
+        {"predictions": arrays(output.predictions), "label_ids": arrays(output.label_ids), "metrics": metrics}
+    )
+
+
 def exception_record(exc: BaseException) -> dict:
     return {"type": type(exc).__name__, "message": str(exc)}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from . import COMMON_ARGS, QWEN, register, run_trainer
+from . import COMMON_ARGS, QWEN, prediction_fingerprint, register, run_trainer
 
 
 TINY_LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
@@ -43,6 +43,17 @@ def reference_free_case(ctx, kind: str, **kwargs) -> dict:
     """Evaluate, train one step, evaluate, fingerprint the update (see `run_trainer`)."""
     trainer, _ = build_reference_free(ctx, kind, **kwargs)
     return run_trainer(trainer)
+
+
+def predict_case(ctx, kind: str, **kwargs) -> dict:
+    """`predict()` on the prepared test split, and with one of the logits left out through `ignore_keys`."""
+    trainer, _ = build_reference_free(ctx, kind, **kwargs)
+    return {
+        "all": prediction_fingerprint(trainer.predict(trainer.eval_dataset)),
+        "ignore_keys": prediction_fingerprint(
+            trainer.predict(trainer.eval_dataset, ignore_keys=["eval_logits/chosen"])
+        ),
+    }
 
 
 def _register(name: str, kind: str, **kwargs) -> None:
@@ -85,3 +96,6 @@ _register("cpo/t5/loss_type=simpo", "cpo", model=T5, loss_type="simpo")
 _register("cpo/t5/conversational_preference", "cpo", model=T5, dataset="conversational_preference")
 _register("orpo/t5/standard_preference", "orpo", model=T5)
 _register("orpo/t5/max_completion_length=3", "orpo", model=T5, max_completion_length=3)
+
+register("cpo/predict", partial(predict_case, kind="cpo"))
+register("orpo/predict", partial(predict_case, kind="orpo"))

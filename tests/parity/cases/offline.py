@@ -9,6 +9,7 @@ from . import (
     QWEN,
     QWEN_RM,
     grad_recorder,
+    prediction_fingerprint,
     register,
     run_trainer,
     snapshot,
@@ -74,6 +75,12 @@ def evaluate_raw_case(ctx, kind: str, **kwargs) -> dict:
             ),
         }
     )
+
+
+def predict_case(ctx, kind: str, **kwargs) -> dict:
+    """`predict()` on the prepared test split: predictions, label ids and metrics (what `compute_metrics` gets)."""
+    trainer, _ = build_offline(ctx, kind, **kwargs)
+    return prediction_fingerprint(trainer.predict(trainer.eval_dataset))
 
 
 def best_model_case(ctx, kind: str, metric: str, greater_is_better: bool = True, **kwargs) -> dict:
@@ -301,6 +308,11 @@ register_offline("kto/peft_lora", "kto", peft=True)
 # evaluate() on what the user passes, and keeping the best checkpoint (issue 18, sections 1 and 2)
 for _kind in OFFLINE_TRAINERS:
     register(f"{_kind}/evaluate_raw_dataset", partial(evaluate_raw_case, kind=_kind))
+    register(f"{_kind}/predict", partial(predict_case, kind=_kind))
+# A last, partial evaluation batch (8 test pairs in batches of 3)
+register(
+    "reward/predict/per_device_eval_batch_size=3", partial(predict_case, kind="reward", per_device_eval_batch_size=3)
+)
 register(
     "sft/load_best_model_at_end/eval_loss",
     partial(best_model_case, kind="sft", metric="eval_loss", greater_is_better=False),

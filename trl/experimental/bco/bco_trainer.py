@@ -789,6 +789,13 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
             return loss, outputs
         return loss
 
+    def _prediction_logits_and_labels(
+        self, model: nn.Module, inputs: dict[str, Any], outputs: dict[str, torch.Tensor], ignore_keys: list[str]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Predictions: the implied reward of every example; labels: 1 for desirable, 0 for undesirable. (TRL 1.12's
+        # own `predict()` fails on its integer labels, so there is no oracle to follow here.)
+        return outputs["rewards"], outputs["label"].long()
+
     def store_metrics(self, metrics: dict[str, float], train_eval: str = "train") -> None:
         """Store already-reduced metric values for the next log."""
         for key, value in metrics.items():

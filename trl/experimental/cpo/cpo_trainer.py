@@ -123,7 +123,8 @@ class CPOTrainer(_ReferenceFreePreferenceTrainer):
         peft_config (`PeftConfig` or `None`, defaults to `None`):
             Adapter configuration; the model is wrapped with `peft.get_peft_model`.
         compute_metrics (`Callable` or `None`, defaults to `None`):
-            Metric function for evaluation; receives the chosen and rejected rewards as predictions.
+            Metric function for evaluation. As in TRL, it receives each batch's mean chosen and rejected logits as
+            predictions, with labels 0.0.
     """
 
     _tag_names = ["trl", "cpo"]
