@@ -335,6 +335,11 @@ def test_same_tokenizer_loss_is_gkds_at_the_sampling_temperature(tmp_path, model
         outputs.logits[:, :-1], teacher_logits[:, :-1], labels=batch["labels"][:, 1:], temperature=0.7
     )
     assert gold_loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    # As in TRL, evaluation hands `compute_metrics` no predictions or labels, only the loss (GKD: the logits).
+    predicted = gold.predict(gold.eval_dataset)
+    assert predicted.predictions is None and predicted.label_ids is None
+    assert predicted.metrics["test_loss"] == pytest.approx(gold.evaluate()["eval_loss"], rel=1e-6)
+    assert gkd.predict(gkd.eval_dataset).predictions.shape[-1] == gkd.model.config.vocab_size
 
 
 def test_cross_tokenizer_training_changes_student_logs_and_evaluates(tmp_path, model_path, conversations):

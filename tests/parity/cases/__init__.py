@@ -133,6 +133,11 @@ def prediction_fingerprint(output: Any) -> dict:
     )
 
 
+def predict_eval_dataset(trainer: Any) -> dict:
+    """`predict()` on the trainer's prepared evaluation dataset, as [`prediction_fingerprint`]."""
+    return prediction_fingerprint(trainer.predict(trainer.eval_dataset))
+
+
 def exception_record(exc: BaseException) -> dict:
     return {"type": type(exc).__name__, "message": str(exc)}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from . import COMMON_ARGS, QWEN, prediction_fingerprint, register, run_trainer
+from . import COMMON_ARGS, QWEN, predict_eval_dataset, prediction_fingerprint, register, run_trainer
 
 
 TINY_LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
@@ -49,7 +49,7 @@ def predict_case(ctx, kind: str, **kwargs) -> dict:
     """`predict()` on the prepared test split, and with one of the logits left out through `ignore_keys`."""
     trainer, _ = build_reference_free(ctx, kind, **kwargs)
     return {
-        "all": prediction_fingerprint(trainer.predict(trainer.eval_dataset)),
+        "all": predict_eval_dataset(trainer),
         "ignore_keys": prediction_fingerprint(
             trainer.predict(trainer.eval_dataset, ignore_keys=["eval_logits/chosen"])
         ),

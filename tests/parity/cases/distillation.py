@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from functools import partial
 
-from . import COMMON_ARGS, QWEN, case, column_names, expect_error, register, run_trainer, tensor_stats, to_jsonable
+from . import (
+    COMMON_ARGS,
+    QWEN,
+    case,
+    column_names,
+    expect_error,
+    predict_eval_dataset,
+    register,
+    run_trainer,
+    tensor_stats,
+    to_jsonable,
+)
 from .offline import TINY_LORA
 
 
@@ -360,3 +371,8 @@ def gold_bad_merge_strategy(ctx) -> dict:
 @case("gold/errors/generation_batch_size", phrases=("generation_batch_size",))
 def gold_bad_generation_batch_size(ctx) -> dict:
     return expect_error(lambda: _gold_config(ctx, generation_batch_size=3))
+
+
+# `predict()`: GKD hands over the student's logits and labels (as SFT); GOLD the loss only (TRL 1.16's behaviours)
+register("gkd/predict", lambda ctx: predict_eval_dataset(build_gkd(ctx, lmbda=0.0)))
+register("gold/predict", lambda ctx: predict_eval_dataset(build_gold(ctx)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from . import COMMON_ARGS, QWEN, expect_error, register, run_trainer, to_jsonable
+from . import COMMON_ARGS, QWEN, expect_error, predict_eval_dataset, register, run_trainer, to_jsonable
 from .dataclass_fields import _register_dataclass_case
 
 
@@ -16,25 +16,26 @@ EOS_BIAS = {"sequence_bias": [[[4091], 6.0]]}
 DISTILLATION_ARGS = dict(COMMON_ARGS, max_steps=2, max_completion_length=8, generation_kwargs=GREEDY)
 
 
-def distillation_case(
-    ctx, *, dataset: str = "standard_prompt_only", log_completions: bool = False, evaluate: bool = True, **config
-) -> dict:
-    """Evaluate, train, evaluate: the standard trainer scenario on 8 train / 8 test prompts."""
+def build_distillation(ctx, *, dataset: str = "standard_prompt_only", evaluate: bool = True, **config):
+    """The tiny student and the small teacher on 8 train / 8 test prompts (no test split unless `evaluate`)."""
     import trl
 
-    args = trl.DistillationConfig(
-        output_dir=ctx.tmpdir(), log_completions=log_completions, **{**DISTILLATION_ARGS, **config}
-    )
-    trainer = trl.DistillationTrainer(
+    args = trl.DistillationConfig(output_dir=ctx.tmpdir(), **{**DISTILLATION_ARGS, **config})
+    return trl.DistillationTrainer(
         model=ctx.model(QWEN),
         teacher_model=ctx.model(TEACHER),
         args=args,
         train_dataset=ctx.dataset(dataset, "train", 8),
         eval_dataset=ctx.dataset(dataset, "test", 8) if evaluate else None,
     )
+
+
+def distillation_case(ctx, *, log_completions: bool = False, evaluate: bool = True, **config) -> dict:
+    """Evaluate, train, evaluate: the standard trainer scenario on 8 train / 8 test prompts."""
+    trainer = build_distillation(ctx, log_completions=log_completions, evaluate=evaluate, **config)
     out = run_trainer(trainer, evaluate=evaluate)
     if log_completions:
-        out["completions"] = _completion_tables(args.output_dir)
+        out["completions"] = _completion_tables(trainer.args.output_dir)
     return out
 
 
@@ -52,6 +53,7 @@ def _completion_tables(output_dir: str) -> dict:
 
 
 register("distillation/greedy", distillation_case)
+register("distillation/predict", lambda ctx: predict_eval_dataset(build_distillation(ctx)))
 register("distillation/beta=0", partial(distillation_case, beta=0.0))
 register("distillation/temperature=0.7", partial(distillation_case, temperature=0.7))
 register("distillation/beta=0.5", partial(distillation_case, beta=0.5, temperature=2.0))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from . import COMMON_ARGS, QWEN, QWEN_RM, case, register, run_trainer, tokenizer
+from . import COMMON_ARGS, QWEN, QWEN_RM, case, predict_eval_dataset, register, run_trainer, tokenizer
 
 
 QWEN_TOKEN_CLS = "tiny-Qwen2ForTokenClassification"
@@ -124,21 +124,23 @@ def bco_case(ctx, dataset: str = "standard_unpaired_preference", **config) -> di
     return run_trainer(trainer, evaluate=False)
 
 
-def prm_case(ctx, dataset: str = "standard_stepwise_supervision", **config) -> dict:
+def build_prm(ctx, dataset: str = "standard_stepwise_supervision", **config):
     """PRM on 8 stepwise-supervision rows with the tiny token-classification model (TRL 1.12 takes no model path)."""
     from transformers import AutoModelForTokenClassification
 
     config_cls, trainer_cls = _experimental("prm", "PRM")
     args = config_cls(output_dir=ctx.tmpdir(), **{**COMMON_ARGS, **config})
-    test = ctx.dataset(dataset, "test", 8)
-    trainer = trainer_cls(
+    return trainer_cls(
         model=AutoModelForTokenClassification.from_pretrained(ctx.model(QWEN_TOKEN_CLS)),
         args=args,
         train_dataset=ctx.dataset(dataset, "train", 8),
-        eval_dataset=test,
+        eval_dataset=ctx.dataset(dataset, "test", 8),
         processing_class=tokenizer(ctx, QWEN_TOKEN_CLS),
     )
-    return run_trainer(trainer)
+
+
+def prm_case(ctx, **kwargs) -> dict:
+    return run_trainer(build_prm(ctx, **kwargs))
 
 
 register("bco/standard_unpaired_preference", bco_case, oracle="1.12")
@@ -151,6 +153,7 @@ register("bco/beta=0.5", partial(bco_case, beta=0.5), oracle="1.12")
 register("prm/standard_stepwise_supervision", prm_case, oracle="1.12")
 register("prm/train_on_last_step_only=True", partial(prm_case, train_on_last_step_only=True), oracle="1.12")
 register("prm/step_separator", partial(prm_case, step_separator=" | "), oracle="1.12")
+register("prm/predict", lambda ctx: predict_eval_dataset(build_prm(ctx)), oracle="1.12")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

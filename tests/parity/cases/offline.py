@@ -9,7 +9,7 @@ from . import (
     QWEN,
     QWEN_RM,
     grad_recorder,
-    prediction_fingerprint,
+    predict_eval_dataset,
     register,
     run_trainer,
     snapshot,
@@ -80,7 +80,7 @@ def evaluate_raw_case(ctx, kind: str, **kwargs) -> dict:
 def predict_case(ctx, kind: str, **kwargs) -> dict:
     """`predict()` on the prepared test split: predictions, label ids and metrics (what `compute_metrics` gets)."""
     trainer, _ = build_offline(ctx, kind, **kwargs)
-    return prediction_fingerprint(trainer.predict(trainer.eval_dataset))
+    return predict_eval_dataset(trainer)
 
 
 def best_model_case(ctx, kind: str, metric: str, greater_is_better: bool = True, **kwargs) -> dict:

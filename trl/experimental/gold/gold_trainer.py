@@ -399,6 +399,18 @@ class GOLDTrainer(GKDTrainer):
         self._record_metric(name, loss * self.current_gradient_accumulation_steps, mode="train")
         return loss
 
+    def prediction_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        prediction_loss_only: bool,
+        ignore_keys: list[str] | None = None,
+    ) -> tuple[torch.Tensor | None, None, None]:
+        """The evaluation loss of a batch. As in TRL, GOLD hands no predictions or labels to `compute_metrics` (nor
+        returns them from `predict()`)."""
+        loss, _, _ = super().prediction_step(model, inputs, True, ignore_keys)
+        return loss, None, None
+
     def compute_loss(
         self,
         model: nn.Module,
