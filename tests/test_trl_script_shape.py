@@ -75,10 +75,10 @@ def record_loading(monkeypatch) -> dict[str, list[dict]]:
     """Record the kwargs of the trainer's model and processor loading calls."""
     import transformers
 
-    import trl.trainer.utils
+    import trl.trainer.base_trainer
 
     calls = {"model": [], "processor": []}
-    create_model_from_path = trl.trainer.utils.create_model_from_path
+    create_model_from_path = trl.trainer.base_trainer.create_model_from_path
     processor_from_pretrained = transformers.AutoProcessor.from_pretrained.__func__
 
     def create_model(model_id, **kwargs):
@@ -89,7 +89,8 @@ def record_loading(monkeypatch) -> dict[str, list[dict]]:
         calls["processor"].append(kwargs)
         return processor_from_pretrained(cls, model_id, **kwargs)
 
-    monkeypatch.setattr(trl.trainer.utils, "create_model_from_path", create_model)
+    # (Recorded where the trainers' shared base looks it up.)
+    monkeypatch.setattr(trl.trainer.base_trainer, "create_model_from_path", create_model)
     monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", classmethod(load_processor))
     return calls
 

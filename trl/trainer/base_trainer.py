@@ -20,6 +20,39 @@ import torch.nn as nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.utils import is_peft_available
 
+from .._data.formats import check_no_images, check_single_format
+from ..chat_template_utils import clone_chat_template
+from ..models.activation_offloading import get_act_offloading_ctx_manager
+from ..models.utils import _create_reference_model, prepare_deepspeed, prepare_fsdp
+from .callbacks import SyncRefModelCallback
+from .utils import (
+    create_model_from_path,
+    generate_model_card,
+    get_comet_experiment_url,
+    get_trackio_space_url,
+    prepare_peft_model,
+    use_adapter,
+)
+from .utils.checkpoints import (
+    last_complete_checkpoint,
+    load_reference_model,
+    load_renamed_weights,
+    load_trainer_state,
+    save_checkpoint_atomically,
+    save_reference_model,
+    save_trainer_state,
+)
+from .utils.contiguous_state import (
+    contiguous_training_state,
+    finish_contiguous_micro_batch,
+    prepare_contiguous_gradients,
+)
+from .utils.cpu_allocator import keep_activation_memory
+from .utils.distributed import uses_sharding_engine
+from .utils.layer_checkpoints import CheckpointArena, lean_layer_checkpoints
+from .utils.lean_modules import lean_modules
+from .utils.packing import packed_sdpa_attention
+
 
 if is_peft_available():
     from peft import PeftModel
@@ -94,7 +127,6 @@ class _BaseTrainer(Trainer):
         PEFT adapters) draw from the generators seeded with `args.seed`, as in TRL: the same seed, the same model
         (`seed_initialisations=False` for a reference model, loaded after the trained one).
         """
-        from .utils import create_model_from_path
 
         if seed_initialisations:
             _seed_initialisations(args)
@@ -145,8 +177,6 @@ class _BaseTrainer(Trainer):
         """Set `maybe_activation_offload_context`, entered around the forward/backward of each training step: it
         moves saved activations to CPU when `args.activation_offloading` is on, and does nothing otherwise."""
         if getattr(self.args, "activation_offloading", False):
-            from ..models.activation_offloading import get_act_offloading_ctx_manager
-
             self.maybe_activation_offload_context = get_act_offloading_ctx_manager(self.model)
         else:
             self.maybe_activation_offload_context = contextlib.nullcontext()
@@ -191,7 +221,6 @@ class _BaseTrainer(Trainer):
         """Wrap `model` with PEFT adapters from `peft_config` (no-op when None). See `prepare_peft_model`."""
         if peft_config is None:
             return model
-        from .utils import prepare_peft_model
 
         return prepare_peft_model(model, peft_config, args)
 
@@ -204,7 +233,6 @@ class _BaseTrainer(Trainer):
             raise ValueError(
                 f"{trainer_name} needs a `train_dataset`; got None. Pass a datasets.Dataset or IterableDataset."
             )
-        from .._data.formats import check_no_images, check_single_format
 
         check_single_format(train_dataset, "train")
         if not self._accepts_images:  # trainers that take images check the processor themselves
@@ -273,8 +301,6 @@ class _BaseTrainer(Trainer):
         if not needed or cls._is_peft_model(policy):
             return None
         if isinstance(model, str):
-            from .utils import create_model_from_path
-
             init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
             init_kwargs["dtype"] = policy.dtype
             attn = getattr(policy.config, "_attn_implementation", None)
@@ -284,7 +310,6 @@ class _BaseTrainer(Trainer):
             if getattr(args, "trust_remote_code", False):
                 init_kwargs.setdefault("trust_remote_code", True)
             return cls._freeze(create_model_from_path(model, **init_kwargs))
-        from ..models.utils import _create_reference_model
 
         return _create_reference_model(policy)
 
@@ -299,12 +324,8 @@ class _BaseTrainer(Trainer):
         if ref_model is None:
             return None
         if self.is_deepspeed_enabled:
-            from ..models.utils import prepare_deepspeed
-
             return prepare_deepspeed(ref_model, self.accelerator)
         if self.is_fsdp_enabled:
-            from ..models.utils import prepare_fsdp
-
             return prepare_fsdp(ref_model, self.accelerator)
         return self.accelerator.prepare_model(ref_model, evaluation_mode=True)
 
@@ -318,7 +339,6 @@ class _BaseTrainer(Trainer):
                 "adapter-disabled self, and precomputed reference log-probs drop the model). Set "
                 "sync_ref_model=False or train without PEFT / precompute_ref_log_probs."
             )
-        from .callbacks import SyncRefModelCallback
 
         self.add_callback(SyncRefModelCallback(ref_model=ref_model, accelerator=self.accelerator))
 
@@ -336,7 +356,6 @@ class _BaseTrainer(Trainer):
             unwrapped = self.accelerator.unwrap_model(model)
             if not self._is_peft_model(unwrapped):
                 raise ValueError("No reference model is available: pass ref_model, or use a PEFT policy.")
-            from .utils import use_adapter
 
             with use_adapter(unwrapped, ref_adapter_name):
                 yield model
@@ -458,8 +477,6 @@ class _BaseTrainer(Trainer):
         afterwards (the model given and the ones saved keep their own): per-sequence causal attention on padding-free
         batches ([`~trl.trainer.utils.packing.packed_sdpa_attention`]) and the MLPs and RMSNorms that keep fewer
         activations ([`~trl.trainer.utils.lean_modules.lean_modules`])."""
-        from .utils.lean_modules import lean_modules
-        from .utils.packing import packed_sdpa_attention
 
         stack = contextlib.ExitStack()
         stack.enter_context(packed_sdpa_attention(self.model))
@@ -472,7 +489,6 @@ class _BaseTrainer(Trainer):
         else:
             model_name = self.args.hub_model_id.split("/")[-1]
         self.create_model_card(model_name=model_name)
-        from .utils.checkpoints import save_checkpoint_atomically
 
         save_checkpoint_atomically(self, model, trial, super()._save_checkpoint)
 
@@ -496,7 +512,6 @@ class _BaseTrainer(Trainer):
     def _save_checkpoint_extras(self, checkpoint_dir: str) -> None:
         """Hook: write extra files into a checkpoint while it is still being assembled (before it becomes visible
         under its final name). The default writes this process's `_checkpoint_state`."""
-        from .utils.checkpoints import save_reference_model, save_trainer_state
 
         save_trainer_state(checkpoint_dir, self.args.process_index, self._checkpoint_state())
         if self._reference_model_changes() and self.is_world_process_zero():
@@ -525,8 +540,6 @@ class _BaseTrainer(Trainer):
             and isinstance(self.model, PreTrainedModel)
             and not self.is_fsdp_enabled
         ):
-            from .utils.checkpoints import load_renamed_weights
-
             result = load_renamed_weights(self.model, resume_from_checkpoint)
             if result is not None:
                 self._issue_warnings_after_load(result)
@@ -536,7 +549,6 @@ class _BaseTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         # Called on every resume (plain, DeepSpeed and FSDP alike) with the checkpoint directory that was resolved.
         super()._load_optimizer_and_scheduler(checkpoint)
-        from .utils.checkpoints import load_reference_model, load_trainer_state
 
         state = load_trainer_state(checkpoint, self.args.process_index)
         if state is not None:
@@ -551,11 +563,7 @@ class _BaseTrainer(Trainer):
         """Train as [`~transformers.Trainer.train`] does; `resume_from_checkpoint=True` resumes from the latest
         *complete* checkpoint in `output_dir` (a checkpoint cut short by a crash is never picked)."""
         if resume_from_checkpoint is True:
-            from .utils.checkpoints import last_complete_checkpoint
-
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
-        from .utils.contiguous_state import contiguous_training_state
-        from .utils.cpu_allocator import keep_activation_memory
 
         # On the CPU, freed activation memory stays in the heap for the next step instead of being faulted in anew.
         parameter = next(self.model.parameters(), None)
@@ -570,7 +578,6 @@ class _BaseTrainer(Trainer):
         """transformers' context around `compute_loss` (autocast), plus, when training on the CPU in one process with
         gradient checkpointing, checkpointed decoder layers whose kept outputs live outside the C heap
         ([`~trl.trainer.utils.layer_checkpoints.lean_layer_checkpoints`])."""
-        from .utils.distributed import uses_sharding_engine
 
         stack = super().compute_loss_context_manager()
         args = self.args
@@ -581,8 +588,6 @@ class _BaseTrainer(Trainer):
             and self.accelerator.num_processes == 1
             and not uses_sharding_engine(args)
         ):
-            from .utils.layer_checkpoints import CheckpointArena, lean_layer_checkpoints
-
             arena = self.__dict__.get("_checkpoint_arena")
             if arena is None:
                 arena = self._checkpoint_arena = CheckpointArena()
@@ -591,7 +596,6 @@ class _BaseTrainer(Trainer):
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         # Gradients (and Adam's moments) in buffers allocated once, outside glibc's heap (see `contiguous_state`).
-        from .utils.contiguous_state import finish_contiguous_micro_batch, prepare_contiguous_gradients
 
         prepare_contiguous_gradients(self)
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -613,7 +617,6 @@ class _BaseTrainer(Trainer):
         """
         if not self.is_world_process_zero():
             return
-        from .utils import generate_model_card, get_comet_experiment_url, get_trackio_space_url
 
         config = getattr(self.model, "config", None)
         base_model = getattr(config, "_name_or_path", None)
@@ -728,7 +731,6 @@ class _BaseTrainer(Trainer):
                 f"chat_template_path={path!r} is a file but not a .jinja/.j2 template. Give a template file or a "
                 "tokenizer directory whose chat template should be copied."
             )
-        from ..chat_template_utils import clone_chat_template
 
         model, tokenizer, added_tokens = clone_chat_template(model, tokenizer, path)
         return model, tokenizer, added_tokens

@@ -17,7 +17,19 @@ import torch
 import torch.nn as nn
 from transformers import TrainingArguments
 
+from ..data_utils import get_dataset_column_names
 from .base_trainer import _BaseTrainer
+from .utils import (
+    compute_sequence_token_logps,
+    disable_dropout_in_model,
+    logits_statistics,
+    packed_attention_kind,
+    precompute_reference_logps,
+    uses_sharding_engine,
+)
+from .utils.packing import packed_sdpa_applicable, packed_sdpa_attention
+from .utils.prefix_sharing import MIN_SHARED_SAVING, share_prefixes, shared_prefix_token_logps, sharing_possible_now
+from .utils.vision import check_image_columns, check_vision_processing_class, is_vision_example, vision_forward_inputs
 
 
 logger = logging.getLogger(__name__)
@@ -189,7 +201,6 @@ class _PreferenceTrainer(_BaseTrainer):
         With precomputed reference log-probs the untrained policy scores the data itself, so no copy is made, except
         under DeepSpeed / FSDP, where the policy is sharded later and a prepared reference is simpler.
         """
-        from .utils import disable_dropout_in_model, uses_sharding_engine
 
         needed = needed and (not getattr(args, "precompute_ref_log_probs", False) or uses_sharding_engine(args))
         ref_model = self._build_ref_model(model_arg, model, ref_model, args, needed=needed)
@@ -228,7 +239,6 @@ class _PreferenceTrainer(_BaseTrainer):
     def _training_kernels(self) -> contextlib.ExitStack:
         """The base's training kernels, plus the per-sequence attention for a separate reference model, which runs
         in the same layout as the policy (`_choose_layout`)."""
-        from .utils.packing import packed_sdpa_attention
 
         stack = super()._training_kernels()
         ref_model = getattr(self, "ref_model", None)
@@ -250,8 +260,6 @@ class _PreferenceTrainer(_BaseTrainer):
         rows capped at the longest sequence rarely fit two sequences of similar lengths, so they would keep most of
         the padding, while one row costs exactly the tokens and the per-sequence attention the sequences need.
         """
-        from .utils import packed_attention_kind
-        from .utils.packing import packed_sdpa_applicable
 
         kind = packed_attention_kind(model) if model is not None else None
         if kind is None:
@@ -315,8 +323,6 @@ class _PreferenceTrainer(_BaseTrainer):
 
         from datasets import Dataset
 
-        from .utils import precompute_reference_logps
-
         args = self.args
         was_training = self.model.training
         self.model.eval()
@@ -372,8 +378,6 @@ class _PreferenceTrainer(_BaseTrainer):
         dataset that already has the columns, or a streaming one (scored on the fly), is returned as is.
         """
         from datasets import Dataset
-
-        from .utils import precompute_reference_logps
 
         if not isinstance(dataset, Dataset) or all(c in dataset.column_names for c in columns):
             return dataset
@@ -432,8 +436,6 @@ class _PreferenceTrainer(_BaseTrainer):
         """
         from datasets import DatasetDict, IterableDataset, IterableDatasetDict
 
-        from ..data_utils import get_dataset_column_names
-
         if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
             raise ValueError(
                 f"The {dataset_name} dataset is a DatasetDict with splits {list(dataset.keys())}; pass one split, for "
@@ -453,7 +455,6 @@ class _PreferenceTrainer(_BaseTrainer):
 
     def _setup_vision(self, train_dataset: Any, processing_class: Any, args: Any) -> bool:
         """Detect an image dataset and check what it needs: a processor, and no precomputed reference log-probs."""
-        from .utils.vision import check_image_columns, check_vision_processing_class, is_vision_example
 
         first_example = self._first_example(train_dataset)
         check_image_columns(first_example, type(self).__name__)
@@ -519,7 +520,6 @@ class _PreferenceTrainer(_BaseTrainer):
 
     def _logits_stats(self, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per-token statistics of the full distribution, computed where the LM head runs."""
-        from .utils import logits_statistics
 
         return logits_statistics(logits, targets)
 
@@ -535,14 +535,6 @@ class _PreferenceTrainer(_BaseTrainer):
         """Per-token log-probs of the completion tokens of `inputs` (see `compute_sequence_token_logps`); extra
         keyword arguments go to the model's forward. With `prefix_groups` (rows that start alike, for a model that
         `supports_prefix_sharing`), each group's common prefix runs once when that saves enough tokens."""
-        from .utils import compute_sequence_token_logps
-        from .utils.prefix_sharing import (
-            MIN_SHARED_SAVING,
-            share_prefixes,
-            shared_prefix_token_logps,
-            sharing_possible_now,
-        )
-        from .utils.vision import vision_forward_inputs
 
         # (A model wrapped or sharded for distributed training keeps whole-row passes.)
         if prefix_groups is not None and not forward_kwargs and sharing_possible_now(model):
@@ -600,7 +592,6 @@ class _PreferenceTrainer(_BaseTrainer):
         """Predictions and labels of a batch for `compute_metrics` and `predict()`. As in TRL: the policy's logits
         `(rows, T, V)` over the batch's padded sequences, with their token ids `(rows, T)` as labels (a forward pass
         of its own, run only when predictions are asked for)."""
-        from .utils.vision import vision_forward_inputs
 
         with torch.no_grad(), self.compute_loss_context_manager():
             logits = model(
