@@ -236,10 +236,26 @@ def test_mixture_coef_schedule_with_judge(tmp_path, model_path, prompts):
 
 
 def test_peft_mixture_with_adapter_free_reference(tmp_path, model_path, prompts):
+    """With LoRA and no `ref_model`, the KL term's reference is the model with its adapters switched off: after
+    training has moved the adapters, the loss equals the formula with those log-probs."""
+    args = make_args(tmp_path, beta=0.2, learning_rate=0.05)
     trainer, _ = train_peft_adapters_only(
-        NashMDTrainer, model=model_path, reward_funcs=token_sum_reward, args=make_args(tmp_path), train_dataset=prompts
+        NashMDTrainer, model=model_path, reward_funcs=token_sum_reward, args=args, train_dataset=prompts
     )
     assert all(m in train_logs(trainer)[-1] for m in NASH_MD_METRICS)
+    batch = trainer._prepare_inputs([prompts[i] for i in range(3)])
+    rows, model = batch_rows(batch), trainer.model
+    policy = [row_token_logps(model, p, c) for p, c in rows[:3]]
+    with model.disable_adapter():
+        reference = [row_token_logps(model, p, c) for p, c in rows[:3]]
+    assert max(float((lp - lr).abs().max()) for lp, lr in zip(policy, reference)) > 1e-3  # the adapters moved it
+    probability = batch["first_win_prob"]
+    kl_terms = torch.stack([((lp - lr) * lp).sum() for lp, lr in zip(policy, reference)])
+    sequence_logps = torch.stack([lp.sum() for lp in policy])
+    expected = (0.2 * kl_terms - (probability - 0.5) * sequence_logps).mean()
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, batch)
+    torch.testing.assert_close(loss, expected, atol=1e-3, rtol=1e-4)
 
 
 def test_resume_from_checkpoint(tmp_path, model_path, prompts):

@@ -174,10 +174,30 @@ def test_train_with_judge_and_alpha_schedule(tmp_path, model_path, prompts):
 
 
 def test_peft_reference_is_the_adapter_free_model(tmp_path, model_path, prompts):
+    """With LoRA and no `ref_model`, the loss's reference terms are the model with its adapters switched off: after
+    training has moved the adapters, the loss equals the formula with those log-probs."""
+    args = make_args(tmp_path, alpha=0.1, beta=0.5, learning_rate=0.05)
     trainer, _ = train_peft_adapters_only(
-        XPOTrainer, model=model_path, reward_funcs=length_reward, args=make_args(tmp_path), train_dataset=prompts
+        XPOTrainer, model=model_path, reward_funcs=length_reward, args=args, train_dataset=prompts
     )
     assert all(m in train_logs(trainer)[-1] for m in XPO_METRICS)
+    batch = trainer._prepare_inputs([prompts[i] for i in range(3)])
+    rows, scores = batch_rows(batch), batch["scores"]
+    model = trainer.model
+    policy = [row_logp(model, p, c) for p, c in rows]
+    with model.disable_adapter():
+        reference = [row_logp(model, p, c) for p, c in rows]
+    assert max(abs(float(a - b)) for a, b in zip(policy, reference)) > 1e-3  # the adapters moved the policy
+    dpo_terms, xpo_terms = [], []
+    for i in range(3):
+        c, r = (i, i + 3) if scores[i] >= scores[i + 3] else (i + 3, i)
+        h = (policy[c] - reference[c]) - (policy[r] - reference[r])
+        dpo_terms.append(-F.logsigmoid(0.5 * h))
+        xpo_terms.append(0.1 * policy[i + 3])
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, batch)
+    expected = torch.stack(dpo_terms).mean() + torch.stack(xpo_terms).mean()
+    torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_resume_from_checkpoint(tmp_path, model_path, prompts):
