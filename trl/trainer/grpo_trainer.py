@@ -638,7 +638,6 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         if self.liger_grpo_loss is not None:
             return self._compute_liger_loss(model, inputs)
         args = self.args
-        mode = self._mode
         logps, entropy, outputs = self._forward_logps(model, inputs, compute_entropy=True)
         mask = inputs["completion_mask"].to(logps.dtype)
         advantages = inputs["advantages"].to(logps.dtype)
@@ -694,30 +693,50 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             policy_loss = loss
             loss = loss - self.entropy_coef * normalize_per_token_loss(entropy, mask, **normalise)
         loss = self._add_aux_loss(loss, outputs)
-
-        # ---- Metrics -----------------------------------------------------------------------------------------
         with torch.no_grad():
-            mean_entropy = masked_mean(entropy.detach(), mask)
-            self._record_metric("entropy", mean_entropy)
-            if mode == "train":
-                self._entropy_sum += float((entropy.detach() * mask).sum())
-                self._entropy_count += float(mask.sum())
-            if per_token_kl is not None:
-                # TRL logs the KL weighted by the importance ratio (1 on-policy), whatever the loss's KL term uses.
-                self._record_metric("kl", masked_mean((per_token_kl * ratio).detach(), mask))
-            full_mask = mask.expand_as(per_token_loss)
-            if args.loss_type not in ("cispo", "sapo", "vespo"):  # their trust regions are not a clip (TRL)
-                self._record_clip_metrics(stats["low_clipped"], stats["high_clipped"], full_mask)
-            if "cispo_clipped" in stats:
-                self._record_metric(
-                    "cispo_clip_ratio", masked_mean(stats["cispo_clipped"].expand_as(full_mask).float(), full_mask)
-                )
-            if "vespo_phi" in stats:
-                self._record_metric("vespo/phi_seq_mean", stats["vespo_phi"].mean())
-            if use_entropy_bonus:
-                self._record_metric("policy_loss", policy_loss.detach() * self._gradient_accumulation_divisor())
-                self._metrics[mode]["entropy_coef"].append(float(self.entropy_coef))
+            self._record_loss_metrics(
+                entropy,
+                mask,
+                per_token_kl,
+                ratio,
+                stats,
+                per_token_loss.shape,
+                policy_loss if use_entropy_bonus else None,
+            )
         return loss
+
+    def _record_loss_metrics(
+        self,
+        entropy: torch.Tensor,
+        mask: torch.Tensor,
+        per_token_kl: torch.Tensor | None,
+        ratio: torch.Tensor,
+        stats: dict[str, torch.Tensor],
+        loss_shape: torch.Size,
+        policy_loss: torch.Tensor | None,
+    ) -> None:
+        """TRL's metrics of a loss computation: entropy, KL, the clip statistics of the loss type, and the policy
+        loss and entropy coefficient when an entropy bonus is on (`policy_loss` given)."""
+        mode = self._mode
+        self._record_metric("entropy", masked_mean(entropy.detach(), mask))
+        if mode == "train":
+            self._entropy_sum += float((entropy.detach() * mask).sum())
+            self._entropy_count += float(mask.sum())
+        if per_token_kl is not None:
+            # TRL logs the KL weighted by the importance ratio (1 on-policy), whatever the loss's KL term uses.
+            self._record_metric("kl", masked_mean((per_token_kl * ratio).detach(), mask))
+        full_mask = mask.expand(loss_shape)
+        if self.args.loss_type not in ("cispo", "sapo", "vespo"):  # their trust regions are not a clip (TRL)
+            self._record_clip_metrics(stats["low_clipped"], stats["high_clipped"], full_mask)
+        if "cispo_clipped" in stats:
+            self._record_metric(
+                "cispo_clip_ratio", masked_mean(stats["cispo_clipped"].expand_as(full_mask).float(), full_mask)
+            )
+        if "vespo_phi" in stats:
+            self._record_metric("vespo/phi_seq_mean", stats["vespo_phi"].mean())
+        if policy_loss is not None:
+            self._record_metric("policy_loss", policy_loss.detach() * self._gradient_accumulation_divisor())
+            self._metrics[mode]["entropy_coef"].append(float(self.entropy_coef))
 
     # ------------------------------------------------------------------------------------------------------------
     # Adaptive entropy coefficient
