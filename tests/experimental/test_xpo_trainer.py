@@ -101,6 +101,18 @@ def test_config(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------------------------------------
+def hand_xpo_loss(policy, reference, scores, alpha=0.1, beta=0.5):
+    """XPO's loss over 3 pairs by hand: rows 0-2 are the policy's completions, rows 3-5 the reference's; the pair's
+    preferred row by score, DPO on the log-ratio margin plus `alpha` times the reference completions' log-probs."""
+    dpo_terms, xpo_terms = [], []
+    for i in range(3):
+        c, r = (i, i + 3) if scores[i] >= scores[i + 3] else (i + 3, i)
+        h = (policy[c] - reference[c]) - (policy[r] - reference[r])
+        dpo_terms.append(-F.logsigmoid(beta * h))
+        xpo_terms.append(alpha * policy[i + 3])
+    return torch.stack(dpo_terms).mean() + torch.stack(xpo_terms).mean()
+
+
 def test_pairs_are_policy_vs_reference_and_loss_against_plain_forward(tmp_path, model_path, prompts):
     ref_model = single_token_reference(model_path)
     trainer = XPOTrainer(
@@ -121,16 +133,9 @@ def test_pairs_are_policy_vs_reference_and_loss_against_plain_forward(tmp_path, 
 
     policy = [row_logp(trainer.model, p, c) for p, c in rows]
     reference = [row_logp(ref_model, p, c) for p, c in rows]
-    dpo_terms, xpo_terms = [], []
-    for i in range(3):
-        c, r = (i, i + 3) if scores[i] >= scores[i + 3] else (i + 3, i)
-        h = (policy[c] - reference[c]) - (policy[r] - reference[r])
-        dpo_terms.append(-F.logsigmoid(0.5 * h))
-        xpo_terms.append(0.1 * policy[i + 3])
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, batch)
-    expected = torch.stack(dpo_terms).mean() + torch.stack(xpo_terms).mean()
-    torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(loss, hand_xpo_loss(policy, reference, scores), atol=1e-4, rtol=1e-4)
 
 
 def test_train_with_reward_model_logs_every_metric_and_saves(tmp_path, model_path, prompts):
@@ -188,16 +193,9 @@ def test_peft_reference_is_the_adapter_free_model(tmp_path, model_path, prompts)
     with model.disable_adapter():
         reference = [row_logp(model, p, c) for p, c in rows]
     assert max(abs(float(a - b)) for a, b in zip(policy, reference)) > 1e-3  # the adapters moved the policy
-    dpo_terms, xpo_terms = [], []
-    for i in range(3):
-        c, r = (i, i + 3) if scores[i] >= scores[i + 3] else (i + 3, i)
-        h = (policy[c] - reference[c]) - (policy[r] - reference[r])
-        dpo_terms.append(-F.logsigmoid(0.5 * h))
-        xpo_terms.append(0.1 * policy[i + 3])
     with torch.no_grad():
         loss = trainer.compute_loss(model, batch)
-    expected = torch.stack(dpo_terms).mean() + torch.stack(xpo_terms).mean()
-    torch.testing.assert_close(loss, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(loss, hand_xpo_loss(policy, reference, scores), atol=1e-4, rtol=1e-4)
 
 
 def test_resume_from_checkpoint(tmp_path, model_path, prompts):
