@@ -596,7 +596,6 @@ class _BaseTrainer(Trainer):
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         # Gradients (and Adam's moments) in buffers allocated once, outside glibc's heap (see `contiguous_state`).
-
         prepare_contiguous_gradients(self)
         loss = super().training_step(model, inputs, num_items_in_batch)
         finish_contiguous_micro_batch(self)
