@@ -252,6 +252,12 @@ def test_evaluate_prepares_raw_datasets(tmp_path, model_path, tokenizer, unpaire
     assert trainer._prepare_eval_dataset(trainer.eval_dataset, "eval") is trainer.eval_dataset
     both = trainer.evaluate(eval_dataset={"first": test.select(range(4)), "second": test.select(range(4, 8))})
     assert {"eval_first_loss", "eval_second_loss"} <= set(both)
+    # `predict()` on the raw dataset: each example's implied reward (0 while the policy is the reference) and its
+    # label (1 desirable, 0 undesirable), in dataset order.
+    predicted = trainer.predict(test)
+    assert predicted.label_ids.tolist() == [int(label) for label in test["label"]]
+    assert predicted.predictions.shape == (8,) and np.allclose(predicted.predictions, 0.0, atol=1e-6)
+    assert predicted.metrics["test_loss"] == pytest.approx(metrics["eval_loss"])
     # With UDM the raw dataset also gets its density-ratio weights.
     data = toy_udm_dataset()
     embed, _ = word_count_embedding(tokenizer)
