@@ -3,11 +3,14 @@
 Each equals what it stands in for (values and gradients), applies only where it is safe, and leaves the model as it
 was (classes, state-dict keys, attention implementation) once training is over."""
 
+import weakref
+
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from datasets import Dataset
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from trl import SFTConfig, SFTTrainer
@@ -301,6 +304,39 @@ def test_single_packed_row_carries_its_sequence_boundaries(tiny_qwen_path, monke
     # selection, attends with the gathered dense mask instead).
     assert seen[:-1] and all(bounds == [0, 9, 13, 25] for bounds in seen[:-1])
     torch.testing.assert_close(single_row.logps, padded.logps, rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu_backward_keeps_at_most_four_intermediate_tensors_and_can_run_twice():
+    """The backward pass holds the saved gate and up projections and at most two more `tokens x intermediate`
+    temporaries at once; it leaves the saved projections intact, so a graph kept with `retain_graph` gives the same
+    gradients again."""
+    tokens, hidden, inter = 7, 16, 24
+    weights = _mlp_weights(hidden, inter)
+    x = torch.randn(1, tokens, hidden, requires_grad=True)
+    live, most = {}, [0]
+
+    class CountIntermediates(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor) and tensor.numel() == tokens * inter:
+                    storage = tensor.untyped_storage()
+                    if storage.data_ptr() not in live:
+                        live[storage.data_ptr()] = True
+                        weakref.finalize(storage, live.pop, storage.data_ptr(), None)
+            most[0] = max(most[0], len(live))
+            return out
+
+    with CountIntermediates():
+        output = swiglu_mlp(x, *weights)
+        output.backward(torch.ones_like(output), retain_graph=True)
+    first = [x.grad.clone()] + [w.grad.clone() for w in weights]
+    assert most[0] <= 4, f"{most[0]} tokens x intermediate tensors were live at once"
+    for tensor in [x, *weights]:
+        tensor.grad = None
+    output.backward(torch.ones_like(output))
+    for a, b in zip(first, [x.grad] + [w.grad for w in weights]):
+        assert torch.equal(a, b)
 
 
 def test_swiglu_gradients_are_plain_autograds_with_or_without_the_output():

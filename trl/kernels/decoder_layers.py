@@ -28,18 +28,20 @@ class _SwiGLUMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         x, gate, up, gate_weight, up_weight, down_weight = ctx.saved_tensors
-        # The operations plain autograd runs, on the same values (bitwise the same gradients), with each buffer reused
-        # in place once its value is no longer needed: at most three `tokens x intermediate` temporaries at once.
+        # The operations plain autograd runs, on the same values (bitwise the same gradients), each temporary reused
+        # in place once its value is no longer needed: at most two `tokens x intermediate` temporaries beside the
+        # saved projections (which stay intact, so a graph kept with `retain_graph` back-propagates again alike).
         activated = F.silu(gate)  # recomputed, as the forward computed it
-        grad_hidden = grad_output @ down_weight
-        grad_up = grad_hidden * activated
-        hidden = activated.mul_(up)  # the down projection's input, silu(gate) * up
-        del activated
         grad_down = None
         if ctx.needs_input_grad[3]:
+            hidden = activated * up  # the down projection's input, silu(gate) * up
             grad_down = grad_output.reshape(-1, grad_output.shape[-1]).T @ hidden.reshape(-1, hidden.shape[-1])
-        del hidden
-        grad_gate = torch.ops.aten.silu_backward(grad_hidden.mul_(up), gate)
+            del hidden
+        grad_hidden = grad_output @ down_weight
+        grad_up = activated.mul_(grad_hidden)  # grad_hidden * silu(gate): a product commutes bit for bit
+        del activated
+        # silu_backward(grad_hidden * up, gate), written over its own elementwise input.
+        grad_gate = torch.ops.aten.silu_backward.grad_input(grad_hidden.mul_(up), gate, grad_input=grad_hidden)
         del grad_hidden
         flat_x = x.reshape(-1, x.shape[-1])
         flat_gate, flat_up = grad_gate.reshape(-1, grad_gate.shape[-1]), grad_up.reshape(-1, grad_up.shape[-1])
