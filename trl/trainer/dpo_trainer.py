@@ -1,6 +1,7 @@
 """Direct Preference Optimization (DPO) trainer and its loss variants."""
 
 import dataclasses
+import functools
 import logging
 import math
 import warnings
@@ -602,7 +603,9 @@ class DPOTrainer(_PreferenceTrainer):
             ref_chosen_logps = inputs["ref_chosen_logps"].to(chosen_logps)
             ref_rejected_logps = inputs["ref_rejected_logps"].to(rejected_logps)
         else:
-            ref = self.compute_ref_log_probs(model, inputs)
+            parts = [(inputs["input_ids"], inputs["attention_mask"], inputs.get("completion_mask"))]
+            compute = functools.partial(self.compute_ref_log_probs, model, inputs)
+            ref = self._reference_values(model, compute, parts, num_pairs)
             ref_chosen_logps, ref_rejected_logps = ref["ref_chosen_logps"], ref["ref_rejected_logps"]
 
         pair_weights = None

@@ -29,6 +29,12 @@ from .utils import (
 )
 from .utils.packing import packed_sdpa_applicable, packed_sdpa_attention
 from .utils.prefix_sharing import MIN_SHARED_SAVING, share_prefixes, shared_prefix_token_logps, sharing_possible_now
+from .utils.reference_cache import (
+    ReferenceCache,
+    reference_is_deterministic,
+    row_digests,
+    training_revisits_examples,
+)
 from .utils.vision import check_image_columns, check_vision_processing_class, is_vision_example, vision_forward_inputs
 
 
@@ -299,6 +305,53 @@ class _PreferenceTrainer(_BaseTrainer):
                 )
             with self._reference_context(model, ref_model, ref_adapter_name) as reference:
                 yield reference
+
+    def train(self, *args: Any, **kwargs: Any):
+        """Train as [`~transformers.Trainer.train`] does. When the run sees examples again (several epochs) against a
+        reference that stays fixed, each example's reference values are computed once and reused
+        ([`~trl.trainer.utils.reference_cache.ReferenceCache`])."""
+        self._reference_cache = ReferenceCache() if self._reference_cache_applies() else None
+        return super().train(*args, **kwargs)
+
+    def _reference_cache_applies(self) -> bool:
+        """Whether this training run keeps reference values per example: the run revisits examples, the reference
+        stays fixed (no `sync_ref_model`), the values are not precomputed already, rows are token ids only (no
+        images) and the reference forward never runs in lockstep across processes (a sharding engine's gathers, or
+        the buffers DDP broadcasts when the wrapped PEFT policy is its own reference): a process that skipped it would
+        leave the others waiting."""
+        args = self.args
+        if getattr(args, "precompute_ref_log_probs", False) or getattr(args, "sync_ref_model", False):
+            return False
+        if self._is_vision_dataset or uses_sharding_engine(args):
+            return False
+        if self.accelerator.num_processes > 1 and getattr(self, "ref_model", None) is None:
+            return False
+        dataset = self.train_dataset
+        size = len(dataset) if hasattr(dataset, "__len__") else None
+        return training_revisits_examples(args, size, self.accelerator.num_processes)
+
+    def _reference_values(
+        self,
+        model: nn.Module,
+        compute: Any,
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        num_examples: int,
+    ) -> dict[str, torch.Tensor]:
+        """`compute()` (the batch's reference values), or the values remembered for its examples when every one was
+        scored before and the reference draws no random numbers.
+
+        Args:
+            model: The policy (the reference itself when it is a PEFT model with adapters disabled).
+            compute: Computes `{column: (num_examples,) tensor}` for the batch.
+            parts: The batch's `(input_ids, attention_mask, completion_mask)` row groups (see
+                [`~trl.trainer.utils.reference_cache.row_digests`]).
+            num_examples: Examples in the batch.
+        """
+        cache = self.__dict__.get("_reference_cache")
+        ref_model = getattr(self, "ref_model", None)
+        if cache is None or not reference_is_deterministic(ref_model if ref_model is not None else model):
+            return compute()
+        return cache.values_for(row_digests(parts, num_examples), parts[0][0].device, compute)
 
     def _precompute_reference_columns(
         self,

@@ -8,6 +8,7 @@ KTO, interval-wide sums and counts for BCO);
 `trl.trainer.kto_trainer`, its public path).
 """
 
+import functools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -610,7 +611,13 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         """Precomputed reference values of the batch when present, otherwise computed now."""
         if "ref_logps" in inputs and (not self._needs_kl or "ref_KL_logps" in inputs):
             return {key: inputs[key].float() for key in _REF_COLUMNS if key in inputs}
-        return self.compute_ref_log_probs(model, inputs)
+        rows = [_main_rows(inputs)]
+        kl_rows = _kl_rows(inputs) if self._needs_kl else None
+        if kl_rows is not None:
+            rows.append(kl_rows)
+        parts = [(part["input_ids"], part["attention_mask"], part.get("completion_mask")) for part in rows]
+        compute = functools.partial(self.compute_ref_log_probs, model, inputs)
+        return self._reference_values(model, compute, parts, rows[0]["input_ids"].shape[0])
 
     def _precompute_columns(self) -> tuple[str, ...]:
         return _REF_COLUMNS if self._needs_kl else _REF_COLUMNS[:1]

@@ -275,6 +275,9 @@ register_offline(
 )
 register_offline("dpo/llama", "dpo", dataset="conversational_preference", model="tiny-LlamaForCausalLM")
 register_offline("dpo/peft_lora", "dpo", peft=True)
+# Two epochs of 8 rows: the second epoch's reference values come from the first one (reference_cache.py).
+register_offline("dpo/two_epochs", "dpo", max_steps=4)
+register_offline("dpo/peft_lora_two_epochs", "dpo", peft=True, max_steps=4)
 
 # Reward
 register_offline("reward/standard_preference", "reward")
@@ -304,6 +307,7 @@ register_offline("kto/per_device_batch_size=3", "kto", per_device_train_batch_si
 register_offline("kto/beta=0.5", "kto", beta=0.5, n_train=16)
 register_offline("kto/paired_conversational_preference", "kto", dataset="conversational_preference")
 register_offline("kto/peft_lora", "kto", peft=True)
+register_offline("kto/two_epochs", "kto", max_steps=4)
 
 # evaluate() on what the user passes, and keeping the best checkpoint (issue 18, sections 1 and 2)
 for _kind in OFFLINE_TRAINERS:
