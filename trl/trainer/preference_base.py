@@ -306,12 +306,12 @@ class _PreferenceTrainer(_BaseTrainer):
             with self._reference_context(model, ref_model, ref_adapter_name) as reference:
                 yield reference
 
-    def train(self, *args: Any, **kwargs: Any):
+    def train(self, resume_from_checkpoint: "str | bool | None" = None, *args: Any, **kwargs: Any):
         """Train as [`~transformers.Trainer.train`] does. When the run sees examples again (several epochs) against a
         reference that stays fixed, each example's reference values are computed once and reused
         ([`~trl.trainer.utils.reference_cache.ReferenceCache`])."""
         self._reference_cache = ReferenceCache() if self._reference_cache_applies() else None
-        return super().train(*args, **kwargs)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _reference_cache_applies(self) -> bool:
         """Whether this training run keeps reference values per example: the run revisits examples, the reference
