@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .last_layer_selection import has_dropout
+
 
 class ReferenceCache:
     """Reference values of examples seen before, keyed by a digest of each example's tokens.
@@ -102,21 +104,19 @@ def row_digests(
 
 
 def reference_is_deterministic(reference: nn.Module) -> bool:
-    """Whether a forward pass of `reference` draws no random numbers: no dropout module with `p > 0` in train mode
-    and no attention dropout in a layer in train mode.
+    """Whether a forward pass of `reference` draws no random numbers: no active dropout module
+    ([`~trl.trainer.utils.last_layer_selection.has_dropout`]) and no attention dropout in a layer in train mode.
 
     Args:
         reference: The module that computes the reference values (the reference model, or the PEFT policy whose
             adapters are disabled for it).
     """
-    for module in reference.modules():
-        if not module.training:
-            continue
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            return False
-        if float(getattr(module, "attention_dropout", 0.0) or 0.0) > 0:
-            return False
-    return True
+    if has_dropout(reference, active_only=True):
+        return False
+    return not any(
+        module.training and float(getattr(module, "attention_dropout", 0.0) or 0.0) > 0
+        for module in reference.modules()
+    )
 
 
 def training_revisits_examples(args: Any, num_examples: int | None, num_processes: int) -> bool:
