@@ -365,3 +365,63 @@ def test_swiglu_gradients_are_plain_autograds_with_or_without_the_output():
     assert torch.equal(grads["plain_output"][0], grads["kernel_output"][0])
     for plain, kernel, unused in zip(grads["plain"], grads["kernel"], grads["output_unused"]):
         assert torch.equal(plain, kernel) and torch.equal(kernel, unused)
+
+
+class _CountBlockTemporaries(TorchDispatchMode):
+    """Counts the live `rows x inter` tensors made inside the block (weights and their gradients, `(hidden, inter)`,
+    excluded), the most at once, and asserts none has more than `max_rows` rows."""
+
+    def __init__(self, hidden: int, inter: int, max_rows: int):
+        super().__init__()
+        self.hidden, self.inter, self.max_rows = hidden, inter, max_rows
+        self.live: set[int] = set()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if not (isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.shape[-1] == self.inter):
+                continue
+            if tensor.shape[-2] == self.hidden:
+                continue
+            pointer = tensor.untyped_storage().data_ptr()
+            if pointer not in self.live:
+                self.live.add(pointer)
+                weakref.finalize(tensor.untyped_storage(), self.live.discard, pointer)
+                assert tensor.numel() <= self.max_rows * self.inter, f"{func} made {tuple(tensor.shape)}"
+        self.most = max(self.most, len(self.live))
+        return out
+
+
+@pytest.mark.parametrize("needs", ["all", "weights_only", "input_only"])
+def test_swiglu_recompute_in_blocks_equals_plain_autograd(monkeypatch, needs):
+    """With its output unused, the kernel computes the projections in the backward pass, a block of rows at a time:
+    over several blocks (the last one partial) the gradients equal plain autograd's to float rounding, and no more
+    than four `block x intermediate` temporaries (none of all the rows) are live at once."""
+    import trl.kernels.decoder_layers as decoder_layers
+
+    tokens, hidden, inter, block = 23, 16, 24, 8  # blocks of 8, 8 and 7 rows
+    monkeypatch.setattr(decoder_layers, "_MIN_BLOCK_ROWS", block)
+    monkeypatch.setattr(decoder_layers, "_RECOMPUTE_BLOCK_BYTES", block * inter * 4)
+    torch.manual_seed(0)
+    weights = _mlp_weights(hidden, inter)
+    x = torch.randn(1, tokens, hidden)
+    grad_output = torch.randn(1, tokens, hidden)
+    input_grad, weight_grad = needs != "weights_only", needs != "input_only"
+    results = {}
+    for name in ("plain", "blocks"):
+        params = [w.detach().clone().requires_grad_(weight_grad) for w in weights]
+        inputs = x.clone().requires_grad_(input_grad)
+        if name == "plain":
+            _reference_mlp(inputs, *params).backward(grad_output)
+        else:
+            counter = _CountBlockTemporaries(hidden, inter, max_rows=block)
+            with counter:
+                output = swiglu_mlp(inputs, *params, output_unused=True)
+                assert not output.any()
+                output.backward(grad_output)
+            assert counter.most <= 4, f"{counter.most} block x intermediate tensors were live at once"
+        results[name] = [t.grad for t in (inputs, *params) if t.requires_grad]
+    assert len(results["plain"]) == len(results["blocks"]) == (input_grad + 3 * weight_grad)
+    for plain, blocks in zip(results["plain"], results["blocks"]):  # float32 rounding of sums in another order
+        torch.testing.assert_close(blocks, plain, rtol=1e-5, atol=1e-6 * plain.abs().max().item())

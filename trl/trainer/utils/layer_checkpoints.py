@@ -9,8 +9,9 @@ and copies its output into a [`CheckpointArena`]: chunks of at least 64 MiB (whi
 the heap), reused every step. The backward pass recomputes the layer from its kept input and back-propagates through
 it, skipping the product of the MLP's down projection whose value the recompute never reads (as torch's early-stopping
 recompute does). A plain SwiGLU MLP is recomputed by the lean kernel (`trl.kernels.decoder_layers.swiglu_mlp` with its
-output unused), which keeps two of the four `tokens x intermediate` tensors plain autograd keeps for the backward
-pass. Values and gradients are those of torch's checkpoint.
+output unused), which keeps none of the four `tokens x intermediate` tensors plain autograd keeps for the backward
+pass: its backward pass computes the gate and up projections a block of rows at a time. Values are those of torch's
+checkpoint, and gradients equal them to float rounding (the weights' gradients sum the blocks' products).
 
 The same function takes a given output instead of running the layer (the rollout decode's recorded outputs, see
 `decode_replay`).
@@ -145,9 +146,8 @@ def _lean_recompute_mlp(mlp: Any) -> bool:
 def _last_projection_gradient_only(layer: nn.Module) -> Iterator[None]:
     """Within the block, the MLP of `layer` skips the product of its down projection (the last product before the
     layer's output, which a recompute for the backward pass never reads). A supported SwiGLU MLP runs the lean kernel
-    with its output unused, which also keeps only the gate and up projections for the backward pass (two of the
-    four `tokens x intermediate` tensors plain autograd keeps); another MLP's plain down projection runs
-    [`_GradientOnlyLinear`]."""
+    with its output unused, which keeps only its input and computes the gate and up projections block by block in
+    the backward pass; another MLP's plain down projection runs [`_GradientOnlyLinear`]."""
     mlp = getattr(layer, "mlp", None)
     if _lean_recompute_mlp(mlp):
         mlp.forward = lambda inputs: swiglu_mlp(
