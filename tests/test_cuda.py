@@ -117,8 +117,38 @@ def _sft_dataset():
     return Dataset.from_dict({"text": [f"The number {i} comes after {i - 1} and before {i + 1}." for i in range(24)]})
 
 
-def test_sft_defaults_to_bf16_on_cuda_and_trains(tmp_path):
-    args = SFTConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, report_to="none")
+def test_kernels_under_cuda_autocast_with_float32_weights():
+    """The GPU default: float32 weights under bf16 autocast (the MLP kernel then runs the plain expression)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 9, 64, device=CUDA)
+    weights = [
+        (torch.randn(*shape, device=CUDA) * 0.1).requires_grad_(True) for shape in ((96, 64), (96, 64), (64, 96))
+    ]
+    grads = {}
+    for name in ("plain", "kernel"):
+        for weight in weights:
+            weight.grad = None
+        inputs = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if name == "kernel":
+                output = swiglu_mlp(inputs, *weights)
+            else:
+                output = F.linear(F.silu(F.linear(inputs, weights[0])) * F.linear(inputs, weights[1]), weights[2])
+        output.float().pow(2).sum().backward()
+        grads[name] = [inputs.grad] + [weight.grad for weight in weights]
+    for plain, kernel in zip(grads["plain"], grads["kernel"]):
+        assert torch.equal(plain, kernel)
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [True, False])
+def test_sft_defaults_to_bf16_on_cuda_and_trains(tmp_path, gradient_checkpointing):
+    args = SFTConfig(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        per_device_train_batch_size=4,
+        report_to="none",
+        gradient_checkpointing=gradient_checkpointing,
+    )
     assert args.bf16 is torch.cuda.is_bf16_supported()
     trainer = SFTTrainer(model=get_model_path("tiny-Qwen2ForCausalLM"), args=args, train_dataset=_sft_dataset())
     assert trainer.model.device.type == "cuda"

@@ -85,3 +85,14 @@ def test_example_script_trains_offline(script, tmp_path, monkeypatch):
     saved = set(os.listdir(tmp_path))
     assert "config.json" in saved and "model.safetensors" in saved, saved
     assert os.path.isfile(os.path.join(tmp_path, "checkpoint-1", "trainer_state.json"))
+
+
+def test_bco_example_with_bf16_mixed_precision(tmp_path, monkeypatch):
+    """The BCO example's prompt-embedding model shares the trainer's accelerator state: with bf16 mixed precision (the
+    default on a GPU; asked for explicitly on the CPU here) no earlier `Accelerator` fixes it to "no"."""
+    path = os.path.join(EXAMPLES_DIR, "bco.py")
+    argv = [path, "--output_dir", str(tmp_path), *COMMON_ARGS, "--bf16", "true", "--use_cpu", "true"]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    runpy.run_path(path, run_name="__main__")
+    assert "model.safetensors" in os.listdir(tmp_path)

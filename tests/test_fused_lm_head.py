@@ -189,3 +189,54 @@ def test_trainer_step_fused_equals_unfused(case, tmp_path, monkeypatch):
     assert any(update.abs().max() > 0 for update in fused_update.values())
     for name, update in plain_update.items():
         torch.testing.assert_close(fused_update[name], update, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_head_placeholder_stays_zero_stride_under_mixed_precision(tmp_path, monkeypatch):
+    """The captured head returns a zero-stride float32 placeholder whatever its own dtype: accelerate's mixed
+    precision converts a model's bf16 outputs to float32, which would materialise a bf16 placeholder as full logits.
+    End to end: SFT with bf16 weights under bf16 mixed precision never sees a logits tensor with memory behind it."""
+    head = torch.nn.Linear(8, 50, bias=False, dtype=torch.bfloat16)
+    with logprobs_module.capture_lm_head_inputs(head) as captured:
+        placeholder = head(torch.randn(2, 3, 8, dtype=torch.bfloat16))
+    assert len(captured) == 1 and placeholder.shape == (2, 3, 50)
+    assert placeholder.dtype == torch.float32 and placeholder.stride() == (0, 0, 0)
+    assert placeholder.float() is placeholder  # what `convert_outputs_to_fp32` calls: no copy
+
+    seen = []
+    original = logprobs_module._fused_token_logps
+
+    def spy(head, hidden, outputs, *args, **kwargs):
+        seen.append(outputs.logits.untyped_storage().nbytes())
+        return original(head, hidden, outputs, *args, **kwargs)
+
+    dataset = load_test_dataset("standard_language_modeling", split="train")
+    args = SFTConfig(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to="none", bf16=True,
+        use_cpu=True, model_init_kwargs={"dtype": "bfloat16"}, save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = SFTTrainer(get_model_path("tiny-Qwen2ForCausalLM"), args=args, train_dataset=dataset)
+    assert trainer.accelerator.native_amp and trainer.model.dtype == torch.bfloat16
+    monkeypatch.setattr(logprobs_module, "_fused_token_logps", spy)
+    trainer.train()
+    assert seen and max(seen) <= 4, seen
+
+
+def test_kernel_under_autocast_runs_in_the_heads_dtype():
+    """Called under autocast (a trainer's forward with bf16 mixed precision), the kernel runs with autocast off, in
+    the float32 head's dtype, so the backward pass recomputes the very logits the forward normalised: values and
+    gradients are those of the float32 head without autocast, and the bf16 hidden states get a bf16 gradient."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 7, 16).to(torch.bfloat16)
+    weight = torch.randn(40, 16) * 0.3
+    index = torch.randint(0, 40, (2, 7))
+    results = {}
+    for name in ("autocast", "float32"):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name == "autocast"):
+            source = h if name == "autocast" else h.float()
+            logps, entropy, _ = linear_selective_log_softmax(source, w, index, compute_entropy=True, max_rows=5)
+        (logps.sum() + entropy.sum()).backward()
+        results[name] = (logps.detach(), entropy.detach(), h.grad, w.grad)
+    assert results["autocast"][2].dtype == torch.bfloat16
+    for a, b in zip(results["autocast"], results["float32"]):
+        assert torch.equal(a, b)

@@ -576,3 +576,30 @@ def test_other_bad_inputs(tmp_path, model_path):
             args=make_args(tmp_path, max_steps=-1),
             train_dataset=dataset["train"].to_iterable_dataset(),
         )
+
+
+@pytest.mark.parametrize("path", ["shared_prefix", "padding_dropped"])
+def test_bf16_mixed_precision_reaches_the_paths_past_the_forward(tmp_path, monkeypatch, path):
+    """The shared-prefix and padding-dropping paths call the backbone and score head themselves, past the model's
+    forward that mixed precision wraps in autocast: they run under the same autocast."""
+    from trl.trainer import reward_trainer
+
+    if path == "padding_dropped":
+        monkeypatch.setattr(reward_trainer.RewardTrainer, "_shared_prefix_scores", lambda *args: None)
+    called = []
+    original = reward_trainer.sequence_scores_without_padding
+    monkeypatch.setattr(reward_trainer, "sequence_scores_without_padding", lambda *a: called.append(1) or original(*a))
+    args = RewardConfig(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to="none", bf16=True,
+        use_cpu=True, save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    dataset = load_test_dataset("standard_preference", split="train")
+    trainer = RewardTrainer(get_model_path("tiny-Qwen2ForSequenceClassification"), args=args, train_dataset=dataset)
+    assert trainer.accelerator.native_amp
+    linear_autocast = []
+    for module in trainer.model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(lambda *_: linear_autocast.append(torch.is_autocast_enabled("cpu")))
+    trainer.train()
+    assert linear_autocast and all(linear_autocast)
+    assert bool(called) == (path == "padding_dropped")

@@ -425,3 +425,42 @@ def test_swiglu_recompute_in_blocks_equals_plain_autograd(monkeypatch, needs):
     assert len(results["plain"]) == len(results["blocks"]) == (input_grad + 3 * weight_grad)
     for plain, blocks in zip(results["plain"], results["blocks"]):  # float32 rounding of sums in another order
         torch.testing.assert_close(blocks, plain, rtol=1e-5, atol=1e-6 * plain.abs().max().item())
+
+
+def test_swiglu_under_autocast_runs_the_plain_expression():
+    """Under autocast (bf16 mixed precision with float32 weights, the GPU default) the projections are bf16 casts of
+    float32 operands, which plain autograd replays in the backward pass: the kernel runs the plain expression itself,
+    with the same values and gradients, and leaves the float32 weights' gradients float32."""
+    torch.manual_seed(0)
+    weights = _mlp_weights()
+    x = torch.randn(2, 5, 16)
+    results = {}
+    for name in ("plain", "kernel"):
+        for weight in weights:
+            weight.grad = None
+        inputs = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output = _reference_mlp(inputs, *weights) if name == "plain" else swiglu_mlp(inputs, *weights)
+        assert output.dtype == torch.bfloat16
+        output.float().pow(2).sum().backward()
+        results[name] = [output.detach(), inputs.grad] + [weight.grad for weight in weights]
+    for plain, kernel in zip(results["plain"], results["kernel"]):
+        assert torch.equal(plain, kernel)
+    assert all(weight.grad.dtype == torch.float32 for weight in weights)
+
+
+def test_sft_trains_in_bf16_mixed_precision_without_checkpointing(tiny_qwen_path, tmp_path):
+    """bf16 mixed precision (on the CPU here, the default on a GPU) with the lean modules in place: no dtype clash in
+    the MLP kernel's backward pass, and the model trains."""
+    dataset = Dataset.from_dict(
+        {"text": [f"The number {i} comes after {i - 1} and before {i + 1}." for i in range(8)]}
+    )
+    args = SFTConfig(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to="none", bf16=True,
+        use_cpu=True, gradient_checkpointing=False, save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = SFTTrainer(tiny_qwen_path, args=args, train_dataset=dataset)
+    assert trainer.accelerator.native_amp
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    assert torch.isfinite(torch.tensor(trainer.train().training_loss))
+    assert any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())

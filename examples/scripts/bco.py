@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
-from accelerate import Accelerator
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
@@ -80,8 +79,9 @@ if __name__ == "__main__":
     embedding_func, embedding_tokenizer = None, None
     if embedding_args.use_udm:
         embedding_id = embedding_args.embedding_model_name_or_path or model_args.model_name_or_path
-        embedding_model = AutoModel.from_pretrained(embedding_id, **model_kwargs).eval()
-        embedding_model = Accelerator().prepare_model(embedding_model, evaluation_mode=True)
+        # On the training device, outside any `Accelerator` of its own: the trainer creates the one accelerator, with
+        # the run's mixed precision (a second one built here first would fix it to "no").
+        embedding_model = AutoModel.from_pretrained(embedding_id, **model_kwargs).eval().to(training_args.device)
         embedding_func = partial(embed_prompt, model=embedding_model)
         embedding_tokenizer = AutoTokenizer.from_pretrained(
             embedding_id, trust_remote_code=training_args.trust_remote_code

@@ -248,3 +248,22 @@ def test_ddpo_async_rewards_and_bad_reward_output(tmp_path):
     bad = DDPOTrainer(_config(tmp_path, num_epochs=1), lambda i, p, m: i.mean(), cycling_prompt_fn(), tiny_pipeline())
     with pytest.raises(ValueError, match=r"\(rewards, reward_metadata\)"):
         bad.train()
+
+
+def test_ddpo_after_a_bf16_trainer_in_the_same_process(tmp_path):
+    """A transformers trainer built earlier in the process leaves accelerate's shared state at its own mixed precision
+    (bf16, the default on a GPU); DDPO starts from a fresh state with its configured one instead of refusing it."""
+    from datasets import Dataset
+
+    from trl import SFTConfig, SFTTrainer
+    from trl.assets import get_model_path
+
+    sft_args = SFTConfig(output_dir=str(tmp_path / "sft"), bf16=True, use_cpu=True, report_to="none", max_steps=1)
+    sft = SFTTrainer(
+        get_model_path("tiny-Qwen2ForCausalLM"), args=sft_args, train_dataset=Dataset.from_dict({"text": ["a b"]})
+    )
+    assert sft.accelerator.mixed_precision == "bf16"
+    trainer = DDPOTrainer(
+        _config(tmp_path, num_epochs=1), image_brightness_reward, cycling_prompt_fn(), tiny_pipeline()
+    )
+    assert trainer.accelerator.mixed_precision == "no"

@@ -79,7 +79,6 @@ def test_train_updates_policy_and_value_and_logs_metrics(tmp_path, ppo_tokenizer
     trainer.train()
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(before[n], p)}
     assert any(n.startswith("policy.") for n in changed) and any(n.startswith("value_model.") for n in changed)
-    assert not any(torch.equal(p, before[n]) for n, p in trainer.ref_model.named_parameters() if False)
     logs = [log for log in trainer.state.log_history if "objective/scores" in log]
     assert len(logs) == 2 and all(key in logs[0] for key in METRICS)
     assert all(torch.isfinite(torch.tensor(log["objective/kl"])) for log in logs)
@@ -90,6 +89,27 @@ def test_train_updates_policy_and_value_and_logs_metrics(tmp_path, ppo_tokenizer
     trainer.save_model(str(tmp_path / "final"))
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
     torch.testing.assert_close(reloaded.lm_head.weight, trainer.model.policy.lm_head.weight)
+
+
+def test_bf16_mixed_precision_reaches_the_training_forward(tmp_path, ppo_tokenizer, prompts):
+    """The policy and value model are called directly, past the prepared module's forward that mixed precision wraps
+    in autocast: the training forward runs under that autocast, as the wrapped forward would."""
+    trainer = make_trainer(make_args(tmp_path, bf16=True, total_episodes=4), ppo_tokenizer, prompts)
+    assert trainer.accelerator.native_amp
+    seen = []
+    for module in trainer.model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_hook(
+                lambda m, *_: seen.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")))
+            )
+    trainer.train()
+    with_grad = [autocast for grad, autocast in seen if grad]
+    assert with_grad and all(with_grad)
+    assert all(
+        torch.isfinite(torch.tensor(log["loss/policy_avg"]))
+        for log in trainer.state.log_history
+        if "loss/policy_avg" in log
+    )
 
 
 def test_stop_token_and_missing_eos_penalty(tmp_path, ppo_tokenizer, prompts):

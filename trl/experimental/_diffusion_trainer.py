@@ -79,6 +79,7 @@ class _DiffusionRLTrainer:
         image_samples_hook: Callable[[Any, int, Any], Any] | None = None,
     ):
         from accelerate import Accelerator
+        from accelerate.state import AcceleratorState
         from accelerate.utils import ProjectConfiguration, set_seed
 
         if not callable(reward_function) or not callable(prompt_function):
@@ -101,6 +102,9 @@ class _DiffusionRLTrainer:
                 **config.project_kwargs,
             }
         )
+        # A trainer built earlier in this process may have left accelerate's shared state at another mixed precision;
+        # start from a fresh one, as transformers' TrainingArguments does.
+        AcceleratorState._reset_state(reset_partial_state=True)
         self.accelerator = Accelerator(
             log_with=config.log_with,
             mixed_precision=config.mixed_precision,

@@ -143,8 +143,13 @@ def swiglu_mlp(
     Returns:
         `(..., hidden)` output: the plain expression's values and gradients, bitwise (the backward pass runs the
         operations plain autograd runs). With `output_unused` over more than one block, the weights' gradients sum
-        the blocks' products in block order (equal to float rounding).
+        the blocks' products in block order (equal to float rounding). Under autocast the plain expression itself
+        runs (with its output, whatever `output_unused` says).
     """
+    if torch.is_autocast_enabled(x.device.type):
+        # Autocast casts each product's operands (bf16 gate and up projections of float32 weights); plain autograd
+        # replays those casts in the backward pass, which the kernel's hand-written backward does not.
+        return F.linear(F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight), down_weight)
     return _SwiGLUMLP.apply(x, gate_weight, up_weight, down_weight, output_unused)
 
 

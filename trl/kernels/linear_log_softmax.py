@@ -135,7 +135,8 @@ def linear_selective_log_softmax(
     Equivalent to `selective_log_softmax(F.linear(hidden, weight, bias), index, temperature)` (values and gradients
     for `hidden`, `weight` and `bias`), without ever holding the `(..., vocab)` logits of all rows: each block of rows
     is projected, reduced and dropped, and the backward recomputes it. Trades one extra head matmul for the memory of
-    the full logits and of their gradient.
+    the full logits and of their gradient. Under autocast it runs with autocast off, in the head's dtype (the hidden
+    states cast to it), so that the recomputed logits are the forward's.
 
     Args:
         hidden: `(..., H)` inputs of the output projection (final hidden states).
@@ -160,6 +161,14 @@ def linear_selective_log_softmax(
             f"`index` must have the shape of `hidden` without its last dimension, {tuple(lead_shape)}, got "
             f"{tuple(index.shape)}."
         )
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # The backward pass recomputes the logits with autocast off, so the forward runs with it off too: the head's
+        # product in the head's own dtype (the hidden states are cast to it), the same in both passes.
+        with torch.autocast(device_type, enabled=False):
+            return linear_selective_log_softmax(
+                hidden.to(weight.dtype), weight, index, bias, temperature, compute_entropy, logits_stats_fn, max_rows
+            )
     if max_rows is None:
         max_rows = max(1, _CHUNK_BYTES // (4 * max(weight.shape[0], 1)))
     max_rows = int(max_rows)

@@ -231,8 +231,14 @@ def scheduler_step(
     prev_sample_mean = alpha_prod_t_prev.sqrt() * pred_original_sample + direction
 
     if prev_sample is None:
-        noise = torch.randn(model_output.shape, generator=generator, device="cpu", dtype=model_output.dtype)
-        prev_sample = prev_sample_mean + std_dev_t * noise.to(model_output.device)
+        from diffusers.utils.torch_utils import randn_tensor
+
+        # diffusers' own draw, as its schedulers' `step` makes it: on the generator's device (the output's without
+        # one), so a CUDA generator works and the noise comes from the same random stream as diffusers'.
+        noise = randn_tensor(
+            model_output.shape, generator=generator, device=model_output.device, dtype=model_output.dtype
+        )
+        prev_sample = prev_sample_mean + std_dev_t * noise
 
     # Gaussian log-density of x_{t-1}; the sample is a constant (only the mean carries the policy's gradient).
     log_prob = (

@@ -393,9 +393,12 @@ class RewardTrainer(_BaseTrainer):
             forward_kwargs["use_cache"] = False
         # One forward pass over [chosen; rejected]: the first half of the rows are the chosen sequences. Their
         # padding is dropped when the model allows it (same scores).
-        pooled = self._shared_prefix_scores(model, inputs["input_ids"], inputs["attention_mask"])
-        if pooled is None:
-            pooled = sequence_scores_without_padding(model, inputs["input_ids"], inputs["attention_mask"])
+        # These two call the backbone and the score head themselves, past the model's forward that mixed precision
+        # wraps in autocast: they run under the same autocast.
+        with self.accelerator.autocast():
+            pooled = self._shared_prefix_scores(model, inputs["input_ids"], inputs["attention_mask"])
+            if pooled is None:
+                pooled = sequence_scores_without_padding(model, inputs["input_ids"], inputs["attention_mask"])
         outputs = model(**forward_kwargs) if pooled is None else None
         rewards = (outputs.logits if pooled is None else pooled)[:, 0].float()
         rewards_chosen, rewards_rejected = rewards.chunk(2)

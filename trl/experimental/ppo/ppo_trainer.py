@@ -503,17 +503,20 @@ class PPOTrainer(_BaseTrainer):
     # Optimisation
     # ------------------------------------------------------------------------------------------------------------
     def _policy_and_values(self, query_responses: torch.Tensor, context_length: int):
-        """Response log-probabilities, entropies and values `(B, T)` of the trained module (with gradients)."""
+        """Response log-probabilities, entropies and values `(B, T)` of the trained module (with gradients), under the
+        mixed-precision autocast that the prepared module's forward would run (its policy and value model are called
+        directly here)."""
         wrapper = self.accelerator.unwrap_model(self.model_wrapped)
-        logps, entropy, outputs = self._response_logps(
-            wrapper.policy, query_responses, context_length, entropy=True, hidden_states=wrapper.shares_backbone
-        )
-        if wrapper.shares_backbone:
-            values = wrapper.value_model.v_head(outputs.hidden_states[-1]).squeeze(-1)
-        else:
-            inputs = _model_inputs(query_responses, self.processing_class.pad_token_id)
-            values = _value_forward(wrapper.value_model, **inputs)
-        return logps, entropy, values[:, context_length - 1 : -1]
+        with self.accelerator.autocast():
+            logps, entropy, outputs = self._response_logps(
+                wrapper.policy, query_responses, context_length, entropy=True, hidden_states=wrapper.shares_backbone
+            )
+            if wrapper.shares_backbone:
+                values = wrapper.value_model.v_head(outputs.hidden_states[-1]).squeeze(-1)
+            else:
+                inputs = _model_inputs(query_responses, self.processing_class.pad_token_id)
+                values = _value_forward(wrapper.value_model, **inputs)
+        return logps, entropy, values[:, context_length - 1 : -1].float()
 
     def _ppo_epochs(self, data: dict[str, torch.Tensor], context_length: int) -> dict[str, torch.Tensor]:
         """Step 4 of the algorithm; returns the per-micro-batch statistics."""

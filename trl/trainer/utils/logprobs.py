@@ -73,12 +73,15 @@ def fusable_lm_head(model: nn.Module) -> nn.Linear | None:
 @contextlib.contextmanager
 def capture_lm_head_inputs(head: nn.Linear) -> Iterator[list[torch.Tensor]]:
     """Within the block, the head computes nothing: it records its input in the yielded list and returns a
-    zero-stride placeholder of the logits' shape (no memory), so the forward pass stops at the final hidden states."""
+    zero-stride placeholder of the logits' shape (no memory), so the forward pass stops at the final hidden states.
+
+    The placeholder is float32 whatever the head's dtype: accelerate's mixed precision converts a model's half-precision
+    outputs to float32 (`convert_outputs_to_fp32`), which would materialise a bf16 placeholder as full logits."""
     captured: list[torch.Tensor] = []
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         captured.append(hidden)
-        return hidden.new_zeros((), dtype=head.weight.dtype).expand(*hidden.shape[:-1], head.out_features)
+        return hidden.new_zeros((), dtype=torch.float32).expand(*hidden.shape[:-1], head.out_features)
 
     head.forward = forward
     try:
