@@ -588,7 +588,12 @@ def test_bf16_mixed_precision_reaches_the_paths_past_the_forward(tmp_path, monke
         monkeypatch.setattr(reward_trainer.RewardTrainer, "_shared_prefix_scores", lambda *args: None)
     called = []
     original = reward_trainer.sequence_scores_without_padding
-    monkeypatch.setattr(reward_trainer, "sequence_scores_without_padding", lambda *a: called.append(1) or original(*a))
+
+    def spy(*args):
+        called.append(original(*args))
+        return called[-1]
+
+    monkeypatch.setattr(reward_trainer, "sequence_scores_without_padding", spy)
     args = RewardConfig(
         output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to="none", bf16=True,
         use_cpu=True, save_strategy="no", disable_tqdm=True,
@@ -602,4 +607,5 @@ def test_bf16_mixed_precision_reaches_the_paths_past_the_forward(tmp_path, monke
             module.register_forward_hook(lambda *_: linear_autocast.append(torch.is_autocast_enabled("cpu")))
     trainer.train()
     assert linear_autocast and all(linear_autocast)
-    assert bool(called) == (path == "padding_dropped")
+    # Each path really scored the batch (rather than falling back to the model's own, autocast-wrapped forward).
+    assert bool(called) == (path == "padding_dropped") and all(scores is not None for scores in called)
