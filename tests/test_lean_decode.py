@@ -155,6 +155,20 @@ def test_rollouts_with_the_assets_model(monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(get_model_path("tiny-LlamaForCausalLM")).eval()
     calls = _count_lean_steps(monkeypatch)
     _assert_sampled_rollouts_equal_generate(model, max_new_tokens=8)
+    assert len(calls) == 8  # after the shared prefill, every step feeds one token per row
+
+
+def test_first_step_runs_the_whole_prompts_through_the_model_without_a_shared_prefill(monkeypatch):
+    model = AutoModelForCausalLM.from_pretrained(get_model_path("tiny-LlamaForCausalLM")).eval()
+    calls = _count_lean_steps(monkeypatch)
+    ids, mask = _prompts(num_rows=2)
+    rows = torch.tensor([0, 0, 1, 1])
+    config = GenerationConfig(max_new_tokens=8, do_sample=True, top_k=0, pad_token_id=PAD)
+    torch.manual_seed(0)
+    expected = model.generate(input_ids=ids[rows], attention_mask=mask[rows], generation_config=config)
+    torch.manual_seed(0)
+    output = decode_rollouts(model, ids, mask, rows, config, share_prompt_cache=False)
+    assert torch.equal(output.sequences, expected)
     assert len(calls) == 7  # every step after the first
 
 
@@ -335,7 +349,7 @@ def test_model_hooks_run_around_the_lean_step(change, monkeypatch):
         results.append((sequences, seen, torch.rand(2), len(calls)))
         monkeypatch.undo()
     (lean_out, lean_seen, lean_rand, lean_calls), (out, seen, rand, calls) = results
-    assert lean_calls == 5 and calls == 0
+    assert lean_calls == 6 and calls == 0
     assert torch.equal(lean_out, out) and torch.equal(lean_rand, rand)
     assert len(lean_seen) == len(seen) == 7  # the shared prompts' prefill, then one call per new token
     for lean_kwargs, kwargs in zip(lean_seen, seen):

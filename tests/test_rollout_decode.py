@@ -211,3 +211,42 @@ def test_grpo_trains_with_the_loop_as_with_generate(tmp_path, model_path, prompt
         results.append((seen, losses))
     assert len(calls) == GROUP_ARGS["max_steps"]
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("shape", [(8, 4096), (3, 37), (1, 5)])
+def test_sample_next_tokens_is_multinomial(shape):
+    """The CPU draw picks `torch.multinomial`'s tokens from the same seed, over peaked, flat and partly masked
+    distributions, and leaves the random stream where `torch.multinomial` leaves it."""
+    assert rollout_decode._cpu_draw_matches_multinomial()  # the fast draw runs on this build, not the fallback
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        logits = torch.randn(shape, generator=generator) * (0.1 + trial)
+        if trial % 3 == 0:
+            logits[:, shape[1] // 2 :] = -float("inf")
+        probs = torch.softmax(logits, dim=-1)
+        torch.manual_seed(trial)
+        expected = torch.multinomial(probs, num_samples=1).squeeze(1)
+        after_expected = torch.rand(3)
+        torch.manual_seed(trial)
+        drawn = rollout_decode.sample_next_tokens(probs)
+        assert torch.equal(drawn, expected)
+        assert torch.equal(torch.rand(3), after_expected)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -0.5, float("inf")])
+def test_sample_next_tokens_rejects_what_multinomial_rejects(bad):
+    probs = torch.full((2, 6), 1 / 6)
+    probs[1, 2] = bad
+    with pytest.raises(RuntimeError) as expected:
+        torch.multinomial(probs, num_samples=1)
+    with pytest.raises(RuntimeError) as raised:
+        rollout_decode.sample_next_tokens(probs)
+    assert str(raised.value) == str(expected.value)
+
+
+def test_sample_next_tokens_other_dtypes_go_to_multinomial():
+    probs = torch.softmax(torch.randn(4, 50, dtype=torch.float64), dim=-1)
+    torch.manual_seed(3)
+    expected = torch.multinomial(probs, num_samples=1).squeeze(1)
+    torch.manual_seed(3)
+    assert torch.equal(rollout_decode.sample_next_tokens(probs), expected)

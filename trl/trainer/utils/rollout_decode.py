@@ -3,15 +3,16 @@
 `decode_rollouts` is what the online trainers run instead of transformers `generate` when
 `rollout_decode_fallback_reason` finds nothing it cannot reproduce. It makes the same model calls as `generate` (same
 inputs, positions, masks and cache contents, so bitwise the same logits), applies the same sampling processors in the
-same order as tensor ops, and draws with one `torch.multinomial` over the whole batch per step (finished rows stay in
-the batch, as in `generate`, so the random stream is consumed identically). What it saves:
+same order as tensor ops, and draws the whole batch's tokens at once per step as `torch.multinomial` does (finished rows
+stay in the batch, as in `generate`, so the random stream is consumed identically). What it saves:
 
 - the KV cache is preallocated once for the whole rollout instead of growing by concatenation at every token;
 - no per-token bookkeeping of `generate` (logits-processor and stopping-criteria objects, model-input preparation,
   growing position ids);
 - each distinct prompt is prefilled once and its cache shared by the rows of its group (as `generate` is given it by
   `generate_with_shared_prompts`).
-- after the first step, Llama-style models step through `lean_decode.LeanDecoder` (the same ops as their forward,
+- on the CPU, the draw itself takes half of `torch.multinomial`'s time (see [`sample_next_tokens`]);
+- after the shared prefill, Llama-style models step through `lean_decode.LeanDecoder` (the same ops as their forward,
   bitwise the same logits, without its module-call machinery) unless `lean_decode_fallback_reason` says otherwise.
 
 Anything else (beam search, other processors, stop strings, encoder-decoders, models with their own input preparation
@@ -21,6 +22,7 @@ or cache, extra `generate` arguments, ...) is reported by `rollout_decode_fallba
 
 import contextlib
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,7 @@ from transformers.cache_utils import DynamicLayer
 from .decode_replay import DecodeLayerOutputs, layer_outputs_fallback_reason, recording_layer_outputs
 from .distributed import parameters_sharded
 from .lean_decode import LeanDecoder, lean_decode_fallback_reason
+from .logprobs import model_accepts_argument
 
 
 # Generation settings the loop reproduces; every other setting must keep its neutral value (see `_neutral_settings`).
@@ -273,6 +276,69 @@ class _SamplingProcessors:
         return scores
 
 
+_CPU_DRAW_MATCHES_MULTINOMIAL: bool | None = None
+
+
+def _cpu_draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of float32 CPU probabilities, drawn as `torch.multinomial(probs, 1)` draws it.
+
+    For one sample, `torch.multinomial` takes the argmax of `probs / q` with `q` from `exponential_`, which turns one
+    float64 uniform per element into `-log1p(-u)` one element at a time (~20 ns each). The same uniforms from
+    `uniform_` and a vectorized `log1p` give the same float32 variates in half the time.
+    """
+    noise = _exponential_variates(probs.shape, generator)
+    return torch.div(probs, noise, out=noise).argmax(dim=-1)
+
+
+def _exponential_variates(shape: torch.Size | tuple[int, ...], generator: torch.Generator | None) -> torch.Tensor:
+    """Float32 CPU `exponential_` variates as `-log1p(-u)` of float64 uniforms, vectorized."""
+    uniform = torch.empty(shape, dtype=torch.float64).uniform_(generator=generator)
+    return torch.log1p(uniform.neg_()).neg_().to(torch.float32)
+
+
+def _cpu_draw_matches_multinomial() -> bool:
+    """Whether [`_cpu_draw`] reproduces this torch build's `torch.multinomial` (checked once per process: the same
+    tokens from the same seed, and the generator left in the same state)."""
+    global _CPU_DRAW_MATCHES_MULTINOMIAL
+    if _CPU_DRAW_MATCHES_MULTINOMIAL is None:
+        generator = torch.Generator().manual_seed(20261128)
+        logits = torch.randn(16, 512, generator=generator) * 4
+        logits[::2, 100:] = -math.inf
+        probs = torch.softmax(logits, dim=-1)
+        generator.manual_seed(7)
+        expected = torch.cat([torch.multinomial(probs, 1, generator=generator).squeeze(1) for _ in range(4)])
+        expected_state = generator.get_state()
+        generator.manual_seed(7)
+        drawn = torch.cat([_cpu_draw(probs, generator=generator) for _ in range(4)])
+        same_draws = torch.equal(expected, drawn) and torch.equal(expected_state, generator.get_state())
+        # The variates themselves, not only the tokens they pick.
+        generator.manual_seed(11)
+        variates = torch.empty(4096).exponential_(generator=generator)
+        generator.manual_seed(11)
+        same_variates = torch.equal(variates, _exponential_variates((4096,), generator))
+        _CPU_DRAW_MATCHES_MULTINOMIAL = same_draws and same_variates
+    return _CPU_DRAW_MATCHES_MULTINOMIAL
+
+
+def sample_next_tokens(probs: torch.Tensor) -> torch.Tensor:
+    """`torch.multinomial(probs, num_samples=1).squeeze(1)` (the default generator), faster for float32 CPU tensors.
+
+    The same tokens from the same random stream, and the stream advanced alike, whenever this torch build's
+    `torch.multinomial` proves reproducible by [`_cpu_draw`] (checked once); invalid probabilities and every other
+    device or dtype go to `torch.multinomial` itself, with its errors.
+
+    Args:
+        probs: `(N, V)` probabilities, as `softmax` returns them.
+
+    Returns:
+        `(N,)` sampled token ids.
+    """
+    if probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2 and probs.shape[-1] > 0:
+        if bool((probs.max() < math.inf) & (probs.min() >= 0)) and _cpu_draw_matches_multinomial():
+            return _cpu_draw(probs)
+    return torch.multinomial(probs, num_samples=1).squeeze(1)
+
+
 def shares_prompt_prefill(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, row_to_prompt: torch.Tensor) -> bool:
     """Whether prefilling each distinct prompt once applies: some prompt is repeated and every prompt has at least two
     tokens (all but the last are prefilled; the last is the first decoding step's input)."""
@@ -304,12 +370,15 @@ def prefill_shared_prompts(
 
     positions = (prompt_mask.long().cumsum(dim=1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
+    # Only the cache is kept: the LM head need not run over the prompts.
+    head_kwargs = {"logits_to_keep": 1} if model_accepts_argument(model, "logits_to_keep") else {}
     model(
         input_ids=prompt_ids[:, :-1],
         attention_mask=prompt_mask[:, :-1],
         position_ids=positions[:, :-1],
         cache=cache,
         use_cache=True,
+        **head_kwargs,
     )
     cache.batch_select_indices(row_to_prompt)
     return cache
@@ -388,8 +457,13 @@ def decode_rollouts(
     step_ids = sequences[:, first_input:]
     step_positions = positions[:, first_input:]
     length = prompt_length
-    # After the first (prompt) step, Llama-style models decode through the lean step: the same logits, bitwise.
+    capacity = prompt_length + max_new_tokens
+    # One-token steps of Llama-style models go through the lean step: the same logits, bitwise. That is every step
+    # after a shared prefill, and every step after the first (the whole prompts) otherwise.
     lean_step = None
+    if first_input and lean_decode_fallback_reason(model) is None:
+        _preallocate(cache, capacity)
+        lean_step = LeanDecoder(model, full_mask, num_rows, capacity)
     all_rows = torch.arange(num_rows, device=sequences.device)
     for step in range(max_new_tokens):
         sink = []
@@ -413,12 +487,13 @@ def decode_rollouts(
         if step == 0:
             vocab_size = logits.shape[-1]
             processors = _SamplingProcessors(config, sequences, attention_mask, vocab_size)
-            _preallocate(cache, prompt_length + max_new_tokens)
-            if lean_decode_fallback_reason(model) is None:
-                lean_step = LeanDecoder(model, full_mask, num_rows, prompt_length + max_new_tokens)
+            if lean_step is None:
+                _preallocate(cache, capacity)
+                if lean_decode_fallback_reason(model) is None:
+                    lean_step = LeanDecoder(model, full_mask, num_rows, capacity)
         scores = processors(logits)
         if config.do_sample:
-            next_tokens = torch.multinomial(nn.functional.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            next_tokens = sample_next_tokens(nn.functional.softmax(scores, dim=-1))
         else:
             next_tokens = torch.argmax(scores, dim=-1)
         if eos_ids.numel():
