@@ -220,3 +220,41 @@ def test_preference_trainers_train_as_with_transformers_checkpoint(tmp_path, tra
     assert losses == pytest.approx(plain_losses, rel=1e-6)
     for name, value in plain_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("family", LLAMA_STYLE_FAMILIES)
+def test_backward_by_halves_is_the_whole_layers_backward(family, monkeypatch):
+    """The backward pass through a layer's attention and MLP blocks one after the other gives bitwise the gradients
+    of the backward pass through the whole recomputed layer, with a padded batch and a frozen first layer; each
+    layer class is checked once (its halves give its output) before any layer is split."""
+    torch.manual_seed(0)
+    model = llama_style_decoder(family).train()
+    model.activation_checkpointing_enable()
+    for parameter in model.model.layers[0].self_attn.parameters():
+        parameter.requires_grad_(False)
+    ids = torch.randint(1, 300, (3, 13))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with lean_layer_checkpoints(model, CheckpointArena()):
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    layer_class = type(model.model.layers[0])
+    split = []
+    original = layer_checkpoints._backward_by_halves
+    monkeypatch.setattr(layer_checkpoints, "_backward_by_halves", lambda *a: split.append(1) or original(*a))
+    monkeypatch.delitem(layer_checkpoints._HALVES_VERIFIED, layer_class, raising=False)
+    by_halves = run()
+    assert layer_checkpoints._HALVES_VERIFIED[layer_class] is True
+    assert len(split) == model.config.num_hidden_layers
+    monkeypatch.setitem(layer_checkpoints._HALVES_VERIFIED, layer_class, False)
+    whole = run()
+    assert by_halves.keys() == whole.keys()
+    assert not any(name.startswith("model.layers.0.self_attn") for name in whole)
+    for name, grad in whole.items():
+        assert torch.equal(by_halves[name], grad), name

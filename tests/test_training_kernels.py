@@ -3,6 +3,7 @@
 Each equals what it stands in for (values and gradients), applies only where it is safe, and leaves the model as it
 was (classes, state-dict keys, attention implementation) once training is over."""
 
+import contextlib
 import weakref
 
 import pytest
@@ -464,3 +465,75 @@ def test_sft_trains_in_bf16_mixed_precision_without_checkpointing(tiny_qwen_path
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     assert torch.isfinite(torch.tensor(trainer.train().training_loss))
     assert any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
+
+
+def test_swiglu_without_gradients_holds_two_intermediate_tensors():
+    """Without gradients the kernel computes the activation and the product in place: bitwise the plain
+    expression's output, with at most two `tokens x intermediate` tensors live at once (the plain one holds three)."""
+    tokens, hidden, inter = 9, 16, 24
+    weights = _mlp_weights(hidden, inter)
+    x = torch.randn(2, tokens, hidden)
+    counts = {}
+    for name, run in (("plain", lambda: _reference_mlp(x, *weights)), ("kernel", lambda: swiglu_mlp(x, *weights))):
+        with torch.no_grad(), _CountBlockTemporaries(hidden, inter, max_rows=2 * tokens) as counter:
+            output = run()
+        counts[name] = (output, counter.most)
+    assert torch.equal(counts["plain"][0], counts["kernel"][0])
+    assert counts["plain"][1] == 3 and counts["kernel"][1] == 2
+
+
+def test_mlps_without_grad_switches_plain_unhooked_mlps_and_restores_them(tiny_qwen_path):
+    """Reference passes run the model's MLPs through the in-place kernel: the same logits, a hooked MLP keeps its own
+    forward (and its hook runs), and every forward is the class's again afterwards."""
+    from trl.trainer.utils.lean_modules import mlps_without_grad
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    calls = []
+    hooked = model.model.layers[0].mlp
+    hooked.register_forward_hook(lambda module, args, output: calls.append(1))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        with mlps_without_grad(model) as switched:
+            assert switched == model.config.num_hidden_layers - 1
+            assert "forward" not in vars(hooked)
+            logits = model(input_ids=ids).logits
+    assert torch.equal(logits, expected)
+    assert len(calls) == 2
+    assert not any("forward" in vars(module) for module in model.modules())
+
+
+@pytest.mark.parametrize("prefixed", [False, True])
+def test_packed_attention_without_gradients_uses_grouped_queries_with_the_same_outputs(prefixed, monkeypatch):
+    """Passes without gradients (a reference's, a checkpointed layer's first forward) attend with SDPA's grouped-query
+    mode instead of repeating keys and values per query head: bitwise the same outputs. With gradients the keys and
+    values are repeated as before."""
+    from transformers.integrations import sdpa_attention
+
+    from trl.kernels import packed_attention
+    from trl.kernels.packed_attention import attend_after_prefixes, packed_sdpa_attention_forward
+
+    assert packed_attention._grouped_query_matches_expanded()
+    generator = torch.Generator().manual_seed(0)
+    module = nn.Module()
+    module.layer_idx, module.num_key_value_groups, module.is_causal = 0, 4, True
+    bounds = [0, 5, 9, 21]
+    query = torch.randn(1, 8, 21, 16, generator=generator)
+    key, value = torch.randn(2, 1, 2, 21, 16, generator=generator)
+    prefixes = {0: tuple(torch.randn(2, 3, 2, 6, 16, generator=generator))}
+    kwargs = {} if prefixed else {"cu_seq_lens_q": torch.tensor(bounds), "cu_seq_lens_k": torch.tensor(bounds)}
+    repeats = []
+    original_repeat = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: repeats.append(1) or original_repeat(*a))
+
+    def attend(q, k, v):
+        context = attend_after_prefixes(prefixes, [6, 2, 4], bounds) if prefixed else contextlib.nullcontext()
+        with context:
+            return packed_sdpa_attention_forward(module, q, k, v, attention_mask=None, **kwargs)[0]
+
+    with torch.no_grad():
+        grouped = attend(query, key, value)
+    assert not repeats
+    repeated = attend(query.requires_grad_(), key, value)
+    assert repeats
+    assert torch.equal(grouped, repeated.detach())

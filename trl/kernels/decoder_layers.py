@@ -142,7 +142,8 @@ def swiglu_mlp(
 
     Returns:
         `(..., hidden)` output: the plain expression's values and gradients, bitwise (the backward pass runs the
-        operations plain autograd runs). With `output_unused` over more than one block, the weights' gradients sum
+        operations plain autograd runs). Without gradients, the plain expression's values with the activation and
+        the product computed in place. With `output_unused` over more than one block, the weights' gradients sum
         the blocks' products in block order (equal to float rounding). Under autocast the plain expression itself
         runs (with its output, whatever `output_unused` says).
     """
@@ -150,6 +151,11 @@ def swiglu_mlp(
         # Autocast casts each product's operands (bf16 gate and up projections of float32 weights); plain autograd
         # replays those casts in the backward pass, which the kernel's hand-written backward does not.
         return F.linear(F.silu(F.linear(x, gate_weight)) * F.linear(x, up_weight), down_weight)
+    if not torch.is_grad_enabled():
+        # Nothing is kept for a backward pass: the activation and the product overwrite the gate projection, so two
+        # `tokens x intermediate` tensors exist at once instead of three (same operations, same values).
+        gate = F.silu(F.linear(x, gate_weight), inplace=True)
+        return F.linear(gate.mul_(F.linear(x, up_weight)), down_weight)
     return _SwiGLUMLP.apply(x, gate_weight, up_weight, down_weight, output_unused)
 
 

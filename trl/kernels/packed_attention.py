@@ -92,22 +92,74 @@ def _attend_after_prefixes(
     prefix_keys, prefix_values = prefixes[module.layer_idx]
     groups = getattr(module, "num_key_value_groups", 1)
     pieces = []
-    for row, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if end == start:
+    # Split, not sliced (see `packed_sdpa_attention_forward`).
+    owns = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    splits = zip(query.split(owns, dim=2), key.split(owns, dim=2), value.split(owns, dim=2))
+    for row, (own, (own_query, own_key, own_value)) in enumerate(zip(owns, splits)):
+        if own == 0:
             continue
-        past, own = lengths[row], end - start
-        keys = torch.cat([prefix_keys[row : row + 1, :, :past], key[:, :, start:end]], dim=2)
-        values = torch.cat([prefix_values[row : row + 1, :, :past], value[:, :, start:end]], dim=2)
-        if groups > 1:
+        past = lengths[row]
+        keys = torch.cat([prefix_keys[row : row + 1, :, :past], own_key], dim=2)
+        values = torch.cat([prefix_values[row : row + 1, :, :past], own_value], dim=2)
+        grouped = groups > 1 and _grouped_query_attention_applies(query, keys, values)
+        if groups > 1 and not grouped:
             keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
         # Query t sees the whole prefix and its own tokens up to t.
         allowed = torch.ones(own, past + own, dtype=torch.bool, device=query.device).tril(diagonal=past)
         pieces.append(
             F.scaled_dot_product_attention(
-                query[:, :, start:end], keys, values, attn_mask=allowed, dropout_p=dropout, scale=scaling
+                own_query,
+                keys,
+                values,
+                attn_mask=allowed,
+                dropout_p=dropout,
+                scale=scaling,
+                enable_gqa=grouped,
             )
         )
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+
+
+_GROUPED_QUERY_MATCHES_EXPANDED: bool | None = None
+
+
+def _grouped_query_matches_expanded() -> bool:
+    """Whether this torch build's CPU SDPA gives, in grouped-query mode (`enable_gqa`), bitwise the outputs it gives
+    over keys and values repeated per query head, causal and with a mask (checked once per process)."""
+    global _GROUPED_QUERY_MATCHES_EXPANDED
+    if _GROUPED_QUERY_MATCHES_EXPANDED is None:
+        generator = torch.Generator().manual_seed(0)
+        query = torch.randn(1, 8, 37, 16, generator=generator)
+        key, value = torch.randn(2, 1, 2, 45, 16, generator=generator)
+        expanded_key, expanded_value = key.repeat_interleave(4, dim=1), value.repeat_interleave(4, dim=1)
+        allowed = torch.ones(37, 45, dtype=torch.bool).tril(diagonal=8)
+        same = True
+        with torch.no_grad():
+            for keys, values, expanded_keys, expanded_values, mask, causal in (
+                (key[:, :, :37], value[:, :, :37], expanded_key[:, :, :37], expanded_value[:, :, :37], None, True),
+                (key, value, expanded_key, expanded_value, allowed, False),
+            ):
+                grouped = F.scaled_dot_product_attention(
+                    query, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True
+                )
+                plain = F.scaled_dot_product_attention(
+                    query, expanded_keys, expanded_values, attn_mask=mask, is_causal=causal
+                )
+                same = same and torch.equal(grouped, plain)
+        _GROUPED_QUERY_MATCHES_EXPANDED = same
+    return _GROUPED_QUERY_MATCHES_EXPANDED
+
+
+def _grouped_query_attention_applies(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether to attend with SDPA's grouped-query mode instead of keys and values repeated per query head: for CPU
+    tensors without gradients (no reference or rollout pass keeps the repeated copies then), when this build gives
+    bitwise the same outputs. With gradients, the keys' and values' gradients would differ in the last bits from the
+    repeated copies' summed ones, so training passes repeat them as transformers does."""
+    if query.device.type != "cpu":
+        return False
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return False
+    return _grouped_query_matches_expanded()
 
 
 def _sequence_bounds(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> list[int] | None:
@@ -176,14 +228,20 @@ def packed_sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
+    grouped = groups > 1 and _grouped_query_attention_applies(query, key, value)
+    if groups > 1 and not grouped:
         key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    # Split, not sliced: the backward pass of a split concatenates the pieces' gradients once, where each slice's
+    # would be a zero-filled tensor of the whole row, added up piece after piece.
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     pieces = [
         F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], is_causal=True, scale=scaling
+            query_piece, key_piece, value_piece, is_causal=True, scale=scaling, enable_gqa=grouped
         )
-        for start, end in zip(bounds[:-1], bounds[1:])
-        if end > start
+        for query_piece, key_piece, value_piece, length in zip(
+            query.split(lengths, dim=2), key.split(lengths, dim=2), value.split(lengths, dim=2), lengths
+        )
+        if length
     ]
     attn_output = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
     return attn_output.transpose(1, 2).contiguous(), None

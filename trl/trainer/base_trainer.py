@@ -50,7 +50,7 @@ from .utils.contiguous_state import (
 from .utils.cpu_allocator import keep_activation_memory
 from .utils.distributed import uses_sharding_engine
 from .utils.layer_checkpoints import CheckpointArena, lean_layer_checkpoints
-from .utils.lean_modules import lean_modules
+from .utils.lean_modules import lean_modules, mlps_without_grad
 from .utils.packing import packed_sdpa_attention
 
 
@@ -351,7 +351,8 @@ class _BaseTrainer(Trainer):
         """
         with torch.no_grad():
             if ref_model is not None:
-                yield ref_model
+                with mlps_without_grad(ref_model):
+                    yield ref_model
                 return
             unwrapped = self.accelerator.unwrap_model(model)
             if not self._is_peft_model(unwrapped):

@@ -13,6 +13,12 @@ output unused), which keeps none of the four `tokens x intermediate` tensors pla
 pass: its backward pass computes the gate and up projections a block of rows at a time. Values are those of torch's
 checkpoint, and gradients equal them to float rounding (the weights' gradients sum the blocks' products).
 
+The backward pass recomputes and back-propagates a layer's MLP block and then its attention block, one after the other
+(its attention block's output recomputed once more without gradients), once its class was checked to compute the
+layer's output that way: the two blocks' saved activations are never held at once, and the gradients are the whole
+layer's, bitwise. The first forward, without gradients, runs a SwiGLU MLP with its activation in place
+(`lean_modules.mlps_without_grad`).
+
 The same function takes a given output instead of running the layer (the rollout decode's recorded outputs, see
 `decode_replay`).
 
@@ -32,7 +38,7 @@ import torch.nn as nn
 
 from ...kernels.decoder_layers import swiglu_mlp
 from .last_layer_selection import has_dropout
-from .lean_modules import is_lean_swiglu_mlp
+from .lean_modules import is_unhooked_lean_swiglu_mlp, mlps_without_grad
 
 
 _LAYER_CLASSES = {
@@ -124,22 +130,12 @@ class _GradientOnlyLinear(torch.autograd.Function):
         return grad_inputs, grad_weight, grad_bias
 
 
-def _unhooked(module: Any) -> bool:
-    return "forward" not in vars(module) and not (
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-    )
-
-
 def _plain_unhooked_linear(module: Any) -> bool:
-    return type(module) is nn.Linear and _unhooked(module)
-
-
-def _lean_recompute_mlp(mlp: Any) -> bool:
-    """A SwiGLU MLP the lean kernel computes exactly, with no hook on it or its projections (the kernel reads the
-    weights directly, so the projections' own calls, and their hooks, would be skipped)."""
-    if mlp is None or not is_lean_swiglu_mlp(mlp) or not _unhooked(mlp):
-        return False
-    return all(_unhooked(getattr(mlp, key)) for key in ("gate_proj", "up_proj", "down_proj"))
+    return (
+        type(module) is nn.Linear
+        and "forward" not in vars(module)
+        and not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
+    )
 
 
 @contextlib.contextmanager
@@ -149,7 +145,7 @@ def _last_projection_gradient_only(layer: nn.Module) -> Iterator[None]:
     with its output unused, which keeps only its input and computes the gate and up projections block by block in
     the backward pass; another MLP's plain down projection runs [`_GradientOnlyLinear`]."""
     mlp = getattr(layer, "mlp", None)
-    if _lean_recompute_mlp(mlp):
+    if is_unhooked_lean_swiglu_mlp(mlp):
         mlp.forward = lambda inputs: swiglu_mlp(
             inputs, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, output_unused=True
         )
@@ -169,9 +165,73 @@ def _last_projection_gradient_only(layer: nn.Module) -> Iterator[None]:
         del down.forward
 
 
+# The keyword arguments a Llama-style decoder layer passes to its attention, with the layer's defaults.
+_ATTENTION_DEFAULTS = {
+    "attention_mask": None,
+    "position_ids": None,
+    "cache": None,
+    "use_cache": False,
+    "position_embeddings": None,
+}
+_HALF_MODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+# Decoder layer classes whose forward was checked to equal its two halves (see `_LayerHalves`), bitwise.
+_HALVES_VERIFIED: dict[type, bool] = {}
+
+
+class _LayerHalves:
+    """A Llama-style decoder layer's forward as its two residual blocks: `attention(x) = x + self_attn(norm(x))`
+    and `mlp(x) = x + mlp(post_norm(x))`, with the keyword arguments of transformers' checkpointed call `function`
+    (`partial(forward, layer, **kwargs)`), as the layer's forward passes them."""
+
+    def __init__(self, layer: nn.Module, function: Any):
+        keywords = {**_ATTENTION_DEFAULTS, **function.keywords}
+        attention, norm = layer.self_attn, layer.input_layernorm
+        post_norm, mlp = layer.post_attention_layernorm, layer.mlp
+        self.attention = lambda x: x + attention(hidden_states=norm(x), **keywords)[0]
+        self.mlp = lambda x: x + mlp(post_norm(x))
+        self.attention_modules = (norm, attention)
+        self.mlp_modules = (post_norm, mlp)
+
+    @staticmethod
+    def of(layer: nn.Module, function: Any) -> "_LayerHalves | None":
+        """The halves of `layer` for the call `function`, or None when they may not stand in for it."""
+        if not (
+            isinstance(function, functools.partial)
+            and function.args == (layer,)
+            and "past_key_values" not in function.keywords
+            and "forward" not in vars(layer)
+            and all(hasattr(layer, name) for name in _HALF_MODULES)
+        ):
+            return None
+        # Hooks would run once more for the extra attention forward (or for the check): such layers are not split.
+        if any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks for m in layer.modules()):
+            return None
+        inside = {id(p) for name in _HALF_MODULES for p in getattr(layer, name).parameters()}
+        if inside != {id(p) for p in layer.parameters()}:
+            return None
+        return _LayerHalves(layer, function)
+
+
+def _check_halves(layer: nn.Module, function: Any, hidden_states: torch.Tensor, output: torch.Tensor) -> None:
+    """Record, once per decoder layer class, whether its two halves give `output` (the layer's own forward on
+    `hidden_states`) bitwise; the backward pass only splits layers of a class that passed."""
+    if type(layer) in _HALVES_VERIFIED:
+        return
+    halves = _LayerHalves.of(layer, function)
+    if halves is not None:
+        with torch.no_grad(), mlps_without_grad(layer):
+            _HALVES_VERIFIED[type(layer)] = torch.equal(halves.mlp(halves.attention(hidden_states)), output)
+
+
 class _CheckpointedLayer(torch.autograd.Function):
     """A checkpointed decoder layer: the forward runs it without gradients (or takes a given output) and keeps the
-    output in the arena; the backward recomputes the layer from its input and back-propagates through it."""
+    output in the arena; the backward recomputes the layer from its input and back-propagates through it.
+
+    The backward pass goes through the layer's two residual blocks one after the other (`_LayerHalves`), when its
+    class was checked to compute the same output that way: the attention block's output is recomputed without
+    gradients, the MLP block recomputed and back-propagated, then the attention block. The two blocks' saved
+    activations are never held at once (about half of a layer's, at the cost of the attention block's forward once
+    more); the operations, and so the gradients, are those of one pass through the layer."""
 
     @staticmethod
     def forward(ctx, function, context, hidden_states, *parameters):
@@ -179,22 +239,64 @@ class _CheckpointedLayer(torch.autograd.Function):
         ctx.function, ctx.layer, ctx.arena = function, layer, arena
         ctx.save_for_backward(hidden_states, *parameters)
         if given is None:
-            with torch.no_grad():
+            with torch.no_grad(), mlps_without_grad(layer):
                 given = function(hidden_states)
+            _check_halves(layer, function, hidden_states, given)
         return given if arena is None else arena.keep(given)
 
     @staticmethod
     def backward(ctx, grad_output):
         hidden_states, *parameters = ctx.saved_tensors
         needs = ctx.needs_input_grad[2:]
-        with torch.enable_grad(), _last_projection_gradient_only(ctx.layer):
-            replay_input = hidden_states.detach().requires_grad_(needs[0])
-            output = ctx.function(replay_input)
-        wanted = [tensor for tensor, need in zip((replay_input, *parameters), needs) if need]
-        grads = iter(torch.autograd.grad(output, wanted, grad_output, allow_unused=True))
+        halves = _LayerHalves.of(ctx.layer, ctx.function) if _HALVES_VERIFIED.get(type(ctx.layer)) else None
+        if halves is None:
+            with torch.enable_grad(), _last_projection_gradient_only(ctx.layer):
+                replay_input = hidden_states.detach().requires_grad_(needs[0])
+                output = ctx.function(replay_input)
+            wanted = [tensor for tensor, need in zip((replay_input, *parameters), needs) if need]
+            grads = iter(torch.autograd.grad(output, wanted, grad_output, allow_unused=True))
+            result = [next(grads) if need else None for need in needs]
+        else:
+            result = _backward_by_halves(ctx.layer, halves, hidden_states, parameters, needs, grad_output)
         if ctx.arena is not None:
             ctx.arena.release()  # this layer's output: every later layer's backward has run
-        return (None, None, *(next(grads) if need else None for need in needs))
+        return (None, None, *result)
+
+
+def _backward_by_halves(
+    layer: nn.Module,
+    halves: _LayerHalves,
+    hidden_states: torch.Tensor,
+    parameters: list[torch.Tensor],
+    needs: tuple[bool, ...],
+    grad_output: torch.Tensor,
+) -> list[torch.Tensor | None]:
+    """Gradients of the layer's input and `parameters` (those `needs` asks for), the MLP block first."""
+    wanted_ids = {id(p) for p, need in zip(parameters, needs[1:]) if need}
+    grads: dict[int, torch.Tensor | None] = {}
+
+    def trainable(modules: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+        return [p for module in modules for p in module.parameters() if id(p) in wanted_ids]
+
+    with torch.no_grad():
+        middle = halves.attention(hidden_states)
+    with torch.enable_grad(), _last_projection_gradient_only(layer):
+        middle.requires_grad_(True)
+        output = halves.mlp(middle)
+    mlp_parameters = trainable(halves.mlp_modules)
+    grad_middle, *mlp_grads = torch.autograd.grad(output, [middle, *mlp_parameters], grad_output, allow_unused=True)
+    grads.update(zip(map(id, mlp_parameters), mlp_grads))
+    del output, middle, mlp_grads
+
+    with torch.enable_grad():
+        replay_input = hidden_states.detach().requires_grad_(needs[0])
+        middle = halves.attention(replay_input)
+    attention_parameters = trainable(halves.attention_modules)
+    inputs = [replay_input] if needs[0] else []
+    attention_grads = torch.autograd.grad(middle, [*inputs, *attention_parameters], grad_middle, allow_unused=True)
+    grads.update(zip(map(id, attention_parameters), attention_grads[len(inputs) :]))
+    grad_input = attention_grads[0] if needs[0] else None
+    return [grad_input, *(grads.get(id(p)) if need else None for p, need in zip(parameters, needs[1:]))]
 
 
 def checkpointed_layer(

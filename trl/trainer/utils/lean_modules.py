@@ -42,6 +42,44 @@ def is_lean_swiglu_mlp(module: Any) -> bool:
     return all(_plain_linear(p) for p in projections) and _silu(getattr(module, "act_fn", None))
 
 
+def _unhooked(module: Any) -> bool:
+    return "forward" not in vars(module) and not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+    )
+
+
+def is_unhooked_lean_swiglu_mlp(mlp: Any) -> bool:
+    """A SwiGLU MLP the lean kernel computes exactly ([`is_lean_swiglu_mlp`]), with no hook or replaced forward on it
+    or its projections: the kernel reads the weights directly, so the projections' own calls, and their hooks, would
+    be skipped."""
+    if mlp is None or not is_lean_swiglu_mlp(mlp) or not _unhooked(mlp):
+        return False
+    return all(_unhooked(getattr(mlp, key)) for key in ("gate_proj", "up_proj", "down_proj"))
+
+
+@contextlib.contextmanager
+def mlps_without_grad(model: nn.Module) -> Iterator[int]:
+    """Within the block (a pass without gradients, such as a frozen reference's), every unhooked SwiGLU MLP of
+    `model` ([`is_unhooked_lean_swiglu_mlp`]) runs [`~trl.kernels.decoder_layers.swiglu_mlp`], which computes the
+    activation and the product in place when no gradient is recorded: the same values with one `tokens x
+    intermediate` tensor fewer. Yields how many MLPs were switched."""
+    switched = []
+    for module in model.modules():
+        if is_unhooked_lean_swiglu_mlp(module):
+            module.forward = _swiglu_forward(module)
+            switched.append(module)
+    try:
+        yield len(switched)
+    finally:
+        for module in switched:
+            del module.forward
+
+
+def _swiglu_forward(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    # Weights read at call time: an engine may swap the parameter objects after the switch.
+    return lambda x: swiglu_mlp(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+
+
 def lean_module_kernel(module: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The memory-lean forward for `module` when it is a supported SwiGLU MLP or RMSNorm, else None.
 
@@ -50,8 +88,7 @@ def lean_module_kernel(module: nn.Module) -> Callable[[torch.Tensor], torch.Tens
     ([`~trl.kernels.decoder_layers.rms_norm`]), with dense floating-point weights.
     """
     if is_lean_swiglu_mlp(module):
-        # Weights read at call time: an engine may swap the parameter objects after the switch.
-        return lambda x: swiglu_mlp(x, module.gate_proj.weight, module.up_proj.weight, module.down_proj.weight)
+        return _swiglu_forward(module)
     if type(module).__name__ in _RMS_NORM_CLASSES:
         weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
         if _plain_weight(weight) and weight.dim() == 1 and isinstance(eps, float):
