@@ -63,15 +63,20 @@ def mlps_without_grad(model: nn.Module) -> Iterator[int]:
     `model` ([`is_unhooked_lean_swiglu_mlp`]) runs [`~trl.kernels.decoder_layers.swiglu_mlp`], which computes the
     activation and the product in place when no gradient is recorded: the same values with one `tokens x
     intermediate` tensor fewer. Yields how many MLPs were switched."""
-    switched = []
-    for module in model.modules():
-        if is_unhooked_lean_swiglu_mlp(module):
-            module.forward = _swiglu_forward(module)
-            switched.append(module)
+    kernels = [(module, _swiglu_forward(module)) for module in model.modules() if is_unhooked_lean_swiglu_mlp(module)]
+    with _forwards_switched(kernels) as switched:
+        yield switched
+
+
+@contextlib.contextmanager
+def _forwards_switched(kernels: list[tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]]) -> Iterator[int]:
+    """Within the block, each module's instance `forward` is its kernel; yields how many modules were switched."""
+    for module, kernel in kernels:
+        module.forward = kernel
     try:
-        yield len(switched)
+        yield len(kernels)
     finally:
-        for module in switched:
+        for module, _ in kernels:
             del module.forward
 
 
@@ -115,16 +120,12 @@ def lean_modules(model: nn.Module, args: Any = None) -> Iterator[int]:
     if not lean_modules_applicable(model, args):
         yield 0
         return
-    switched = []
+    kernels = []
     for module in getattr(model, "module", model).modules():
         if "forward" in vars(module):  # already replaced (an outer block) or patched by someone else
             continue
         kernel = lean_module_kernel(module)
         if kernel is not None:
-            module.forward = kernel
-            switched.append(module)
-    try:
-        yield len(switched)
-    finally:
-        for module in switched:
-            del module.forward
+            kernels.append((module, kernel))
+    with _forwards_switched(kernels) as switched:
+        yield switched
