@@ -184,7 +184,8 @@ def test_sft_trains_as_with_transformers_checkpoint(tmp_path, model_path, monkey
 @pytest.mark.parametrize("trainer_name", ["dpo", "kto", "reward"])
 def test_preference_trainers_train_as_with_transformers_checkpoint(tmp_path, trainer_name, monkeypatch):
     """Two-pass trainers (a reference pass, chosen and rejected rows, KL rows) with checkpointing: the same logged
-    losses and weights as with transformers' checkpoint, gradient accumulation included."""
+    losses and weights as with transformers' checkpoint, gradient accumulation included; DPO and KTO, which hold a
+    reference model, back-propagate their layers one residual block at a time."""
     from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer
     from trl.assets import get_model_path, load_test_dataset
 
@@ -212,9 +213,19 @@ def test_preference_trainers_train_as_with_transformers_checkpoint(tmp_path, tra
             "checkpointed_layer",
             lambda *a, switched=switched, original=original, **k: switched.append(1) or original(*a, **k),
         )
+        split = []
+        original_split = layer_checkpoints._backward_by_halves
+        monkeypatch.setattr(
+            layer_checkpoints,
+            "_backward_by_halves",
+            lambda *a, split=split, original_split=original_split: split.append(1) or original_split(*a),
+        )
         trainer.train()
         monkeypatch.setattr(layer_checkpoints, "checkpointed_layer", original)
+        monkeypatch.setattr(layer_checkpoints, "_backward_by_halves", original_split)
         assert bool(switched) == lean
+        # Trainers holding a separate reference model back-propagate their layers one block at a time.
+        assert bool(split) == (lean and trainer_name != "reward")
         results.append(([log["loss"] for log in train_logs(trainer)], trainer.model.state_dict()))
     (losses, weights), (plain_losses, plain_weights) = results
     assert losses == pytest.approx(plain_losses, rel=1e-6)
@@ -238,7 +249,7 @@ def test_backward_by_halves_is_the_whole_layers_backward(family, monkeypatch):
 
     def run():
         model.zero_grad(set_to_none=True)
-        with lean_layer_checkpoints(model, CheckpointArena()):
+        with lean_layer_checkpoints(model, CheckpointArena(split_layers=True)):
             logits = model(input_ids=ids, attention_mask=mask).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
@@ -258,3 +269,10 @@ def test_backward_by_halves_is_the_whole_layers_backward(family, monkeypatch):
     assert not any(name.startswith("model.layers.0.self_attn") for name in whole)
     for name, grad in whole.items():
         assert torch.equal(by_halves[name], grad), name
+    # Without `split_layers` (the default: trainers without a separate reference model), layers are never split.
+    monkeypatch.setitem(layer_checkpoints._HALVES_VERIFIED, layer_class, True)
+    split.clear()
+    model.zero_grad(set_to_none=True)
+    with lean_layer_checkpoints(model, CheckpointArena()):
+        model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+    assert not split

@@ -591,7 +591,10 @@ class _BaseTrainer(Trainer):
         ):
             arena = self.__dict__.get("_checkpoint_arena")
             if arena is None:
-                arena = self._checkpoint_arena = CheckpointArena()
+                # A trainer that also holds a reference model trades one more attention forward per layer for a
+                # backward pass that never holds a whole layer's activations (see `CheckpointArena`).
+                split_layers = getattr(self, "ref_model", None) is not None
+                arena = self._checkpoint_arena = CheckpointArena(split_layers=split_layers)
             stack.enter_context(lean_layer_checkpoints(self.model, arena))
         return stack
 

@@ -13,9 +13,10 @@ output unused), which keeps none of the four `tokens x intermediate` tensors pla
 pass: its backward pass computes the gate and up projections a block of rows at a time. Values are those of torch's
 checkpoint, and gradients equal them to float rounding (the weights' gradients sum the blocks' products).
 
-The backward pass recomputes and back-propagates a layer's MLP block and then its attention block, one after the other
-(its attention block's output recomputed once more without gradients), once its class was checked to compute the
-layer's output that way: the two blocks' saved activations are never held at once, and the gradients are the whole
+With `CheckpointArena(split_layers=True)` (trainers holding a separate reference model, whose weights already press on
+memory), the backward pass recomputes and back-propagates a layer's MLP block and then its attention block, one after
+the other (its attention block's output recomputed once more without gradients: 2-10 % more CPU time), once its class
+was checked to compute the layer's output that way: the two blocks' saved activations are never held at once, and the gradients are the whole
 layer's, bitwise. The first forward, without gradients, runs a SwiGLU MLP with its activation in place
 (`lean_modules.mlps_without_grad`).
 
@@ -59,7 +60,10 @@ class CheckpointArena:
     beginning of the chunks. Kept outputs are tensors of their own (own version counter) on the chunk's storage.
     """
 
-    def __init__(self):
+    def __init__(self, split_layers: bool = False):
+        # Whether the layers checkpointed into this arena back-propagate one residual block at a time (see
+        # `_CheckpointedLayer`): less memory for one more attention forward per layer.
+        self.split_layers = split_layers
         self.chunks: list[torch.Tensor] = []
         self.offset = 0  # elements used in the last chunk
         self.live = 0
@@ -227,8 +231,8 @@ class _CheckpointedLayer(torch.autograd.Function):
     """A checkpointed decoder layer: the forward runs it without gradients (or takes a given output) and keeps the
     output in the arena; the backward recomputes the layer from its input and back-propagates through it.
 
-    The backward pass goes through the layer's two residual blocks one after the other (`_LayerHalves`), when its
-    class was checked to compute the same output that way: the attention block's output is recomputed without
+    With an arena made with `split_layers`, the backward pass goes through the layer's two residual blocks one after
+    the other (`_LayerHalves`), when its class was checked to compute the same output that way: the attention block's output is recomputed without
     gradients, the MLP block recomputed and back-propagated, then the attention block. The two blocks' saved
     activations are never held at once (about half of a layer's, at the cost of the attention block's forward once
     more); the operations, and so the gradients, are those of one pass through the layer."""
@@ -241,14 +245,16 @@ class _CheckpointedLayer(torch.autograd.Function):
         if given is None:
             with torch.no_grad(), mlps_without_grad(layer):
                 given = function(hidden_states)
-            _check_halves(layer, function, hidden_states, given)
+            if arena is not None and arena.split_layers:
+                _check_halves(layer, function, hidden_states, given)
         return given if arena is None else arena.keep(given)
 
     @staticmethod
     def backward(ctx, grad_output):
         hidden_states, *parameters = ctx.saved_tensors
         needs = ctx.needs_input_grad[2:]
-        halves = _LayerHalves.of(ctx.layer, ctx.function) if _HALVES_VERIFIED.get(type(ctx.layer)) else None
+        split = ctx.arena is not None and ctx.arena.split_layers and _HALVES_VERIFIED.get(type(ctx.layer))
+        halves = _LayerHalves.of(ctx.layer, ctx.function) if split else None
         if halves is None:
             with torch.enable_grad(), _last_projection_gradient_only(ctx.layer):
                 replay_input = hidden_states.detach().requires_grad_(needs[0])
