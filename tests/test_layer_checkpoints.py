@@ -236,13 +236,17 @@ def test_preference_trainers_train_as_with_transformers_checkpoint(tmp_path, tra
 @pytest.mark.parametrize("family", LLAMA_STYLE_FAMILIES)
 def test_backward_by_halves_is_the_whole_layers_backward(family, monkeypatch):
     """The backward pass through a layer's attention and MLP blocks one after the other gives bitwise the gradients
-    of the backward pass through the whole recomputed layer, with a padded batch and a frozen first layer; each
-    layer class is checked once (its halves give its output) before any layer is split."""
+    of the backward pass through the whole recomputed layer, with a padded batch and a first layer whose attention
+    block, like the embeddings, is frozen; each layer class is checked once (its halves give its output) before any
+    layer is split."""
     torch.manual_seed(0)
     model = llama_style_decoder(family).train()
     model.activation_checkpointing_enable()
-    for parameter in model.model.layers[0].self_attn.parameters():
+    frozen = [*model.model.embed_tokens.parameters(), *model.model.layers[0].self_attn.parameters()]
+    frozen += [*model.model.layers[0].input_layernorm.parameters()]
+    for parameter in frozen:  # layer 0: no gradient below its MLP block
         parameter.requires_grad_(False)
+    model.disable_input_require_grads()  # the hook checkpointing puts on the embeddings would ask for one
     ids = torch.randint(1, 300, (3, 13))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
@@ -266,7 +270,8 @@ def test_backward_by_halves_is_the_whole_layers_backward(family, monkeypatch):
     monkeypatch.setitem(layer_checkpoints._HALVES_VERIFIED, layer_class, False)
     whole = run()
     assert by_halves.keys() == whole.keys()
-    assert not any(name.startswith("model.layers.0.self_attn") for name in whole)
+    assert not any(name.startswith(("model.embed_tokens", "model.layers.0.self_attn")) for name in whole)
+    assert any(name.startswith("model.layers.0.mlp") for name in whole)
     for name, grad in whole.items():
         assert torch.equal(by_halves[name], grad), name
     # Without `split_layers` (the default: trainers without a separate reference model), layers are never split.

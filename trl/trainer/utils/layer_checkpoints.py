@@ -13,12 +13,12 @@ output unused), which keeps none of the four `tokens x intermediate` tensors pla
 pass: its backward pass computes the gate and up projections a block of rows at a time. Values are those of torch's
 checkpoint, and gradients equal them to float rounding (the weights' gradients sum the blocks' products).
 
-With `CheckpointArena(split_layers=True)` (trainers holding a separate reference model, whose weights already press on
-memory), the backward pass recomputes and back-propagates a layer's MLP block and then its attention block, one after
-the other (its attention block's output recomputed once more without gradients: 2-10 % more CPU time), once its class
-was checked to compute the layer's output that way: the two blocks' saved activations are never held at once, and the gradients are the whole
-layer's, bitwise. The first forward, without gradients, runs a SwiGLU MLP with its activation in place
-(`lean_modules.mlps_without_grad`).
+With `CheckpointArena(split_layers=True)` (trainers holding a separate reference model, whose weights already press
+on memory), the backward pass recomputes and back-propagates a layer's MLP block and then its attention block, one
+after the other (the attention block's output recomputed once more without gradients: 2-10 % more CPU time), once
+the layer's class was checked to compute the layer's output that way: the two blocks' saved activations are never
+held at once, and the gradients are the whole layer's, bitwise. The first forward, without gradients, runs a SwiGLU
+MLP with its activation in place (`lean_modules.mlps_without_grad`).
 
 The same function takes a given output instead of running the layer (the rollout decode's recorded outputs, see
 `decode_replay`).
@@ -232,8 +232,9 @@ class _CheckpointedLayer(torch.autograd.Function):
     output in the arena; the backward recomputes the layer from its input and back-propagates through it.
 
     With an arena made with `split_layers`, the backward pass goes through the layer's two residual blocks one after
-    the other (`_LayerHalves`), when its class was checked to compute the same output that way: the attention block's output is recomputed without
-    gradients, the MLP block recomputed and back-propagated, then the attention block. The two blocks' saved
+    the other (`_LayerHalves`), when its class was checked to compute the same output that way: the attention
+    block's output is recomputed without gradients, the MLP block recomputed and back-propagated, then the attention
+    block. The two blocks' saved
     activations are never held at once (about half of a layer's, at the cost of the attention block's forward once
     more); the operations, and so the gradients, are those of one pass through the layer."""
 
@@ -294,14 +295,16 @@ def _backward_by_halves(
     grads.update(zip(map(id, mlp_parameters), mlp_grads))
     del output, middle, mlp_grads
 
-    with torch.enable_grad():
-        replay_input = hidden_states.detach().requires_grad_(needs[0])
-        middle = halves.attention(replay_input)
     attention_parameters = trainable(halves.attention_modules)
-    inputs = [replay_input] if needs[0] else []
-    attention_grads = torch.autograd.grad(middle, [*inputs, *attention_parameters], grad_middle, allow_unused=True)
-    grads.update(zip(map(id, attention_parameters), attention_grads[len(inputs) :]))
-    grad_input = attention_grads[0] if needs[0] else None
+    grad_input = None
+    if needs[0] or attention_parameters:  # nothing to back-propagate into below a frozen attention block otherwise
+        with torch.enable_grad():
+            replay_input = hidden_states.detach().requires_grad_(needs[0])
+            middle = halves.attention(replay_input)
+        inputs = [replay_input] if needs[0] else []
+        attention_grads = torch.autograd.grad(middle, [*inputs, *attention_parameters], grad_middle, allow_unused=True)
+        grads.update(zip(map(id, attention_parameters), attention_grads[len(inputs) :]))
+        grad_input = attention_grads[0] if needs[0] else None
     return [grad_input, *(grads.get(id(p)) if need else None for p, need in zip(parameters, needs[1:]))]
 
 

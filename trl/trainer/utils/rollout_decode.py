@@ -3,8 +3,8 @@
 `decode_rollouts` is what the online trainers run instead of transformers `generate` when
 `rollout_decode_fallback_reason` finds nothing it cannot reproduce. It makes the same model calls as `generate` (same
 inputs, positions, masks and cache contents, so bitwise the same logits), applies the same sampling processors in the
-same order as tensor ops, and draws the whole batch's tokens at once per step as `torch.multinomial` does (finished rows
-stay in the batch, as in `generate`, so the random stream is consumed identically). What it saves:
+same order as tensor ops, and draws the whole batch's tokens at once per step as `torch.multinomial` does (finished
+rows stay in the batch, as in `generate`, so the random stream is consumed identically). What it saves:
 
 - the KV cache is preallocated once for the whole rollout instead of growing by concatenation at every token;
 - no per-token bookkeeping of `generate` (logits-processor and stopping-criteria objects, model-input preparation,
