@@ -234,9 +234,9 @@ class _CheckpointedLayer(torch.autograd.Function):
     With an arena made with `split_layers`, the backward pass goes through the layer's two residual blocks one after
     the other (`_LayerHalves`), when its class was checked to compute the same output that way: the attention
     block's output is recomputed without gradients, the MLP block recomputed and back-propagated, then the attention
-    block. The two blocks' saved
-    activations are never held at once (about half of a layer's, at the cost of the attention block's forward once
-    more); the operations, and so the gradients, are those of one pass through the layer."""
+    block. The two blocks' saved activations are never held at once (about half of a layer's, at the cost of the
+    attention block's forward once more); the operations, and so the gradients, are those of one pass through the
+    layer."""
 
     @staticmethod
     def forward(ctx, function, context, hidden_states, *parameters):
