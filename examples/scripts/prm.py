@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
-from trl.scripts._training import load_script_dataset, split_datasets
+from trl.scripts._training import load_script_dataset, release_process_group, split_datasets
 from trl.trainer import get_kbit_device_map
 
 
@@ -60,6 +60,7 @@ def main(script_args: ScriptArguments, training_args, model_args: ModelConfig) -
     trainer.save_model(training_args.output_dir)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    release_process_group()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from ._training import release_process_group
+
 
 EXAMPLE_PROMPTS = ["a cat", "a dog", "a horse", "a bird", "a fish", "a rabbit"]
 _COLOURS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.0, 1.0)}
@@ -55,3 +57,4 @@ def run_diffusion_example(trainer_cls, script_args: DiffusionScriptArguments, co
         if not script_args.hub_model_id:
             raise ValueError("--push_to_hub needs --hub_model_id <user/repo>.")
         trainer.push_to_hub(script_args.hub_model_id, folder=script_args.output_dir)
+    release_process_group()
