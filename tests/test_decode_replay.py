@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl.assets import get_model_path
 from trl.trainer.utils.decode_replay import (
+    DecodeLayerOutputs,
     layer_outputs_fallback_reason,
     recording_layer_outputs,
     replay_decoder_layers,
@@ -248,3 +249,32 @@ def test_gradient_only_linear_back_propagates_as_the_linear(bias):
     torch.testing.assert_close(weight.grad, torch.einsum("bto,bti->oi", grad_output, inputs.detach()))
     if bias:
         torch.testing.assert_close(bias_tensor.grad, grad_output.sum(dim=(0, 1)))
+
+
+def test_index_places_every_call_at_its_rows_and_positions(model):
+    # Two prompts (the first left-padded by one) for three rollout rows: a shared prefill computes each prompt once
+    # (rows 0 and 1 share prompt 0), then a two-token step and three one-token steps feed every row.
+    prompt_mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1]])
+    recorded = DecodeLayerOutputs(model, torch.zeros(3, 4, dtype=torch.long), prompt_mask, max_new_tokens=5)
+    hidden = model.config.hidden_size
+    layers = recorded.num_layers
+    all_rows = torch.arange(3)
+    calls = [(torch.tensor([0, 0, 1]), 0, 4, 2)]  # (call_rows, first_column, length, rows in the call)
+    calls += [(all_rows, 4, 2, 3)] + [(all_rows, column, 1, 3) for column in (6, 7, 8)]
+    for call_rows, first_column, length, rows in calls:
+        recorded.record_call([torch.zeros(rows, length, hidden)] * layers, call_rows, first_column)
+    # Hand-computed: entry numbers run call by call, within a call row by row, then column by column.
+    expected = torch.full((3, 9), -1)
+    padding = [1, 1, 0]
+    entry = 0
+    for call_rows, first_column, length, rows in calls:
+        for row in range(3):
+            for offset in range(length):
+                position = first_column + offset - padding[row]
+                if position >= 0:
+                    expected[row, position] = entry + int(call_rows[row]) * length + offset
+        entry += rows * length
+    assert recorded.num_entries == entry == 2 * 4 + 3 * 2 + 3 * 3
+    assert torch.equal(recorded.index, expected)
+    assert torch.equal(recorded.index, expected)  # reading again changes nothing
+    assert recorded.table(0).shape == (entry + 1, hidden)

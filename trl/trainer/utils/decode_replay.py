@@ -96,8 +96,10 @@ class DecodeLayerOutputs:
         num_rows, width = sequences.shape
         self.width = width
         self.padding = (width - prompt_mask.long().sum(dim=1)).to(sequences.device)
-        # index[r, j]: row of the flat output table holding row r's token j, -1 where the decode never fed it.
-        self.index = torch.full((num_rows, width + max_new_tokens), -1, dtype=torch.long, device=sequences.device)
+        self._index = torch.full((num_rows, width + max_new_tokens), -1, dtype=torch.long, device=sequences.device)
+        # Calls not yet in `_index`: (call_rows, first_column, length, first entry). Placed when `index` is read, so
+        # that the decode steps (one token each, the same rows) cost one scatter together instead of one apiece.
+        self._unindexed: list[tuple[torch.Tensor, int, int, int]] = []
         self.layers: list[list[torch.Tensor]] = []
         self.num_entries = 0
         self.sequences: list[list[int]] | None = None
@@ -117,12 +119,43 @@ class DecodeLayerOutputs:
             self.layers = [[] for _ in outputs]
         for stored, output in zip(self.layers, outputs):
             stored.append(output.reshape(rows * length, -1))
-        columns = torch.arange(first_column, first_column + length, device=self.index.device)
-        positions = columns[None, :] - self.padding[:, None]  # (N, length) token position j of each entry
-        entries = self.num_entries + call_rows[:, None] * length + (columns - first_column)[None, :]
-        real = positions >= 0
-        self.index[torch.nonzero(real, as_tuple=True)[0], positions[real]] = entries[real]
+        self._unindexed.append((call_rows, first_column, length, self.num_entries))
         self.num_entries += rows * length
+
+    @property
+    def index(self) -> torch.Tensor:
+        """`(N, width + max_new_tokens)`: `index[r, j]` is the row of the flat output table (see [`table`]) holding
+        rollout row `r`'s token `j`, -1 where the decode never fed it."""
+        start = 0
+        while start < len(self._unindexed):
+            # A run of consecutive calls over the same rows with the same length goes in one scatter; runs keep
+            # their order, so a later call still overwrites an earlier one.
+            call_rows, _, length, _ = self._unindexed[start]
+            end = start + 1
+            while (
+                end < len(self._unindexed)
+                and self._unindexed[end][0] is call_rows
+                and self._unindexed[end][2] == length
+            ):
+                end += 1
+            self._place(self._unindexed[start:end])
+            start = end
+        self._unindexed.clear()
+        return self._index
+
+    def _place(self, calls: list[tuple[torch.Tensor, int, int, int]]) -> None:
+        """Write the entries of calls sharing `call_rows` and `length` into `_index`."""
+        call_rows, _, length, _ = calls[0]
+        device = self._index.device
+        offsets = torch.arange(length, device=device)
+        first_columns = torch.tensor([call[1] for call in calls], device=device)
+        first_entries = torch.tensor([call[3] for call in calls], device=device)
+        columns = (first_columns[:, None] + offsets[None, :]).reshape(-1)
+        entry_offsets = (first_entries[:, None] + offsets[None, :]).reshape(-1)
+        positions = columns[None, :] - self.padding[:, None]  # (N, calls * length) token position of each entry
+        entries = entry_offsets[None, :] + call_rows[:, None] * length
+        real = positions >= 0
+        self._index[torch.nonzero(real, as_tuple=True)[0], positions[real]] = entries[real]
 
     def table(self, layer: int) -> torch.Tensor:
         """`(entries + 1, hidden)` every recorded output of `layer`, then a zero row (for tokens never fed)."""
