@@ -1,5 +1,7 @@
-"""`release_process_group`: the end of a multi-process run leaves gloo's worker threads parked before the interpreter
-finalizes (a worker still releasing a collective's tensors then would abort the rank at exit)."""
+"""A clean exit for processes of a gloo group: `release_process_group` (the scripts' last call) and the exit guard
+every trainer registers leave gloo's worker threads parked before the interpreter finalizes. A worker still releasing
+a collective's tensors then would abort the rank ("terminate called without an active exception") after a successful
+run."""
 
 import subprocess
 import sys
@@ -7,13 +9,18 @@ import textwrap
 
 import pytest
 
-from trl.scripts._training import _gloo_workers_parked, release_process_group
+import trl.trainer.utils.distributed as distributed
+from trl.scripts._training import release_process_group
+from trl.trainer.utils.distributed import gloo_workers_parked, guard_gloo_exit
 
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread states from /proc")
 
 _SCRIPT = textwrap.dedent(
     """
-    import os, socket, torch, torch.distributed as dist
-    from trl.scripts._training import _gloo_workers_parked, release_process_group
+    import os, socket, sys, torch, torch.distributed as dist
+    from trl.scripts._training import release_process_group
+    from trl.trainer.utils.distributed import _wait_for_gloo_workers_at_exit, gloo_workers_parked, guard_gloo_exit
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -21,23 +28,31 @@ _SCRIPT = textwrap.dedent(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)
     group = dist.group.WORLD  # held like a DDP wrapper holds it: destroy_process_group cannot join the workers
+    guard_gloo_exit()
     for _ in range(20):
         objects = [{"rates": [0.6]}]
         dist.broadcast_object_list(objects, src=0)
         dist.all_reduce(torch.ones(4))
-    release_process_group()
-    workers = [t for t in os.listdir("/proc/self/task") if open(f"/proc/self/task/{t}/comm").read().strip() == "pt_gloo_runloop"]
-    print("initialized", dist.is_initialized(), "workers", len(workers), "parked", _gloo_workers_parked())
+    if sys.argv[1] == "release":
+        release_process_group()
+    else:  # what the exit guard runs
+        _wait_for_gloo_workers_at_exit()
+    workers = [
+        tid for tid in os.listdir("/proc/self/task")
+        if open(f"/proc/self/task/{tid}/comm").read().strip() == "pt_gloo_runloop"
+    ]
+    print("initialized", dist.is_initialized(), "workers", len(workers), "parked", gloo_workers_parked())
     """
 )
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread states from /proc (Linux only)")
-def test_release_leaves_gloo_workers_parked_and_exits_cleanly():
-    result = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=120)
+@linux_only
+@pytest.mark.parametrize("ending, initialized", [("release", "False"), ("exit_guard", "True")])
+def test_gloo_workers_parked_at_the_end_and_the_process_exits_cleanly(ending, initialized):
+    result = subprocess.run([sys.executable, "-c", _SCRIPT, ending], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "terminate called" not in result.stderr
-    assert result.stdout.split() == ["initialized", "False", "workers", "2", "parked", "True"]
+    assert result.stdout.split() == ["initialized", initialized, "workers", "2", "parked", "True"]
 
 
 def test_release_without_process_group_is_a_no_op():
@@ -48,7 +63,33 @@ def test_release_without_process_group_is_a_no_op():
     assert not dist.is_initialized()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads thread states from /proc (Linux only)")
+@linux_only
 def test_no_gloo_workers_counts_as_parked():
     # This process has no gloo group, hence no worker to wait for.
-    assert _gloo_workers_parked() is True
+    assert gloo_workers_parked() is True
+
+
+def test_exit_guard_registers_once(monkeypatch):
+    registered = []
+    monkeypatch.setattr(distributed, "_exit_guard_registered", False)
+    monkeypatch.setattr(distributed.atexit, "register", registered.append)
+    guard_gloo_exit()
+    guard_gloo_exit()
+    assert registered == [distributed._wait_for_gloo_workers_at_exit]
+
+
+def test_training_registers_the_exit_guard(monkeypatch, tmp_path):
+    from datasets import Dataset
+
+    from trl import SFTConfig, SFTTrainer
+    from trl.assets import get_model_path
+
+    registered = []
+    monkeypatch.setattr(distributed, "_exit_guard_registered", False)
+    monkeypatch.setattr(distributed.atexit, "register", registered.append)
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", save_strategy="no", use_cpu=True)
+    trainer = SFTTrainer(
+        get_model_path("tiny-Qwen2ForCausalLM"), args=args, train_dataset=Dataset.from_dict({"text": ["a b c"] * 8})
+    )
+    trainer.train()
+    assert registered.count(distributed._wait_for_gloo_workers_at_exit) == 1  # (tqdm registers its own)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..trainer.utils import get_kbit_device_map, get_peft_config, get_quantization_config
+from ..trainer.utils.distributed import wait_for_idle_gloo_workers
 from .utils import DatasetMixtureConfig, ScriptArguments, TrlParser, get_dataset
 
 
@@ -191,53 +192,4 @@ def release_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-        _wait_for_idle_gloo_workers()
-
-
-# A gloo worker parked between collectives blocks in `std::condition_variable::wait`: a futex wait with the
-# FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG | FUTEX_CLOCK_REALTIME operation (0x189) and no timeout. `take_gil` waits
-# with a timeout, so a worker still waiting for the GIL never looks parked.
-_FUTEX_SYSCALL = "202"
-_PARKED_FUTEX_OP = "0x189"
-
-
-def _gloo_workers_parked() -> bool | None:
-    """Whether every `pt_gloo_runloop` thread of this process is parked; None where /proc cannot tell (not Linux)."""
-    import os
-
-    try:
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != "pt_gloo_runloop":
-                    continue
-            with open(f"/proc/self/task/{tid}/syscall") as f:
-                fields = f.read().split()
-            parked = len(fields) > 4 and fields[0] == _FUTEX_SYSCALL and fields[2] == _PARKED_FUTEX_OP
-            if not parked or int(fields[4], 16) != 0:
-                return False
-    except (OSError, ValueError):
-        return None
-    return True
-
-
-def _wait_for_idle_gloo_workers(timeout: float = 5.0) -> None:
-    """Give gloo's worker threads the GIL until they have finished with the last collective.
-
-    A worker wakes the caller of a collective before it drops its own references to the finished work; the last
-    reference to a tensor created in Python takes the GIL to release. `destroy_process_group` does not join the
-    workers while anything (a DDP wrapper) still holds the group, so when the script ends right after the final
-    barrier, the interpreter can start finalizing first: the worker is then unwound inside a destructor and the
-    process aborts ("terminate called without an active exception"). Sleeping releases the GIL; the loop ends once
-    every worker is parked, or after `timeout` seconds.
-    """
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        time.sleep(0.002)
-        parked = _gloo_workers_parked()
-        if parked is None:
-            time.sleep(0.05)  # no /proc: a short grace period is the best available
-            return
-        if parked or time.monotonic() > deadline:
-            return
+        wait_for_idle_gloo_workers()

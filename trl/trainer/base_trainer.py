@@ -48,7 +48,7 @@ from .utils.contiguous_state import (
     prepare_contiguous_gradients,
 )
 from .utils.cpu_allocator import keep_activation_memory
-from .utils.distributed import uses_sharding_engine
+from .utils.distributed import guard_gloo_exit, uses_sharding_engine
 from .utils.layer_checkpoints import CheckpointArena, lean_layer_checkpoints
 from .utils.lean_modules import lean_modules, mlps_without_grad
 from .utils.packing import packed_sdpa_attention
@@ -566,6 +566,7 @@ class _BaseTrainer(Trainer):
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
 
+        guard_gloo_exit()
         # On the CPU, freed activation memory stays in the heap for the next step instead of being faulted in anew.
         parameter = next(self.model.parameters(), None)
         keep_activation_memory(parameter.device.type if parameter is not None else self.args.device.type)

@@ -13,7 +13,7 @@
 | `flops` | FLOPs per token, accelerator peak FLOP/s, MFU |
 | `callables` | identity, callable names, async detection |
 | `divergence` | generalized Jensen-Shannon divergence between student and teacher, chunked over positions |
-| `distributed` | `MASTER_ADDR`/`MASTER_PORT`, whether DeepSpeed or FSDP shards the model |
+| `distributed` | `MASTER_ADDR`/`MASTER_PORT`, whether DeepSpeed or FSDP shards the model, a clean exit for gloo processes |
 | `vision` | per-sample grouping of pixel values, image-free messages, vision dataset/processor checks |
 
 Chunked log-softmax kernels live in `trl.kernels.log_softmax`; model loading, PEFT preparation and model-level

@@ -1,8 +1,10 @@
-"""Process-group environment: `MASTER_ADDR`/`MASTER_PORT` for `torch.distributed`, and whether DeepSpeed or FSDP will
-shard the model."""
+"""Process-group environment: `MASTER_ADDR`/`MASTER_PORT` for `torch.distributed`, whether DeepSpeed or FSDP will
+shard the model, and a clean exit for processes of a gloo group."""
 
+import atexit
 import os
 import socket
+import time
 from typing import Any
 
 
@@ -70,3 +72,78 @@ def parameters_sharded(model: Any, across_ranks: bool = False) -> bool:
     return bool(
         is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model) or type(model).__name__.startswith("FSDP")
     )
+
+
+# A gloo worker parked between collectives blocks in `std::condition_variable::wait`: a futex wait (syscall 202) with
+# the FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG | FUTEX_CLOCK_REALTIME operation (0x189) and no timeout. `take_gil`
+# waits with a timeout, so a worker still waiting for the GIL never looks parked.
+_GLOO_WORKER_THREAD = "pt_gloo_runloop"
+_FUTEX_SYSCALL = "202"
+_PARKED_FUTEX_OP = "0x189"
+_exit_guard_registered = False
+
+
+def gloo_workers_parked() -> bool | None:
+    """Whether every gloo worker thread of this process is parked (True when there is none).
+
+    Returns:
+        None where `/proc` cannot tell (not Linux, or thread details hidden).
+    """
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != _GLOO_WORKER_THREAD:
+                    continue
+            with open(f"/proc/self/task/{tid}/syscall") as f:
+                fields = f.read().split()
+            parked = len(fields) > 4 and fields[0] == _FUTEX_SYSCALL and fields[2] == _PARKED_FUTEX_OP
+            if not parked or int(fields[4], 16) != 0:
+                return False
+    except (OSError, ValueError):
+        return None
+    return True
+
+
+def wait_for_idle_gloo_workers(timeout: float = 5.0, grace_without_proc: float = 0.05) -> None:
+    """Give gloo's worker threads the GIL until they have finished with the last collective.
+
+    A worker wakes the caller of a collective before it drops its own references to the finished work, and dropping
+    the last reference to a tensor created in Python takes the GIL. `destroy_process_group` does not join the workers
+    while anything (a DDP wrapper) still holds the group, so when a script ends right after a collective the
+    interpreter can start finalizing first: the worker is then unwound inside a destructor and the process aborts
+    ("terminate called without an active exception") after a successful run. Sleeping releases the GIL; the wait
+    ends once every worker is parked, or after `timeout` seconds.
+
+    Args:
+        timeout: The longest wait, in seconds (a collective that never completes keeps its worker busy).
+        grace_without_proc: Seconds to sleep instead where thread states cannot be read (not Linux).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        parked = gloo_workers_parked()
+        if parked is None:
+            time.sleep(grace_without_proc)
+            return
+        if parked or time.monotonic() > deadline:
+            return
+        time.sleep(0.002)
+
+
+def _wait_for_gloo_workers_at_exit() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend()):
+        wait_for_idle_gloo_workers(timeout=2.0, grace_without_proc=0.0)
+
+
+def guard_gloo_exit() -> None:
+    """Make the interpreter wait for idle gloo workers before it finalizes (see [`wait_for_idle_gloo_workers`]).
+
+    Exit handlers run while the interpreter is still whole, so a script that ends without destroying its process
+    group (a plain `trainer.train()` under `accelerate launch` on CPUs) exits cleanly too. Registered once; a no-op
+    at exit without a gloo group.
+    """
+    global _exit_guard_registered
+    if not _exit_guard_registered:
+        atexit.register(_wait_for_gloo_workers_at_exit)
+        _exit_guard_registered = True
