@@ -130,18 +130,16 @@ def wait_for_idle_gloo_workers(timeout: float = 5.0, grace_without_proc: float =
 
 
 def _wait_for_gloo_workers_at_exit() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and "gloo" in str(dist.get_backend()):
-        wait_for_idle_gloo_workers(timeout=2.0, grace_without_proc=0.0)
+    # Whether or not the group was destroyed: its workers outlive `destroy_process_group` while DDP holds the group.
+    wait_for_idle_gloo_workers(timeout=2.0, grace_without_proc=0.0)
 
 
 def guard_gloo_exit() -> None:
     """Make the interpreter wait for idle gloo workers before it finalizes (see [`wait_for_idle_gloo_workers`]).
 
-    Exit handlers run while the interpreter is still whole, so a script that ends without destroying its process
-    group (a plain `trainer.train()` under `accelerate launch` on CPUs) exits cleanly too. Registered once; a no-op
-    at exit without a gloo group.
+    Exit handlers run while the interpreter is still whole, so a script that ends right after a collective (a plain
+    `trainer.train()` under `accelerate launch` on CPUs, with or without `destroy_process_group()`) exits cleanly. Registered once; at exit,
+    a process without gloo workers (or where `/proc` cannot tell) does not wait.
     """
     global _exit_guard_registered
     if not _exit_guard_registered:
