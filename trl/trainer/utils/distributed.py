@@ -3,6 +3,7 @@ shard the model, and a clean exit for processes of a gloo group."""
 
 import atexit
 import os
+import platform
 import socket
 import time
 from typing import Any
@@ -74,11 +75,12 @@ def parameters_sharded(model: Any, across_ranks: bool = False) -> bool:
     )
 
 
-# A gloo worker parked between collectives blocks in `std::condition_variable::wait`: a futex wait (syscall 202) with
-# the FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG | FUTEX_CLOCK_REALTIME operation (0x189) and no timeout. `take_gil`
-# waits with a timeout, so a worker still waiting for the GIL never looks parked.
+# A gloo worker parked between collectives blocks in `std::condition_variable::wait`: a futex wait with the
+# FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG | FUTEX_CLOCK_REALTIME operation (0x189) and no timeout. `take_gil` waits
+# with a timeout, so a worker still waiting for the GIL never looks parked. The futex syscall's number depends on the
+# architecture; elsewhere thread states count as unreadable.
 _GLOO_WORKER_THREAD = "pt_gloo_runloop"
-_FUTEX_SYSCALL = "202"
+_FUTEX_SYSCALLS = {"x86_64": "202", "amd64": "202", "aarch64": "98", "arm64": "98"}
 _PARKED_FUTEX_OP = "0x189"
 _exit_guard_registered = False
 
@@ -87,8 +89,12 @@ def gloo_workers_parked() -> bool | None:
     """Whether every gloo worker thread of this process is parked (True when there is none).
 
     Returns:
-        None where `/proc` cannot tell (not Linux, or thread details hidden).
+        None where `/proc` cannot tell (not Linux, an architecture without a known futex syscall number, or thread
+        details hidden).
     """
+    futex_syscall = _FUTEX_SYSCALLS.get(platform.machine().lower())
+    if futex_syscall is None:
+        return None
     try:
         for tid in os.listdir("/proc/self/task"):
             with open(f"/proc/self/task/{tid}/comm") as f:
@@ -96,7 +102,7 @@ def gloo_workers_parked() -> bool | None:
                     continue
             with open(f"/proc/self/task/{tid}/syscall") as f:
                 fields = f.read().split()
-            parked = len(fields) > 4 and fields[0] == _FUTEX_SYSCALL and fields[2] == _PARKED_FUTEX_OP
+            parked = len(fields) > 4 and fields[0] == futex_syscall and fields[2] == _PARKED_FUTEX_OP
             if not parked or int(fields[4], 16) != 0:
                 return False
     except (OSError, ValueError):
@@ -138,8 +144,8 @@ def guard_gloo_exit() -> None:
     """Make the interpreter wait for idle gloo workers before it finalizes (see [`wait_for_idle_gloo_workers`]).
 
     Exit handlers run while the interpreter is still whole, so a script that ends right after a collective (a plain
-    `trainer.train()` under `accelerate launch` on CPUs, with or without `destroy_process_group()`) exits cleanly. Registered once; at exit,
-    a process without gloo workers (or where `/proc` cannot tell) does not wait.
+    `trainer.train()` under `accelerate launch` on CPUs, with or without `destroy_process_group()`) exits cleanly.
+    Registered once; at exit, a process without gloo workers (or where `/proc` cannot tell) does not wait.
     """
     global _exit_guard_registered
     if not _exit_guard_registered:
