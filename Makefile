@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: install torch assets deepspeed test test-reliability test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench bench-env bench-compare lint format clean
+.PHONY: test-compat install torch assets deepspeed test test-reliability test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench bench-env bench-compare lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
@@ -14,8 +14,11 @@ install: torch
 	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb, openai, sklearn, math_verify, jmespath, mergekit, diffusers" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
 		|| $(PIP) install -q -e ".[test,quality,judges,bco,merge,diffusers]"
 
+# The default suite: what `make test` runs, and what `make test-compat` runs again at older dependency versions.
+DEFAULT_MARKS = not slow and not distributed and not vllm and not parity and not reliability
+
 test: install
-	$(PYTHON) -m pytest -m "not slow and not distributed and not vllm and not parity and not reliability" -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests
+	$(PYTHON) -m pytest -m "$(DEFAULT_MARKS)" -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests
 
 # Bad input refused before training, kill -9 and resume, gradient-accumulation invariance (docs/reliability.md).
 test-reliability: install
@@ -138,6 +141,40 @@ test-parity-diffusion: install parity-env-022
 # The example YAMLs (examples/cli_configs/*.yaml) point at .trl-assets/v1/...: build the offline assets there once.
 assets: install
 	TRL_ASSETS_CACHE=.trl-assets $(PYTHON) -m trl.assets
+
+# Compatibility suite (docs/compatibility.md): the default suite again in virtual environments pinned to older
+# releases of the supported range; the main environment holds the newest. `floor` is the declared floor (TRL 1.16's:
+# transformers 4.56.2, accelerate 1.10.1, datasets 4.7.0; peft 0.17.1); `5.23` the last transformers before the
+# `past_key_values` -> `cache` rename. Each venv is built once per pin set (stamp file), then reused; mergekit (the
+# `merge` extra) needs transformers 5, so its tests skip there.
+COMPAT_SETS ?= floor 5.23
+COMPAT_PINS_floor = transformers==4.56.2 accelerate==1.10.1 datasets==4.7.0 peft==0.17.1
+COMPAT_PINS_5.23 = transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0 peft==0.21.2
+COMPAT_EXTRAS = test,judges,bco,diffusers,quantization
+COMPAT_VERSIONS = import importlib.metadata as m; print(', '.join(p + ' ' + m.version(p) for p in ('torch', 'transformers', 'accelerate', 'datasets', 'peft')))
+
+compat-env-%:
+	@venv=.venv-compat-$*; pins="$$(printf '%s\n' torch==$(TORCH_CPU_VERSION) $(COMPAT_PINS_$*))"; stamp="$$pins extras=$(COMPAT_EXTRAS)"; \
+	if [ -z "$(COMPAT_PINS_$*)" ]; then echo "compat-env: no pin set named '$*' (COMPAT_PINS_$* is empty)"; exit 1; fi; \
+	if [ -f $$venv/.trl-compat-env ] && [ "$$(cat $$venv/.trl-compat-env)" = "$$stamp" ] && $$venv/bin/python -c "import trl, pytest" 2>/dev/null; then \
+		echo "compat-env: $$venv is ready"; \
+	else \
+		set -e; start=$$(date +%s); \
+		rm -rf $$venv; $(PYTHON) -m venv $$venv; \
+		echo "$$pins" > $$venv/constraints.txt; \
+		$$venv/bin/python -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
+		$$venv/bin/python -m pip install -q -c $$venv/constraints.txt -e ".[$(COMPAT_EXTRAS)]"; \
+		echo "$$stamp" > $$venv/.trl-compat-env; \
+		echo "compat-env: built $$venv in $$(( $$(date +%s) - start ))s"; \
+	fi; \
+	$$venv/bin/python -c "import os, trl; raise SystemExit(not os.path.samefile(os.path.dirname(trl.__file__), 'trl'))" 2>/dev/null \
+		|| $$venv/bin/python -m pip install -q --no-deps -e .
+
+test-compat: $(addprefix compat-env-,$(COMPAT_SETS))
+	@set -e; for set in $(COMPAT_SETS); do \
+		echo "test-compat [$$set]: $$(.venv-compat-$$set/bin/python -c "$(COMPAT_VERSIONS)")"; \
+		PATH="$$PWD/.venv-compat-$$set/bin:$$PATH" .venv-compat-$$set/bin/python -m pytest -m "$(DEFAULT_MARKS)" -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests; \
+	done
 
 demo: install
 	$(PYTHON) -m trl.demo

@@ -18,6 +18,22 @@ import pytest  # noqa: E402
 from trl.assets import get_model_path, get_tokenizer_path, load_test_dataset  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _process_state_restored():
+    """Each test starts from the same process-wide state: transformers 4.x's `TrainingArguments` exports settings to
+    `os.environ` (`ACCELERATE_MIXED_PRECISION`, `ACCELERATE_USE_FSDP`, ...) and accelerate keeps the first
+    `Accelerator`'s mixed precision for every later one, so a bf16 test would turn later fp32 tests into bf16 runs."""
+    environment = dict(os.environ)
+    yield
+    if os.environ != environment:
+        os.environ.clear()
+        os.environ.update(environment)
+    from accelerate.state import AcceleratorState
+
+    if AcceleratorState._shared_state.get("_mixed_precision", "no") != "no":
+        AcceleratorState._reset_state()
+
+
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
     """Locally built Qwen2.5-style (ChatML) tokenizer."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_utils import requires_transformers_5_for_vision
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
@@ -17,6 +18,7 @@ from transformers import (
 )
 
 from trl import assets
+from trl._compat import saved_files_suffix
 from trl.assets import (
     DATASET_NAMES,
     build_all,
@@ -399,7 +401,7 @@ class TestCache:
     def test_env_override_and_version_in_path(self, fresh_cache):
         root = fresh_cache("cache")
         path = Path(get_dataset_path("standard_prompt_only"))
-        assert path == root / assets.ASSETS_VERSION / "datasets" / "standard_prompt_only"
+        assert path == root / (assets.ASSETS_VERSION + saved_files_suffix()) / "datasets" / "standard_prompt_only"
         assert (path / ".complete").is_file()
         # No temporary build directories are left behind.
         assert [p.name for p in path.parent.iterdir()] == ["standard_prompt_only"]
@@ -407,7 +409,7 @@ class TestCache:
     def test_default_location(self, monkeypatch, tmp_path):
         monkeypatch.delenv("TRL_ASSETS_CACHE", raising=False)
         monkeypatch.setenv("HOME", str(tmp_path))
-        assert assets._cache_root() == tmp_path / ".cache" / "trl" / "assets" / "v1"
+        assert assets._cache_root() == tmp_path / ".cache" / "trl" / "assets" / ("v1" + saved_files_suffix())
 
     def test_concurrent_builds_agree(self, fresh_cache):
         fresh_cache("concurrent")
@@ -432,7 +434,7 @@ class TestCache:
 
     def test_incomplete_directory_is_rebuilt(self, fresh_cache):
         root = fresh_cache("partial")
-        partial = root / assets.ASSETS_VERSION / "datasets" / "standard_prompt_only"
+        partial = root / (assets.ASSETS_VERSION + saved_files_suffix()) / "datasets" / "standard_prompt_only"
         partial.mkdir(parents=True)
         (partial / "train.jsonl").write_text("garbage\n")
         path = Path(get_dataset_path("standard_prompt_only"))
@@ -447,6 +449,7 @@ class TestCache:
         with pytest.raises(ValueError, match=f"Unknown {kind} 'nope'. Expected one of"):
             getter("nope")
 
+    @requires_transformers_5_for_vision  # build_all builds the tiny vision-language models too
     def test_build_all_and_main(self):
         paths = build_all()
         assert len(paths) == len(assets.TOKENIZER_NAMES) + len(assets.MODEL_NAMES) + len(assets.DATASET_NAMES)

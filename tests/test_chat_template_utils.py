@@ -4,6 +4,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from trainer_utils import requires_response_parser
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl import chat_template_utils as ctu
@@ -407,6 +408,7 @@ class TestStopTokenTrained:
         assert is_chat_template_stop_token_trained(qwen, template) is True
 
 
+@requires_response_parser
 class TestResponseSchema:
     def test_sets_response_template(self, qwen, llama):
         assert add_response_schema(qwen) is qwen
@@ -441,6 +443,7 @@ class TestResponseSchema:
         }
 
 
+@requires_response_parser
 class TestParseResponse:
     def test_plain_text(self, qwen):
         add_response_schema(qwen)

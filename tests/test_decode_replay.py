@@ -8,6 +8,7 @@ from trainer_utils import GROUP_ARGS, SGD_STEP_ARGS, args_builder, low_id_reward
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+from trl._compat import enable_activation_checkpointing
 from trl.assets import get_model_path
 from trl.trainer.utils.decode_replay import (
     DecodeLayerOutputs,
@@ -105,7 +106,7 @@ def test_replayed_pass_gives_the_checkpointed_loss_and_gradients(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(get_model_path("tiny-Qwen2ForCausalLM"))
     output, attention_mask, layout = _rollout(model.eval(), True)
     model.train()
-    model.activation_checkpointing_enable()
+    enable_activation_checkpointing(model)
     target_mask = torch.zeros(attention_mask.shape[0], attention_mask.shape[1] - 1, dtype=torch.bool)
     target_mask[:, 8:] = attention_mask[:, 9:].bool()
     replayed = replayed_layer_outputs(

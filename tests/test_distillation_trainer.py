@@ -11,10 +11,12 @@ import pytest
 import torch
 from datasets import Dataset
 from trainer_utils import (
+    LOGGED_LOSS_TOLERANCE,
     ROLLOUT_METRICS,
     args_builder,
     assert_saved_model_reloads,
     changed_params,
+    requires_response_parser,
     resume_from_first_checkpoint,
     snapshot,
     train_logs,
@@ -205,7 +207,8 @@ def test_gradient_accumulation_gives_the_step_token_mean(tmp_path, model_path, t
     split.train()
     lengths = train_logs(whole)[0]
     assert lengths["completions/min_length"] < lengths["completions/max_length"]  # uneven lengths: a real check
-    assert train_logs(split)[0]["loss"] == pytest.approx(train_logs(whole)[0]["loss"], rel=1e-5)
+    expected = pytest.approx(train_logs(whole)[0]["loss"], rel=1e-5, abs=2 * LOGGED_LOSS_TOLERANCE)
+    assert train_logs(split)[0]["loss"] == expected
 
 
 def test_save_reload_and_resume(tmp_path, model_path, teacher_path, prompts):
@@ -234,6 +237,7 @@ def test_peft_student_trains_adapters_only(tmp_path, model_path, teacher_path, p
     assert changed and all("lora" in name for name in changed)
 
 
+@requires_response_parser
 def test_tool_calls_during_rollouts(tmp_path, model_path, teacher_path):
     from test_grpo_tools import ScriptedReplies, make_multiply, tool_call
 

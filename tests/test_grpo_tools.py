@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 from datasets import Dataset
-from trainer_utils import GROUP_ARGS, args_builder, train_logs
+from trainer_utils import GROUP_ARGS, args_builder, requires_response_parser, train_logs
 from transformers import AutoTokenizer
 
 from trl import GRPOConfig, GRPOTrainer
@@ -23,7 +23,7 @@ from trl.import_utils import is_vllm_available
 TOOL_CALL = '<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
 
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), requires_response_parser]
 
 
 def tool_call(name, **arguments):

@@ -317,8 +317,10 @@ def test_train_and_evaluate(tmp_path, model_path, config_name):
     assert len(train_logs) == 2
     assert train_logs[0]["loss"] == pytest.approx(0.5, abs=1e-6)  # policy == reference: 1 - sigmoid(0)
     assert train_logs[0]["kl"] == 0.0
+    # A batch without desirable (or undesirable) rows logs no metric of that side, as in TRL; which batch lacks one
+    # depends on the sampler's order, so every metric must appear in some step.
     for key in [*METRICS, "num_tokens"]:
-        assert key in train_logs[-1] and math.isfinite(train_logs[-1][key]), key
+        assert any(key in log and math.isfinite(log[key]) for log in train_logs), key
     assert train_logs[-1]["num_tokens"] > train_logs[0]["num_tokens"] > 0
     eval_log = next(log for log in trainer.state.log_history if "eval_loss" in log)
     for key in METRICS:
@@ -330,10 +332,11 @@ def test_evaluate_prepares_raw_datasets_and_dicts(tmp_path, model_path, unpaired
     trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=train, eval_dataset=test)
     # TRL's keys, nothing else; at policy == reference the KL estimate is exactly 0 (same passes for both).
     metrics = trainer.evaluate()
-    assert {k for k in metrics if not k.endswith(("_runtime", "_per_second"))} == {
+    # (`epoch` is there from transformers 5: 4.x's `evaluate` before any training step returns none.)
+    assert {k for k in metrics if not k.endswith(("_runtime", "_per_second")) and k != "epoch"} == {
         "eval_loss", "eval_kl", "eval_entropy", "eval_num_tokens", "eval_logits/chosen", "eval_logits/rejected",
         "eval_rewards/chosen", "eval_logps/chosen", "eval_rewards/rejected", "eval_logps/rejected",
-        "eval_rewards/margins", "epoch",
+        "eval_rewards/margins",
     }  # fmt: skip
     assert metrics["eval_kl"] == 0.0 and metrics["eval_rewards/margins"] == 0.0
     # A raw dataset is prepared like the constructor's eval_dataset; a prepared one is used as it is.

@@ -15,6 +15,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from trl._compat import cache_kwargs
 from trl.assets import get_model_path
 from trl.trainer.online_generation import generate_with_shared_prompts
 from trl.trainer.utils import lean_decode, rollout_decode
@@ -61,7 +62,12 @@ def _assert_steps_equal(model, padded: bool, steps: int = 5):
     generator = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for cache in caches:
-            model(input_ids=ids, attention_mask=mask if padded else None, position_ids=positions, cache=cache)
+            model(
+                input_ids=ids,
+                attention_mask=mask if padded else None,
+                position_ids=positions,
+                **cache_kwargs(model, cache),
+            )
             rollout_decode._preallocate(cache, capacity)
         lean = LeanDecoder(model, full_mask if padded else None, num_rows, capacity)
         step_positions = positions[:, -1:]
@@ -73,7 +79,7 @@ def _assert_steps_equal(model, padded: bool, steps: int = 5):
                 input_ids=tokens,
                 attention_mask=full_mask[:, :length] if padded else None,
                 position_ids=step_positions,
-                cache=caches[0],
+                **cache_kwargs(model, caches[0]),
                 logits_to_keep=1,
             ).logits
             assert torch.equal(lean(tokens, step_positions, caches[1], length), expected)

@@ -9,6 +9,7 @@ import torch.nn as nn
 from accelerate import Accelerator
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
+from trl._compat import enable_activation_checkpointing, is_activation_checkpointing
 from trl.experimental.utils import (
     add_bos_token_if_needed,
     add_eos_token_if_needed,
@@ -119,7 +120,7 @@ def test_deprecated_create_reference_model_warns():
 def test_unwrap_model_for_generation_toggles_checkpointing_and_cache():
     accelerator = Accelerator(cpu=True)
     model = tiny_model()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, {"use_reentrant": False})
     model.config.use_cache = False
     prepared = accelerator.prepare(model)
     input_ids = torch.tensor([[1, 2, 3]])
@@ -130,12 +131,12 @@ def test_unwrap_model_for_generation_toggles_checkpointing_and_cache():
         gradient_checkpointing_kwargs={"use_reentrant": False},
     ) as unwrapped:
         assert unwrapped is model
-        assert not unwrapped.is_activation_checkpointing
+        assert not is_activation_checkpointing(unwrapped)
         assert unwrapped.config.use_cache is True
         assert unwrapped.generation_config.max_new_tokens == 2
         output = unwrapped.generate(input_ids, pad_token_id=0)
         assert output.shape == (1, 5)
-    assert model.is_activation_checkpointing
+    assert is_activation_checkpointing(model)
     assert model.config.use_cache is False
     assert model.generation_config.max_new_tokens != 2
 
@@ -143,19 +144,19 @@ def test_unwrap_model_for_generation_toggles_checkpointing_and_cache():
 def test_unwrap_model_for_generation_restores_after_error():
     accelerator = Accelerator(cpu=True)
     model = tiny_model()
-    model.activation_checkpointing_enable()
+    enable_activation_checkpointing(model)
     with pytest.raises(RuntimeError, match="boom"):
         with unwrap_model_for_generation(model, accelerator):
             raise RuntimeError("boom")
-    assert model.is_activation_checkpointing
+    assert is_activation_checkpointing(model)
 
 
 def test_unwrap_model_without_checkpointing_leaves_it_off():
     accelerator = Accelerator(cpu=True)
     model = tiny_model()
     with unwrap_model_for_generation(model, accelerator) as unwrapped:
-        assert not unwrapped.is_activation_checkpointing
-    assert not model.is_activation_checkpointing
+        assert not is_activation_checkpointing(unwrapped)
+    assert not is_activation_checkpointing(model)
 
 
 def test_prepare_deepspeed_and_fsdp_require_their_backend():

@@ -9,7 +9,7 @@ set of the (temperature-scaled) distribution.
 
 import pytest
 import torch
-from trainer_utils import args_builder
+from trainer_utils import args_builder, requires_response_parser
 
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl.assets import get_model_path, load_test_dataset
@@ -114,6 +114,7 @@ def _multiply(a: int, b: int) -> int:
     return a * b
 
 
+@requires_response_parser
 def test_tool_loop_samples_follow_the_policy(tmp_path):
     """The tool-calling rollout (`_ToolCallingMixin._rollout`) samples its turns through the same generation path."""
     trainer, dataset = _trainer(tmp_path, dataset_name="conversational_prompt_only", tools=[_multiply])

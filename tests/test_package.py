@@ -95,7 +95,7 @@ FORBIDDEN_IMPORTS = {
 }
 # Low modules shared by the layers above import none of them.
 _LAYERS = ("trl.models", "trl.generation", "trl.trainer", "trl.experimental", "trl.scripts", "trl.cli")
-FORBIDDEN_IMPORTS.update({low: _LAYERS for low in ("trl._config_file", "trl._data", "trl.data_utils")})
+FORBIDDEN_IMPORTS.update({low: _LAYERS for low in ("trl._compat", "trl._config_file", "trl._data", "trl.data_utils")})
 # Deliberate compatibility re-exports (marked as such in their source): module -> the package it may import.
 COMPATIBILITY_REEXPORTS = {"trl.trainer.judges": "trl.experimental"}
 

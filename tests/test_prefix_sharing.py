@@ -9,6 +9,7 @@ from datasets import Dataset
 from trainer_utils import COMMON_ARGS
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from trl._compat import enable_activation_checkpointing
 from trl.kernels.packed_attention import capture_keys_values
 from trl.trainer.utils import compute_sequence_token_logps
 from trl.trainer.utils.packing import packed_sdpa_attention
@@ -314,7 +315,7 @@ def test_prefix_cached_continuations_equal_separate_rows(causal_lm, kind, layout
     recorded prompt keys/values, with and without gradient checkpointing (which turns the model's own cache off)."""
     model = copy.deepcopy(causal_lm)
     if checkpointing:
-        model.activation_checkpointing_enable()
+        enable_activation_checkpointing(model)
         model.train()
     ids, mask, target = _batch(kind)
     n = len(ids) // 2

@@ -7,6 +7,7 @@ from trainer_utils import GROUP_ARGS, args_builder, low_id_reward, train_logs
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, GenerationConfig
 
 from trl import GRPOConfig, GRPOTrainer
+from trl._compat import cache_kwargs
 from trl.assets import get_model_path
 from trl.trainer.online_generation import generate_with_shared_prompts
 from trl.trainer.utils import rollout_decode
@@ -125,7 +126,7 @@ def test_preallocated_cache_gives_the_dynamic_cache_logits(model, batch):
     for preallocate in (False, True):
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache)
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwargs(model, cache))
             if preallocate:
                 rollout_decode._preallocate(cache, ids.shape[1] + 4)
             step_mask = mask
@@ -133,7 +134,10 @@ def test_preallocated_cache_gives_the_dynamic_cache_logits(model, batch):
                 step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], dim=1)
                 token = torch.full((len(ids), 1), 11 + step)
                 out = model(
-                    input_ids=token, attention_mask=step_mask, position_ids=positions[:, -1:] + 1 + step, cache=cache
+                    input_ids=token,
+                    attention_mask=step_mask,
+                    position_ids=positions[:, -1:] + 1 + step,
+                    **cache_kwargs(model, cache),
                 )
                 logits.append(out.logits)
     for plain, preallocated in zip(logits[:3], logits[3:]):
@@ -164,11 +168,12 @@ def test_fallback_reasons(model, settings, kwargs, reason):
 def test_fallback_for_model_generation_defaults_and_models(model):
     """A setting coming from the model's own generation config counts as well; encoder-decoders use `generate`."""
     config = GenerationConfig(max_new_tokens=4, pad_token_id=PAD, do_sample=True)
+    original = model.generation_config.no_repeat_ngram_size  # None from transformers 5, 0 before
     model.generation_config.no_repeat_ngram_size = 3
     try:
         assert "no_repeat_ngram_size" in rollout_decode_fallback_reason(model, config)
     finally:
-        model.generation_config.no_repeat_ngram_size = None
+        model.generation_config.no_repeat_ngram_size = original
     assert rollout_decode_fallback_reason(model, config) is None
     t5 = AutoModelForSeq2SeqLM.from_pretrained(get_model_path("tiny-T5ForConditionalGeneration"))
     assert rollout_decode_fallback_reason(t5, config) is not None

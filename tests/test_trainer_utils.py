@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, Qwen2Config, Qwen2ForCausalLM
 
+from trl._compat import is_activation_checkpointing
 from trl.extras.profiling import ProfilingContext, profiling_context, profiling_decorator
 from trl.trainer.utils import (
     RepeatSampler,
@@ -704,7 +705,7 @@ def test_prepare_peft_model_trains_only_lora():
 def test_prepare_peft_model_with_gradient_checkpointing_trains(gc_kwargs):
     args = Args(gradient_checkpointing=True, gradient_checkpointing_kwargs=gc_kwargs)
     model = prepare_peft_model(tiny_model(), lora_config(), args)
-    assert model.base_model.model.is_activation_checkpointing
+    assert is_activation_checkpointing(model.base_model.model)
     model.train()
     input_ids = torch.randint(0, 64, (2, 6))
     embeddings = model.get_input_embeddings()(input_ids)

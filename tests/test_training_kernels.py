@@ -176,10 +176,10 @@ def test_lean_module_predicate(tiny_qwen_path):
 
 
 @pytest.mark.parametrize(
-    "args",
-    [SFTConfig("out", gradient_checkpointing=True), SFTConfig("out", gradient_checkpointing=False, fsdp="full_shard")],
+    "settings", [dict(gradient_checkpointing=True), dict(gradient_checkpointing=False, fsdp="full_shard")]
 )
-def test_lean_modules_off_with_checkpointing_or_sharding(tiny_qwen_path, args):
+def test_lean_modules_off_with_checkpointing_or_sharding(tiny_qwen_path, settings):
+    args = SFTConfig("out", **settings)  # transformers 4.x exports FSDP settings to os.environ: conftest restores it
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path)
     with lean_modules(model, args) as switched:
         assert switched == 0

@@ -11,6 +11,7 @@ from trainer_utils import (
     assert_saved_model_reloads,
     changed_params,
     recording_image_reward,
+    requires_transformers_5_for_vision,
     snapshot,
     train_and_check_metrics,
 )
@@ -22,6 +23,8 @@ from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
 from trl.trainer.kto_trainer import DataCollatorForVisionUnpairedPreference
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
+
+pytestmark = requires_transformers_5_for_vision
 
 PIL = pytest.importorskip("PIL")
 pytest.importorskip("PIL.Image")

@@ -13,6 +13,7 @@ from trainer_utils import (
     assert_rewards_saw_group_images,
     changed_params,
     recording_image_reward,
+    requires_transformers_5_for_vision,
     snapshot,
     train_logs,
 )
@@ -20,6 +21,8 @@ from vllm_utils import free_port, online_args, requires_vllm, running_server
 
 from trl.assets import get_model_path, load_test_dataset
 
+
+pytestmark = requires_transformers_5_for_vision
 
 pytest.importorskip("PIL")
 

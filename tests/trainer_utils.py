@@ -363,3 +363,35 @@ def assert_rewards_saw_group_images(seen):
     assert images[0][0].tobytes() == images[1][0].tobytes()
     assert images[0][0].tobytes() != images[2][0].tobytes()
     assert prompts[0][0]["content"][0]["image"] is images[0][0]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Differences of the installed transformers that tests must allow for (`make test-compat` runs the suite at the floor)
+# ---------------------------------------------------------------------------------------------------------------------
+def _has_response_parser() -> bool:
+    from trl._compat import response_content_parsers
+
+    return bool(response_content_parsers())
+
+
+# Tool calling reads tool calls with `tokenizer.parse_response` (transformers 5); the trainers refuse tools without it.
+requires_response_parser = pytest.mark.skipif(
+    not _has_response_parser(), reason="tool calling needs transformers' response parser (transformers >= 5)"
+)
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+# transformers 4.x rounds the logged training loss to 4 decimals; 5.x logs it as computed.
+LOGGED_LOSS_TOLERANCE = 5e-5 if _transformers_major() < 5 else 0.0
+
+# Vision-language training is proven on transformers 5 only: on 4.x the tiny Qwen2-VL test processor cannot be built
+# (no `PaddleOCRVLProcessor`) and the 4.x processors differ in chat-template content and parameter names
+# (docs/compatibility.md, "Known gaps").
+requires_transformers_5_for_vision = pytest.mark.skipif(
+    _transformers_major() < 5, reason="vision-language training is not yet proven on transformers 4.x"
+)

@@ -20,6 +20,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+from ._compat import pil_image_processor, require_transformers_attribute
+
 
 _TEXT_DECODER = {
     "hidden_size": 64,
@@ -66,19 +68,20 @@ def _tokenizer(name: str, base_tokenizer_dir: str):
 
 def _processor(name: str, tokenizer, template: str):
     if name == "tiny-Qwen2VLForConditionalGeneration":
-        from transformers import PaddleOCRVLProcessor
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
+        PaddleOCRVLProcessor = require_transformers_attribute(
+            "PaddleOCRVLProcessor", "The tiny Qwen2-VL test processor", since="5.4.0"
+        )
         # 56x56 to 112x112 pixels: 4 to 16 patch groups of 2x2 patches, i.e. 4 to 16 image tokens per image.
-        image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
+        image_processor = pil_image_processor("qwen2_vl", "Qwen2VL")(min_pixels=56 * 56, max_pixels=112 * 112)
         # Qwen2VLProcessor also requires a video processor, which needs torchvision; PaddleOCRVLProcessor expands
         # `<|image_pad|>` exactly as Qwen2VLProcessor does (one token per merged 2x2 patch group) without one.
         return PaddleOCRVLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
     if name == "tiny-LlavaForConditionalGeneration":
         from transformers import LlavaProcessor
-        from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
 
-        image_processor = LlavaImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+        image_processor = pil_image_processor("llava", "Llava")(
+            size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}
+        )
         return LlavaProcessor(
             image_processor=image_processor,
             tokenizer=tokenizer,
@@ -88,10 +91,9 @@ def _processor(name: str, tokenizer, template: str):
             chat_template=template,
         )
     from transformers import Idefics3Processor
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     # Images up to 56 pixels on their long side, split into 28x28 tiles (at most 2x2) plus a global 28x28 view.
-    image_processor = Idefics3ImageProcessorPil(
+    image_processor = pil_image_processor("idefics3", "Idefics3")(
         size={"longest_edge": 56}, max_image_size={"longest_edge": 28}, do_image_splitting=True
     )
     return Idefics3Processor(

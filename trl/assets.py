@@ -95,7 +95,9 @@ _COMPLETE_MARKER = ".complete"
 def _cache_root() -> Path:
     base = os.environ.get("TRL_ASSETS_CACHE")
     root = Path(base).expanduser() if base else Path.home() / ".cache" / "trl" / "assets"
-    return root / ASSETS_VERSION
+    from ._compat import saved_files_suffix  # transformers 4 cannot read what transformers 5 saved: kept apart
+
+    return root / f"{ASSETS_VERSION}{saved_files_suffix()}"
 
 
 def _ensure_built(kind: str, name: str, builder: Callable[[Path], None]) -> str:
@@ -369,6 +371,8 @@ def _build_tokenizer(name: str, out_dir: Path) -> None:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from ._compat import decoder_tokenizer_kwargs, extra_special_tokens_kwargs
+
     spec = _TOKENIZER_SPECS[name]
     n_added = len(spec["special"]) + len(spec["added"])
     tok = Tokenizer(models.BPE())
@@ -401,7 +405,8 @@ def _build_tokenizer(name: str, out_dir: Path) -> None:
 
     kwargs = {"eos_token": spec["eos"], "pad_token": spec["pad"]}
     if spec["extra_special"]:
-        kwargs["extra_special_tokens"] = spec["extra_special"]
+        kwargs.update(extra_special_tokens_kwargs(spec["extra_special"]))
+    kwargs.update(decoder_tokenizer_kwargs())
     if spec["bos"] is not None:
         kwargs["bos_token"] = spec["bos"]
     tokenizer = PreTrainedTokenizerFast(

@@ -13,6 +13,7 @@ import re
 import warnings
 from typing import TYPE_CHECKING, Any
 
+import transformers
 from transformers import AutoTokenizer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -20,6 +21,7 @@ from ._chat.families import ALL_FAMILIES as _FAMILY_LIST
 from ._chat.families import FAMILIES as _MODEL_FAMILIES
 from ._chat.families import Family, load_template
 from ._chat.recognition import identify_family
+from ._compat import response_content_parsers
 
 
 if TYPE_CHECKING:
@@ -312,6 +314,7 @@ def add_response_schema(
             "response parsing documentation)."
         )
     schema = family.schema
+    _warn_on_unparsable_fields(family.title, schema)
     attribute = "response_template" if _tokenizer_uses_response_template() else "response_schema"
     targets = [processing_class]
     inner = getattr(processing_class, "tokenizer", None)
@@ -320,6 +323,25 @@ def add_response_schema(
     for target in targets:
         setattr(target, attribute, dict(schema))
     return processing_class
+
+
+def _warn_on_unparsable_fields(title: str, schema: dict) -> None:
+    """Warn when the installed transformers cannot parse some fields of `schema` (they would come back as text)."""
+    known = response_content_parsers()
+    fields = schema.get("fields", {})
+    missing = {name: spec["content"] for name, spec in fields.items() if spec.get("content", "text") not in known}
+    if missing:
+        found = ", ".join(f"{name} ({content!r})" for name, content in missing.items())
+        what = (
+            "has no response parser (`tokenizer.parse_response`, transformers 5) for" if not known else "cannot parse"
+        )
+        warnings.warn(
+            f"transformers {transformers.__version__} {what} these fields of {title} responses: {found}. "
+            "Generated text will not be split into them (e.g. tool calls stay in the content and are never run). "
+            "Upgrade transformers (`pip install -U transformers`) to parse them.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _tokenizer_uses_response_template() -> bool:

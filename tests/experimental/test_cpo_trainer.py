@@ -205,7 +205,8 @@ def test_batch_loss_and_metrics_match_full_logits_oracle(tmp_path, model_path, o
     assert list(metrics) == METRICS
     assert metrics["logps/chosen"] == pytest.approx(chosen.mean().item(), rel=1e-5)
     assert metrics["rewards/margins"] == pytest.approx(
-        args.beta * (alphapo_shaped_logps(chosen, args.alpha) - alphapo_shaped_logps(rejected, args.alpha)).mean(),
+        args.beta
+        * (alphapo_shaped_logps(chosen, args.alpha) - alphapo_shaped_logps(rejected, args.alpha)).mean().item(),
         rel=1e-4,
         abs=1e-6,
     )

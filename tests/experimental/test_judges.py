@@ -387,7 +387,10 @@ def fake_llm_blender(monkeypatch):
     _package_version.cache_clear()
 
 
-def test_pair_rm_judge_needs_transformers_below_5(fake_llm_blender):
+def test_pair_rm_judge_needs_transformers_below_5(fake_llm_blender, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers, "__version__", "5.0.0")
     with pytest.raises(RuntimeError, match="transformers>=5"):
         PairRMJudge()
 

@@ -1,5 +1,6 @@
 """PPOTrainer (experimental): training, metrics, evaluation, saving/resuming, PEFT, a toy task and bad input."""
 
+import logging
 import os
 
 import pytest
@@ -196,15 +197,17 @@ def test_toy_task_raises_the_mean_score_with_a_finite_kl(tmp_path, ppo_tokenizer
     assert all(abs(log["objective/kl"]) < 1e3 for log in trainer.state.log_history if "objective/kl" in log)
 
 
-def test_bad_input_fails_before_training(tmp_path, ppo_tokenizer, prompts):
+def test_bad_input_fails_before_training(tmp_path, ppo_tokenizer, prompts, caplog):
     args = make_args(tmp_path)
     with pytest.raises(ValueError, match="reward_model"):
         make_trainer(args, ppo_tokenizer, prompts, reward_model=None)
     llama_rm = AutoModelForSequenceClassification.from_pretrained(
         get_model_path("tiny-LlamaForSequenceClassification"), num_labels=1
     )
-    with pytest.raises(ValueError, match="different tokenizer"):
+    # TRL trains with a reward model of another tokenizer: a warning here, not a refusal.
+    with caplog.at_level(logging.WARNING, logger="trl.experimental.ppo.ppo_trainer"):
         make_trainer(args, ppo_tokenizer, prompts, reward_model=llama_rm)
+    assert "different tokenizer" in caplog.text
     with pytest.raises(ValueError, match="input_ids"):
         make_trainer(args, ppo_tokenizer, {**prompts, "train": load_test_dataset("standard_prompt_only")["train"]})
     policy = AutoModelForCausalLM.from_pretrained(get_model_path(POLICY))
@@ -227,3 +230,33 @@ def test_bad_input_fails_before_training(tmp_path, ppo_tokenizer, prompts):
 def test_config_validation(tmp_path, kwargs, phrase):
     with pytest.raises(ValueError, match=phrase):
         make_args(tmp_path, **kwargs)
+
+
+def test_pad_token_added_past_the_reward_models_embeddings_trains(tmp_path, prompts, caplog):
+    """TRL's own PPO examples add a pad token to the tokenizer, one past the reward model's embeddings: TRL trains (the
+    padding is replaced before scoring), so this warns and trains; only an id really out of range is refused."""
+    tokenizer = AutoTokenizer.from_pretrained(get_model_path(POLICY), padding_side="left")
+    reward_model, value_model = scorer(), scorer()
+    rows = reward_model.get_input_embeddings().num_embeddings
+    added = [f"<extra_{i}>" for i in range(rows - len(tokenizer) + 1)]
+    tokenizer.add_special_tokens({"additional_special_tokens": added})
+    assert len(tokenizer) == rows + 1
+    with caplog.at_level(logging.WARNING, logger="trl.experimental.ppo.ppo_trainer"):
+        trainer = make_trainer(
+            make_args(tmp_path), tokenizer, prompts, reward_model=reward_model, value_model=value_model
+        )
+    assert f"embeds {rows} token ids" in caplog.text
+    trainer.train()
+    assert any("objective/scores" in log for log in trainer.state.log_history)
+
+
+def test_get_reward_refuses_ids_outside_the_embeddings():
+    from trl.experimental.utils import get_reward
+
+    model = scorer()
+    rows = model.get_input_embeddings().num_embeddings
+    pad = 0
+    ids = torch.tensor([[5, 6, rows - 1, pad]])
+    assert get_reward(model, ids, pad, context_length=1)[1].shape == (1,)
+    with pytest.raises(ValueError, match=f"Token id {rows} is out of range"):
+        get_reward(model, torch.tensor([[5, 6, rows, pad]]), pad, context_length=1)

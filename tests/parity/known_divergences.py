@@ -31,8 +31,8 @@ DELIBERATE_DEVIATIONS: dict[str, str] = {
     "evaluation after it differ (eval_logps/chosen -28.762 vs -28.808); the evaluation before it matches (issue 19)",
     "gold/errors/hybrid_weights_without_hybrid": "uld_hybrid_matched_weight / uld_hybrid_unmatched_weight set "
     "without uld_use_hybrid_loss=True raise a ValueError (TRL ignores them silently)",
-    "deviations/bf16_default_on_cpu": "bf16=None resolves to fp32 on a CPU-only machine (TRL: ValueError without "
-    "use_cpu, bf16 autocast with use_cpu=True)",
+    "deviations/bf16_default_on_cpu": "bf16=None without use_cpu resolves to fp32 on a CPU-only machine (TRL: "
+    "ValueError, 'Your setup doesn't support bf16/gpu')",
     "ppo/max_grad_norm_default": "PPO gradients are clipped at max_grad_norm (default 1.0); TRL 1.12's PPO ignores the "
     "field, so updates whose norm exceeds 1 differ (loss/value_avg 0.038326 vs 0.03692 at step 1); with "
     "max_grad_norm=0.0 every PPO case matches (issue 23)",

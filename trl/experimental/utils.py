@@ -116,6 +116,13 @@ def get_reward(
     position_ids = attention_mask.cumsum(dim=1) - attention_mask.long()
     backbone = getattr(model, model.base_model_prefix)
     input_ids = query_responses.masked_fill(~attention_mask, 0)
+    embeddings = backbone.get_input_embeddings() if hasattr(backbone, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is not None and input_ids.numel() and int(input_ids.max()) >= rows:
+        raise ValueError(
+            f"Token id {int(input_ids.max())} is out of range for {type(model).__name__}, which embeds {rows} ids: the "
+            "reward/value model must use the policy's tokenizer (no mapping between vocabularies is done)."
+        )
     output = backbone(
         input_ids=input_ids,
         attention_mask=attention_mask,

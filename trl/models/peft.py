@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from transformers import PreTrainedModel
 
+from .._compat import enable_activation_checkpointing
 from ..import_utils import is_peft_available
 from .utils import _is_deepspeed_zero3
 
@@ -60,10 +61,7 @@ def enable_gradient_checkpointing(model: nn.Module, gradient_checkpointing_kwarg
         model: A transformers model (or a wrapper forwarding the checkpointing methods).
         gradient_checkpointing_kwargs: Extra arguments for `torch.utils.checkpoint.checkpoint`.
     """
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=gradient_checkpointing_kwargs)
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gradient_checkpointing_kwargs)
+    enable_activation_checkpointing(model, gradient_checkpointing_kwargs)
     if hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()
 

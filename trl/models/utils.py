@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .._compat import disable_activation_checkpointing, enable_activation_checkpointing, is_activation_checkpointing
 from ..import_utils import is_deepspeed_available
 
 
@@ -118,31 +119,6 @@ def create_reference_model(
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _is_gradient_checkpointing(model: nn.Module) -> bool:
-    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        try:
-            value = getattr(model, attr)
-        except Exception:
-            continue
-        if isinstance(value, bool):
-            return value
-    return False
-
-
-def _disable_gradient_checkpointing(model: nn.Module) -> None:
-    if hasattr(model, "activation_checkpointing_disable"):
-        model.activation_checkpointing_disable()
-    elif hasattr(model, "gradient_checkpointing_disable"):
-        model.gradient_checkpointing_disable()
-
-
-def _enable_gradient_checkpointing(model: nn.Module, kwargs: dict | None) -> None:
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    elif hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
 def _remove_deepspeed_hooks(engine: Any) -> None:
     """Detach ZeRO-3 parameter-fetching hooks so generation with gathered weights does not re-partition them."""
     offload = engine.optimizer.parameter_offload if engine.optimizer is not None else engine.parameter_offload
@@ -191,9 +167,9 @@ def unwrap_model_for_generation(
     """
     unwrapped = accelerator.unwrap_model(model)
 
-    was_checkpointing = _is_gradient_checkpointing(unwrapped)
+    was_checkpointing = is_activation_checkpointing(unwrapped)
     if was_checkpointing:
-        _disable_gradient_checkpointing(unwrapped)
+        disable_activation_checkpointing(unwrapped)
     config = getattr(unwrapped, "config", None)
     previous_use_cache = getattr(config, "use_cache", None) if config is not None else None
     if config is not None and hasattr(config, "use_cache"):
@@ -226,7 +202,7 @@ def unwrap_model_for_generation(
         if config is not None and previous_use_cache is not None:
             config.use_cache = previous_use_cache
         if was_checkpointing:
-            _enable_gradient_checkpointing(unwrapped, gradient_checkpointing_kwargs)
+            enable_activation_checkpointing(unwrapped, gradient_checkpointing_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

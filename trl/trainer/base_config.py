@@ -97,8 +97,10 @@ class _BaseConfig(TrainingArguments):
     Compared with `TrainingArguments`, TRL logs more often (`logging_steps=10`), turns gradient checkpointing on
     (`gradient_checkpointing=True`) and trains in bfloat16 unless fp16 is requested (`bf16=None`).
 
-    On a machine with no accelerator, `bf16=None` resolves to `False` (plain float32 on CPU) so that a run starts
-    without extra flags; the choice is logged. Pass `bf16=True` explicitly (with `use_cpu=True`) to force CPU autocast.
+    With `use_cpu=True`, `bf16=None` resolves to `True` (CPU bfloat16 autocast), as in TRL. On a machine with no
+    accelerator and without `use_cpu`, TRL's `True` would be refused by transformers ("Your setup doesn't support
+    bf16/gpu"); there it resolves to `False` (plain float32) so that a run starts without extra flags, and the choice
+    is logged.
 
     Args:
         logging_steps (`float`, defaults to `10`):
@@ -106,8 +108,8 @@ class _BaseConfig(TrainingArguments):
         gradient_checkpointing (`bool`, defaults to `True`):
             Trade compute for memory by recomputing activations in the backward pass.
         bf16 (`bool` or `None`, defaults to `None`):
-            Train in bfloat16 mixed precision. `None` means `not fp16` when a bf16-capable accelerator is present,
-            `False` otherwise.
+            Train in bfloat16 mixed precision. `None` means `not fp16` when a bf16-capable accelerator is present or
+            `use_cpu=True`, `False` otherwise.
         lr_scheduler_kwargs (`dict`, `str` or `None`, defaults to `None`):
             Extra arguments for the learning-rate scheduler (a dict, or a JSON string on the command line).
         use_liger_kernel (`bool`, defaults to `False`):
@@ -130,7 +132,7 @@ class _BaseConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Train in bfloat16 mixed precision. None means `not fp16` when a bf16-capable accelerator is "
-            "present, and False on a CPU-only machine."
+            "present or `use_cpu=True`, and False on a CPU-only machine without `use_cpu`."
         },
     )
     lr_scheduler_kwargs: dict | str | None = field(
@@ -155,7 +157,7 @@ class _BaseConfig(TrainingArguments):
         if self.bf16 is None:
             if self.fp16:
                 self.bf16 = False
-            elif getattr(self, "use_cpu", False) or not _has_bf16_accelerator():
+            elif not getattr(self, "use_cpu", False) and not _has_bf16_accelerator():
                 self.bf16 = False
                 logger.info("bf16=None resolved to False: no bf16-capable accelerator found, training in float32.")
             else:

@@ -20,6 +20,7 @@ import torch.nn as nn
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.utils import is_peft_available
 
+from .._compat import trainer_divides_scaled_loss
 from .._data.formats import check_no_images, check_single_format
 from ..chat_template_utils import clone_chat_template
 from ..models.activation_offloading import get_act_offloading_ctx_manager
@@ -70,6 +71,11 @@ def _seed_initialisations(args: TrainingArguments) -> None:
         enable_full_determinism(seed)
     else:
         set_seed(seed)
+
+
+def _loss_already_scaled(*args: Any, **kwargs: Any) -> None:
+    """Stands in for `compute_loss_func` during a step of a trainer whose loss is already scaled (transformers 4.x)."""
+    raise RuntimeError("this trainer computes its own loss; compute_loss_func is never called")
 
 
 class _BaseTrainer(Trainer):
@@ -547,9 +553,29 @@ class _BaseTrainer(Trainer):
                 return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        # accelerate keeps the first Accelerator's mixed precision for the whole process, and transformers 4.x
+        # exports `bf16`/`fp16` to os.environ: a later trainer asking for another precision silently gets the first.
+        requested = "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "no"
+        actual = str(getattr(self.accelerator, "mixed_precision", requested))
+        if actual != requested and not self.is_deepspeed_enabled:
+            warnings.warn(
+                f"This trainer's config asks for mixed precision {requested!r} (bf16={self.args.bf16}, "
+                f"fp16={self.args.fp16}), but {actual!r} is in force: it was set earlier in this process (by "
+                "`accelerate launch --mixed_precision`, ACCELERATE_MIXED_PRECISION, or an earlier trainer's config "
+                "under transformers 4.x). Start a new process, or call "
+                "`accelerate.state.AcceleratorState._reset_state()` before creating the trainer.",
+                UserWarning,
+                stacklevel=2,
+            )
+
     def _load_optimizer_and_scheduler(self, checkpoint):
-        # Called on every resume (plain, DeepSpeed and FSDP alike) with the checkpoint directory that was resolved.
+        # Called on every resume (plain, DeepSpeed and FSDP alike) with the checkpoint directory that was resolved;
+        # transformers before 5.3 also calls it with None on every `train()` that does not resume.
         super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
 
         state = load_trainer_state(checkpoint, self.args.process_index)
         if state is not None:
@@ -602,7 +628,17 @@ class _BaseTrainer(Trainer):
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         # Gradients (and Adam's moments) in buffers allocated once, outside glibc's heap (see `contiguous_state`).
         prepare_contiguous_gradients(self)
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        if trainer_divides_scaled_loss(self):
+            # transformers 4.x divides the loss by the accumulation steps unless `compute_loss_func` is set, and only
+            # reads it there (this trainer's `compute_loss` never calls it): set for the step, the loss stays as
+            # `compute_loss` scaled it, as transformers 5 leaves it given `loss_is_scaled_for_ga`.
+            previous, self.compute_loss_func = self.compute_loss_func, _loss_already_scaled
+            try:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            finally:
+                self.compute_loss_func = previous
+        else:
+            loss = super().training_step(model, inputs, num_items_in_batch)
         finish_contiguous_micro_batch(self)
         return loss
 

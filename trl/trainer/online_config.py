@@ -9,6 +9,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._compat import CONTINUOUS_BATCHING_REQUIREMENT, require_transformers_attribute
 from .base_config import _BaseConfig
 
 
@@ -319,6 +320,8 @@ class _OnlineConfig(_RolloutFields, _BaseConfig):
 
         # Value checks shared by every online trainer.
         self._check_generation_fields()
+        if self.use_transformers_continuous_batching and not self.use_vllm:
+            require_transformers_attribute(*CONTINUOUS_BATCHING_REQUIREMENT)
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be a positive integer; got {self.num_iterations}.")
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):

@@ -23,6 +23,12 @@ import torch
 import torch.nn as nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from .._compat import (
+    CONTINUOUS_BATCHING_REQUIREMENT,
+    cache_kwargs,
+    process_images,
+    require_transformers_attribute,
+)
 from ..data_utils import apply_chat_template, is_conversational
 from ..models.utils import unwrap_model_for_generation
 from .online_math import completion_mask_from_ids
@@ -105,7 +111,9 @@ def generate_with_shared_prompts(
         and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
     )
     if share:
-        generate_kwargs["cache"] = prefill_shared_prompts(model, prompt_ids, prompt_mask, row_to_prompt)
+        generate_kwargs.update(
+            cache_kwargs(model, prefill_shared_prompts(model, prompt_ids, prompt_mask, row_to_prompt))
+        )
     ids = prompt_ids[row_to_prompt]
     mask = prompt_mask[row_to_prompt]
     return model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **generate_kwargs)
@@ -345,8 +353,8 @@ class _OnlineGenerationMixin:
 
         texts, conversational = self._render_prompts(inputs)
         images = [example_images(example) for example in inputs]
-        encoded = self.processing_class(
-            text=texts, images=images, padding=True, padding_side="left", return_tensors="pt"
+        encoded = process_images(
+            self.processing_class, images, text=texts, padding=True, padding_side="left", return_tensors="pt"
         )
         return texts, images, encoded, conversational
 
@@ -457,11 +465,12 @@ class _OnlineGenerationMixin:
         # Release vLLM first: its in-process engine tears down the process groups it joined, which must still exist.
         if getattr(self, "vllm_generation", None) is not None:
             self.vllm_generation.close()
-        super().end()
+        # `Trainer.end` (finish the trackers) exists from transformers 5; before, the same call is the accelerator's.
+        parent_end = getattr(super(), "end", None)
+        (parent_end or self.accelerator.end_training)()
 
     def _generate_continuous_batching(self, model: nn.Module, prompt_lists: list[list[int]]) -> list[list[int]]:
-        from transformers import ContinuousBatchingConfig
-
+        ContinuousBatchingConfig = require_transformers_attribute(*CONTINUOUS_BATCHING_REQUIREMENT)
         config = ContinuousBatchingConfig(**(self.args.transformers_continuous_batching_config or {}))
         # Continuous batching accepts transformers' own attention implementations only.
         with plain_sdpa_attention(model):

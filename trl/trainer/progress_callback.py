@@ -92,7 +92,10 @@ class RichProgressCallback(TrainerCallback):
 
     def _remove_default_progress_callbacks(self) -> None:
         """Drop tqdm/notebook progress callbacks from the handler that calls us; they would duplicate our display."""
-        from transformers.utils.notebook import NotebookProgressCallback
+        try:
+            from transformers.utils.notebook import NotebookProgressCallback
+        except ImportError:  # transformers before 5.24 imports IPython there: without it, no notebook bar exists
+            NotebookProgressCallback = ProgressCallback
 
         handler = self._calling_handler()
         if handler is None:

@@ -29,8 +29,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import transformers
 from datasets import Dataset
 
+from .._compat import response_content_parsers
 from ..chat_template_utils import (
     add_response_schema,
     is_chat_template_prefix_preserving,
@@ -202,6 +204,12 @@ class _ToolCallingMixin:
         setup = {"tools": [], "pool": None, "reward_funcs": reward_funcs, "train_dataset": train_dataset}
         if tools is None and environment_factory is None:
             return setup
+        if not response_content_parsers():
+            raise ImportError(
+                f"tools/environment_factory need transformers' response parser (`tokenizer.parse_response`, "
+                f"transformers 5.0 and later) to read tool calls from generated text; transformers "
+                f"{transformers.__version__} has none. Upgrade with `pip install 'transformers>=5'`."
+            )
         if rollout_func is not None:
             raise ValueError(
                 "tools/environment_factory cannot be combined with rollout_func: the tool loop runs on the trainer's "

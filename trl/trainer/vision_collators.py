@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .._compat import process_images
 from ..data_utils import apply_chat_template, is_conversational, prepare_multimodal_messages
 from .utils.tensors import pad
 from .utils.vision import example_images, image_token_id
@@ -68,8 +69,8 @@ class _VisionEncoder:
 
     def process(self, texts: list[str], images: list[list]) -> tuple[list[list[int]], dict[str, list], dict]:
         """Token ids without padding, per-token extras and image tensors of `texts` with their `images`."""
-        kwargs = {"images": images} if any(images) else {}
-        encoded = self.processor(text=texts, padding=True, return_tensors="pt", add_special_tokens=False, **kwargs)
+        kwargs = dict(text=texts, padding=True, return_tensors="pt", add_special_tokens=False)
+        encoded = process_images(self.processor, images, **kwargs) if any(images) else self.processor(**kwargs)
         mask = encoded["attention_mask"].bool()
         ids = [row[m].tolist() for row, m in zip(encoded["input_ids"], mask)]
         token_level = {
@@ -206,8 +207,8 @@ class DataCollatorForVisionLanguageModeling:
                     "datasets (a 'messages' column); these rows have a standard text column."
                 )
             texts = [example[self.dataset_text_field] for example in examples]
-            kwargs = {"images": images} if any(images) else {}
-            encoded = self.processor(text=texts, padding=True, return_tensors="pt", **kwargs)
+            kwargs = dict(text=texts, padding=True, return_tensors="pt")
+            encoded = process_images(self.processor, images, **kwargs) if any(images) else self.processor(**kwargs)
         mask = encoded["attention_mask"].bool()
         rows, labels, extras = [], [], {k: [] for k in _TOKEN_LEVEL_KEYS if k in encoded}
         for i in range(len(examples)):

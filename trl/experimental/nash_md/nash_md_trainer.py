@@ -32,6 +32,7 @@ from transformers import (
     TrainerCallback,
 )
 
+from ..._compat import cache_kwargs
 from ...trainer.online_rewards import RewardFunc
 from ...trainer.utils import use_adapter
 from ..online_dpo.online_dpo_config import _schedule_values
@@ -117,8 +118,8 @@ class GeometricMixtureLogitsProcessor(LogitsProcessor):
                 input_ids=new_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=self.cache,
                 use_cache=True,
+                **cache_kwargs(self.ref_model, self.cache),
             )
         self.attention_mask = attention_mask
         self.num_seen = input_ids.shape[1]

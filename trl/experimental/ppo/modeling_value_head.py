@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
 
+from ..._compat import cache_kwargs, output_cache
+
 
 # Files that may hold the value head, in the order they are looked for.
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -468,7 +470,7 @@ class _ValueHeadModel(PreTrainedModelWrapper):
         (`labels`, `decoder_input_ids`, `position_ids`...) go to the wrapped model."""
         kwargs["output_hidden_states"] = True
         if past_key_values is not None:
-            kwargs["past_key_values"] = past_key_values
+            kwargs.update(cache_kwargs(self.pretrained_model, past_key_values))
         outputs = self.pretrained_model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         hidden_states = getattr(outputs, self._hidden_states_attr)[-1]
         if hidden_states.device != self.v_head.summary.weight.device:
@@ -478,7 +480,7 @@ class _ValueHeadModel(PreTrainedModelWrapper):
         if lm_logits.dtype != torch.float32:
             lm_logits = lm_logits.float()
         if return_past_key_values:
-            return lm_logits, outputs.loss, value, outputs.past_key_values
+            return lm_logits, outputs.loss, value, output_cache(outputs)
         return lm_logits, outputs.loss, value
 
 

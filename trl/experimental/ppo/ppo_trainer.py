@@ -18,6 +18,7 @@ The pure maths is in `ppo_math.py`.
 """
 
 import contextlib
+import logging
 import math
 import os
 import time
@@ -50,6 +51,8 @@ from .ppo_math import (
     token_rewards,
 )
 
+
+logger = logging.getLogger(__name__)
 
 # Added to the sampling temperature so that a temperature of 0 never divides by zero.
 _TEMPERATURE_EPS = 1e-7
@@ -275,29 +278,45 @@ class PPOTrainer(_BaseTrainer):
                 f"reward_model must be a sequence-classification model with a `score` head (e.g. "
                 f"AutoModelForSequenceClassification with num_labels=1); got {type(reward_model).__name__}."
             )
+        PPOTrainer._warn_on_vocabulary_mismatch(model, reward_model, value_model, processing_class)
+
+    @staticmethod
+    def _warn_on_vocabulary_mismatch(model: Any, reward_model: Any, value_model: Any, processing_class: Any) -> None:
+        """Warn when the reward or value model may not share the policy's tokenizer.
+
+        PPO scores the policy's token ids with both models directly (no mapping between vocabularies). TRL trains in
+        these cases, and they are often harmless: a pad token added to the policy's tokenizer lies past the end of
+        the reward model's embeddings, but padding is replaced before scoring. So they warn here; an id that really
+        falls outside a model's embeddings is refused when it is scored (`get_reward`).
+        """
         vocab_size = len(processing_class)
+        policy_vocab = processing_class.get_vocab()
         for name, module in (("reward_model", reward_model), ("value_model", value_model)):
             embeddings = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
             rows = getattr(embeddings, "num_embeddings", None)
             if rows is not None and rows < vocab_size:
-                raise ValueError(
+                logger.warning(
                     f"The {name} embeds {rows} token ids but the policy's tokenizer has {vocab_size}: it scores the "
-                    "policy's token ids directly, so it must use the same tokenizer. Train the reward/value model "
-                    "on the policy's tokenizer (no mapping between vocabularies is done)."
+                    f"policy's token ids directly, so any id from {rows} up would be out of range (padding is "
+                    "replaced before scoring, so an added pad token is fine). Train the reward/value model on the "
+                    "policy's tokenizer if other ids may reach it."
                 )
             own_tokenizer = _saved_tokenizer(module)
-            if own_tokenizer is not None and own_tokenizer.get_vocab() != processing_class.get_vocab():
-                raise ValueError(
+            own_vocab = own_tokenizer.get_vocab() if own_tokenizer is not None else None
+            if own_vocab is not None and any(
+                policy_vocab.get(token, index) != index for token, index in own_vocab.items()
+            ):
+                logger.warning(
                     f"The {name} was saved with a different tokenizer ({module.name_or_path}) than the policy's: "
-                    "PPO scores the policy's token ids with it (no mapping between vocabularies is done). Use a "
-                    f"{name} trained with the policy's tokenizer."
+                    "PPO scores the policy's token ids with it (no mapping between vocabularies is done), so the "
+                    f"scores may be meaningless. Use a {name} trained with the policy's tokenizer."
                 )
-            policy_name = getattr(getattr(model, "config", None), "vocab_size", None)
+            policy_size = getattr(getattr(model, "config", None), "vocab_size", None)
             own = getattr(getattr(module, "config", None), "vocab_size", None)
-            if policy_name is not None and own is not None and own != policy_name:
-                raise ValueError(
-                    f"The {name} has a vocabulary of {own} tokens, the policy {policy_name}: PPO scores the policy's "
-                    "token ids with it, so both must use the same tokenizer."
+            if policy_size is not None and own is not None and own < policy_size:
+                logger.warning(
+                    f"The {name} has a vocabulary of {own} tokens, the policy {policy_size}: PPO scores the policy's "
+                    f"token ids with it, so a sampled id from {own} up would be out of range."
                 )
 
     @staticmethod

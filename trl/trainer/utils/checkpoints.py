@@ -15,7 +15,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..._compat import rotate_checkpoints
 
 
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -129,12 +131,7 @@ def save_checkpoint_atomically(trainer: Any, model: Any, trial: Any, save: Calla
             os.replace(final_dir, os.path.join(staging_root, "replaced"))
         os.replace(staged_dir, final_dir)
         shutil.rmtree(staging_root, ignore_errors=True)
-        rotate_checkpoints(
-            output_dir=run_dir,
-            save_total_limit=args.save_total_limit,
-            best_model_checkpoint=trainer.state.best_model_checkpoint,
-            use_mtime=True,
-        )
+        rotate_checkpoints(trainer, run_dir)
     trainer.accelerator.wait_for_everyone()
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..._compat import CACHE_KEYWORDS, attention_interface, layer_call_is_checkpointed
 from ...kernels.packed_attention import PACKED_SDPA
 from .distributed import parameters_sharded
 from .packing import _base_transformers_model
@@ -157,19 +158,27 @@ def last_layer_at(model: nn.Module, flat_index: torch.Tensor, length: int) -> It
     grid_columns[rows, slots] = columns
     used = torch.zeros((num_rows, most), dtype=torch.bool, device=rows.device)
     used[rows, slots] = True
-    selection = _Selection(grid_columns, used, length)
+    selection = _Selection(grid_columns, used, length, checkpoint=getattr(layer, "gradient_checkpointing", False))
+    # Before transformers 5 the layer's `__call__` checkpoints, and its recompute would run whatever `forward` is
+    # installed by then (the class's, once this block is left): the layer is called plainly and checkpoints here.
+    call_checkpointed = selection.checkpoint and layer_call_is_checkpointed()
+    if call_checkpointed:
+        layer.gradient_checkpointing = False
     layer.forward = functools.partial(_selective_forward, layer, selection)
     try:
         yield True
     finally:
         del layer.forward
+        if call_checkpointed:
+            layer.gradient_checkpointing = True
 
 
 class _Selection:
     """Per row, the selected columns padded to the row with the most (`columns`, `used`: `(rows, most)`)."""
 
-    def __init__(self, columns: torch.Tensor, used: torch.Tensor, length: int):
+    def __init__(self, columns: torch.Tensor, used: torch.Tensor, length: int, checkpoint: bool = False):
         self.columns, self.used, self.length = columns, used, length
+        self.checkpoint = checkpoint  # the layer is gradient-checkpointed
         self.rows = torch.arange(columns.shape[0], device=columns.device)[:, None].expand_as(columns)
 
 
@@ -179,22 +188,28 @@ def _selective_forward(
     hidden_states: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
-    cache: Any = None,
     use_cache: bool | None = False,
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
-    """The decoder layer's forward with the selection applied, or the class's own forward where it cannot be."""
-    own = type(layer).forward.__get__(layer)
-    full_call = functools.partial(
-        own, hidden_states, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=use_cache,
-        position_embeddings=position_embeddings, **kwargs,
+    """The decoder layer's forward with the selection applied, or the class's own forward where it cannot be.
+
+    The KV cache comes in `kwargs` under whichever name the installed transformers uses (see `trl._compat`)."""
+    own = functools.partial(
+        type(layer).forward.__get__(layer), attention_mask=attention_mask, position_ids=position_ids,
+        use_cache=use_cache, position_embeddings=position_embeddings, **kwargs,
     )  # fmt: skip
+    checkpoint = selection.checkpoint and layer.training and torch.is_grad_enabled()
+
+    def full_call() -> torch.Tensor:
+        if checkpoint and layer_call_is_checkpointed():  # the class's forward does not checkpoint itself there
+            return layer._gradient_checkpointing_func(own, hidden_states)
+        return own(hidden_states)
+
     batch, length = hidden_states.shape[:2]
     if (
-        cache is not None
-        or use_cache
-        or kwargs.get("past_key_values") is not None
+        use_cache
+        or any(kwargs.get(name) is not None for name in CACHE_KEYWORDS)
         or position_embeddings is None
         or length != selection.length
         or batch != selection.columns.shape[0]
@@ -205,7 +220,7 @@ def _selective_forward(
     ):
         return full_call()
     compute = functools.partial(_selected_layer, layer, selection, attention_mask, position_embeddings, kwargs)
-    if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
+    if checkpoint:
         return layer._gradient_checkpointing_func(compute, hidden_states)
     return compute(hidden_states)
 
@@ -226,7 +241,6 @@ def _selected_layer(
     kwargs: dict[str, Any],
     hidden_states: torch.Tensor,
 ) -> torch.Tensor:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     modeling = sys.modules[type(layer).__module__]
     attn = layer.self_attn
@@ -250,12 +264,9 @@ def _selected_layer(
     else:
         full = attention_mask.expand(batch, -1, -1, -1)[:, 0]
         mask = full[rows, columns][:, None]
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-        attn.config._attn_implementation, modeling.eager_attention_forward
-    )
-    extra = {
-        k: v for k, v in kwargs.items() if k not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-    }
+    interface = attention_interface(attn.config._attn_implementation, modeling.eager_attention_forward)
+    skipped = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", *CACHE_KEYWORDS)
+    extra = {k: v for k, v in kwargs.items() if k not in skipped}
     output, _ = interface(
         attn, query, key, value, mask, dropout=0.0 if not attn.training else attn.attention_dropout,
         scaling=attn.scaling, sliding_window=None, **extra,

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..._compat import CACHE_KEYWORDS, cache_keyword
 from ...kernels.decoder_layers import swiglu_mlp
 from .last_layer_selection import has_dropout
 from .lean_modules import is_unhooked_lean_swiglu_mlp, mlps_without_grad
@@ -173,7 +174,6 @@ def _last_projection_gradient_only(layer: nn.Module) -> Iterator[None]:
 _ATTENTION_DEFAULTS = {
     "attention_mask": None,
     "position_ids": None,
-    "cache": None,
     "use_cache": False,
     "position_embeddings": None,
 }
@@ -188,8 +188,8 @@ class _LayerHalves:
     (`partial(forward, layer, **kwargs)`), as the layer's forward passes them."""
 
     def __init__(self, layer: nn.Module, function: Any):
-        keywords = {**_ATTENTION_DEFAULTS, **function.keywords}
         attention, norm = layer.self_attn, layer.input_layernorm
+        keywords = {**_ATTENTION_DEFAULTS, cache_keyword(attention): None, **function.keywords}
         post_norm, mlp = layer.post_attention_layernorm, layer.mlp
         self.attention = lambda x: x + attention(hidden_states=norm(x), **keywords)[0]
         self.mlp = lambda x: x + mlp(post_norm(x))
@@ -201,8 +201,11 @@ class _LayerHalves:
         """The halves of `layer` for the call `function`, or None when they may not stand in for it."""
         if not (
             isinstance(function, functools.partial)
-            and function.args == (layer,)
-            and "past_key_values" not in function.keywords
+            # transformers 5 checkpoints `partial(forward, layer, **kwargs)`, 4.x `partial(layer.__call__, **kwargs)`
+            and (
+                function.args == (layer,) or (not function.args and getattr(function.func, "__self__", None) is layer)
+            )
+            and all(function.keywords.get(name) is None for name in CACHE_KEYWORDS)
             and "forward" not in vars(layer)
             and all(hasattr(layer, name) for name in _HALF_MODULES)
         ):

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..._compat import CACHE_KEYWORD, attention_interface, cache_keyword
 from ...kernels.packed_attention import PACKED_SDPA
 from .distributed import parameters_sharded
 
@@ -224,7 +225,6 @@ class LeanDecoder:
 
     def __init__(self, model: nn.Module, padding_mask: torch.Tensor | None, num_rows: int, capacity: int):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
         self.model = model
         self.padding_mask = padding_mask
@@ -240,7 +240,7 @@ class LeanDecoder:
         self.apply_rotary = sys.modules[modeling].apply_rotary_pos_emb
         impl = model.config._attn_implementation
         default = sdpa_attention_forward if impl != "eager" else sys.modules[modeling].eager_attention_forward
-        self.attention = ALL_ATTENTION_FUNCTIONS.get_interface(impl, default)
+        self.attention = attention_interface(impl, default)
         # The mask `create_causal_mask` builds for one query at the last position: the padding mask itself (causality
         # masks nothing); SDPA gets None when nothing is padded, eager an additive float mask always.
         self.mask = None
@@ -271,7 +271,7 @@ class LeanDecoder:
             "input_ids": input_ids,
             "attention_mask": None if self.padding_mask is None else self.padding_mask[:, :length],
             "position_ids": position_ids,
-            "cache": cache,
+            cache_keyword(model): cache,
             "use_cache": True,
             "logits_to_keep": 1,
             "return_dict": True,
@@ -337,7 +337,7 @@ def _call_with_model_hooks(model: nn.Module, kwargs: dict[str, Any], lean_step: 
     if changed:
         output = model.forward(*args, **kwargs)
     else:
-        output = CausalLMOutputWithPast(logits=lean_step(), cache=kwargs["cache"])
+        output = CausalLMOutputWithPast(logits=lean_step(), **{CACHE_KEYWORD: kwargs[cache_keyword(model)]})
     for hook_id, hook in list(model._forward_hooks.items()):
         if hook_id in model._forward_hooks_with_kwargs:
             result = hook(model, args, kwargs, output)

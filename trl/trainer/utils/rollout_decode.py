@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 from transformers.cache_utils import DynamicLayer
 
+from ..._compat import accepts_cache, cache_kwargs, repetition_penalty_skips_prompt_padding
 from .decode_replay import DecodeLayerOutputs, layer_outputs_fallback_reason, recording_layer_outputs
 from .distributed import parameters_sharded
 from .lean_decode import LeanDecoder, lean_decode_fallback_reason
@@ -148,7 +149,7 @@ def rollout_decode_fallback_reason(
     if not model._supports_default_dynamic_cache():
         return "model does not use the default dynamic cache"
     parameters = inspect.signature(model.forward).parameters
-    if not {"cache", "position_ids", "logits_to_keep", "attention_mask"} <= set(parameters):
+    if not accepts_cache(model) or not {"position_ids", "logits_to_keep", "attention_mask"} <= set(parameters):
         return "model forward lacks cache / position_ids / logits_to_keep"
     if model.device.type != "cpu" and "grouped_mm" in str(getattr(model, "get_experts_implementation", dict)()):
         return "mixture-of-experts implementation switched by generate off CPU"
@@ -219,7 +220,7 @@ class _PreallocatedLayer(DynamicLayer):
 def _preallocate(cache: Any, capacity: int) -> None:
     """Swap every filled layer of a `DynamicCache` for a preallocated one holding the same keys and values."""
     for i, layer in enumerate(cache.layers):
-        if layer.is_initialized and layer.keys is not None and layer.keys.numel() > 0:
+        if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
             new_layer = _PreallocatedLayer()
             new_layer.adopt(layer, capacity)
             cache.layers[i] = new_layer
@@ -239,9 +240,9 @@ class _SamplingProcessors:
         self.min_p = config.min_p if sampling and config.min_p is not None else None
         self.seen = None
         if self.penalty is not None:
-            # Tokens already in each row (its left padding excluded, as `generate` does given the prompt mask).
+            # Tokens already in each row, its left padding excluded where `generate` does so (transformers 5).
             ids = sequences
-            if prompt_mask is not None:
+            if prompt_mask is not None and repetition_penalty_skips_prompt_padding():
                 padding = (prompt_mask != 0).int().argmax(dim=1)
                 positions = torch.arange(ids.shape[1], device=ids.device)
                 ids = ids.masked_fill(positions[None, :] < padding[:, None], vocab_size)
@@ -376,8 +377,8 @@ def prefill_shared_prompts(
         input_ids=prompt_ids[:, :-1],
         attention_mask=prompt_mask[:, :-1],
         position_ids=positions[:, :-1],
-        cache=cache,
         use_cache=True,
+        **cache_kwargs(model, cache),
         **head_kwargs,
     )
     cache.batch_select_indices(row_to_prompt)
@@ -476,8 +477,8 @@ def decode_rollouts(
                     input_ids=step_ids,
                     attention_mask=None if full_mask is None else full_mask[:, :length],
                     position_ids=step_positions,
-                    cache=cache,
                     use_cache=True,
+                    **cache_kwargs(model, cache),
                     logits_to_keep=1,
                     return_dict=True,
                 ).logits
