@@ -246,6 +246,7 @@ from . import (  # noqa: E402, F401
     diffusion,
     distillation,
     distillation_online,
+    dpo_losses,
     errors,
     experimental,
     grpo_variants,
