@@ -239,9 +239,8 @@ def h_nca():
 
 
 def h_bco():
-    rewards = [B * (PC[i] - RC[i]) for i in range(3)] + [B * (PR[i] - RR[i]) for i in range(3)]
-    delta = sum(rewards) / 6
-    return [-logsig(rewards[i] - delta) - logsig(-(rewards[3 + i] - delta)) for i in range(3)]
+    # TRL 1.16's decision boundary is 0: no batch or running mean of the rewards is subtracted.
+    return [-logsig(B * (PC[i] - RC[i])) - logsig(-B * (PR[i] - RR[i])) for i in range(3)]
 
 
 def h_sppo():
@@ -286,17 +285,28 @@ def h_sft():
     return [-PC[i] * 3 / sum(LC) for i in range(3)]
 
 
-def h_fdiv(kind, alpha=0.5):
+def h_fprime_shifted(kind, x, coef=0.5):
+    """f'(e^x) - f'(1) written out for each divergence (alpha-divergence in TRL's parametrisation a = 1 - coef)."""
+    u = math.exp(x)
+    if kind == "forward_kl":  # f'(u) = -1/u
+        return -1 / u + 1
+    if kind == "js_divergence":  # f'(u) = log(2u / (1 + u))
+        return math.log(2 * u / (1 + u)) - math.log(2 * 1 / (1 + 1))
+    a = 1 - coef
+    if a == 0:  # reverse KL: f'(u) = log(u)
+        return math.log(u)
+    return (1 - u**-a) / a - (1 - 1**-a) / a
+
+
+def h_fdiv(kind, coef=0.5, loss="sigmoid"):
     out = []
     for i in range(3):
-        c, r = PC[i] - RC[i], PR[i] - RR[i]
-        if kind == "forward_kl":
-            z = -math.exp(-c) + math.exp(-r)
-        elif kind == "js_divergence":
-            z = math.log(2 * math.exp(c) / (1 + math.exp(c))) - math.log(2 * math.exp(r) / (1 + math.exp(r)))
-        else:
-            z = ((1 - math.exp(-alpha * c)) - (1 - math.exp(-alpha * r))) / alpha
-        out.append(-logsig(B * z))
+        c = h_fprime_shifted(kind, PC[i] - RC[i], coef)
+        r = h_fprime_shifted(kind, PR[i] - RR[i], coef)
+        if loss in ("ipo", "sigmoid_norm"):  # each side's term divided by its own length
+            c, r = c / LC[i], r / LR[i]
+        z = c - r
+        out.append((z - 1 / (2 * B)) ** 2 if loss == "ipo" else -logsig(B * z))
     return out
 
 
@@ -322,6 +332,20 @@ LOSS_CASES = [
     ("sigmoid", {"f_divergence_type": "forward_kl"}, h_fdiv("forward_kl")),
     ("sigmoid", {"f_divergence_type": "js_divergence"}, h_fdiv("js_divergence")),
     ("sigmoid", {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3}, h_fdiv("alpha", 0.3)),
+    # coefficient 1 is reverse KL (plain DPO), 0 is forward KL
+    ("sigmoid", {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 1.0}, h_sigmoid()),
+    ("sigmoid", {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.0}, h_fdiv("forward_kl")),
+    ("sigmoid", {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": -0.5}, h_fdiv("alpha", -0.5)),
+    ("ipo", {"f_divergence_type": "forward_kl"}, h_fdiv("forward_kl", loss="ipo")),
+    ("ipo", {"f_divergence_type": "js_divergence"}, h_fdiv("js_divergence", loss="ipo")),
+    ("ipo", {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3}, h_fdiv("a", 0.3, "ipo")),
+    ("sigmoid_norm", {"f_divergence_type": "forward_kl"}, h_fdiv("forward_kl", loss="sigmoid_norm")),
+    ("sigmoid_norm", {"f_divergence_type": "js_divergence"}, h_fdiv("js_divergence", loss="sigmoid_norm")),
+    (
+        "sigmoid_norm",
+        {"f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3},
+        h_fdiv("alpha", 0.3, "sigmoid_norm"),
+    ),
 ]
 
 
@@ -335,6 +359,30 @@ def test_loss_formula(loss_type, kwargs, expected):
     )
     assert losses.shape == (3,)
     assert torch.allclose(losses, t(expected), rtol=1e-9, atol=1e-12), (losses.tolist(), expected)
+
+
+def test_bco_pair_gradient_has_no_batch_coupling():
+    # With a zero decision boundary each pair's loss depends on its own log-ratios only: the gradient of the mean
+    # loss with respect to the chosen log-prob of pair i is -beta * sigmoid(-beta * dc_i) / n, whatever the others.
+    t = lambda values: torch.tensor(values, dtype=torch.float64)  # noqa: E731
+    chosen = t(PC).requires_grad_()
+    rejected = t(PR).requires_grad_()
+    dpo_loss("bco_pair", chosen, rejected, t(RC), t(RR), beta=B).mean().backward()
+    expected_chosen = [-B * sig(-B * (PC[i] - RC[i])) / 3 for i in range(3)]
+    expected_rejected = [B * sig(B * (PR[i] - RR[i])) / 3 for i in range(3)]
+    assert torch.allclose(chosen.grad, t(expected_chosen), rtol=1e-9)
+    assert torch.allclose(rejected.grad, t(expected_rejected), rtol=1e-9)
+
+
+def test_f_divergence_losses_vanish_where_policy_equals_reference():
+    # Every f-divergence term is 0 at log-ratio 0, so length normalisation cannot shift the logits of an untrained
+    # policy: ipo's loss there is (1 / (2 beta))**2 for every divergence.
+    zeros = torch.zeros(3, dtype=torch.float64)
+    logps = torch.tensor(PC, dtype=torch.float64)
+    lengths = torch.tensor(LC, dtype=torch.float64), torch.tensor(LR, dtype=torch.float64)
+    for kind in ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"):
+        losses = dpo_loss("ipo", logps, logps + 1, logps, logps + 1, *lengths, beta=B, f_divergence_type=kind)
+        assert torch.allclose(losses, zeros + (1 / (2 * B)) ** 2, rtol=1e-12), kind
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -756,6 +756,18 @@ def test_top_entropy_quantile_masks_low_entropy_tokens(rollout_trainer):
     trainer.args.top_entropy_quantile = 1.0
 
 
+@pytest.mark.parametrize(
+    "options, enabled",
+    [({}, False), ({"entropy_coef": 0.01}, True), ({"use_adaptive_entropy": True, "entropy_coef": 0.0}, True)],
+)
+def test_entropy_bonus_enabled_attribute(tmp_path, model_path, prompts, options, enabled):
+    # TRL's `_entropy_bonus_enabled`: fixed at init, read by the loss (setting `entropy_coef` later does not turn it on).
+    trainer = GRPOTrainer(
+        model_path, reward_funcs=low_id_reward, args=make_args(tmp_path, **options), train_dataset=prompts
+    )
+    assert trainer._entropy_bonus_enabled is enabled
+
+
 def test_adaptive_entropy_bonus_and_checkpoint_state(tmp_path, model_path, prompts):
     import json
 

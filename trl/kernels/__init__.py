@@ -8,11 +8,13 @@ from .._lazy_module import _LazyModule
 
 
 _import_structure = {
+    "chunked_logprob": ["ChunkedLogProbFunction"],
     "linear_log_softmax": ["linear_selective_log_softmax"],
     "log_softmax": ["entropy_from_logits", "selective_log_softmax", "selective_log_softmax_and_entropy"],
 }
 
 if TYPE_CHECKING:
+    from .chunked_logprob import ChunkedLogProbFunction
     from .linear_log_softmax import linear_selective_log_softmax
     from .log_softmax import entropy_from_logits, selective_log_softmax, selective_log_softmax_and_entropy
 else:

@@ -15,11 +15,22 @@ _CHUNK_BYTES = 32 * 1024 * 1024
 LogitsStatsFn = Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
 
 
-def _chunk_log_softmax(hidden, weight, bias, temperature, compute_dtype):
+def _transform_logits(logits, compute_dtype, logit_scale=1.0, softcap=None):
+    """The head's logits as the model's distribution reads them, in `compute_dtype`: times `logit_scale`, then
+    soft-capped to `softcap * tanh(z / softcap)` (Gemma-style models); unchanged with the defaults."""
+    z = logits.to(compute_dtype)
+    if logit_scale != 1.0:
+        z = z * logit_scale
+    if softcap is not None:
+        z = torch.tanh(z / softcap) * softcap
+    return z
+
+
+def _chunk_log_softmax(hidden, weight, bias, temperature, compute_dtype, logit_scale=1.0, softcap=None):
     """Logits of one chunk of rows (in the input dtype, as the model's head returns them) and the log-softmax of
-    `logits / temperature` in `compute_dtype`."""
+    `transform(logits) / temperature` in `compute_dtype` (see `_transform_logits`)."""
     logits = F.linear(hidden, weight, bias)
-    scaled = logits.to(compute_dtype)
+    scaled = _transform_logits(logits, compute_dtype, logit_scale, softcap)
     if temperature != 1.0:
         scaled = scaled / temperature
     return logits, torch.log_softmax(scaled, dim=-1)
@@ -40,7 +51,20 @@ class _LinearLogSoftmax(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, index, temperature, want_entropy, stats_fn, stat_names, max_rows):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        index,
+        temperature,
+        want_entropy,
+        stats_fn,
+        stat_names,
+        max_rows,
+        scale=1.0,
+        cap=None,
+    ):
         rows = hidden.shape[0]
         compute_dtype = torch.promote_types(hidden.dtype, torch.float32)
         logps = hidden.new_empty(rows, dtype=compute_dtype)
@@ -49,11 +73,14 @@ class _LinearLogSoftmax(torch.autograd.Function):
         stats: dict[str, list[torch.Tensor]] = {}
         for start in range(0, rows, max_rows):
             end = min(start + max_rows, rows)
-            logits, log_probs = _chunk_log_softmax(hidden[start:end], weight, bias, temperature, compute_dtype)
+            logits, log_probs = _chunk_log_softmax(
+                hidden[start:end], weight, bias, temperature, compute_dtype, scale, cap
+            )
             idx = index[start:end].unsqueeze(-1)
             logps[start:end] = log_probs.gather(-1, idx).squeeze(-1)
             # log Z = z_y / T - log p_y: what the backward needs to rebuild the probabilities from recomputed logits.
-            scaled_target = logits.gather(-1, idx).squeeze(-1).to(compute_dtype) / temperature
+            target_logit = logits.gather(-1, idx).squeeze(-1)
+            scaled_target = _transform_logits(target_logit, compute_dtype, scale, cap) / temperature
             log_norm[start:end] = scaled_target - logps[start:end]
             if want_entropy:
                 entropy[start:end] = _entropy(log_probs)
@@ -63,7 +90,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
             del logits, log_probs
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, index, log_norm, entropy)
-        ctx.temperature, ctx.max_rows = temperature, max_rows
+        ctx.temperature, ctx.max_rows, ctx.scale, ctx.cap = temperature, max_rows, scale, cap
         # The names go back through the caller's list: an autograd function returns tensors only.
         stat_names.extend(sorted(stats))
         stat_values = [torch.cat(stats[name]) for name in stat_names]
@@ -75,10 +102,10 @@ class _LinearLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy, *_):
         hidden, weight, bias, index, log_norm, entropy = ctx.saved_tensors
-        nothing = (None,) * 7
+        nothing = (None,) * 9
         if grad_logps is None and grad_entropy is None:
             return (None, None, None, *nothing)
-        temperature, compute_dtype = ctx.temperature, log_norm.dtype
+        temperature, compute_dtype, scale, cap = ctx.temperature, log_norm.dtype, ctx.scale, ctx.cap
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros_like(weight, dtype=compute_dtype) if need_weight else None
@@ -87,6 +114,12 @@ class _LinearLogSoftmax(torch.autograd.Function):
             end = min(start + ctx.max_rows, hidden.shape[0])
             h = hidden[start:end]
             scaled = F.linear(h, weight, bias).to(compute_dtype)
+            if scale != 1.0:
+                scaled = scaled * scale
+            capped = None
+            if cap is not None:
+                capped = torch.tanh(scaled / cap)
+                scaled = capped * cap
             if temperature != 1.0:
                 scaled = scaled / temperature
             log_probs = scaled.sub_(log_norm[start:end].unsqueeze(-1))
@@ -107,6 +140,10 @@ class _LinearLogSoftmax(torch.autograd.Function):
                 grad.scatter_add_(-1, index[start:end].unsqueeze(-1), g_lp)
             if temperature != 1.0:
                 grad.div_(temperature)
+            if capped is not None:  # d(c tanh(z / c)) / dz = 1 - tanh(z / c)^2
+                grad.mul_(1 - capped.square())
+            if scale != 1.0:
+                grad.mul_(scale)
             grad = grad.to(hidden.dtype)
             if need_hidden:
                 torch.mm(grad, weight.to(grad.dtype), out=grad_hidden[start:end])
@@ -114,7 +151,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
                 grad_weight.addmm_(grad.t().to(compute_dtype), h.to(compute_dtype))
             if need_bias:
                 grad_bias.add_(grad.sum(dim=0).to(compute_dtype))
-            del scaled, log_probs, probs, grad
+            del scaled, log_probs, probs, grad, capped
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
         return (grad_hidden, grad_weight, grad_bias, *nothing)
@@ -129,6 +166,8 @@ def linear_selective_log_softmax(
     compute_entropy: bool = False,
     logits_stats_fn: LogitsStatsFn | None = None,
     max_rows: int | None = None,
+    logit_scale: float = 1.0,
+    final_logit_softcapping: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """Log-probability of `index` under `softmax(F.linear(hidden, weight, bias) / temperature)`, chunk by chunk.
 
@@ -148,6 +187,8 @@ def linear_selective_log_softmax(
         logits_stats_fn: Optional `f(logits, targets) -> {name: tensor}` called without gradients on every chunk's
             unscaled `(1, rows, V)` logits and `(1, rows)` targets; each value must have the shape of the targets.
         max_rows: Rows per chunk (default: about 32 MiB of float32 logits).
+        logit_scale: The logits are multiplied by this value first (models whose config sets a logit scale).
+        final_logit_softcapping: If set, the scaled logits `z` become `c * tanh(z / c)` before the temperature.
 
     Returns:
         `(logps, entropy, stats)`: `logps` and `entropy` (None unless requested) of shape `(...)` in float32 (float64
@@ -167,7 +208,16 @@ def linear_selective_log_softmax(
         # product in the head's own dtype (the hidden states are cast to it), the same in both passes.
         with torch.autocast(device_type, enabled=False):
             return linear_selective_log_softmax(
-                hidden.to(weight.dtype), weight, index, bias, temperature, compute_entropy, logits_stats_fn, max_rows
+                hidden.to(weight.dtype),
+                weight,
+                index,
+                bias,
+                temperature,
+                compute_entropy,
+                logits_stats_fn,
+                max_rows,
+                logit_scale,
+                final_logit_softcapping,
             )
     if max_rows is None:
         max_rows = max(1, _CHUNK_BYTES // (4 * max(weight.shape[0], 1)))
@@ -176,7 +226,17 @@ def linear_selective_log_softmax(
     flat_index = index.reshape(-1).to(torch.long)
     names: list[str] = []
     logps, entropy, *values = _LinearLogSoftmax.apply(
-        flat_hidden, weight, bias, flat_index, float(temperature), compute_entropy, logits_stats_fn, names, max_rows
+        flat_hidden,
+        weight,
+        bias,
+        flat_index,
+        float(temperature),
+        compute_entropy,
+        logits_stats_fn,
+        names,
+        max_rows,
+        float(logit_scale),
+        None if final_logit_softcapping is None else float(final_logit_softcapping),
     )
     stats = {name: value.reshape(lead_shape) for name, value in zip(names, values, strict=True)}
     return logps.reshape(lead_shape), entropy.reshape(lead_shape) if compute_entropy else None, stats

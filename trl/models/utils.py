@@ -144,6 +144,27 @@ def _add_deepspeed_hooks(engine: Any) -> None:
 
 
 @contextmanager
+def disable_gradient_checkpointing(model: nn.Module, gradient_checkpointing_kwargs: dict | None = None):
+    """Context manager that turns gradient checkpointing off for the duration of the block (generation needs the KV
+    cache, which checkpointed layers do not keep) and back on afterwards, also when the block raises.
+
+    A model without gradient checkpointing is left as it is.
+
+    Args:
+        model: A transformers model (or one exposing TRL-style `activation_checkpointing_*` methods).
+        gradient_checkpointing_kwargs: Arguments passed to `gradient_checkpointing_enable` when it is turned back on.
+    """
+    was_checkpointing = is_activation_checkpointing(model)
+    if was_checkpointing:
+        disable_activation_checkpointing(model)
+    try:
+        yield
+    finally:
+        if was_checkpointing:
+            enable_activation_checkpointing(model, gradient_checkpointing_kwargs)
+
+
+@contextmanager
 def unwrap_model_for_generation(
     model: nn.Module,
     accelerator: Any,
@@ -166,43 +187,38 @@ def unwrap_model_for_generation(
         gradient_checkpointing_kwargs: Arguments used to turn gradient checkpointing back on afterwards.
     """
     unwrapped = accelerator.unwrap_model(model)
+    with disable_gradient_checkpointing(unwrapped, gradient_checkpointing_kwargs):
+        config = getattr(unwrapped, "config", None)
+        previous_use_cache = getattr(config, "use_cache", None) if config is not None else None
+        if config is not None and hasattr(config, "use_cache"):
+            config.use_cache = True
+        generation_config = getattr(unwrapped, "generation_config", None)
+        previous_generation = {}
+        if generation_kwargs and generation_config is not None:
+            for key, value in generation_kwargs.items():
+                previous_generation[key] = getattr(generation_config, key, None)
+                setattr(generation_config, key, value)
 
-    was_checkpointing = is_activation_checkpointing(unwrapped)
-    if was_checkpointing:
-        disable_activation_checkpointing(unwrapped)
-    config = getattr(unwrapped, "config", None)
-    previous_use_cache = getattr(config, "use_cache", None) if config is not None else None
-    if config is not None and hasattr(config, "use_cache"):
-        config.use_cache = True
-    generation_config = getattr(unwrapped, "generation_config", None)
-    previous_generation = {}
-    if generation_kwargs and generation_config is not None:
-        for key, value in generation_kwargs.items():
-            previous_generation[key] = getattr(generation_config, key, None)
-            setattr(generation_config, key, value)
+        try:
+            if _accelerator_zero_stage(accelerator) == 3:
+                if gather_deepspeed3_params:
+                    import deepspeed
 
-    try:
-        if _accelerator_zero_stage(accelerator) == 3:
-            if gather_deepspeed3_params:
-                import deepspeed
-
-                with deepspeed.zero.GatheredParameters(list(model.parameters())):
-                    _remove_deepspeed_hooks(model)
-                    try:
-                        yield unwrapped
-                    finally:
-                        _add_deepspeed_hooks(model)
+                    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+                        _remove_deepspeed_hooks(model)
+                        try:
+                            yield unwrapped
+                        finally:
+                            _add_deepspeed_hooks(model)
+                else:
+                    yield unwrapped
             else:
                 yield unwrapped
-        else:
-            yield unwrapped
-    finally:
-        for key, value in previous_generation.items():
-            setattr(generation_config, key, value)
-        if config is not None and previous_use_cache is not None:
-            config.use_cache = previous_use_cache
-        if was_checkpointing:
-            enable_activation_checkpointing(unwrapped, gradient_checkpointing_kwargs)
+        finally:
+            for key, value in previous_generation.items():
+                setattr(generation_config, key, value)
+            if config is not None and previous_use_cache is not None:
+                config.use_cache = previous_use_cache
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ class DPOConfig(_BaseConfig):
             `"alpha_divergence"`. Other values than the default only work with the sigmoid, sigmoid_norm, hinge, ipo,
             exo_pair, robust, discopop and sft losses.
         f_alpha_divergence_coef (`float`, defaults to `0.5`):
-            The alpha of the alpha-divergence.
+            Coefficient of the alpha-divergence, in TRL's parametrisation: 1 is the reverse KL, 0 the forward KL.
         label_smoothing (`float`, defaults to `0.0`):
             Probability that a preference label is flipped (cDPO / robust DPO), in `[0, 0.5)`; the epsilon of EXO
             (`exo_pair` needs a value above 0).

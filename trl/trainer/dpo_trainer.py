@@ -123,20 +123,25 @@ class DataCollatorForPreference:
 # ----------------------------------------------------------------------------------------------------------------
 # Losses
 # ----------------------------------------------------------------------------------------------------------------
-def _f_divergence_logits(
-    chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, f_divergence_type: str, alpha: float
-) -> torch.Tensor:
-    """`f'(chosen ratio) - f'(rejected ratio)` for the f-divergence regulariser of f-DPO (reverse KL = plain DPO)."""
-    if f_divergence_type == "reverse_kl":
-        return chosen_logratios - rejected_logratios
+def _f_divergence_term(logratios: torch.Tensor, f_divergence_type: str, alpha_coef: float) -> torch.Tensor:
+    """`f'(u) - f'(1)` at `u = exp(logratios)`: one side's share of the f-DPO preference logit.
+
+    `f` is the divergence's generator, so reverse KL gives the log-ratio itself (plain DPO). Shifting by `f'(1)` makes
+    every divergence give 0 where policy and reference agree, which matters once the two sides are divided by
+    different lengths (`ipo`, `sigmoid_norm`). As in TRL, `alpha_coef` enters as `a = 1 - alpha_coef` in
+    `f'(u) = (1 - u**-a) / a`: a coefficient of 1 is reverse KL, 0 is forward KL.
+    """
+    if f_divergence_type == "reverse_kl":  # f'(u) = log(u)
+        return logratios
     if f_divergence_type == "forward_kl":  # f'(u) = -1/u
-        return torch.exp(-rejected_logratios) - torch.exp(-chosen_logratios)
+        return -torch.expm1(-logratios)
     if f_divergence_type == "js_divergence":  # f'(u) = log(2u / (1 + u))
-        return (chosen_logratios - F.softplus(chosen_logratios)) - (
-            rejected_logratios - F.softplus(rejected_logratios)
-        )
-    if f_divergence_type == "alpha_divergence":  # f'(u) = (1 - u^-alpha) / alpha
-        return (torch.exp(-alpha * rejected_logratios) - torch.exp(-alpha * chosen_logratios)) / alpha
+        return math.log(2.0) + F.logsigmoid(logratios)
+    if f_divergence_type == "alpha_divergence":
+        a = 1.0 - alpha_coef
+        if a == 0.0:  # the limit a -> 0 is reverse KL
+            return logratios
+        return -torch.expm1(-a * logratios) / a
     raise ValueError(
         f"f_divergence_type must be one of reverse_kl, forward_kl, js_divergence, alpha_divergence; got "
         f"{f_divergence_type!r}."
@@ -175,7 +180,8 @@ def dpo_loss(
         beta: KL strength (tau for `ipo`).
         label_smoothing: Label-flip probability (`sigmoid`, `robust`, `aot*`) / EXO epsilon.
         f_divergence_type: f-DPO divergence used to build the preference logits.
-        f_alpha_divergence_coef: Alpha of the alpha-divergence.
+        f_alpha_divergence_coef: Coefficient of the alpha-divergence, TRL's parametrisation: 1 gives reverse KL, 0
+            forward KL (see `_f_divergence_term`).
         discopop_tau: Temperature of `discopop`.
 
     Returns:
@@ -190,14 +196,16 @@ def dpo_loss(
         # Token-mean NLL of the chosen completions over the whole batch, spread over the pairs: the mean of the
         # returned values is -sum(chosen_logps) / sum(chosen_lengths) (long completions weigh more than short ones).
         return -chosen_logps * (chosen_logps.shape[0] / chosen_lengths.sum())
-    if loss_type in _LENGTH_NORMALIZED_LOSSES:
-        chosen_logps, ref_chosen_logps = chosen_logps / chosen_lengths, ref_chosen_logps / chosen_lengths
-        rejected_logps, ref_rejected_logps = rejected_logps / rejected_lengths, ref_rejected_logps / rejected_lengths
     chosen_logratios = chosen_logps - ref_chosen_logps
     rejected_logratios = rejected_logps - ref_rejected_logps
 
     if loss_type in _F_DIVERGENCE_LOSSES:
-        logits = _f_divergence_logits(chosen_logratios, rejected_logratios, f_divergence_type, f_alpha_divergence_coef)
+        chosen_term = _f_divergence_term(chosen_logratios, f_divergence_type, f_alpha_divergence_coef)
+        rejected_term = _f_divergence_term(rejected_logratios, f_divergence_type, f_alpha_divergence_coef)
+        if loss_type in _LENGTH_NORMALIZED_LOSSES:
+            # per-token means of each side's term (for reverse KL: of the log-ratios)
+            chosen_term, rejected_term = chosen_term / chosen_lengths, rejected_term / rejected_lengths
+        logits = chosen_term - rejected_term
         if loss_type in ("sigmoid", "sigmoid_norm"):
             return _smoothed_sigmoid_loss(logits, beta, label_smoothing)
         if loss_type == "hinge":
@@ -227,9 +235,9 @@ def dpo_loss(
             -F.logsigmoid(chosen_rewards) - 0.5 * F.logsigmoid(-chosen_rewards) - 0.5 * F.logsigmoid(-rejected_rewards)
         )
     if loss_type == "bco_pair":
-        # The decision boundary delta is the mean reward of the batch (no gradient through it).
-        delta = torch.cat([chosen_rewards, rejected_rewards]).mean().detach()
-        return -F.logsigmoid(chosen_rewards - delta) - F.logsigmoid(-(rejected_rewards - delta))
+        # Chosen rewards pushed above a decision boundary, rejected ones below it. TRL 1.16 places the boundary at 0
+        # in training and evaluation alike (no running or batch mean of the rewards is subtracted).
+        return -F.logsigmoid(chosen_rewards) - F.logsigmoid(-rejected_rewards)
     if loss_type == "sppo_hard":
         return (chosen_logratios - 1 / (2 * beta)) ** 2 + (rejected_logratios + 1 / (2 * beta)) ** 2
     if loss_type == "aot":

@@ -399,6 +399,8 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         self.epsilon_low = self.args.epsilon
         self.epsilon_high = self.args.epsilon_high if self.args.epsilon_high is not None else self.args.epsilon
         self.entropy_coef = self.args.entropy_coef
+        # Fixed here, as in TRL: whether the loss subtracts `entropy_coef` times the mean token entropy.
+        self._entropy_bonus_enabled = self.args.entropy_coef != 0.0 or self.args.use_adaptive_entropy
         self._entropy_sum = 0.0
         self._entropy_count = 0.0
         self.liger_grpo_loss = self._build_liger_loss(self.args)
@@ -688,7 +690,7 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             max_completion_length=args.max_completion_length,
         )
         loss = normalize_per_token_loss(per_token_loss, mask, **normalise)
-        use_entropy_bonus = self.entropy_coef != 0.0 or args.use_adaptive_entropy
+        use_entropy_bonus = self._entropy_bonus_enabled
         if use_entropy_bonus:
             policy_loss = loss
             loss = loss - self.entropy_coef * normalize_per_token_loss(entropy, mask, **normalise)

@@ -44,6 +44,7 @@ from .utils import (
 )
 from .utils.dataset_rows import map_kwargs_with_desc as _desc
 from .utils.packing import packed_forward_inputs
+from .utils.token_losses import _chunked_cross_entropy_loss, dft_loss, dft_token_weights  # noqa: F401  (TRL's names)
 from .utils.vision import check_image_columns, check_vision_processing_class, is_vision_example
 from .vision_collators import DataCollatorForVisionLanguageModeling  # noqa: F401  (public here, as in TRL)
 
@@ -823,7 +824,7 @@ class SFTTrainer(_BaseTrainer):
             per_token_nll = F.cross_entropy(token_logits.float(), token_targets, reduction="none")
         if self.args.loss_type == "dft":
             # Dynamic Fine-Tuning: weight each token's loss by its (detached) probability.
-            per_token_loss = per_token_nll * torch.exp(-per_token_nll).detach()
+            per_token_loss = per_token_nll * dft_token_weights(-per_token_nll)
         else:
             per_token_loss = per_token_nll
         loss_sum = per_token_loss.sum()

@@ -280,20 +280,41 @@ class GKDTrainer(SFTTrainer):
     # TRL exposes the loss as a static method; it is the shared chunked implementation.
     generalized_jsd_loss = staticmethod(generalized_jsd_loss)
 
+    @staticmethod
     @torch.no_grad()
     def generate_on_policy_outputs(
-        self, model: nn.Module, inputs: dict[str, torch.Tensor], generation_config: GenerationConfig, pad_token_id: int
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        generation_config: GenerationConfig,
+        pad_token_id: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sample a completion for each prompt of the batch with `model` (an unwrapped causal LM).
 
+        A completion ends at its first end-of-sequence token: `generation_config.eos_token_id` (the model's own
+        `generation_config` when unset, as `generate` reads it), or `pad_token_id` (or `generation_config`'s) when no
+        end-of-sequence token is known.
+
+        Args:
+            model: The model to sample from.
+            inputs: A batch of [`DataCollatorForChatML`] with left-padded `prompts` and `prompt_attention_mask`.
+            generation_config: Sampling settings.
+            pad_token_id: Padding id marking the end of a completion when no end-of-sequence token is set (older
+                TRL releases took it as a fourth argument; TRL 1.16 takes three).
+
         Returns:
-            `(input_ids, attention_mask, labels)` of prompt + completion: the prompt part and everything after a
-            completion's first end-of-sequence token get label -100 and (for padding) attention 0.
+            `(input_ids, attention_mask, labels)` of prompt + completion: the prompt and everything after a
+            completion's first end-of-sequence token get label -100, and attention 0 after it.
         """
         prompts, prompt_mask = inputs["prompts"], inputs["prompt_attention_mask"]
         sequences = model.generate(input_ids=prompts, attention_mask=prompt_mask, generation_config=generation_config)
         completion = sequences[:, prompts.shape[1] :]
-        completion_mask, _ = completion_mask_from_ids(completion, self._completion_end_ids or [pad_token_id])
+        end_ids = generation_config.eos_token_id
+        if end_ids is None:
+            end_ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if end_ids is None:
+            end_ids = pad_token_id if pad_token_id is not None else generation_config.pad_token_id
+        end_ids = [] if end_ids is None else [end_ids] if isinstance(end_ids, int) else list(end_ids)
+        completion_mask, _ = completion_mask_from_ids(completion, end_ids)
         attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
         labels = torch.full_like(sequences, -100)
         labels[:, prompts.shape[1] :] = completion.masked_fill(completion_mask == 0, -100)
@@ -307,8 +328,9 @@ class GKDTrainer(SFTTrainer):
         with unwrap_model_for_generation(
             model, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
         ) as unwrapped:
+            # TRL's three-argument call, so that a subclass overriding it with TRL's signature is used as is.
             input_ids, attention_mask, labels = self.generate_on_policy_outputs(
-                unwrapped, inputs, self.generation_config, self.processing_class.pad_token_id
+                unwrapped, inputs, self.generation_config
             )
         inputs.update(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
         return inputs

@@ -16,6 +16,7 @@ the reference model alongside (with its own KV cache) and mixes the two next-tok
 """
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,8 @@ import torch.nn.functional as F
 from datasets import Dataset, IterableDataset
 from transformers import (
     DynamicCache,
+    GenerationConfig,
+    GenerationMixin,
     LogitsProcessor,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -68,6 +71,22 @@ def nash_md_loss(
     scores = (probability - 0.5) * policy_logps
     kl_term = (log_ratio * policy_token_logps * mask).sum(dim=1)
     return beta * kl_term - scores, scores, log_ratio.sum(dim=1)
+
+
+def geometric_mixture_logps(
+    policy_logits: torch.Tensor, ref_logits: torch.Tensor, mixture_coef: float
+) -> torch.Tensor:
+    """Log-probabilities of `pi_mix ∝ pi_policy^(1 - c) * pi_ref^c` (`c = mixture_coef`) from the two models' logits
+    over the last dimension, in float32 (float64 for float64 logits).
+
+    Only terms with a non-zero weight enter: `0 * (-inf)` for a token one model masks would give NaN.
+    """
+    mixed = 0.0
+    if mixture_coef > 0.0:
+        mixed = mixed + mixture_coef * F.log_softmax(ref_logits.float(), dim=-1)
+    if mixture_coef < 1.0:
+        mixed = mixed + (1.0 - mixture_coef) * F.log_softmax(policy_logits.float(), dim=-1)
+    return F.log_softmax(mixed, dim=-1)
 
 
 class GeometricMixtureLogitsProcessor(LogitsProcessor):
@@ -123,15 +142,91 @@ class GeometricMixtureLogitsProcessor(LogitsProcessor):
             )
         self.attention_mask = attention_mask
         self.num_seen = input_ids.shape[1]
-        ref_logps = F.log_softmax(outputs.logits[:, -1].float(), dim=-1)
-        policy_logps = F.log_softmax(scores.float(), dim=-1)
-        # Only terms with a non-zero weight: 0 * (-inf) of a token masked by one model would give NaN.
-        mixed = 0.0
-        if self.mixture_coef > 0.0:
-            mixed = mixed + self.mixture_coef * ref_logps
-        if self.mixture_coef < 1.0:
-            mixed = mixed + (1.0 - self.mixture_coef) * policy_logps
-        return F.log_softmax(mixed, dim=-1).to(scores.dtype)
+        return geometric_mixture_logps(scores, outputs.logits[:, -1], self.mixture_coef).to(scores.dtype)
+
+
+class GeometricMixtureWrapper(GenerationMixin):
+    """A model-like object whose next-token logits are those of the geometric mixture of a policy and a reference
+    model, so that `generate` samples from `pi_mix ∝ pi_policy^(1 - c) * pi_ref^c` (TRL's Nash-MD helper).
+
+    `forward` runs both models on the same inputs (without gradients) and returns the policy's outputs with `logits`
+    replaced by the mixture's log-probabilities. With a KV cache each model keeps its own: the reference's cache is
+    created alongside each new cache `generate` hands to the policy, so `generate` gives the same tokens with and
+    without the cache (TRL 1.12's wrapper hands the reference the policy's cache, and under transformers 5 its cached
+    generations differ from the mixture's). [`NashMDTrainer`] samples the mixture through
+    [`GeometricMixtureLogitsProcessor`] instead (the same distribution, the reference run once per new token).
+
+    Args:
+        model: The policy (a causal LM).
+        ref_model: The reference model (same vocabulary).
+        generation_config: Default sampling settings of `generate`.
+        mixture_coef: Weight `c` of the reference, in [0, 1].
+        device: Device of the inputs `generate` prepares; defaults to the policy's (TRL requires it for `generate`).
+    """
+
+    main_input_name = "input_ids"
+    _supports_cache_class = False
+    _supports_static_cache = False
+    _is_stateful = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        ref_model: nn.Module,
+        generation_config: GenerationConfig,
+        mixture_coef: float = 0.5,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.model = model
+        self.ref_model = ref_model
+        self.config = model.config
+        self.generation_config = generation_config
+        self.mixture_coef = mixture_coef
+        self.device = torch.device(device) if device is not None else getattr(model, "device", None)
+        self._ref_cache: DynamicCache | None = None
+        self._ref_cache_owner: weakref.ref | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def _reference_cache(self, policy_cache: Any) -> DynamicCache:
+        """The reference's cache paired with the policy's `policy_cache` (a new one for a new generation)."""
+        owner = self._ref_cache_owner() if self._ref_cache_owner is not None else None
+        if owner is not policy_cache or self._ref_cache is None:
+            self._ref_cache = DynamicCache(config=self.ref_model.config)
+            self._ref_cache_owner = weakref.ref(policy_cache)
+        return self._ref_cache
+
+    @torch.no_grad()
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        model_outputs = self.model(*args, **kwargs)
+        ref_kwargs = dict(kwargs)
+        for name in ("cache", "past_key_values"):  # transformers 5 names the argument `cache`, 4 `past_key_values`
+            if kwargs.get(name) is not None:
+                ref_kwargs[name] = self._reference_cache(kwargs[name])
+        ref_outputs = self.ref_model(*args, **ref_kwargs)
+        model_outputs.logits = geometric_mixture_logps(model_outputs.logits, ref_outputs.logits, self.mixture_coef)
+        return model_outputs
+
+    def prepare_inputs_for_generation(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return self.model.prepare_inputs_for_generation(*args, **kwargs)
+
+    def _validate_model_class(self) -> None:
+        pass
+
+    def _validate_model_kwargs(self, model_kwargs: dict[str, Any]) -> None:
+        pass
+
+    # Read and set by `generate` around decoding (mixture-of-experts kernels): the policy's.
+    def get_experts_implementation(self) -> Any:
+        getter = getattr(self.model, "get_experts_implementation", None)
+        return getter() if getter is not None else None
+
+    def set_experts_implementation(self, experts_implementation: Any) -> None:
+        setter = getattr(self.model, "set_experts_implementation", None)
+        if setter is not None:
+            setter(experts_implementation)
 
 
 class NashMDTrainer(OnlineDPOTrainer):

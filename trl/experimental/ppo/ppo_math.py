@@ -13,28 +13,35 @@ import torch
 INVALID_LOGPROB = 1.0
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `values` over the positions where `mask` is True."""
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, axis: int | None = None) -> torch.Tensor:
+    """Mean of `values` weighted by `mask` (bool or float weights), over dimension `axis` or over everything.
+
+    NaN where the mask sums to 0, as in TRL (this is TRL's `masked_mean` of `trl.experimental.ppo.ppo_trainer`).
+    """
     mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum()
+    if axis is None:
+        return (values * mask).sum() / mask.sum()
+    return (values * mask).sum(axis) / mask.sum(axis)
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of `values` over the masked positions, with Bessel's correction when `unbiased`.
+    """Variance of `values` weighted by `mask`, with Bessel's correction `n / (n - 1)` (n = the mask's sum) when
+    `unbiased` (TRL's `masked_var`: NaN for a single unmasked value, or an empty mask when not `unbiased`).
 
     Raises:
-        ValueError: When the mask is empty (the variance is undefined) or, unbiased, holds a single position.
+        ValueError: Unbiased, when the mask sums to 0 (TRL's sentence, then what to check here).
     """
-    count = mask.sum()
-    if count == 0 or (unbiased and count == 1):
-        raise ValueError(
-            f"masked_var needs at least {2 if unbiased else 1} unmasked value(s), found {int(count)}: check that the "
-            "responses are not all empty (response_length, stop_token_id)."
-        )
-    centered = values - masked_mean(values, mask)
-    variance = masked_mean(centered**2, mask)
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
     if unbiased:
-        variance = variance * count / (count - 1)
+        mask_sum = mask.sum()
+        if mask_sum == 0:
+            raise ValueError(
+                "The sum of the mask is zero, which can happen when `mini_batch_size=1`;try increase the "
+                "`mini_batch_size` or `gradient_accumulation_steps`. Every response is empty: check "
+                "`response_length` and `stop_token_id`."
+            )
+        variance = variance * (mask_sum / (mask_sum - 1))
     return variance
 
 
@@ -42,7 +49,17 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     """Normalise `values` to unit variance over the masked positions: `(x - mean) / sqrt(var + 1e-8)`.
 
     With `shift_mean=False` the mean is added back (only the scale changes), as done for rewards.
+
+    Raises:
+        ValueError: When fewer than 2 positions are unmasked (the variance is undefined; TRL's whitening would turn
+            the rollout into NaN).
     """
+    count = int(mask.sum())
+    if count < 2:
+        raise ValueError(
+            f"Whitening needs at least 2 unmasked values, found {count}: check that the responses are not all empty "
+            "(response_length, stop_token_id)."
+        )
     mean = masked_mean(values, mask)
     whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + 1e-8)
     return whitened if shift_mean else whitened + mean

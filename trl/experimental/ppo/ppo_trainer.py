@@ -46,6 +46,8 @@ from .ppo_math import (
     clipped_policy_loss,
     clipped_value_loss,
     generalized_advantage_estimation,
+    masked_mean,  # noqa: F401  (TRL's module-level name)
+    masked_var,  # noqa: F401  (TRL's module-level name)
     masked_whiten,
     response_masks,
     token_rewards,
@@ -102,6 +104,51 @@ def _model_inputs(query_responses: torch.Tensor, pad_token_id: int) -> dict[str,
         "attention_mask": attention_mask.long(),
         "position_ids": attention_mask.long().cumsum(1) - attention_mask.long(),
     }
+
+
+def _cat_right_padded(chunks: list[torch.Tensor], value: float) -> torch.Tensor:
+    """Chunks of rows stacked along dim 0, each first right-padded along dim 1 to the longest with `value`."""
+    length = max(chunk.size(1) for chunk in chunks)
+    return torch.cat(
+        [nn.functional.pad(c, (0, 0) * (c.dim() - 2) + (0, length - c.size(1)), value=value) for c in chunks]
+    )
+
+
+@torch.no_grad()
+def batch_generation(
+    model: nn.Module,
+    queries: torch.Tensor,
+    local_rollout_forward_batch_size: int,
+    pad_token_id: int,
+    generation_config: GenerationConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generate a response to each query with `model.generate`, `local_rollout_forward_batch_size` queries at a time.
+
+    Args:
+        model: The causal LM to sample from.
+        queries: `(B, L)` left-padded query ids (`pad_token_id` on padding, masked out of attention).
+        local_rollout_forward_batch_size: Queries per `generate` call.
+        pad_token_id: Padding id of the queries and of the returned, right-padded responses.
+        generation_config: Sampling settings.
+
+    Returns:
+        `(query_responses, logits)`: `(B, L + T)` queries followed by their responses (chunks whose generation
+        stopped earlier padded with `pad_token_id`), and `(B, T, V)` the scores `generate` sampled each response token
+        from (after its logits processors such as the temperature; 0 on padding).
+    """
+    context_length = queries.shape[1]
+    query_responses, logits = [], []
+    for rows in queries.split(local_rollout_forward_batch_size):
+        output = model.generate(
+            input_ids=rows,
+            attention_mask=(rows != pad_token_id).long(),
+            generation_config=generation_config,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+        query_responses.append(torch.cat([rows, output.sequences[:, context_length:]], dim=1))
+        logits.append(torch.stack(output.scores, dim=1))
+    return _cat_right_padded(query_responses, pad_token_id), _cat_right_padded(logits, 0.0)
 
 
 class PPOTrainer(_BaseTrainer):
@@ -410,10 +457,8 @@ class PPOTrainer(_BaseTrainer):
                     disable_compile=True,
                 )
             )
-        length = max(o.size(1) for o in outputs)
-        padded = [nn.functional.pad(o, (0, length - o.size(1)), value=pad_token_id) for o in outputs]
         # `generate` wrote 0 in place of the prompts' padding: put the pad id back (it marks padding downstream).
-        return torch.cat([queries, torch.cat(padded)[:, queries.size(1) :]], dim=1)
+        return torch.cat([queries, _cat_right_padded(outputs, pad_token_id)[:, queries.size(1) :]], dim=1)
 
     def _response_logps(
         self,

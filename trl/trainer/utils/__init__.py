@@ -12,14 +12,18 @@
 | `reporting` | console sample tables, tracker URLs and tables, model cards |
 | `flops` | FLOPs per token, accelerator peak FLOP/s, MFU |
 | `callables` | identity, callable names, async detection |
+| `token_losses` | DFT and chunked cross-entropy losses as standalone functions (TRL's `sft_trainer` names) |
 | `divergence` | generalized Jensen-Shannon divergence between student and teacher, chunked over positions |
 | `distributed` | `MASTER_ADDR`/`MASTER_PORT`, whether DeepSpeed or FSDP shards the model, a clean exit for gloo processes |
 | `vision` | per-sample grouping of pixel values, image-free messages, vision dataset/processor checks |
 
-Chunked log-softmax kernels live in `trl.kernels.log_softmax`; model loading, PEFT preparation and model-level
+Chunked log-softmax kernels live in `trl.kernels.log_softmax` (TRL's `_ChunkedLogProbFunction` in
+`trl.kernels.chunked_logprob`); model loading, PEFT preparation and model-level
 helpers in `trl.models.loading`, `trl.models.peft` and `trl.models.utils`. They are re-exported here.
 """
 
+# TRL's name for the fused LM-head log-prob function (imported by code written for TRL).
+from ...kernels.chunked_logprob import ChunkedLogProbFunction as _ChunkedLogProbFunction  # noqa: F401
 from ...kernels.log_softmax import (
     _log_softmax_stats,
     entropy_from_logits,
