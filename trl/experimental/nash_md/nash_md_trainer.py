@@ -35,7 +35,7 @@ from transformers import (
     TrainerCallback,
 )
 
-from ..._compat import cache_kwargs
+from ..._compat import CACHE_KEYWORDS, cache_kwargs
 from ...trainer.online_rewards import RewardFunc
 from ...trainer.utils import use_adapter
 from ..online_dpo.online_dpo_config import _schedule_values
@@ -202,7 +202,7 @@ class GeometricMixtureWrapper(GenerationMixin):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         model_outputs = self.model(*args, **kwargs)
         ref_kwargs = dict(kwargs)
-        for name in ("cache", "past_key_values"):  # transformers 5 names the argument `cache`, 4 `past_key_values`
+        for name in CACHE_KEYWORDS:  # the KV cache, under whichever name the installed transformers uses
             if kwargs.get(name) is not None:
                 ref_kwargs[name] = self._reference_cache(kwargs[name])
         ref_outputs = self.ref_model(*args, **ref_kwargs)
