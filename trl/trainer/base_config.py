@@ -6,6 +6,8 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from .run_report.config_summary import record_fields_set
+
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +116,9 @@ class _BaseConfig(TrainingArguments):
             Patch the model with Liger kernels (requires `liger-kernel`).
         torch_empty_cache_steps (`int` or `None`, defaults to `None`):
             Call `torch.*.empty_cache()` every this many steps to lower peak memory (slower).
+        save_run_report (`bool`, defaults to `True`):
+            Write `metrics.jsonl` and `report.html` into `output_dir` (an addition of this project; TRL has no such
+            field). See `docs/run_report.md`.
     """
 
     logging_steps: float = field(
@@ -147,8 +152,13 @@ class _BaseConfig(TrainingArguments):
         default=None,
         metadata={"help": "Empty the accelerator cache every this many steps (lower peak memory, slower)."},
     )
+    save_run_report: bool = field(
+        default=True,
+        metadata={"help": "Write metrics.jsonl and report.html (curves, data, config) into output_dir."},
+    )
 
     def __post_init__(self):
+        record_fields_set(self)  # before any default is resolved: the run report lists what the user set
         _check_common_ranges(self)
         if self.dataloader_pin_memory and not _has_any_accelerator():
             self.dataloader_pin_memory = False  # pinning only helps host-to-device copies; avoids a torch warning
