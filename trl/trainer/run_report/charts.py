@@ -67,7 +67,9 @@ def select_panels(runs: list[RunHistory]) -> list[Panel]:
             panels.append(Panel(panel.title, present, panel.log_scale))
     per_function = tuple(name for name in logged if _PER_FUNCTION_REWARD.match(name))
     if len(per_function) > 1:
-        panels.insert(min(4, len(panels)), Panel("Reward per function", per_function))
+        titles = [panel.title for panel in panels]
+        position = titles.index("Reward") + 1 if "Reward" in titles else len(panels)
+        panels.insert(position, Panel("Reward per function", per_function))
     return panels
 
 

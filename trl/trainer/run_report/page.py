@@ -312,10 +312,17 @@ def _config_section(runs: list[RunHistory]) -> str:
             section += "<h3>Fields that differ from the defaults</h3>" + _table(["field", "value", "default"], rows)
         else:
             header = ["field", *[run.name for run in runs]]
-            rows = [
-                [name, *[_json_text(full.get(name, "")) for _, _, full in configs]] for name in sorted(changed_names)
-            ]
-            section += "<h3>Fields that differ from the defaults in any run</h3>" + _table(header, rows)
+            differing, shared = [], []
+            for name in sorted(changed_names):
+                values = [_json_text(full.get(name, "")) for _, _, full in configs]
+                if len(set(values)) > 1:
+                    differing.append([_Raw(f"<b>{_text(name)}</b>"), *values])
+                else:
+                    shared.append([name, *values])
+            section += (
+                "<h3>Fields set in any run</h3><p class='subtitle'>Those whose value differs between the runs come "
+                "first, in bold.</p>" + _table(header, differing + shared)
+            )
     for run, _, full in configs:
         if full:
             rows = [[name, _json_text(value)] for name, value in full.items()]
