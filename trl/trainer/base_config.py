@@ -75,6 +75,12 @@ def _check_common_ranges(config: Any) -> None:
                     f"{name} must be {relation} {bound}; got {value}. It is {meaning}; set it to a value "
                     f"{relation} {bound}."
                 )
+    if getattr(config, "max_steps", None) == 0:
+        # transformers would run one step at learning rate 0 and save an untouched model as if it were trained.
+        raise ValueError(
+            "max_steps=0 trains nothing. Set max_steps to the number of optimizer steps to run, or leave it at -1 "
+            "(the default) to train for num_train_epochs."
+        )
     min_p = getattr(config, "min_p", None)
     if min_p is not None and not 0.0 <= min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1] or None (a share of the top token's probability); got {min_p}.")

@@ -234,6 +234,7 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         self.reward_funcs, self.reward_processing_classes, self.reward_func_names = self._prepare_reward_funcs(
             reward_funcs, reward_processing_classes, args
         )
+        self._check_reward_func_signatures(train_dataset)
         num_funcs = len(self.reward_funcs)
         if args.reward_weights is not None:
             if len(args.reward_weights) != num_funcs:

@@ -96,6 +96,36 @@ def _accepts_keyword(func: Callable, name: str) -> bool:
         return False
 
 
+def reward_signature_problem(func: Callable, keywords: list[str]) -> str | None:
+    """Why calling `func(**{name: ... for name in keywords})` would fail, or None when it would not (or when its
+    signature cannot be read).
+
+    A function with `**kwargs` takes every keyword; one without must name each of `keywords` as a parameter. Either
+    way it may require no parameter outside them (a dataset column it expects but the dataset lacks).
+    """
+    try:
+        parameters = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    takes_any_keyword = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
+    by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = {parameter.name for parameter in parameters if parameter.kind in by_keyword}
+    unexpected = [] if takes_any_keyword else [name for name in keywords if name not in accepted]
+    required = [
+        parameter.name
+        for parameter in parameters
+        if parameter.default is inspect.Parameter.empty
+        and parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+        and (parameter.kind is inspect.Parameter.POSITIONAL_ONLY or parameter.name not in keywords)
+    ]
+    problems = []
+    if unexpected:
+        problems.append(f"it has no `**kwargs` and does not accept {unexpected}")
+    if required:
+        problems.append(f"its required parameter(s) {required} match no keyword it is given")
+    return " and ".join(problems) or None
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Reward functions of the trainer
 # ---------------------------------------------------------------------------------------------------------------------
@@ -165,6 +195,27 @@ class _OnlineRewardsMixin:
                     "AutoModelForSequenceClassification model."
                 )
         return funcs, processing, names
+
+    def _check_reward_func_signatures(self, train_dataset: Any) -> None:
+        """Refuse, before training, a reward function that the first scoring call would fail on (a function without
+        `**kwargs` gets a `TypeError` for the first keyword it does not name)."""
+        from .._data.formats import get_dataset_column_names
+
+        columns = get_dataset_column_names(train_dataset) if train_dataset is not None else []
+        keywords = ["prompts", "completions", "completion_ids", "trainer_state"]
+        if self._reward_logging_callbacks:
+            keywords += ["log_extra", "log_metric"]
+        keywords += [column for column in columns if column not in ("prompt", "completion", "completion_ids")]
+        for func, name in zip(self.reward_funcs or [], self.reward_func_names or []):
+            if isinstance(func, nn.Module):
+                continue
+            problem = reward_signature_problem(func, keywords)
+            if problem is not None:
+                raise TypeError(
+                    f"Reward function {name!r} cannot be called as the trainer calls it: {problem}. Reward functions "
+                    f"get keyword arguments: {', '.join(keywords)} (the dataset columns included). Add `**kwargs` "
+                    f"to its signature to take the ones it does not use, e.g. `def {name}(completions, **kwargs):`."
+                )
 
     def _compute_rewards(
         self,
