@@ -150,6 +150,8 @@ def test_grpo_report_has_rewards_kl_and_sample_completions(tmp_path, model_path,
     args = make_grpo_args(tmp_path, beta=0.1, max_steps=2)
     GRPOTrainer(model_path, reward_funcs=low_id_reward, args=args, train_dataset=prompts).train()
 
+    prompt_lengths = rows_of(tmp_path, "data")[0]["train"]["token_lengths"]["prompt"]
+    assert prompt_lengths["count"] == min(len(prompts), 256) and prompt_lengths["min"] > 0
     samples = rows_of(tmp_path, "samples")
     assert samples and all(len(row["samples"]) <= 4 for row in samples)
     assert {"prompt", "completion", "low_id_reward"} <= set(samples[-1]["samples"][0])

@@ -53,7 +53,8 @@ def keep_samples_for_report(
     if not run_report_enabled(trainer.args) or not trainer.is_world_process_zero() or not completions:
         return
     count = len(completions)
-    indices = sorted({int(i * count / _SAMPLES_KEPT) for i in range(min(_SAMPLES_KEPT, count))})
+    kept = min(_SAMPLES_KEPT, count)
+    indices = [int(i * count / kept) for i in range(kept)]  # spread over the batch: several prompts
     reward_rows = rewards[indices].tolist() if rewards is not None and reward_names else None
     rows = []
     for position, index in enumerate(indices):
@@ -91,6 +92,10 @@ class RunReportCallback(TrainerCallback):
         self._trainer = weakref.ref(trainer) if trainer is not None else (lambda: None)
         self._writer: MetricsFileWriter | None = None
         self._rows_written = 0
+        # The start rows of a run wait here until it logs something: a run refused at its first step (a reward
+        # function returning NaN, ...) leaves output_dir as it was.
+        self._pending_rows: list[dict] = []
+        self._start_fresh = False
         self._samples_step_written: int | None = None
         self._failures_warned: set[str] = set()
 
@@ -109,8 +114,18 @@ class RunReportCallback(TrainerCallback):
         return self._writer
 
     def _write(self, args: TrainingArguments, row_type: str, **values: Any) -> None:
-        self._writer_for(args).write(row_type, **values)
-        self._rows_written += 1
+        writer = self._writer_for(args)
+        if self._start_fresh:
+            writer.start_new()  # a fresh run in this output_dir replaces the previous run's history
+            self._start_fresh = False
+        pending, self._pending_rows = self._pending_rows, []
+        for row in pending:
+            writer.append(row)
+        writer.write(row_type, **values)
+        self._rows_written += 1 + len(pending)
+
+    def _defer(self, row_type: str, **values: Any) -> None:
+        self._pending_rows.append(MetricsFileWriter.make_row(row_type, **values))
 
     def _warn_once(self, what: str, error: Exception) -> None:
         # One warning per kind of failure: a full disk would otherwise warn at every logging step.
@@ -142,14 +157,12 @@ class RunReportCallback(TrainerCallback):
             return
         trainer = self._trainer()
         try:
-            writer = self._writer_for(args)
             resumed = state.global_step > 0
-            if not resumed and self._rows_written == 0:
-                writer.start_new()  # a fresh run in this output_dir replaces the previous run's history
+            self._start_fresh = not resumed and self._rows_written == 0
+            self._pending_rows = []
             changed, full = describe_config(args)
             model = getattr(getattr(trainer, "model", None), "config", None)
-            self._write(
-                args,
+            self._defer(
                 "run",
                 step=state.global_step,
                 resumed_from_step=state.global_step if resumed else None,
@@ -169,7 +182,7 @@ class RunReportCallback(TrainerCallback):
             return
         if trainer is not None:
             try:
-                self._write(args, "data", **describe_trainer_data(trainer))
+                self._defer("data", **describe_trainer_data(trainer))
             except Exception as error:
                 self._warn_once("summarise the data", error)
 

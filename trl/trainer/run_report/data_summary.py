@@ -146,6 +146,36 @@ def describe_prepared_dataset(dataset: Any, max_length: int | None = None) -> di
     return summary
 
 
+# Prompts of online trainers are tokenised for the report on at most this many rows.
+_PROMPT_ROWS_MEASURED = 256
+
+
+def prompt_token_lengths(dataset: Any, processing_class: Any) -> dict[str, Any] | None:
+    """Token counts of the `prompt` column as the online trainers render it (chat template for conversational
+    prompts), on an evenly spaced sample of at most 256 rows; None when the data has no text prompts to measure."""
+    from datasets import Dataset
+
+    from ...data_utils import maybe_apply_chat_template
+
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if not isinstance(dataset, Dataset) or "prompt" not in dataset.column_names or len(dataset) == 0:
+        return None
+    if not callable(tokenizer):
+        return None
+    rows = len(dataset)
+    measured = min(rows, _PROMPT_ROWS_MEASURED)
+    indices = [int(i * rows / measured) for i in range(measured)]
+    lengths = []
+    for index in indices:
+        text = maybe_apply_chat_template({"prompt": dataset[index]["prompt"]}, tokenizer)["prompt"]
+        if not isinstance(text, str):
+            return None
+        lengths.append(len(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    stats = length_statistics(lengths)
+    stats["sampled"] = len(indices) < rows
+    return stats
+
+
 def describe_trainer_data(trainer: Any) -> dict[str, Any]:
     """The `"data"` row of a run: a summary per split (`train`, and `eval` / `eval_<name>` when present)."""
     args = trainer.args
@@ -160,6 +190,13 @@ def describe_trainer_data(trainer: Any) -> dict[str, Any]:
             train["packed"] = True  # fewer rows by design: sequences were packed together, not dropped
         elif rows is not None and raw_rows is not None and raw_rows > rows:
             train["dropped_rows"] = raw_rows - rows
+        if "token_lengths" not in train and getattr(trainer, "processing_class", None) is not None:
+            try:  # online trainers keep raw prompts: measure a sample of them
+                prompt_stats = prompt_token_lengths(trainer.train_dataset, trainer.processing_class)
+            except Exception:  # a prompt the tokenizer cannot render (images, tools): leave the lengths out
+                prompt_stats = None
+            if prompt_stats is not None:
+                train["token_lengths"] = {"prompt": prompt_stats}
         splits["train"] = {key: value for key, value in train.items() if value is not None}
     eval_dataset = trainer.eval_dataset
     if isinstance(eval_dataset, dict):

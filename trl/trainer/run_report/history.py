@@ -71,9 +71,17 @@ class MetricsFileWriter:
         if os.path.exists(self.path):
             os.remove(self.path)
 
+    @staticmethod
+    def make_row(row_type: str, **values: Any) -> dict[str, Any]:
+        """A row of `row_type` stamped with the current time, its values made JSON-ready."""
+        return {"type": row_type, "time": round(time.time(), 3), **to_json_value(values)}
+
     def write(self, row_type: str, **values: Any) -> dict[str, Any]:
         """Append one row of `row_type` (its `time` is now) and return it."""
-        row = {"type": row_type, "time": round(time.time(), 3), **to_json_value(values)}
+        return self.append(self.make_row(row_type, **values))
+
+    def append(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Append a row made by `make_row` and return it."""
         if self._file is None:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._file = open(self.path, "a", encoding="utf-8")
