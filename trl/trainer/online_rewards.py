@@ -100,30 +100,21 @@ def reward_signature_problem(func: Callable, keywords: list[str]) -> str | None:
     """Why calling `func(**{name: ... for name in keywords})` would fail, or None when it would not (or when its
     signature cannot be read).
 
-    A function with `**kwargs` takes every keyword; one without must name each of `keywords` as a parameter. Either
-    way it may require no parameter outside them (a dataset column it expects but the dataset lacks).
+    A function with `**kwargs` takes every keyword; one without must name each of `keywords` as a parameter. (Required
+    parameters are not checked: a `rollout_func`, tools or vLLM may add keywords beyond the dataset columns.)
     """
     try:
         parameters = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
         return None
-    takes_any_keyword = any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters)
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return None
     by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     accepted = {parameter.name for parameter in parameters if parameter.kind in by_keyword}
-    unexpected = [] if takes_any_keyword else [name for name in keywords if name not in accepted]
-    required = [
-        parameter.name
-        for parameter in parameters
-        if parameter.default is inspect.Parameter.empty
-        and parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        and (parameter.kind is inspect.Parameter.POSITIONAL_ONLY or parameter.name not in keywords)
-    ]
-    problems = []
+    unexpected = [name for name in keywords if name not in accepted]
     if unexpected:
-        problems.append(f"it has no `**kwargs` and does not accept {unexpected}")
-    if required:
-        problems.append(f"its required parameter(s) {required} match no keyword it is given")
-    return " and ".join(problems) or None
+        return f"it has no `**kwargs` and does not accept {unexpected}"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
