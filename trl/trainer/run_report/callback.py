@@ -52,16 +52,22 @@ def keep_samples_for_report(
     """
     if not run_report_enabled(trainer.args) or not trainer.is_world_process_zero() or not completions:
         return
-    count = len(completions)
-    kept = min(_SAMPLES_KEPT, count)
-    indices = [int(i * count / kept) for i in range(kept)]  # spread over the batch: several prompts
-    reward_rows = rewards[indices].tolist() if rewards is not None and reward_names else None
-    rows = []
-    for position, index in enumerate(indices):
-        row = {"prompt": to_json_value(prompts[index]), "completion": to_json_value(completions[index])}
-        if reward_rows is not None:
-            row.update({name: value for name, value in zip(reward_names, reward_rows[position])})
-        rows.append(row)
+    try:
+        count = len(completions)
+        kept = min(_SAMPLES_KEPT, count)
+        indices = [int(i * count / kept) for i in range(kept)]  # spread over the batch: several prompts
+        reward_rows = rewards[indices].tolist() if rewards is not None and reward_names else None
+        rows = []
+        for position, index in enumerate(indices):
+            row = {"prompt": to_json_value(prompts[index]), "completion": to_json_value(completions[index])}
+            if reward_rows is not None:
+                row.update({name: value for name, value in zip(reward_names, reward_rows[position])})
+            rows.append(row)
+    except Exception as error:  # the report must never end a run: leave the samples out
+        if not getattr(trainer, "_run_report_samples_failed", False):
+            trainer._run_report_samples_failed = True
+            warnings.warn(f"Run report: could not keep sample completions ({type(error).__name__}: {error}).")
+        return
     trainer._run_report_samples = (trainer.state.global_step, rows)
 
 
