@@ -53,6 +53,7 @@ def test_get_commands_order_and_types():
         "env",
         "grpo",
         "kto",
+        "report",
         "reward",
         "rloo",
         "sft",
@@ -78,7 +79,7 @@ def test_command_context_argv_after():
 def test_trl_help_is_fast_and_lists_the_commands():
     elapsed, result = _best_wall_time("--help")
     assert result.returncode == 0, result.stderr
-    for name in ["distillation", "dpo", "env", "grpo", "kto", "reward", "rloo", "sft", "vllm-serve"]:
+    for name in ["distillation", "dpo", "env", "grpo", "kto", "report", "reward", "rloo", "sft", "vllm-serve"]:
         assert re.search(rf"^\s+{re.escape(name)}\s", result.stdout, re.MULTILINE), name
     assert elapsed < 2.0, f"`trl --help` took {elapsed:.2f}s"
 

@@ -54,6 +54,10 @@ TRAINER_CONFIGS = {
 # collides with them and no TRL default changes. (TRL 0.x DPOConfig had both; they select the trained and the
 # reference adapter of a multi-adapter PEFT model.)
 EXTRA_FIELDS = {"DPOConfig": {"model_adapter_name", "ref_adapter_name"}}
+# This project's own addition to every trainer config (default True, so a TRL config or YAML behaves the same): the
+# switch of the run report written into output_dir (docs/run_report.md).
+for _name in TRAINER_CONFIGS:
+    EXTRA_FIELDS[_name] = EXTRA_FIELDS.get(_name, set()) | {"save_run_report"}
 
 _REQUIRED = "REQUIRED"
 

@@ -58,12 +58,14 @@ LLAMA_STYLE_FAMILIES = ("qwen2", "llama", "mistral", "qwen3")
 # Training arguments
 # ---------------------------------------------------------------------------------------------------------------------
 # Every trainer test logs each step, saves nothing unless asked and skips gradient checkpointing (tiny models, speed).
+# No run report either (rendering its charts costs about a second a run): tests/test_run_report.py tests it.
 COMMON_ARGS = dict(
     logging_steps=1,
     report_to="none",
     save_strategy="no",
     gradient_checkpointing=False,
     disable_tqdm=True,
+    save_run_report=False,
 )
 # Online pairwise trainers (Online DPO, XPO, Nash-MD): two prompts a step, short generations.
 ONLINE_PAIR_ARGS = dict(max_steps=2, per_device_train_batch_size=2, max_new_tokens=8, learning_rate=1e-2, seed=0)

@@ -67,7 +67,11 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         f"(step {config.max_steps})"
     )
     print(f"Saved:   {summary['output_dir']}")
+    report = os.path.join(summary["output_dir"], "report.html")
+    if os.path.isfile(report):
+        print(f"Report:  {report} (curves, data summary, config; open it in a browser)")
     print(f"Time:    {summary['seconds']:.1f} s")
+    print("Next:    a real model on a GPU, see docs/from_tiny_to_real.md")
     return summary
 
 

@@ -3,6 +3,7 @@
 import argparse
 import contextlib
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -210,6 +211,70 @@ def route_cpu_processes(args: argparse.Namespace) -> dict[str, str]:
     return {"ACCELERATE_USE_CPU": "true"}
 
 
+def _uses_accelerate_config_file(args: argparse.Namespace) -> bool:
+    """Whether `accelerate launch` will read a config file (`--config_file`, or its default file without `--cpu`);
+    it then takes its settings from the file and warns about nothing."""
+    from accelerate.commands.config import default_config_file
+
+    return args.config_file is not None or (os.path.isfile(default_config_file) and not args.cpu)
+
+
+def _local_device_count() -> int:
+    """Accelerator devices on this machine, looked up in the order `accelerate launch` does (0 on a CPU)."""
+    import torch
+    from accelerate import utils
+
+    for check, backend in (
+        ("is_xpu_available", "xpu"),
+        ("is_mlu_available", "mlu"),
+        ("is_sdaa_available", "sdaa"),
+        ("is_musa_available", "musa"),
+        ("is_npu_available", "npu"),
+        ("is_hpu_available", "hpu"),
+        ("is_neuron_available", "neuron"),
+    ):
+        if getattr(utils, check, lambda: False)():
+            return getattr(torch, backend).device_count()
+    return torch.cuda.device_count()
+
+
+def fill_launch_defaults(args: argparse.Namespace) -> str | None:
+    """Set the `accelerate launch` values a user did not pass to the defaults accelerate would pick, so that it does
+    not print its "were not passed ... had defaults used instead" warning block on every run.
+
+    Without a config file, accelerate fills `num_processes` (the number of local accelerators, 0 meaning one process
+    on the CPU), `num_machines` (1), `mixed_precision` ("no") and `dynamo_backend` ("no"), and warns about each. The
+    same values are set here; the line returned states them instead.
+
+    Args:
+        args (`argparse.Namespace`):
+            Parsed `accelerate launch` arguments, modified in place.
+
+    Returns:
+        `str` or `None`: A one-line summary of the launch settings, or None when a config file provides them (or the
+        user passed them all).
+    """
+    if _uses_accelerate_config_file(args):
+        return None
+    filled = []
+    if args.num_processes is None:
+        args.num_processes = _local_device_count()
+        filled.append("num_processes")
+    for name, default in (("num_machines", 1), ("mixed_precision", "no"), ("dynamo_backend", "no")):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+            filled.append(name)
+    if not filled:
+        return None
+    processes = max(1, int(args.num_processes))
+    where = "CPU" if args.cpu or _local_device_count() == 0 else "local accelerator(s)"
+    return (
+        f"Launching {processes} process{'es' if processes > 1 else ''} on the {where} (mixed_precision="
+        f"{args.mixed_precision}, dynamo_backend={args.dynamo_backend}); pass --num_processes, --mixed_precision, "
+        "... or --accelerate_config to change this."
+    )
+
+
 def launch_training_script(
     script_name: str,
     launch_args: list[str],
@@ -241,5 +306,8 @@ def launch_training_script(
     path = script_name if os.path.isfile(script_name) else script_path(script_name)
     args = launch_parser_fn().parse_args(list(launch_args) + [path] + list(training_script_args))
     environment = route_cpu_processes(args)
+    settings = fill_launch_defaults(args)
+    if settings is not None:
+        print(settings, file=sys.stderr)
     with _temporary_environ(environment):
         return launch_command_fn(args)

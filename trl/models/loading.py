@@ -1,13 +1,14 @@
 """Loading pretrained models the way the trainers do: class, dtype and device-map defaults for `from_pretrained`,
 and the bitsandbytes quantization config and device map of k-bit models."""
 
-import os
 from typing import Any
 
 import torch
 from accelerate import PartialState
 from accelerate.utils import DistributedType
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+
+from .._local_paths import check_local_path
 
 
 _DTYPE_NAMES = ("auto", "bfloat16", "float16", "float32")
@@ -27,38 +28,6 @@ def _resolve_dtype(dtype: Any) -> Any:
         f"Invalid `dtype` {dtype!r}: expected a torch.dtype or one of the strings {list(_DTYPE_NAMES)}. Pass for "
         "example dtype='bfloat16' in `model_init_kwargs`."
     )
-
-
-def _looks_like_local_path(model_id: str) -> bool:
-    """Whether `model_id` can only be a filesystem path: a hub id is `name` or `namespace/name`, never absolute,
-    never starting with `.` or `~`, and with at most one `/`."""
-    return (
-        os.path.isabs(model_id)
-        or model_id.startswith((".", "~"))
-        or model_id.count("/") > 1
-        or (os.sep != "/" and os.sep in model_id)
-    )
-
-
-def check_local_path(model_id: str, what: str = "model") -> None:
-    """Raise `FileNotFoundError` when `model_id` is a filesystem path that does not exist.
-
-    Without this check, transformers takes a missing local directory for a hub id and reports a repo-id format error
-    that hides the real problem (a typo in the path, or a checkpoint that was never written).
-
-    Args:
-        model_id: Hub id or local path.
-        what: What is being loaded, for the message ("model", "reward model", ...).
-    """
-    if (
-        isinstance(model_id, str)
-        and _looks_like_local_path(model_id)
-        and not os.path.exists(os.path.expanduser(model_id))
-    ):
-        raise FileNotFoundError(
-            f"The {what} path {model_id!r} does not exist (it is a local path, not a hub id). Check the path for "
-            "typos, or give a hub id of the form 'name' or 'namespace/name'."
-        )
 
 
 def create_model_from_path(model_id: str, architecture: Any = None, **kwargs) -> PreTrainedModel:

@@ -6,9 +6,12 @@ extra trainer arguments) and hand the rest to `train_with_trainer`, `make_script
 
 import argparse
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
+from .._local_paths import check_local_path
+from ..trainer.run_report import REPORT_FILE_NAME
 from ..trainer.utils import get_kbit_device_map, get_peft_config, get_quantization_config
 from ..trainer.utils.distributed import wait_for_idle_gloo_workers
 from .utils import DatasetMixtureConfig, ScriptArguments, TrlParser, get_dataset
@@ -56,6 +59,8 @@ def load_script_dataset(script_args: ScriptArguments, dataset_args: DatasetMixtu
     if script_args.dataset_name is not None:
         from datasets import load_dataset
 
+        check_local_path(script_args.dataset_name, "dataset")  # a typo fails here, not deep inside `datasets`
+
         return load_dataset(
             script_args.dataset_name, name=script_args.dataset_config, streaming=script_args.dataset_streaming
         )
@@ -90,9 +95,26 @@ def finish_training(trainer: Any, training_args: Any, script_args: ScriptArgumen
     trainer.save_model(training_args.output_dir)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    if trainer.is_world_process_zero():
+        print(closing_line(trainer))
     if hasattr(trainer, "end"):
         trainer.end()
     release_process_group()
+
+
+def closing_line(trainer: Any) -> str:
+    """What a finished run tells the user last: the step reached, the last logged loss, where the model and the run
+    report went."""
+    state, args = trainer.state, trainer.args
+    losses = [row["loss"] for row in state.log_history if isinstance(row.get("loss"), (int, float))]
+    parts = [f"Training finished at step {state.global_step}"]
+    if losses:
+        parts.append(f"last logged loss {losses[-1]:.4f}")
+    parts.append(f"model saved to {os.path.abspath(args.output_dir)}")
+    report = os.path.join(args.output_dir, REPORT_FILE_NAME)
+    if os.path.isfile(report):
+        parts.append(f"run report: {os.path.abspath(report)}")
+    return "; ".join(parts) + "."
 
 
 def train_with_trainer(

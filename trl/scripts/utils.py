@@ -26,6 +26,7 @@ from .._config_file import (
     pop_config_argument,
     unknown_keys_message,
 )
+from .._local_paths import check_local_path
 
 
 if TYPE_CHECKING:
@@ -423,6 +424,7 @@ def _load_dataset_entry(dataset_config: DatasetConfig, streaming: bool):
             **kwargs,
         )
     else:
+        check_local_path(path, "dataset")
         dataset = load_dataset(
             path,
             name=dataset_config.name,

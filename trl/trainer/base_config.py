@@ -6,6 +6,8 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from .run_report.config_summary import record_fields_set
+
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,12 @@ def _check_common_ranges(config: Any) -> None:
                     f"{name} must be {relation} {bound}; got {value}. It is {meaning}; set it to a value "
                     f"{relation} {bound}."
                 )
+    if getattr(config, "max_steps", None) == 0:
+        # transformers would run one step at learning rate 0 and save an untouched model as if it were trained.
+        raise ValueError(
+            "max_steps=0 trains nothing. Set max_steps to the number of optimizer steps to run, or leave it at -1 "
+            "(the default) to train for num_train_epochs."
+        )
     min_p = getattr(config, "min_p", None)
     if min_p is not None and not 0.0 <= min_p <= 1.0:
         raise ValueError(f"min_p must be in [0, 1] or None (a share of the top token's probability); got {min_p}.")
@@ -116,6 +124,9 @@ class _BaseConfig(TrainingArguments):
             Patch the model with Liger kernels (requires `liger-kernel`).
         torch_empty_cache_steps (`int` or `None`, defaults to `None`):
             Call `torch.*.empty_cache()` every this many steps to lower peak memory (slower).
+        save_run_report (`bool`, defaults to `True`):
+            Write `metrics.jsonl` and `report.html` into `output_dir` (an addition of this project; TRL has no such
+            field). See `docs/run_report.md`.
     """
 
     logging_steps: float = field(
@@ -149,8 +160,13 @@ class _BaseConfig(TrainingArguments):
         default=None,
         metadata={"help": "Empty the accelerator cache every this many steps (lower peak memory, slower)."},
     )
+    save_run_report: bool = field(
+        default=True,
+        metadata={"help": "Write metrics.jsonl and report.html (curves, data, config) into output_dir."},
+    )
 
     def __post_init__(self):
+        record_fields_set(self)  # before any default is resolved: the run report lists what the user set
         _check_common_ranges(self)
         if self.dataloader_pin_memory and not _has_any_accelerator():
             self.dataloader_pin_memory = False  # pinning only helps host-to-device copies; avoids a torch warning

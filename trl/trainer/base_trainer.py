@@ -26,6 +26,8 @@ from ..chat_template_utils import clone_chat_template
 from ..models.activation_offloading import get_act_offloading_ctx_manager
 from ..models.utils import _create_reference_model, prepare_deepspeed, prepare_fsdp
 from .callbacks import SyncRefModelCallback
+from .run_report.callback import RunReportCallback
+from .run_report.data_summary import describe_given_dataset
 from .utils import (
     create_model_from_path,
     generate_model_card,
@@ -97,6 +99,11 @@ class _BaseTrainer(Trainer):
     _template_file: str = "lm_model_card.md"
     # Logged for a metric none of whose recorded values is defined (all NaN) in the logging window.
     _undefined_metric_value: Any = float("nan")
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # Every trainer leaves metrics.jsonl and report.html in its output_dir (opt out: save_run_report=False).
+        self.add_callback(RunReportCallback(self))
 
     # ------------------------------------------------------------------------------------------------------------
     # Construction helpers (called by subclasses before `Trainer.__init__`)
@@ -241,6 +248,7 @@ class _BaseTrainer(Trainer):
             )
 
         check_single_format(train_dataset, "train")
+        self._given_train_data = describe_given_dataset(train_dataset)  # for the run report's data summary
         if not self._accepts_images:  # trainers that take images check the processor themselves
             check_no_images(train_dataset, "train")
 

@@ -66,6 +66,7 @@ from .online_math import (
 )
 from .online_metrics import _OnlineMetricsMixin
 from .online_rewards import RewardFunc, _accepts_keyword, _OnlineRewardsMixin, _run_coroutines
+from .run_report.callback import keep_samples_for_report
 from .utils import (
     RepeatSampler,
     compute_token_logps,
@@ -233,6 +234,7 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         self.reward_funcs, self.reward_processing_classes, self.reward_func_names = self._prepare_reward_funcs(
             reward_funcs, reward_processing_classes, args
         )
+        self._check_reward_func_signatures(train_dataset)
         num_funcs = len(self.reward_funcs)
         if args.reward_weights is not None:
             if len(args.reward_weights) != num_funcs:
@@ -640,6 +642,9 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         batch = self._finish_rollout_batch(batch, rewards_per_func)
 
         self._record_rollout_metrics(mode, *generated, rewards_per_func)
+        if mode == "train":  # a few of this process's completions for the run report (no gathering)
+            reward_names = self.reward_func_names if self._logs_rewards else []
+            keep_samples_for_report(self, prompts, completions, rewards_per_func[process_slice], reward_names)
         if self.args.log_completions:
             self._store_completions(mode, prompts, completions, rewards_per_func, all_advantages)
         self._timing["rollout"] += time.perf_counter() - start

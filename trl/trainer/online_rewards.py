@@ -96,6 +96,27 @@ def _accepts_keyword(func: Callable, name: str) -> bool:
         return False
 
 
+def reward_signature_problem(func: Callable, keywords: list[str]) -> str | None:
+    """Why calling `func(**{name: ... for name in keywords})` would fail, or None when it would not (or when its
+    signature cannot be read).
+
+    A function with `**kwargs` takes every keyword; one without must name each of `keywords` as a parameter. (Required
+    parameters are not checked: a `rollout_func`, tools or vLLM may add keywords beyond the dataset columns.)
+    """
+    try:
+        parameters = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters):
+        return None
+    by_keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    accepted = {parameter.name for parameter in parameters if parameter.kind in by_keyword}
+    unexpected = [name for name in keywords if name not in accepted]
+    if unexpected:
+        return f"it has no `**kwargs` and does not accept {unexpected}"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Reward functions of the trainer
 # ---------------------------------------------------------------------------------------------------------------------
@@ -165,6 +186,27 @@ class _OnlineRewardsMixin:
                     "AutoModelForSequenceClassification model."
                 )
         return funcs, processing, names
+
+    def _check_reward_func_signatures(self, train_dataset: Any) -> None:
+        """Refuse, before training, a reward function that the first scoring call would fail on (a function without
+        `**kwargs` gets a `TypeError` for the first keyword it does not name)."""
+        from .._data.formats import get_dataset_column_names
+
+        columns = get_dataset_column_names(train_dataset) if train_dataset is not None else []
+        keywords = ["prompts", "completions", "completion_ids", "trainer_state"]
+        if self._reward_logging_callbacks:
+            keywords += ["log_extra", "log_metric"]
+        keywords += [column for column in columns if column not in ("prompt", "completion", "completion_ids")]
+        for func, name in zip(self.reward_funcs or [], self.reward_func_names or []):
+            if isinstance(func, nn.Module):
+                continue
+            problem = reward_signature_problem(func, keywords)
+            if problem is not None:
+                raise TypeError(
+                    f"Reward function {name!r} cannot be called as the trainer calls it: {problem}. Reward functions "
+                    f"get keyword arguments: {', '.join(keywords)} (the dataset columns included). Add `**kwargs` "
+                    f"to its signature to take the ones it does not use, e.g. `def {name}(completions, **kwargs):`."
+                )
 
     def _compute_rewards(
         self,

@@ -2,6 +2,7 @@
 
 from .base import Command, CommandContext
 from .env import EnvCommand
+from .report import ReportCommand
 from .training import TrainingCommand
 from .vllm_serve import VllmServeCommand
 
@@ -14,6 +15,7 @@ def get_commands() -> list[Command]:
         EnvCommand(),
         TrainingCommand("grpo"),
         TrainingCommand("kto"),
+        ReportCommand(),
         TrainingCommand("reward"),
         TrainingCommand("rloo"),
         TrainingCommand("sft"),
@@ -21,4 +23,12 @@ def get_commands() -> list[Command]:
     ]
 
 
-__all__ = ["Command", "CommandContext", "EnvCommand", "TrainingCommand", "VllmServeCommand", "get_commands"]
+__all__ = [
+    "Command",
+    "CommandContext",
+    "EnvCommand",
+    "ReportCommand",
+    "TrainingCommand",
+    "VllmServeCommand",
+    "get_commands",
+]

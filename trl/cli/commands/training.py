@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from ..._config_file import apply_config_defaults, export_env_section, load_config_file, pop_config_argument
+from ..._local_paths import missing_local_path_message
 from .._script_parser import build_script_parser
 from .base import Command, CommandContext
 
@@ -28,6 +29,32 @@ def remove_subsequence(strings: list[str], to_remove: list[str]) -> list[str]:
         else:
             result.append(string)
     return result
+
+
+def check_input_paths(parser: argparse.ArgumentParser, script_args: list[str]) -> None:
+    """Refuse a model or dataset given as a local path that does not exist, before anything is launched or loaded.
+
+    Reads `--model_name_or_path`, `--dataset_name` and the `path` of each `datasets:` entry of a `--config` file, as
+    the script will see them.
+
+    Raises:
+        ValueError: Naming the missing path.
+    """
+    config_path, rest = pop_config_argument(script_args)
+    config = load_config_file(config_path) if config_path is not None else {}
+    if config:
+        apply_config_defaults(parser, config)
+    namespace, _ = parser.parse_known_args(rest)
+    candidates = [("model", getattr(namespace, "model_name_or_path", None))]
+    candidates.append(("dataset", getattr(namespace, "dataset_name", None)))
+    mixture = config.get("datasets") if isinstance(config, dict) else None
+    for entry in mixture if isinstance(mixture, list) else []:
+        if isinstance(entry, dict):
+            candidates.append(("dataset", entry.get("path")))
+    for what, name in candidates:
+        message = missing_local_path_message(name, what)
+        if message is not None:
+            raise ValueError(message)
 
 
 class TrainingCommand(Command):
@@ -65,6 +92,7 @@ class TrainingCommand(Command):
             self.script_parser().print_help()
             return 0
         launch_args, script_args = self.split_arguments(argv)
+        check_input_paths(self.script_parser(), script_args)
 
         from ..accelerate_launcher import launch_training_script
 

@@ -1,0 +1,179 @@
+"""The first hour of a new user has no traps (issue 53): each mistake is refused before anything trains, with a
+message that says what to change, and a `trl` run ends on a line that says where everything went."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+from trainer_utils import GROUP_ARGS, args_builder
+
+import trl
+from trl import GRPOConfig, GRPOTrainer, SFTConfig
+from trl.assets import get_dataset_path, get_model_path
+from trl.cli.accelerate_launcher import fill_launch_defaults
+from trl.cli.main import main as trl_main
+from trl.scripts._training import load_script_dataset
+from trl.scripts.utils import ScriptArguments
+from trl.trainer.online_rewards import reward_signature_problem
+
+
+ACCELERATE_DEFAULTS_WARNING = "were not passed to `accelerate launch`"
+
+
+def run_trl(*args, cwd=None):
+    """`trl ARGS` in a child process that imports the `trl` under test (this checkout)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(trl.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    command = [sys.executable, "-c", "import sys; from trl.cli.main import main; sys.exit(main())", *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=600)
+
+
+def sft_command(output_dir, *extra):
+    return [
+        "sft",
+        "--model_name_or_path",
+        get_model_path("tiny-Qwen2ForCausalLM"),
+        "--dataset_name",
+        get_dataset_path("standard_language_modeling"),
+        "--output_dir",
+        str(output_dir),
+        "--per_device_train_batch_size",
+        "4",
+        "--max_length",
+        "32",
+        "--logging_steps",
+        "1",
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+        *extra,
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# max_steps 0
+# ---------------------------------------------------------------------------------------------------------------------
+def test_max_steps_zero_is_refused_by_the_config(tmp_path):
+    # transformers (and TRL 1.16) would run one step at learning rate 0 and save the model as if trained.
+    with pytest.raises(ValueError, match="max_steps=0 trains nothing"):
+        SFTConfig(output_dir=str(tmp_path), max_steps=0)
+    assert SFTConfig(output_dir=str(tmp_path), max_steps=-1).max_steps == -1
+
+
+def test_max_steps_zero_on_the_command_line(tmp_path):
+    result = run_trl(*sft_command(tmp_path / "out", "--max_steps", "0"))
+    assert result.returncode != 0
+    assert "max_steps=0 trains nothing" in result.stderr
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    # The launch settings are stated in one line instead of accelerate's warning block.
+    assert ACCELERATE_DEFAULTS_WARNING not in result.stderr
+    assert "Launching 1 process" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A wrong --dataset_name path
+# ---------------------------------------------------------------------------------------------------------------------
+def test_missing_dataset_path_on_the_command_line(tmp_path):
+    result = run_trl(*sft_command(tmp_path / "out", "--max_steps", "1"), "--dataset_name", "./data/no-such-set")
+    assert result.returncode == 2
+    assert "trl sft: error: The dataset path './data/no-such-set' does not exist" in result.stderr
+    assert "Traceback" not in result.stderr and "Launching" not in result.stderr  # refused before launching
+
+
+def test_missing_model_path_on_the_command_line(tmp_path):
+    result = run_trl(*sft_command(tmp_path / "out"), "--model_name_or_path", str(tmp_path / "no-model"))
+    assert result.returncode == 2 and "The model path" in result.stderr and "does not exist" in result.stderr
+
+
+def test_missing_dataset_path_in_a_mixture(tmp_path):
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"datasets:\n  - path: {tmp_path / 'nowhere' / 'train.jsonl'}\n")
+    result = run_trl(*sft_command(tmp_path / "out"), "--config", str(config))
+    assert result.returncode == 2 and "The dataset path" in result.stderr
+
+
+def test_missing_dataset_path_in_a_script():
+    with pytest.raises(FileNotFoundError, match="The dataset path '/no/such/dir' does not exist"):
+        load_script_dataset(ScriptArguments(dataset_name="/no/such/dir"), None)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# accelerate's defaults warning
+# ---------------------------------------------------------------------------------------------------------------------
+def test_launch_defaults_are_filled_without_accelerates_warning(monkeypatch, caplog, tmp_path):
+    import accelerate.commands.config as accelerate_config
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    monkeypatch.setattr(accelerate_config, "default_config_file", str(tmp_path / "absent.yaml"))
+    import accelerate.commands.launch as accelerate_launch
+
+    monkeypatch.setattr(accelerate_launch, "default_config_file", str(tmp_path / "absent.yaml"))
+    args = launch_command_parser().parse_args(["script.py"])
+    summary = fill_launch_defaults(args)
+    assert summary is not None and summary.startswith("Launching ")
+    assert (args.num_machines, args.mixed_precision, args.dynamo_backend) == (1, "no", "no")
+    with caplog.at_level(logging.WARNING):
+        _validate_launch_command(args)
+    assert ACCELERATE_DEFAULTS_WARNING not in caplog.text
+
+    # Values the user passed are kept, and a config file's are left to accelerate.
+    args = launch_command_parser().parse_args(["--num_processes", "1", "--mixed_precision", "bf16", "script.py"])
+    fill_launch_defaults(args)
+    assert (args.num_processes, args.mixed_precision) == (1, "bf16")
+    args = launch_command_parser().parse_args(["--config_file", "some.yaml", "script.py"])
+    assert fill_launch_defaults(args) is None and args.num_processes is None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A reward function without **kwargs
+# ---------------------------------------------------------------------------------------------------------------------
+make_grpo_args = args_builder(GRPOConfig, **GROUP_ARGS)
+
+
+def test_reward_function_without_kwargs_is_refused_at_construction(tmp_path, model_path, prompts):
+    def brevity(completions):
+        return [-len(completion) for completion in completions]
+
+    with pytest.raises(TypeError, match=r"Reward function 'brevity'.*no `\*\*kwargs`.*'prompts'"):
+        GRPOTrainer(model_path, reward_funcs=brevity, args=make_grpo_args(tmp_path), train_dataset=prompts)
+
+
+def test_reward_signatures_that_work_are_accepted():
+    keywords = ["prompts", "completions", "completion_ids", "trainer_state", "solution"]
+
+    def with_kwargs(completions, **kwargs):
+        return []
+
+    def naming_every_keyword(prompts, completions, completion_ids, trainer_state, solution, scale=1.0):
+        return []
+
+    def needing_a_rollout_field(completions, tag, **kwargs):  # `tag` may come from a rollout_func
+        return []
+
+    class Scorer:
+        def __call__(self, completions, **kwargs):
+            return []
+
+    for func in (with_kwargs, naming_every_keyword, Scorer(), needing_a_rollout_field):
+        assert reward_signature_problem(func, keywords) is None, func
+    assert "does not accept ['completion_ids'" in reward_signature_problem(lambda prompts, completions: [], keywords)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The closing line of a CLI run
+# ---------------------------------------------------------------------------------------------------------------------
+def test_cli_run_ends_with_where_things_went(tmp_path):
+    output_dir = tmp_path / "out"
+    result = run_trl(*sft_command(output_dir, "--max_steps", "2"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ACCELERATE_DEFAULTS_WARNING not in result.stderr
+    closing = result.stdout.strip().splitlines()[-1]
+    assert closing.startswith("Training finished at step 2; last logged loss ")
+    assert f"model saved to {output_dir}" in closing and f"run report: {output_dir / 'report.html'}" in closing
+    assert (output_dir / "metrics.jsonl").is_file() and (output_dir / "report.html").is_file()
+    # Logged metrics are numbers in the history file.
+    assert trl_main(["report", str(output_dir)]) == 0
