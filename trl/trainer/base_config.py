@@ -1,6 +1,7 @@
 """The configuration base shared by every TRL trainer config."""
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,10 +77,14 @@ def _check_common_ranges(config: Any) -> None:
                     f"{relation} {bound}."
                 )
     if getattr(config, "max_steps", None) == 0:
-        # transformers would run one step at learning rate 0 and save an untouched model as if it were trained.
-        raise ValueError(
-            "max_steps=0 trains nothing. Set max_steps to the number of optimizer steps to run, or leave it at -1 "
-            "(the default) to train for num_train_epochs."
+        # transformers (and TRL) run one step at learning rate 0 and save the untouched model as if it were trained.
+        # A warning, not an error: TRL completes such a run.
+        warnings.warn(
+            "max_steps=0 trains nothing: transformers runs one optimizer step at learning rate 0 and saves the model "
+            "unchanged. Set max_steps to the number of optimizer steps to run, or leave it at -1 (the default) to "
+            "train for num_train_epochs.",
+            UserWarning,
+            stacklevel=4,
         )
     min_p = getattr(config, "min_p", None)
     if min_p is not None and not 0.0 <= min_p <= 1.0:
