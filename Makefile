@@ -4,21 +4,21 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: test-compat install torch assets deepspeed test test-reliability test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench bench-env bench-compare lint format clean
+.PHONY: test-compat install install-core torch assets deepspeed test test-reliability test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench bench-env bench-compare lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_CPU_VERSION)"
 
 install: torch
-	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb, openai, sklearn, math_verify, jmespath, mergekit, diffusers" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
-		|| $(PIP) install -q -e ".[test,quality,judges,bco,merge,diffusers]"
+	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb, openai, sklearn, math_verify, jmespath, mergekit, diffusers, matplotlib" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
+		|| (echo "make: installing trl with the test and optional extras (a few minutes the first time)"; $(PIP) install -q -e ".[test,quality,judges,bco,merge,diffusers]")
 
 # The default suite: what `make test` runs, and what `make test-compat` runs again at older dependency versions.
 DEFAULT_MARKS = not slow and not distributed and not vllm and not parity and not reliability
 
 test: install
-	$(PYTHON) -m pytest -m "$(DEFAULT_MARKS)" -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests
+	$(PYTHON) -m pytest -m "$(DEFAULT_MARKS)" -n $(PYTEST_WORKERS) --dist loadgroup -q -rs -p no:cacheprovider tests
 
 # Bad input refused before training, kill -9 and resume, gradient-accumulation invariance (docs/reliability.md).
 test-reliability: install
@@ -176,7 +176,12 @@ test-compat: $(addprefix compat-env-,$(COMPAT_SETS))
 		PATH="$$PWD/.venv-compat-$$set/bin:$$PATH" .venv-compat-$$set/bin/python -m pytest -m "$(DEFAULT_MARKS)" -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests; \
 	done
 
-demo: install
+# The demo needs the package alone (its core dependencies): no test or optional extras.
+install-core: torch
+	@$(PYTHON) -c "import trl, matplotlib" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
+		|| (echo "make: installing trl and its core dependencies (pip install -e .)"; $(PIP) install -q -e .)
+
+demo: install-core
 	$(PYTHON) -m trl.demo
 
 bench: install
