@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from chat_template_conversations import CONVERSATIONS
+from trainer_utils import requires_response_parser
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from trl import chat_template_utils as ctu
@@ -288,6 +289,7 @@ def test_diffusion_gemma_masks_model_parts_only():
 
 
 @needs_originals
+@requires_response_parser
 def test_gemma4_response_parsing(qwen):
     qwen.chat_template = _original("gemma4_v5")
     ctu.add_response_schema(qwen)

@@ -20,6 +20,7 @@ from trainer_utils import (
     resume_from_first_checkpoint,
     snapshot,
     train_logs,
+    uses_example_yaml_assets,
 )
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -292,6 +293,7 @@ def test_student_moves_toward_a_trained_teacher(tmp_path, model_path, tokenizer,
 # ---------------------------------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------------------------------
+@uses_example_yaml_assets
 def test_cli_runs_the_example_config_offline(tmp_path):
     """`trl distillation --config examples/cli_configs/distillation.yaml` end to end, on the tiny local assets."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -129,7 +129,8 @@ def test_sft_rows_are_on_disk_as_logged_and_the_report_is_written(tmp_path, mode
     assert kinds[:2] == ["run", "data"] and kinds[-1] == "end"
     logs = rows_of(tmp_path, "log")
     assert [row["step"] for row in logs if "loss" in row] == [1, 2, 3]
-    assert [row["step"] for row in logs if "eval_loss" in row] == [2, 3]  # the last step evaluates too
+    # The last step evaluates too from transformers 5 (4.x evaluates at eval_steps multiples only).
+    assert [row["step"] for row in logs if "eval_loss" in row] in ([2, 3], [2])
     assert all(isinstance(row["loss"], float) for row in logs if "loss" in row)
     run = rows_of(tmp_path, "run")[0]
     assert run["trainer"] == "SFTTrainer" and run["max_steps"] == 3
@@ -310,7 +311,8 @@ def test_config_lists_the_fields_set_by_the_user_and_hides_credentials(tmp_path)
     config = SFTConfig(output_dir=str(tmp_path), learning_rate=3e-4, hub_token="secret", report_to="none")
     changed, full = describe_config(config)
     assert {"output_dir", "learning_rate", "hub_token"} <= set(changed)
-    assert "bf16" not in changed and "report_to" not in changed  # resolved at start-up, not set by the user
+    assert "bf16" not in changed  # resolved at start-up, not set by the user
+    # `report_to="none"` is transformers 5's default (so not "set"); 4.x's default is None.
     assert changed["learning_rate"] == {"value": 3e-4, "default": 2e-5}
     assert full["hub_token"] == "<hidden>" and "secret" not in json.dumps(full)
     assert list(full)[: len(changed)] == list(changed)
