@@ -378,6 +378,7 @@ def comparison_args(config_class, out_dir: str, per_device_batch: int, **overrid
     values = dict(
         output_dir=out_dir,
         use_cpu=True,  # without it each worker would train its own copy (see docs/distributing_training.md)
+        bf16=False,  # with use_cpu, bf16=None means CPU bf16 autocast (as in TRL): the comparisons are in fp32
         max_steps=3,
         per_device_train_batch_size=per_device_batch,
         optim="sgd",  # the first update is then -lr * gradient: comparing weights compares gradients

@@ -37,6 +37,7 @@ def train_with_tools(out_dir: str) -> None:
     args = GRPOConfig(
         output_dir=out_dir,
         use_cpu=True,
+        bf16=False,
         max_steps=2,
         per_device_train_batch_size=2,
         num_generations=2,

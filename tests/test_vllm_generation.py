@@ -399,6 +399,7 @@ def train_grpo_colocate(out_dir: str, model: str = MODEL, tensor_parallel_size: 
         max_steps=2,
         per_device_train_batch_size=2,
         use_cpu=True,
+        bf16=False,  # with use_cpu, bf16=None means CPU bf16 autocast (as in TRL); these runs are fp32
         vllm_tensor_parallel_size=tensor_parallel_size,
     )
     peft_config = None
