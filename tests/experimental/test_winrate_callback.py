@@ -224,7 +224,8 @@ def test_completions_table_to_wandb_offline(lm_path, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_PROJECT", "trl-winrate-test")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    wandb.teardown()  # settings an earlier test's run left cached in this process would send the files elsewhere
+    if wandb.run is not None:  # a run an earlier test left open (transformers 4.x reports to wandb by default)
+        wandb.finish()
     trainer = make_trainer(lm_path, tmp_path / "out", report_to=["wandb"], eval_strategy="steps", eval_steps=2)
     callback = WinRateCallback(ScriptedJudge([1, 0, -1, 1]), trainer, generation_config=GREEDY)
     trainer.add_callback(callback)
