@@ -123,5 +123,5 @@ def rollout_trainer(tmp_path_factory, model_path, prompts):
     trainer = GRPOTrainer(model_path, reward_funcs=low_id_reward, args=args, train_dataset=prompts)
     trainer.model.train()
     torch.manual_seed(0)
-    batch = trainer._generate_and_score([prompts[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)])
+    batch = trainer._generate_and_score_completions([prompts[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)])
     return trainer, batch

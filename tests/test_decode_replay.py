@@ -175,16 +175,16 @@ def test_trainers_replay_and_update_as_without(tmp_path, model_path, prompts, tr
 def _replays_per_pass(trainer):
     """Record, for every loss pass with gradients, the optimizer step it ran at and whether it replayed."""
     passes = []
-    original = trainer._forward_logps
+    original = trainer._token_logps_pass
 
-    def recording(model, inputs, *args, **kwargs):
+    def recording(model, *args, **kwargs):
         before = trainer._decode_replays
-        result = original(model, inputs, *args, **kwargs)
+        result = original(model, *args, **kwargs)
         if torch.is_grad_enabled():
             passes.append((trainer.state.global_step, trainer._decode_replays > before))
         return result
 
-    trainer._forward_logps = recording
+    trainer._token_logps_pass = recording
     return passes
 
 

@@ -255,7 +255,7 @@ def test_tool_calls_during_rollouts(tmp_path, model_path, teacher_path):
     assert (log["tools/call_frequency"], log["tools/failure_frequency"]) == (1.0, 0.0)
     # Tool results are attended to but left out of the divergence.
     batch = trainer._buffered_inputs[0]
-    assert (batch["completion_mask"].sum(dim=1) < batch["completion_attention_mask"].sum(dim=1)).all()
+    assert ((batch["completion_mask"] * batch["tool_mask"]).sum(dim=1) < batch["completion_mask"].sum(dim=1)).all()
 
 
 def trained_teacher(model_path, tokenizer, steps=40):

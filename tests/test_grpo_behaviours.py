@@ -221,7 +221,7 @@ def test_liger_chunked_loss_equals_the_standard_loss(rollout_trainer, loss_type)
     args.loss_type, args.beta, trainer.beta = loss_type, 0.1, 0.1
     batch = {**batch, "advantages": torch.linspace(-1.0, 1.0, 8), "num_items_in_batch": batch["completion_mask"].sum()}
     with torch.no_grad():
-        logps = trainer._forward_logps(model, batch)[0]
+        logps = trainer._completion_logps(model, batch)[0]
     batch["old_per_token_logps"] = logps + 0.1 * torch.randn_like(logps)  # off-policy: ratios away from 1
     batch["ref_per_token_logps"] = logps - 0.2
 

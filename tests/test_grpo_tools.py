@@ -184,7 +184,7 @@ def test_tool_call_loop_masks_tool_results(tmp_path, model_path):
     )["input_ids"]
     turn2 = tokenizer("It is 12.<|im_end|>", add_special_tokens=False)["input_ids"]
     for ids, loss_mask, attended in zip(
-        batch["completion_ids"], batch["completion_mask"], batch["completion_attention_mask"]
+        batch["completion_ids"], batch["completion_mask"] * batch["tool_mask"], batch["completion_mask"]
     ):
         length = int(attended.sum())
         assert ids[:length].tolist() == turn1 + glue + turn2
@@ -326,7 +326,7 @@ def test_tool_loop_with_vllm_colocate(tmp_path, model_path):
     # row with most room left), and the engine's own limit is restored after it.
     prefixes = []  # first turn + tool result: up to the last masked-out token of each row
     for batch in trainer._buffered_inputs:
-        for loss_mask, attended in zip(batch["completion_mask"], batch["completion_attention_mask"]):
+        for loss_mask, attended in zip(batch["completion_mask"] * batch["tool_mask"], batch["completion_mask"]):
             mask = loss_mask[: int(attended.sum())].tolist()
             prefixes.append(len(mask) - mask[::-1].index(0))
     assert len(prefixes) == 4 and limits[:2] == [192, 192 - min(prefixes)]
@@ -340,7 +340,7 @@ def test_tool_loop_with_vllm_colocate(tmp_path, model_path):
     glue_text = "\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     batch = trainer._buffered_inputs[0]
     for ids, loss_mask, attended in zip(
-        batch["completion_ids"], batch["completion_mask"], batch["completion_attention_mask"]
+        batch["completion_ids"], batch["completion_mask"] * batch["tool_mask"], batch["completion_mask"]
     ):
         length = int(attended.sum())
         ids, mask = ids[:length].tolist(), loss_mask[:length].tolist()

@@ -449,14 +449,17 @@ def test_gradient_accumulation_invariance(rollout_trainer, loss_type):
     def gradients(chunks, accumulation):
         model.zero_grad()
         trainer.args.gradient_accumulation_steps = accumulation
+        trainer.args.steps_per_generation = accumulation  # one round split into the micro-batches of one step
         trainer.current_gradient_accumulation_steps = accumulation
-        for chunk, normaliser in zip(chunks, trainer._token_normalisers(chunks)):
-            trainer._compute_loss(model, {**chunk, "num_items_in_batch": normaliser}).backward()
+        for chunk in chunks:
+            trainer._compute_loss(model, chunk).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
+    steps = trainer.args.steps_per_generation
     full = gradients([batch], 1)
     split = gradients(split_tensor_dict(batch, 2), 2)
     trainer.args.gradient_accumulation_steps = 1
+    trainer.args.steps_per_generation = steps
     assert full
     for name, grad in full.items():
         torch.testing.assert_close(split[name], grad, rtol=1e-4, atol=1e-6)

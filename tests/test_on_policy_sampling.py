@@ -56,9 +56,8 @@ def _trainer(
 def _sample(trainer, dataset):
     """Sample `NUM_GENERATIONS` completions for each of the first prompts through the trainer's rollout path."""
     inputs = [dataset[i] for i in range(NUM_PROMPTS) for _ in range(NUM_GENERATIONS)]
-    prompts = [row["prompt"] for row in inputs]
     torch.manual_seed(0)
-    out = trainer._rollout(prompts, inputs)
+    out = trainer._generate_rows(trainer._prepare_rollout_rows(inputs))
     return out["prompt_ids"], out["completion_ids"]
 
 

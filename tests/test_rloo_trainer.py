@@ -158,7 +158,7 @@ def test_normalize_advantages(trainer):
 
 def test_gradient_accumulation_invariance(trainer, prompts):
     torch.manual_seed(0)
-    batch = trainer._generate_and_score([prompts[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)])
+    batch = trainer._generate_and_score_completions([prompts[i] for i in (0, 0, 0, 0, 1, 1, 1, 1)])
     batch["advantages"] = torch.linspace(-1.0, 1.0, 8)
     model = trainer.model
 
@@ -166,7 +166,8 @@ def test_gradient_accumulation_invariance(trainer, prompts):
         model.zero_grad()
         trainer.current_gradient_accumulation_steps = accumulation
         for chunk in chunks:
-            trainer._compute_loss(model, chunk).backward()
+            # As TRL's RLOO: the Trainer divides the loss by the accumulation steps (loss_is_scaled_for_ga=False).
+            (trainer._compute_loss(model, chunk) / accumulation).backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     full = gradients([batch], 1)

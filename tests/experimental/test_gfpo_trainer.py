@@ -59,7 +59,7 @@ def test_filter_keeps_num_remains_per_group_and_normalises_over_them(tmp_path, m
     )
     trainer.model.train()
     rows = [prompts[0], prompts[0], prompts[0], prompts[0], prompts[1], prompts[1], prompts[1], prompts[1]]
-    batch = trainer._generate_and_score(rows)
+    batch = trainer._generate_and_score_completions(rows)
     assert len(seen["groups"]) == 2 and all(len(g) == 4 for g in seen["groups"])
     assert batch["completion_ids"].shape[0] == 6  # 2 groups x num_remains_in_group
     kept_rewards = []

@@ -227,6 +227,12 @@ class DistillationTrainer(_ToolCallingMixin, _OnlineTrainer):
             "chat_template_kwargs": dict(args.chat_template_kwargs or {}),
         }
 
+    _generate_outputs = ("prompt_ids", "completion_ids", "tool_mask", "images", "tool_images")
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
+        """TRL's hook: one student completion per row of `prompt_ids` (unpadded ids); returns the completion ids."""
+        return self._sample_completions(prompt_ids, images, multimodal_fields)[0]
+
     @staticmethod
     def _needs_ref_model(args: Any) -> bool:
         return False  # `beta` here interpolates the divergence; it is not a KL coefficient to a reference
@@ -234,7 +240,7 @@ class DistillationTrainer(_ToolCallingMixin, _OnlineTrainer):
     def _prepare_reward_funcs(self, reward_funcs: Any, reward_processing_classes: Any, args: Any):
         return [], [], []
 
-    def _compute_rewards(self, inputs, prompts, completions, completion_ids, extra_fields=None) -> torch.Tensor:
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
         # No reward functions: an empty `(N_global, 0)` score table keeps the core's bookkeeping uniform.
         num_global = len(prompts) * self.accelerator.num_processes
         return torch.zeros((num_global, 0), dtype=torch.float32, device=self.accelerator.device)
@@ -263,7 +269,7 @@ class DistillationTrainer(_ToolCallingMixin, _OnlineTrainer):
         return logits, outputs
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        mask = inputs["completion_mask"].bool()
+        mask = self._loss_mask(inputs).bool()
         student_logits, outputs = self._completion_logits(model, inputs)
         # Teacher forward once per micro-batch, without gradients; its logits cover the completion positions only.
         with torch.no_grad():
@@ -273,10 +279,10 @@ class DistillationTrainer(_ToolCallingMixin, _OnlineTrainer):
         )
         # Token mean over the whole optimizer step on every process (`num_items_in_batch`); DDP then averages the
         # processes' gradients, hence the factor of the number of processes.
-        normaliser = torch.as_tensor(inputs["num_items_in_batch"], dtype=per_token.dtype, device=per_token.device)
+        normaliser = torch.as_tensor(self._step_token_count(inputs), dtype=per_token.dtype, device=per_token.device)
         normaliser = (normaliser / self.accelerator.num_processes).clamp(min=1.0)
         loss = per_token.sum() / normaliser
-        loss = self._add_aux_loss(loss, outputs)
+        loss = self._add_aux_loss(loss, getattr(outputs, "aux_loss", None))
 
         with torch.no_grad():
             _, entropy = selective_log_softmax_and_entropy(

@@ -593,6 +593,11 @@ class DPOTrainer(_PreferenceTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
+        return self._compute_loss(model, inputs, return_outputs)
+
+    def _compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool):
+        """TRL's hook: the loss of one collated batch (and the chosen/rejected rewards when `return_outputs`);
+        `compute_loss` calls it."""
         mode = self._mode
         target_mask = self._target_mask(inputs)
         num_pairs = inputs["input_ids"].shape[0] // 2

@@ -350,6 +350,17 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
     # Ratio levels this trainer trains with (the GSPO-token subclass adds "sequence_token").
     _importance_sampling_levels = ("token", "sequence")
     _decode_replay = True
+    _single_turn_takes_num_generations = True
+    _generate_outputs = (
+        "prompt_ids",
+        "completion_ids",
+        "tool_mask",
+        "completions",
+        "sampling_logps",
+        "extra_fields",
+        "images",
+        "tool_images",
+    )
 
     def __init__(
         self,
@@ -462,13 +473,9 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
 
     def _compute_liger_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         """The GRPO loss through liger's fused LM head + loss (same normalisation as `normalize_per_token_loss`)."""
-        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
-        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        attended = inputs.get("completion_attention_mask")
-        attended = completion_mask if attended is None else attended
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, attended.long()], dim=1)
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        completion_mask = self._loss_mask(inputs)
+        input_ids, attention_mask, position_ids = self._sequence_inputs(inputs)
         outputs = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -492,12 +499,12 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             ref_per_token_logps=inputs.get("ref_per_token_logps"),
             vllm_is_ratio=inputs.get("importance_sampling_ratio"),
             num_items_in_batch=(
-                inputs.get("num_items_in_batch") if self.args.loss_type in ("dapo", "cispo", "vespo") else None
+                self._step_token_count(inputs) if self.args.loss_type in ("dapo", "cispo", "vespo") else None
             ),
         )
         if self.args.loss_type not in ("dapo", "cispo", "vespo") or inputs.get("num_items_in_batch") is None:
             loss = loss / self._gradient_accumulation_divisor()
-        loss = self._add_aux_loss(loss, outputs)
+        loss = self._add_aux_loss(loss, getattr(outputs, "aux_loss", None))
         with torch.no_grad():
             if self.beta != 0.0:
                 self._record_metric("kl", metrics[0])
@@ -546,6 +553,19 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             )
 
     # ------------------------------------------------------------------------------------------------------------
+    # Generation hook (TRL's signature)
+    # ------------------------------------------------------------------------------------------------------------
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's hook: one completion per row of `prompt_ids` (unpadded ids; rows come in consecutive groups of
+        `num_generations` copies of a prompt, except in later tool turns, where `num_generations` is 1).
+
+        Returns:
+            `(completion_ids, logprobs)`: token id lists cut after the first end-of-sequence token (included), and the
+            sampled tokens' log-probabilities from vLLM (None from transformers).
+        """
+        return self._sample_completions(prompt_ids, images, multimodal_fields)
+
+    # ------------------------------------------------------------------------------------------------------------
     # Advantages
     # ------------------------------------------------------------------------------------------------------------
     def _compute_advantages(self, rewards_per_func: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
@@ -572,7 +592,7 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         """Compare the trainer's log-probs of the sampled tokens with the sampler's (vLLM) and log the gap; returns
         the `(B, T)` truncated/masked importance weights when `vllm_importance_sampling_correction` is on."""
         args = self.args
-        mask = batch["completion_mask"].float()
+        mask = self._loss_mask(batch).float()
         sampling = batch["sampling_per_token_logps"]
         difference = (old - sampling).abs()
         self._record_reduced("sampling/sampling_logp_difference/mean", masked_mean(difference, mask), "mean")
@@ -640,8 +660,9 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         if self.liger_grpo_loss is not None:
             return self._compute_liger_loss(model, inputs)
         args = self.args
-        logps, entropy, outputs = self._forward_logps(model, inputs, compute_entropy=True)
-        mask = inputs["completion_mask"].to(logps.dtype)
+        with self._decode_replay_for(inputs):
+            logps, entropy, aux_loss = self._completion_logps(model, inputs, compute_entropy=True)
+        mask = self._loss_mask(inputs).to(logps.dtype)
         advantages = inputs["advantages"].to(logps.dtype)
         old = inputs.get("old_per_token_logps")
         # On-policy data: the sampling policy is the current one, so the ratio is exactly 1 (with its gradient).
@@ -685,7 +706,7 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         normalise = dict(
             loss_type=args.loss_type,
             gradient_accumulation_steps=self._gradient_accumulation_divisor(),
-            num_items_in_batch=inputs.get("num_items_in_batch"),
+            num_items_in_batch=self._step_token_count(inputs),
             num_processes=self.accelerator.num_processes,
             max_completion_length=args.max_completion_length,
         )
@@ -694,7 +715,7 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         if use_entropy_bonus:
             policy_loss = loss
             loss = loss - self.entropy_coef * normalize_per_token_loss(entropy, mask, **normalise)
-        loss = self._add_aux_loss(loss, outputs)
+        loss = self._add_aux_loss(loss, aux_loss)
         with torch.no_grad():
             self._record_loss_metrics(
                 entropy,

@@ -252,15 +252,11 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
             )
 
         # ---- Datasets ------------------------------------------------------------------------------------------
-        train_dataset = self._prepare_dataset(
-            train_dataset, processing_class, args, "train", args.per_device_train_batch_size
-        )
+        train_dataset = self._prepare_dataset(train_dataset, processing_class, args, "train")
         self._warn_if_unbalanced(train_dataset, args.desirable_weight, args.undesirable_weight)
         eval_dataset = self._prepare_eval_datasets(
             eval_dataset,
-            lambda dataset, name: self._prepare_dataset(
-                dataset, processing_class, args, name, args.per_device_eval_batch_size
-            ),
+            lambda dataset, name: self._prepare_dataset(dataset, processing_class, args, name),
         )
 
         # ---- Trainer -------------------------------------------------------------------------------------------
@@ -316,9 +312,7 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
     def _prepare_eval_dataset(self, dataset: Any, name: str) -> Any:
         """A dataset given to `evaluate()`: prepared like the constructor's `eval_dataset` (a prepared one, with its
         token ids and KL completions, is returned unchanged)."""
-        return self._prepare_dataset(
-            dataset, self.processing_class, self.args, name, self.args.per_device_eval_batch_size
-        )
+        return self._prepare_dataset(dataset, self.processing_class, self.args, name)
 
     # ------------------------------------------------------------------------------------------------------------
     # Loss
@@ -330,6 +324,11 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         return_outputs: bool = False,
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
+        return self._compute_loss(model, inputs, return_outputs)
+
+    def _compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool):
+        """TRL's hook: the loss of one collated batch (and the chosen/rejected rewards when `return_outputs`);
+        `compute_loss` calls it."""
         mode = self._mode
         label = inputs["label"].bool()
         n = label.shape[0]

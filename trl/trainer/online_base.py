@@ -1,40 +1,46 @@
-"""The rollout / reward / advantage core shared by the online RL trainers (GRPO, RLOO, and those built on them).
+"""The rollout / reward / advantage core shared by the online RL trainers (GRPO, RLOO, distillation, and those built
+on them).
 
 An online trainer repeats: sample a batch of prompts, generate several completions per prompt with the current
 policy, score them with reward functions, turn scores into advantages, then take one or more optimizer steps on the
-resulting batch. [`_OnlineTrainer`] implements everything except the two places where methods differ, which
-subclasses provide as hooks:
+resulting batch. The seams of that step are TRL 1.16's protected hooks, called where TRL calls them with TRL's data,
+so that a subclass written for TRL changes the run exactly as under TRL. One GRPO step (files in brackets):
 
-- `_compute_advantages(rewards_per_func, batch)`: from per-function rewards to one advantage per completion (GRPO:
-  group-normalised; RLOO: leave-one-out baseline with the KL folded into the reward);
-- `_compute_loss(model, inputs)`: the policy loss on one micro-batch.
+```
+training_step(model, rows)                                  [here; counts `_step`, logs `step_time`]
+└─ Trainer.training_step → _prepare_inputs(rows)            [here; a new round every steps_per_generation *
+   │                                                         num_iterations micro-steps, else the buffer]
+   ├─ _generate_and_score_completions(rows)                 [here]
+   │  ├─ _prepare_rollout_rows(rows)                        [tool_calling.py: environments reset]
+   │  ├─ _generate(prompts) → _rollout(prompts)             [here → online_generation.py; tool_calling.py for tools]
+   │  │  ├─ _tokenize_prompts(prompts)                      [online_generation.py]
+   │  │  └─ _generate_single_turn(ids, images, fields, G)   [grpo_trainer.py → online_generation._sample_completions]
+   │  ├─ _calculate_rewards(rows, prompts, completions, completion_ids_list)    [online_rewards.py]
+   │  ├─ _get_per_token_logps_and_entropies(...)  old / reference log-probs, when needed        [here]
+   │  ├─ _compute_advantages(rewards, batch)                [grpo_trainer.py / rloo_trainer.py]
+   │  └─ returns the batch dict (prompt/completion ids and masks, advantages, num_items_in_batch, ...)
+   │  then one randperm shuffle and a split into steps_per_generation micro-batches
+   └─ compute_loss(model, batch) → _compute_loss(model, batch)                   [grpo_trainer.py]
+      └─ _get_per_token_logps_and_entropies(model, ids, mask, C, compute_entropy=True, ...)   [here]
+```
 
-Generation is isolated in `_generate(prompts, inputs)`, which returns token id lists, so another backend (vLLM,
-continuous batching, a user `rollout_func`) replaces a single method. Rewards go through `_compute_rewards`; reference
-and old-policy log-probabilities are computed by `_compute_rollout_logps` only when the method needs them.
-
-Data flow through one generation round (shapes are per process, `N = per_device_train_batch_size *
-steps_per_generation` completions in training):
-
-1. the dataloader yields `N` examples (`RepeatSampler` places the `num_generations` copies of a prompt next to each
-   other, and repeats the round `steps_per_generation * num_iterations` times so the Trainer's step count is right);
-2. `_generate` produces the completions; the prompt's KV cache is computed once per unique prompt and shared by its
-   completions;
-3. `_compute_rewards` calls every reward function / model and gathers the `(N_global, F)` rewards across processes;
-4. `_compute_advantages` returns the global advantages, of which each process keeps its slice;
-5. the batch is shuffled, split into `steps_per_generation` micro-batches and buffered; each micro-step pops one.
+Subclasses implement `_compute_advantages(rewards_per_func, batch)` and `_compute_loss(model, inputs)`; TRL's
+`_generate(prompts)` returns the tuple named by `_generate_outputs`. The fast paths stay behind the hooks: the
+transformers back-end prefills each distinct prompt once (`online_generation.py`), and
+`_get_per_token_logps_and_entropies` runs the completions of one prompt on a shared prefix and may replay the rollout
+decode's layer outputs; an override of a hook replaces them with it.
 
 Where each concern lives (this module is the front: it defines the trainer and re-exports the names below):
 
 - `online_math.py`: the pure tensor functions (`masked_mean`, `aggregate_rewards`, `group_advantages`,
   `leave_one_out_advantages`, `k3_kl`, `completion_mask_from_ids`, `ADVANTAGE_EPS`);
-- `online_generation.py`: step 2, `_OnlineGenerationMixin` (prompt rendering, `_rollout`, `_generate` and its
-  back-ends) and `generate_with_shared_prompts`;
-- `online_rewards.py`: step 3, `_OnlineRewardsMixin` (`_prepare_reward_funcs`, `_compute_rewards`, reward models)
-  and the `RewardFunc` type;
+- `online_generation.py`: `_OnlineGenerationMixin` (prompt rendering, `_tokenize_prompts`, `_rollout`, the
+  back-ends behind `_generate_single_turn`) and `generate_with_shared_prompts`;
+- `online_rewards.py`: `_OnlineRewardsMixin` (`_prepare_reward_funcs`, `_calculate_rewards`, reward models) and the
+  `RewardFunc` type;
 - `online_metrics.py`: `_OnlineMetricsMixin` (rollout metrics, completions table, `log`);
-- here: construction, data loading, the round itself (`_prepare_inputs`, `_generate_and_score`), log-probabilities
-  and the loss plumbing.
+- here: construction, data loading, the round itself (`_prepare_inputs`, `_generate_and_score_completions`),
+  log-probabilities and the loss plumbing.
 """
 
 import contextlib
@@ -49,12 +55,7 @@ from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 
 from .base_trainer import _BaseTrainer
-from .online_generation import (
-    CONTINUATION_IDS_KEY,
-    _OnlineGenerationMixin,
-    _router_logits_off,
-    generate_with_shared_prompts,
-)
+from .online_generation import _OnlineGenerationMixin, _router_logits_off, generate_with_shared_prompts
 from .online_math import (
     ADVANTAGE_EPS,
     aggregate_rewards,
@@ -110,7 +111,6 @@ def _log_timing() -> bool:
 # Names imported from this module before it was split (by trainers, tests and user code), kept importable here.
 __all__ = [
     "ADVANTAGE_EPS",
-    "CONTINUATION_IDS_KEY",
     "RewardFunc",
     "_OnlineTrainer",
     "_accepts_keyword",
@@ -165,6 +165,29 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
     # `_replayed_layer_outputs`); `_decode_replays` counts the passes that did.
     _decode_replay = False
     _decode_replays = 0
+    # Config values TRL keeps as trainer attributes (plugins read them there).
+    _copied_config_fields = (
+        "loss_type",
+        "scale_rewards",
+        "importance_sampling_level",
+        "num_iterations",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "mask_truncated_completions",
+        "multi_objective_aggregation",
+        "off_policy_mask_threshold",
+        "top_entropy_quantile",
+        "use_adaptive_entropy",
+        "pad_to_multiple_of",
+        "shuffle_dataset",
+        "normalize_advantages",
+        "reward_clip_range",
+    )
+    # Reference model (None unless one is used); declared so that plugins and callbacks can read it before it is set.
+    ref_model = None
 
     def __init__(
         self,
@@ -267,6 +290,13 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         self.pad_token_id = tokenizer.pad_token_id
         self._image_token_id = getattr(processing_class, "image_token_id", None)  # suppressed in generation
         self.generation_config = self._build_generation_config(args, tokenizer)
+        # TRL's attributes that plugins read: the text tokenizer, whether the processing class is a vision
+        # processor, and the resolved sampling and loss settings (copies of the config's values).
+        self._tokenizer = tokenizer
+        self._is_vlm = isinstance(processing_class, ProcessorMixin)
+        for name in self._copied_config_fields:
+            if hasattr(args, name):
+                setattr(self, name, getattr(args, name))
 
         # ---- State ---------------------------------------------------------------------------------------------
         self._init_metrics()
@@ -332,13 +362,12 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
     def _is_on_policy(self) -> bool:
         """Whether the model that generated a batch is exactly the one trained on it at every micro-step.
 
-        True when no optimizer step can happen between generating a round and consuming it: one pass over the data
-        (`num_iterations == 1`) and every generation round inside one optimizer step (`gradient_accumulation_steps`
-        a multiple of `steps_per_generation`). The old-policy log-probabilities are then the detached current ones and
-        need no extra forward pass.
+        As TRL decides it: true when `gradient_accumulation_steps` is a multiple of `steps_per_generation *
+        num_iterations`, so that every use of a round (all its micro-batches, all its iterations) falls inside one
+        optimizer step. The old-policy log-probabilities are then the detached current ones and need no extra pass.
         """
         args = self.args
-        return args.num_iterations == 1 and args.gradient_accumulation_steps % args.steps_per_generation == 0
+        return args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) == 0
 
     def _needs_rollout_logps(self) -> bool:
         """Whether the policy's log-probabilities must be computed (without grad) right after generation."""
@@ -498,24 +527,18 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
     # Rollout: generate, score, compute advantages; buffer the micro-batches of a round
     # ------------------------------------------------------------------------------------------------------------
     def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
-        mode = self._mode
-        if mode == "eval":
-            batch = self._generate_and_score(generation_batch)
-            batch["num_items_in_batch"] = self._global_token_count(batch["completion_mask"])
-            return batch
-
+        """One micro-batch: in training, a new round is generated (`_generate_and_score_completions`) every
+        `steps_per_generation * num_iterations` micro-steps, shuffled (one `randperm`) and split into
+        `steps_per_generation` micro-batches that the next micro-steps pop; evaluation generates every batch."""
+        if self._mode == "eval":
+            return self._generate_and_score_completions(generation_batch)
         args = self.args
         steps = args.steps_per_generation
         if self._buffered_inputs is None or self._step % (steps * args.num_iterations) == 0:
-            batch = self._generate_and_score(generation_batch)
+            batch = self._generate_and_score_completions(generation_batch)
             batch = shuffle_sequence_dict(batch)  # micro-batches mix completions of different prompts
-            chunks = split_tensor_dict(batch, steps)
-            for chunk, normaliser in zip(chunks, self._token_normalisers(chunks)):
-                chunk["num_items_in_batch"] = normaliser
-            self._buffered_inputs = chunks
-        inputs = self._buffered_inputs[self._step % steps]
-        self._step += 1
-        return inputs
+            self._buffered_inputs = split_tensor_dict(batch, steps)
+        return self._buffered_inputs[self._step % steps]
 
     def _checkpoint_state(self) -> dict[str, Any]:
         # A checkpoint taken in the middle of a generation round keeps the round's remaining micro-batches, so that a
@@ -538,41 +561,56 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         count = completion_mask.sum().float().reshape(1)
         return self.accelerator.gather(count).sum()
 
-    def _token_normalisers(self, chunks: list[dict[str, Any]]) -> list[torch.Tensor]:
-        """Completion tokens (all processes) of the optimizer step each micro-batch belongs to.
+    # Names of the values TRL's `_generate(prompts)` returns for this trainer, in order (RLOO's three; GRPO and
+    # distillation return more). `_generate` builds the tuple from `_rollout`; an override returns the same shape.
+    _generate_outputs: tuple[str, ...] = ("prompt_ids", "completion_ids", "completions")
 
-        Token-level losses divide by this count so that the gradient of an optimizer step is the mean over all its
-        tokens, whatever the gradient accumulation. When one round spans several optimizer steps, consecutive groups
-        of `gradient_accumulation_steps` micro-batches form a step. When an optimizer step spans several rounds
-        (later rounds are not generated yet), the count of this round is scaled by the number of rounds per step.
+    def _generate(self, prompts: list) -> tuple:
+        """TRL's hook: the completions of one round, as the tuple of `_generate_outputs` (token id lists, decoded
+        completions, ...). Values the tuple has no place for (image inputs per row) travel beside it."""
+        rollout = self._rollout(prompts)
+        self._rollout_extras = {key: value for key, value in rollout.items() if key not in self._generate_outputs}
+        return tuple(rollout.get(name) for name in self._generate_outputs)
+
+    def _generate_rows(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """`_rollout` on the prompts of `rows` (one completion per row), for trainers that generate outside
+        `_generate_and_score_completions` (the Online DPO family)."""
+        self._prompt_rows = rows
+        try:
+            return self._rollout([row["prompt"] for row in rows])
+        finally:
+            self._prompt_rows = None
+
+    def _prepare_rollout_rows(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Hook: the rows of a round before generation (environments reset and extend their prompts here)."""
+        return inputs
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """TRL's hook: one round on this process's `inputs` (a list of dataset rows): generate, score, compute the
+        advantages; returns the batch dict the loss reads.
+
+        Keys: `prompt_ids`/`prompt_mask` `(B, P)` (left-padded), `completion_ids`/`completion_mask` `(B, C)`
+        (right-padded; the mask is 1 through the first end-of-sequence token, and 0 for a whole truncated row under
+        `mask_truncated_completions`), `advantages` `(B,)`, `num_items_in_batch` (0-dim: the loss tokens of the whole
+        round on all processes), and when used `tool_mask`, `old_per_token_logps`, `ref_per_token_logps`,
+        `sampling_per_token_logps`, `importance_sampling_ratio`, `vision_rows`. Keys a subclass adds travel with
+        their rows through the shuffle and split of `_prepare_inputs`.
         """
-        device = chunks[0]["completion_mask"].device
-        local = torch.stack([chunk["completion_mask"].sum().float() for chunk in chunks]).to(device)
-        counts = self.accelerator.gather(local.unsqueeze(0)).reshape(-1, len(chunks)).sum(dim=0)
-        accumulation = self.args.gradient_accumulation_steps
-        steps = len(chunks)
-        if steps <= accumulation:
-            total = counts.sum() * (accumulation / steps)
-            return [total for _ in chunks]
-        normalisers = []
-        for j in range(steps):
-            start = (j // accumulation) * accumulation
-            normalisers.append(counts[start : start + accumulation].sum())
-        return normalisers
-
-    def _generate_and_score(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """One rollout on this process's `inputs` (a list of dataset rows): returns the tensors of the batch."""
         start = time.perf_counter()
         mode = self._mode
         device = self.accelerator.device
         if self._is_vision_dataset:  # as in TRL, prompts (also those given to the rewards) carry their images
             inputs = [{**example, "prompt": prompt_with_images(example)} for example in inputs]
+        inputs = self._prepare_rollout_rows(inputs)
         prompts = [example["prompt"] for example in inputs]
 
-        rollout = self._rollout(prompts, inputs)
-        if rollout.get("prompts") is not None:  # e.g. an environment's reset() extended the prompts
-            prompts = list(rollout["prompts"])
-            inputs = [{**example, "prompt": prompt} for example, prompt in zip(inputs, prompts)]
+        self._prompt_rows = inputs
+        self._rollout_layer_outputs = None  # only this round's decode may be replayed (an override may not decode)
+        try:
+            output = self._generate(prompts)
+        finally:
+            self._prompt_rows = None
+        rollout = {**self.__dict__.pop("_rollout_extras", {}), **dict(zip(self._generate_outputs, output))}
         prompt_lists, completion_lists = rollout["prompt_ids"], rollout["completion_ids"]
         prompt_tensors = [torch.tensor(ids, dtype=torch.long, device=device) for ids in prompt_lists]
         completion_tensors = [torch.tensor(ids, dtype=torch.long, device=device) for ids in completion_lists]
@@ -591,12 +629,18 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         offset = self.accelerator.process_index * len(prompts)
         completions = rollout.get("completions")
         if completions is None:
-            completions = self._decode_completions(inputs, completion_lists)
-        rewards_per_func = self._compute_rewards(
-            inputs, prompts, completions, completion_lists, rollout.get("extra_fields") or {}
-        )
+            completions = self._decode_completions(prompts, completion_lists)
+        extra_fields = rollout.get("extra_fields") or {}
+        if extra_fields:  # as TRL: a rollout_func's extra keys become columns of the rows the rewards see
+            inputs = [
+                {**example, **{key: values[i] for key, values in extra_fields.items()}}
+                for i, example in enumerate(inputs)
+            ]
+        rewards_per_func = self._calculate_rewards(inputs, prompts, completions, completion_lists)
         # Token counts and completion lengths describe everything generated, even rows a method then drops.
         generated = (prompt_mask, completion_mask, terminated, lengths)
+        tool_lists, sampling_lists = rollout.get("tool_mask"), rollout.get("sampling_logps")
+        vision_rows = rollout.get("vision_rows")
         keep = self._select_rollout_rows(completions, rewards_per_func)
         if keep is not None:  # a method that trains on a subset of the completions (GFPO's group filter)
             local = keep[(keep >= offset) & (keep < offset + len(prompts))] - offset
@@ -605,31 +649,28 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
             prompt_ids, prompt_mask, completion_ids, completion_mask, terminated, lengths = (
                 t[local] for t in (prompt_ids, prompt_mask, completion_ids, completion_mask, terminated, lengths)
             )
-            rollout = {**rollout, "tool_mask": _take(rollout.get("tool_mask"), rows)}
-            rollout["sampling_logps"] = _take(rollout.get("sampling_logps"), rows)
+            tool_lists, sampling_lists = _take(tool_lists, rows), _take(sampling_lists, rows)
+            vision_rows = _take(vision_rows, rows)
             rewards_per_func = rewards_per_func[keep]
 
-        loss_mask = completion_mask
-        if rollout.get("tool_mask") is not None:
-            tool_masks = [torch.tensor(m, dtype=completion_mask.dtype, device=device) for m in rollout["tool_mask"]]
-            tool_mask = pad(tool_masks, 0, "right", multiple)[:, : completion_mask.shape[1]]
-            tool_mask = torch.nn.functional.pad(tool_mask, (0, completion_mask.shape[1] - tool_mask.shape[1]))
-            loss_mask = completion_mask * tool_mask
         if self.args.mask_truncated_completions:
-            loss_mask = loss_mask * terminated.unsqueeze(1).int()
+            completion_mask = completion_mask * terminated.unsqueeze(1).to(completion_mask.dtype)
         batch: dict[str, Any] = {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
             "completion_ids": completion_ids,
-            "completion_mask": loss_mask,
+            "completion_mask": completion_mask,
         }
-        if rollout.get("vision_rows") is not None:
-            batch["vision_rows"] = rollout["vision_rows"]
-        if rollout.get("tool_mask") is not None:
+        if tool_lists is not None:
             # Tool results are context for the next turn: attended to, but outside the loss.
-            batch["completion_attention_mask"] = completion_mask
-        if rollout.get("sampling_logps") is not None:
-            sampling = [torch.tensor(lp, dtype=torch.float32, device=device) for lp in rollout["sampling_logps"]]
+            tool_masks = [torch.tensor(m, dtype=completion_mask.dtype, device=device) for m in tool_lists]
+            width = completion_mask.shape[1]
+            tool_mask = pad(tool_masks, 1, "right", multiple)[:, :width]
+            batch["tool_mask"] = torch.nn.functional.pad(tool_mask, (0, width - tool_mask.shape[1]), value=1)
+        if vision_rows is not None:
+            batch["vision_rows"] = vision_rows
+        if sampling_lists is not None:
+            sampling = [torch.tensor(lp, dtype=torch.float32, device=device) for lp in sampling_lists]
             batch["sampling_per_token_logps"] = pad(sampling, 0.0, "right", multiple)[:, : completion_ids.shape[1]]
         self._compute_rollout_logps(batch)
 
@@ -640,6 +681,7 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         all_advantages = advantages
         batch["advantages"] = advantages[process_slice].to(device)
         batch = self._finish_rollout_batch(batch, rewards_per_func)
+        batch["num_items_in_batch"] = self._global_token_count(self._loss_mask(batch))
 
         self._record_rollout_metrics(mode, *generated, rewards_per_func)
         if mode == "train":  # a few of this process's completions for the run report (no gathering)
@@ -649,6 +691,13 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
             self._store_completions(mode, prompts, completions, rewards_per_func, all_advantages)
         self._timing["rollout"] += time.perf_counter() - start
         return batch
+
+    @staticmethod
+    def _loss_mask(inputs: dict[str, Any]) -> torch.Tensor:
+        """The completion tokens the loss is taken over: `completion_mask`, without tool results (`tool_mask`)."""
+        mask = inputs["completion_mask"]
+        tool_mask = inputs.get("tool_mask")
+        return mask if tool_mask is None else mask * tool_mask
 
     def _select_rollout_rows(self, completions: list, rewards_per_func: torch.Tensor) -> torch.Tensor | None:
         """Hook: global indices (into the gathered `(N, F)` rewards) of the completions to train on, or None for all.
@@ -668,46 +717,120 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
     # ------------------------------------------------------------------------------------------------------------
     @staticmethod
     def _sequence_inputs(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`(input_ids, attention_mask, position_ids)` of prompt + completion, each `(B, P + T)`.
+        """`(input_ids, attention_mask, position_ids)` of prompt + completion, each `(B, P + C)`.
 
-        Positions are counted from each prompt's first real token, as during generation.
+        Completion tokens outside `completion_mask` (padding, masked truncated rows) are not attended to; they are
+        never scored. Positions are counted from each prompt's first real token, as during generation.
         """
-        prompt_mask, completion_mask = inputs["prompt_mask"], inputs["completion_mask"]
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        # Completion tokens outside the loss mask (padding, masked truncated rows) are not attended to either; they
-        # are never scored, so this changes no log-probability that is used. Multi-turn rollouts give the tokens to
-        # attend to separately: tool results are context, yet outside the loss.
-        attended = inputs.get("completion_attention_mask")
-        attended = completion_mask if attended is None else attended
-        attention_mask = torch.cat([prompt_mask, attended.long()], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"].long()], dim=1)
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         return input_ids, attention_mask, position_ids
 
-    def _forward_logps(
-        self, model: nn.Module, inputs: dict[str, Any], compute_entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-        """Per-token log-probabilities (and entropies) of the completion tokens, `(B, T)` each.
+    @staticmethod
+    def _multimodal_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+        """The image inputs of a batch as keyword arguments of `_get_per_token_logps_and_entropies` (`{}` for
+        text)."""
+        if inputs.get("vision_rows") is None:
+            return {}
+        width = inputs["prompt_ids"].shape[1]
+        total = width + inputs["completion_ids"].shape[1]
+        device = inputs["prompt_ids"].device
+        collated = collate_vision_rows(inputs["vision_rows"], width, total)
+        return {key: value.to(device) for key, value in collated.items()}
 
-        The LM head runs only on completion positions (see `compute_token_logps`); positions are counted from each
-        prompt's first real token, as during generation.
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        pixel_values=None,
+        image_grid_thw=None,
+        num_images=None,
+        pixel_attention_mask=None,
+        spatial_shapes=None,
+        num_tiles=None,
+        image_sizes=None,
+        token_type_ids=None,
+        mm_token_type_ids=None,
+        image_position_ids=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """TRL's hook: log-probabilities (and entropies) of the last `logits_to_keep` tokens of each row.
+
+        `input_ids` / `attention_mask` are `(B, L)`: prompt then completion. The model runs on chunks of
+        `batch_size` rows (all rows when None; rows with images run together), with the logits divided by the
+        sampling temperature; the LM head runs only on the attended completion positions.
+
+        Returns:
+            `(logps, entropies, aux_loss)`: `(B, logits_to_keep)` float log-probabilities (0 where
+            `attention_mask` is 0); the entropies alike when `compute_entropy`, else None; the mean router
+            load-balancing loss of the chunks when `compute_aux_loss`, else None.
         """
-        input_ids, attention_mask, position_ids = self._sequence_inputs(inputs)
-        completion_mask = inputs["completion_mask"]
-        prompt_length = inputs["prompt_ids"].shape[1]
+        image_inputs = {
+            key: value
+            for key, value in (
+                ("pixel_values", pixel_values),
+                ("image_grid_thw", image_grid_thw),
+                ("pixel_attention_mask", pixel_attention_mask),
+                ("spatial_shapes", spatial_shapes),
+                ("image_sizes", image_sizes),
+                ("token_type_ids", token_type_ids),
+                ("mm_token_type_ids", mm_token_type_ids),
+                ("image_position_ids", image_position_ids),
+            )
+            if value is not None
+        }
+        rows = input_ids.shape[0]
+        size = rows if (batch_size is None or image_inputs) else max(1, int(batch_size))
+        logps, entropies, aux_losses = [], [], []
+        for start in range(0, rows, size):
+            chunk = slice(start, start + size)
+            chunk_logps, chunk_entropy, outputs = self._token_logps_pass(
+                model, input_ids[chunk], attention_mask[chunk], logits_to_keep, compute_entropy, image_inputs
+            )
+            logps.append(chunk_logps)
+            if compute_entropy:
+                entropies.append(chunk_entropy)
+            aux = getattr(outputs, "aux_loss", None) if compute_aux_loss else None
+            if aux is not None:
+                aux_losses.append(aux)
+        return (
+            torch.cat(logps, dim=0),
+            torch.cat(entropies, dim=0) if compute_entropy else None,
+            torch.stack(aux_losses).mean() if aux_losses else None,
+        )
+
+    def _token_logps_pass(
+        self,
+        model: nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        compute_entropy: bool,
+        image_inputs: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """One forward pass of `_get_per_token_logps_and_entropies`: `(logps, entropy, outputs)` of the completion.
+
+        Completions of one prompt run that prompt once when the model takes the shared-prefix layout
+        (`_shared_prompt_layout`); a gradient-checkpointed on-policy loss pass may replay the rollout decode's layer
+        outputs (`_replayed_layer_outputs`).
+        """
+        prompt_length = input_ids.shape[1] - logits_to_keep
         target_mask = torch.zeros(
             input_ids.shape[0], input_ids.shape[1] - 1, dtype=torch.bool, device=input_ids.device
         )
-        target_mask[:, prompt_length - 1 :] = completion_mask.bool()
-        image_inputs = {}
-        if inputs.get("vision_rows") is not None:
-            # The model derives its own (possibly multi-dimensional) positions around the image tokens.
-            image_inputs = collate_vision_rows(inputs["vision_rows"], prompt_length, input_ids.shape[1])
-            image_inputs = {key: value.to(input_ids.device) for key, value in image_inputs.items()}
-            position_ids = None
-        layout = None if image_inputs else self._shared_prompt_layout(model, inputs, input_ids, attention_mask)
+        target_mask[:, prompt_length - 1 :] = attention_mask[:, prompt_length:].bool()
+        position_ids = None if image_inputs else (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        layout = None
+        if not image_inputs:  # the model derives its own (possibly multi-dimensional) positions around image tokens
+            layout = self._shared_prompt_layout(model, input_ids, attention_mask, prompt_length)
         if layout is not None:
             replayed = None
-            if not self._loss_compares_with_rollout_logps(inputs):
+            if self.__dict__.get("_decode_replay_allowed", False):
                 replayed = self._replayed_layer_outputs(model, input_ids, attention_mask, layout)
             with contextlib.nullcontext() if replayed is None else replay_decoder_layers(model, replayed):
                 result = shared_prefix_token_logps(
@@ -733,23 +856,50 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         entropy = result.entropy[:, prompt_length - 1 :] if result.entropy is not None else None
         return logps, entropy, result.outputs
 
+    def _completion_logps(
+        self, model: nn.Module, inputs: dict[str, Any], compute_entropy: bool = False, batch_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """`_get_per_token_logps_and_entropies` on a rollout batch dict (TRL's call: prompt + completion ids, their
+        mask, the completion width, the image inputs)."""
+        input_ids, attention_mask, _ = self._sequence_inputs(inputs)
+        return self._get_per_token_logps_and_entropies(
+            model,
+            input_ids,
+            attention_mask,
+            inputs["completion_ids"].shape[1],
+            batch_size,
+            compute_entropy=compute_entropy,
+            compute_aux_loss=self._aux_loss_enabled,
+            **self._multimodal_inputs(inputs),
+        )
+
+    @contextlib.contextmanager
+    def _decode_replay_for(self, inputs: dict[str, Any]):
+        """Within this block a loss pass on `inputs` may replay the rollout decode's layer outputs: only on-policy
+        passes do (see `_loss_compares_with_rollout_logps`)."""
+        self._decode_replay_allowed = not self._loss_compares_with_rollout_logps(inputs)
+        try:
+            yield
+        finally:
+            self._decode_replay_allowed = False
+
     def _shared_prompt_layout(
-        self, model: nn.Module, inputs: dict[str, Any], input_ids: torch.Tensor, attention_mask: torch.Tensor
+        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
     ) -> SharedPrefixLayout | None:
-        """The shared-prefix layout of a rollout micro-batch whose completions of one prompt run that prompt once
+        """The shared-prefix layout of rows whose completions of one prompt run that prompt once
         ([`~trl.trainer.utils.prefix_sharing.share_prefixes`]), or None to run whole rows.
 
         Whole rows run when the model cannot take the layout ([`supports_prefix_sharing`], checked once per model),
         when an auxiliary router loss reads the forward's outputs, when attended tokens are not contiguous
         (multi-turn tool results), or when sharing saves too few tokens to pay."""
-        if not self._share_prefix or self._aux_loss_enabled or "completion_attention_mask" in inputs:
+        if not self._share_prefix or self._aux_loss_enabled:
             return None
         cache = self.__dict__.setdefault("_prefix_sharing_support", {})
         if id(model) not in cache:
             cache[id(model)] = supports_prefix_sharing(model)
         if not cache[id(model)] or not sharing_possible_now(model):
             return None
-        groups = same_prompt_groups(inputs["prompt_ids"], inputs["prompt_mask"])
+        groups = same_prompt_groups(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
         if len(groups) == input_ids.shape[0] or not contiguous_rows(attention_mask):
             return None
         layout = share_prefixes(input_ids, attention_mask, groups, pad_token_id=self.pad_token_id)
@@ -795,24 +945,12 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
     def _batched_logps(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         """Log-probabilities of a whole rollout batch without gradients, in micro-batch-sized pieces."""
         size = self.args.per_device_train_batch_size if self._mode == "train" else self.args.per_device_eval_batch_size
-        keys = (
-            "prompt_ids",
-            "prompt_mask",
-            "completion_ids",
-            "completion_mask",
-            "completion_attention_mask",
-            "vision_rows",
-        )
-        pieces = []
-        for start in range(0, batch["prompt_ids"].shape[0], size):
-            piece = {key: batch[key][start : start + size] for key in keys if key in batch}
-            pieces.append(self._forward_logps(model, piece)[0])
-        return torch.cat(pieces, dim=0)
+        return self._completion_logps(model, batch, batch_size=size)[0]
 
     def _compute_rollout_logps(self, batch: dict[str, Any]) -> None:
-        """Add `old_per_token_logps` (when the data will be off-policy) and `ref_per_token_logps` (when a reference
-        is used) to a rollout batch. On-policy, the loss pass's detached log-probabilities are the old ones (a trainer
-        that compares them with an external sampler's, like GRPO, does so in its loss)."""
+        """Add `old_per_token_logps` (when the data will be off-policy) and `ref_per_token_logps` (when `beta != 0`)
+        to a rollout batch. On-policy, the loss pass's detached log-probabilities are the old ones (a trainer that
+        compares them with an external sampler's, like GRPO, does so in its loss)."""
         if self._needs_rollout_logps():
             batch["old_per_token_logps"] = self._batched_logps(self.model, batch)
         if self._needs_ref_model(self.args):
@@ -828,22 +966,36 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         return self._compute_loss(model, inputs)
 
     def _gradient_accumulation_divisor(self) -> float:
-        if self._mode != "train":
+        """What `_compute_loss` divides a loss by for gradient accumulation: the accumulation steps in training when
+        the trainer declares `loss_is_scaled_for_ga` (else the Trainer divides, as TRL's RLOO leaves it), 1 otherwise."""
+        if self._mode != "train" or not self.loss_is_scaled_for_ga:
             return 1.0
         return float(
             getattr(self, "current_gradient_accumulation_steps", None) or self.args.gradient_accumulation_steps
         )
 
-    def _add_aux_loss(self, loss: torch.Tensor, outputs: Any) -> torch.Tensor:
-        if self._aux_loss_enabled and getattr(outputs, "aux_loss", None) is not None:
-            self._record_metric("aux_loss", outputs.aux_loss)
-            loss = loss + self._aux_loss_coef * outputs.aux_loss / self._gradient_accumulation_divisor()
+    def _add_aux_loss(self, loss: torch.Tensor, aux_loss: torch.Tensor | None) -> torch.Tensor:
+        """`loss` plus the router load-balancing loss (`aux_loss`, from `_get_per_token_logps_and_entropies`) times
+        its coefficient, when the model has one."""
+        if self._aux_loss_enabled and aux_loss is not None:
+            self._record_metric("aux_loss", aux_loss)
+            loss = loss + self._aux_loss_coef * aux_loss / self._gradient_accumulation_divisor()
         return loss
+
+    def _step_token_count(self, inputs: dict[str, Any]) -> torch.Tensor | None:
+        """The normaliser of token-level losses (as TRL): the round's loss tokens on all processes
+        (`num_items_in_batch`), scaled in training to one optimizer step by `gradient_accumulation_steps /
+        steps_per_generation`."""
+        count = inputs.get("num_items_in_batch")
+        if count is None or self._mode != "train":
+            return count
+        return count * (self.args.gradient_accumulation_steps / self.args.steps_per_generation)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         start = time.perf_counter()
         self._timing = {"rollout": 0.0, "generation": 0.0}
         loss = super().training_step(model, inputs, num_items_in_batch)
+        self._step += 1
         elapsed = time.perf_counter() - start
         metrics = self._metrics["train"]
         if not _log_timing():

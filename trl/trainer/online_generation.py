@@ -1,17 +1,19 @@
 """Generation for the online RL trainers: prompts to completion token ids, through one of four back-ends.
 
-[`_OnlineGenerationMixin`] is inherited by `_OnlineTrainer` (see `online_base.py`). It renders and tokenizes the
-prompts of a round (`_render_prompts`, `_tokenize_prompts`), and `_generate` samples one completion per row with
+[`_OnlineGenerationMixin`] is inherited by `_OnlineTrainer` (see `online_base.py`). `_rollout(prompts)` produces a
+round: TRL's hooks `_tokenize_prompts(prompts)` (chat template, per-row tools and template arguments, images) then
+`_generate_single_turn(prompt_ids, images, multimodal_fields, ...)`, which samples one completion per row with
 
-- a user `rollout_func(prompts, trainer)` when one was given (`_generate_with_rollout_func`);
 - vLLM when `use_vllm=True` (`_generate_with_vllm`, a server client or an in-process engine);
+- transformers `generate` on the whole batch for prompts with images (`_generate_with_images`);
 - transformers continuous batching when `use_transformers_continuous_batching=True`;
 - otherwise transformers `generate`, prefilling each distinct prompt once ([`generate_with_shared_prompts`]), through
   the rollout decode loop (`utils/rollout_decode.py`: the same tokens, less work per token) whenever
   `rollout_decode_fallback_reason` finds nothing it cannot reproduce.
 
-`_rollout` is the hook wrapped by multi-turn rollouts (tool calling, see `tool_calling.py`); `_generate` the one a new
-back-end replaces. The settings are read once at construction (`_eos_token_ids`, `_build_generation_config`).
+A user `rollout_func(prompts, trainer)` replaces both hooks. `_rollout` is the method multi-turn rollouts (tool
+calling, see `tool_calling.py`) override. The settings are read once at construction (`_eos_token_ids`,
+`_build_generation_config`).
 """
 
 import contextlib
@@ -41,10 +43,7 @@ from .utils.rollout_decode import (
     rollout_decode_fallback_reason,
     shares_prompt_prefill,
 )
-
-
-# Row key holding exact prompt token ids for `_generate` (multi-turn continuation; see `_tokenize_prompts`).
-CONTINUATION_IDS_KEY = "_continuation_prompt_ids"
+from .utils.vision import vision_forward_inputs, vision_rows_from_batch
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -149,6 +148,9 @@ class _OnlineGenerationMixin:
     _share_prompt_cache = True
     # Decode with the rollout loop (same tokens as `generate`, less work per token) when it supports the settings.
     _use_rollout_decode = True
+    # Rows (dataset examples) of the round being generated, set by the caller of `_rollout`: their `tools` and
+    # `chat_template_kwargs` columns shape each rendered prompt (see `_prompt_rows_of`).
+    _prompt_rows: list[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------------------------------------------------
     # Construction
@@ -212,50 +214,59 @@ class _OnlineGenerationMixin:
             texts.append(apply_chat_template(row, self.processing_class, **template_kwargs)["prompt"])
         return texts, True
 
-    def _tokenize_prompts(self, inputs: list[dict[str, Any]]) -> list[list[int]]:
-        """Prompt token ids of each row, as every generation backend receives them.
+    def _prompt_rows_of(self, prompts: list[Any]) -> list[dict[str, Any]]:
+        """The dataset rows of `prompts` (their per-row `tools` and `chat_template_kwargs` columns shape the rendered
+        prompt), with each row's prompt replaced by the given one; bare rows when the prompts are not those of the
+        round being generated."""
+        rows = self._prompt_rows
+        if rows is None or len(rows) != len(prompts):
+            rows = [{} for _ in prompts]
+        return [{**row, "prompt": prompt} for row, prompt in zip(rows, prompts)]
 
-        A row carrying `CONTINUATION_IDS_KEY` (a multi-turn rollout continuing after a tool result) is used as is, so
-        the next turn is generated from exactly the tokens trained on; other rows are rendered with
-        `_render_prompts` and tokenized (each distinct text once).
+    def _tokenize_prompts(self, prompts: list) -> tuple[list[list[int]], list | None, dict[str, Any]]:
+        """TRL's hook: the prompts of a round as generation receives them.
+
+        `prompts` holds one entry per completion (consecutive copies of a prompt form its group). Conversational
+        prompts are rendered with the chat template (with the row's tools and template arguments), plain strings
+        are tokenized as they are.
+
+        Returns:
+            `(prompt_ids, images, multimodal_fields)`: unpadded token ids per row; the images of each row, or None for
+            text prompts; and the processor outputs other than ids and mask (pixel values, ...; `{}` for text).
         """
-        ids: list[list[int] | None] = [example.get(CONTINUATION_IDS_KEY) for example in inputs]
-        missing = [i for i, row_ids in enumerate(ids) if row_ids is None]
-        if missing:
-            texts, conversational = self._render_prompts([inputs[i] for i in missing])
-            unique_texts = list(dict.fromkeys(texts))
-            encoded = self.processing_class(text=unique_texts, add_special_tokens=not conversational)["input_ids"]
-            by_text = dict(zip(unique_texts, encoded))
-            for i, text in zip(missing, texts):
-                ids[i] = list(by_text[text])
-        return [list(row_ids) for row_ids in ids]
+        rows = self._prompt_rows_of(prompts)
+        if self._is_vision_dataset:
+            texts, images, encoded, conversational = self._encode_image_prompts(rows)
+            self._image_prompts = {"texts": texts, "conversational": conversational, "encoded": encoded}
+            prompt_ids = [
+                ids[mask.bool()].tolist() for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])
+            ]
+            return prompt_ids, images, vision_forward_inputs(encoded)
+        texts, conversational = self._render_prompts(rows)
+        unique_texts = list(dict.fromkeys(texts))
+        encoded = self.processing_class(text=unique_texts, add_special_tokens=not conversational)["input_ids"]
+        by_text = dict(zip(unique_texts, encoded))
+        return [list(by_text[text]) for text in texts], None, {}
 
-    def _rollout(self, prompts: list[Any], inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """Produce the completions of one round: `_generate` by default; multi-turn rollouts (tool calling) wrap it.
+    def _sample_completions(
+        self, prompt_ids: list[list[int]], images: list | None, multimodal_fields: dict[str, Any]
+    ) -> tuple[list[list[int]], list[list[float]] | None]:
+        """One completion per row of `prompt_ids` from the configured back-end (what every trainer's
+        `_generate_single_turn` runs): vLLM, transformers `generate` with images, continuous batching, or
+        transformers `generate` prefilling each distinct prompt once. Returns the completion ids (cut after the first
+        end-of-sequence token, included) and, from vLLM, the sampled tokens' log-probabilities (else None)."""
+        start = time.perf_counter()
+        try:
+            if getattr(self, "vllm_generation", None) is not None:
+                return self._generate_with_vllm(prompt_ids, images)
+            if images is not None:
+                return self._generate_with_images(prompt_ids, multimodal_fields), None
+            return self._generate_text(prompt_ids), None
+        finally:
+            self._timing["generation"] += time.perf_counter() - start
 
-        Besides the keys of `_generate`, the result may hold `prompts` (prompts changed during the rollout, e.g. by an
-        environment's `reset()`), `completions` (already-structured completions given to the reward functions, e.g.
-        conversations with tool messages) and `tool_mask` (per completion token, 0 for tokens not produced by the
-        policy, such as tool results: they are attended to but excluded from the loss).
-        """
-        return self._generate(prompts, inputs)
-
-    def _generate(self, prompts: list[Any], inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """Generate one completion per entry of `prompts` (which repeat in groups).
-
-        Returns a dict with `prompt_ids` and `completion_ids` (lists of token id lists; a completion ends at its first
-        end-of-sequence token, included), optionally `sampling_logps` (per-token log-probabilities under the sampler,
-        for importance-sampling correction) and `extra_fields` (name -> one value per completion, passed to the
-        reward functions). Override this to plug in another generation backend.
-        """
-        if self.rollout_func is not None:
-            return self._generate_with_rollout_func(prompts)
-        if getattr(self, "vllm_generation", None) is not None:
-            return self._generate_with_vllm(inputs)
-        if getattr(self, "_is_vision_dataset", False):
-            return self._generate_with_images(inputs)
-        row_ids = self._tokenize_prompts(inputs)
-        # Each distinct prompt is prefilled once; rows of the same group share it.
+    def _generate_text(self, row_ids: list[list[int]]) -> list[list[int]]:
+        """transformers generation of text prompts: each distinct prompt is prefilled once, its rows share it."""
         unique = list(dict.fromkeys(tuple(ids) for ids in row_ids))
         position = {ids: i for i, ids in enumerate(unique)}
         encoded = [list(ids) for ids in unique]
@@ -265,41 +276,76 @@ class _OnlineGenerationMixin:
         prompt_mask = pad([torch.ones_like(t) for t in prompt_tensors], padding_value=0, padding_side="left")
         row_to_prompt = torch.tensor([position[tuple(ids)] for ids in row_ids], device=device)
 
-        start = time.perf_counter()
         args = self.args
         was_training = self.model.training
         self._rollout_layer_outputs = None
         with self._policy_for_generation() as unwrapped:
             try:
                 if getattr(args, "use_transformers_continuous_batching", False):
-                    rows = [encoded[i] for i in row_to_prompt.tolist()]
-                    completion_lists = self._generate_continuous_batching(unwrapped, rows)
-                else:
-                    output = generate_with_shared_prompts(
-                        unwrapped,
-                        prompt_ids,
-                        prompt_mask,
-                        row_to_prompt,
-                        self.generation_config,
-                        share_prompt_cache=self._share_prompt_cache,
-                        rollout_decode=self._use_rollout_decode,
-                        on_layer_outputs=self._keep_layer_outputs(unwrapped),
-                        disable_compile=True,
-                    )
-                    completion_ids = output[:, prompt_ids.shape[1] :]
-                    completion_mask, _ = completion_mask_from_ids(completion_ids, self.eos_token_ids)
-                    completion_lists = [
-                        ids[: int(n)].tolist() for ids, n in zip(completion_ids, completion_mask.sum(dim=1))
-                    ]
+                    return self._generate_continuous_batching(unwrapped, [list(ids) for ids in row_ids])
+                output = generate_with_shared_prompts(
+                    unwrapped,
+                    prompt_ids,
+                    prompt_mask,
+                    row_to_prompt,
+                    self.generation_config,
+                    share_prompt_cache=self._share_prompt_cache,
+                    rollout_decode=self._use_rollout_decode,
+                    on_layer_outputs=self._keep_layer_outputs(unwrapped),
+                    disable_compile=True,
+                )
             finally:
                 self.model.train(was_training)  # some backends (continuous batching) switch to eval mode
-        self._timing["generation"] += time.perf_counter() - start
-        return {
-            "prompt_ids": [encoded[i] for i in row_to_prompt.tolist()],
-            "completion_ids": completion_lists,
-            "sampling_logps": None,
-            "extra_fields": {},
-        }
+        completion_ids = output[:, prompt_ids.shape[1] :]
+        completion_mask, _ = completion_mask_from_ids(completion_ids, self.eos_token_ids)
+        return [ids[: int(n)].tolist() for ids, n in zip(completion_ids, completion_mask.sum(dim=1))]
+
+    def _rollout(self, prompts: list[Any]) -> dict[str, Any]:
+        """Produce the completions of one round (what TRL's `_generate` returns, as a dict).
+
+        A `rollout_func` replaces the two hooks; otherwise `_tokenize_prompts` then `_generate_single_turn` (TRL's
+        hooks, which a subclass may override). Multi-turn rollouts (tool calling) override this method.
+
+        Returns a dict with `prompt_ids` and `completion_ids` (token id lists), `completions` (decoded: text, or an
+        assistant message for conversational prompts), `sampling_logps` (the sampler's per-token log-probabilities
+        when importance-sampling correction uses them, else None), `extra_fields` (rollout_func's extra keys, one
+        value per row), `images` and, for image prompts, `vision_rows` (each row's image inputs for the forward).
+        """
+        if self.rollout_func is not None:
+            rollout = self._generate_with_rollout_func(prompts)
+        else:
+            prompt_ids, images, multimodal_fields = self._tokenize_prompts(prompts)
+            extra = (self._group_size(),) if self._single_turn_takes_num_generations else ()
+            completion_ids, logprobs = self._single_turn_result(
+                self._generate_single_turn(prompt_ids, images, multimodal_fields, *extra)
+            )
+            rollout = {
+                "prompt_ids": [list(ids) for ids in prompt_ids],
+                "completion_ids": [list(ids) for ids in completion_ids],
+                "sampling_logps": logprobs if self._uses_sampling_logps() else None,
+                "extra_fields": {},
+                "images": images,
+            }
+            image_prompts = self.__dict__.pop("_image_prompts", None)
+            if images is not None and image_prompts is not None:
+                rollout["vision_rows"] = vision_rows_from_batch(image_prompts["encoded"], [len(row) for row in images])
+        rollout["completions"] = self._decode_completions(prompts, rollout["completion_ids"])
+        return rollout
+
+    # Whether this trainer's `_generate_single_turn` takes the group size (TRL's GRPO does, RLOO and distillation not).
+    _single_turn_takes_num_generations = False
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields):
+        """TRL's hook: one completion per row of `prompt_ids` (unpadded token ids); returns the completion ids."""
+        return self._sample_completions(prompt_ids, images, multimodal_fields)[0]
+
+    @staticmethod
+    def _single_turn_result(result: Any) -> tuple[list[list[int]], list[list[float]] | None]:
+        """`(completion_ids, logprobs)` from what `_generate_single_turn` returned (GRPO's form is a pair, RLOO's
+        and distillation's the ids alone)."""
+        if isinstance(result, tuple) and len(result) == 2:
+            return result[0], result[1]
+        return result, None
 
     def _keep_layer_outputs(self, unwrapped: nn.Module) -> Callable[[Any], None] | None:
         """What keeps the decode's layer outputs for the loss pass to replay (see `_replayed_layer_outputs`), or None
@@ -358,36 +404,26 @@ class _OnlineGenerationMixin:
         )
         return texts, images, encoded, conversational
 
-    def _generate_with_images(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """HF generation from prompts with images: the processor expands the image tokens and computes the pixel
-        values of every row (left-padded), `generate` runs on the whole batch, and the image inputs are kept per row
-        (`vision_rows`) for the log-probability passes."""
-        from .utils.vision import vision_forward_inputs, vision_rows_from_batch
-
-        _, images, encoded, _ = self._encode_image_prompts(inputs)
+    def _generate_with_images(self, prompt_ids: list[list[int]], multimodal_fields: dict[str, Any]) -> list[list[int]]:
+        """transformers generation from prompts with images: the prompts (image tokens already expanded by the
+        processor, see `_tokenize_prompts`) are left-padded and `generate` runs on the whole batch with the pixel
+        values."""
         device = self.accelerator.device
-        prompt_ids = encoded["input_ids"].to(device)
-        prompt_mask = encoded["attention_mask"].to(device)
-        image_inputs = {key: value.to(device) for key, value in vision_forward_inputs(encoded).items()}
-        start = time.perf_counter()
+        prompt_tensors = [torch.tensor(ids, dtype=torch.long, device=device) for ids in prompt_ids]
+        input_ids = pad(prompt_tensors, padding_value=self.pad_token_id, padding_side="left")
+        attention_mask = pad([torch.ones_like(t) for t in prompt_tensors], padding_value=0, padding_side="left")
+        image_inputs = {key: value.to(device) for key, value in multimodal_fields.items()}
         with self._policy_for_generation() as unwrapped:
             output = unwrapped.generate(
-                input_ids=prompt_ids,
-                attention_mask=prompt_mask,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
                 generation_config=self.generation_config,
                 disable_compile=True,
                 **image_inputs,
             )
-        self._timing["generation"] += time.perf_counter() - start
-        completion_ids = output[:, prompt_ids.shape[1] :]
+        completion_ids = output[:, input_ids.shape[1] :]
         completion_mask, _ = completion_mask_from_ids(completion_ids, self.eos_token_ids)
-        return {
-            "prompt_ids": [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)],
-            "completion_ids": [ids[: int(n)].tolist() for ids, n in zip(completion_ids, completion_mask.sum(dim=1))],
-            "sampling_logps": None,
-            "extra_fields": {},
-            "vision_rows": vision_rows_from_batch(encoded, [len(row) for row in images]),
-        }
+        return [ids[: int(n)].tolist() for ids, n in zip(completion_ids, completion_mask.sum(dim=1))]
 
     def _create_vllm_generation(self, args: Any, rollout_func: Callable | None) -> Any:
         """The vLLM back-end when `use_vllm=True` (and no `rollout_func` replaces generation), else None."""
@@ -411,55 +447,42 @@ class _OnlineGenerationMixin:
         then does `_generate` return them, since they cost an extra log-probability pass over the batch."""
         return bool(getattr(self.args, "vllm_importance_sampling_correction", False))
 
-    def _generate_with_vllm(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        """`_generate` through vLLM: the trainer tokenizes (so prompt ids are the same as with transformers), vLLM
-        samples one completion per row and returns the sampled tokens' log-probabilities."""
-        if getattr(self, "_is_vision_dataset", False):
-            return self._generate_with_vllm_and_images(inputs)
-        prompt_ids = self._tokenize_prompts(inputs)
-        start = time.perf_counter()
-        # The trainer's step counter versions the weights: a new optimizer step makes vLLM's copy stale.
+    def _generate_with_vllm(
+        self, prompt_ids: list[list[int]], images: list | None = None
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Generation through vLLM: the trainer tokenizes (so prompt ids are the same as with transformers), vLLM
+        samples one completion per row and returns the sampled tokens' log-probabilities. The trainer's step counter
+        versions the weights: a new optimizer step makes vLLM's copy stale."""
+        image_prompts = self.__dict__.get("_image_prompts")
+        if images is not None and image_prompts is not None:
+            return self._generate_with_vllm_and_images(prompt_ids, images, image_prompts)
         output = self.vllm_generation.generate(
             prompt_ids, model=self.model_wrapped, weights_version=self.state.global_step
         )
-        self._timing["generation"] += time.perf_counter() - start
-        return {
-            "prompt_ids": output["prompt_ids"],
-            "completion_ids": output["completion_ids"],
-            "sampling_logps": output["logprobs"] if self._uses_sampling_logps() else None,
-            "extra_fields": {},
-        }
+        return output["completion_ids"], output["logprobs"]
 
-    def _generate_with_vllm_and_images(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+    def _generate_with_vllm_and_images(
+        self, prompt_ids: list[list[int]], images: list, image_prompts: dict[str, Any]
+    ) -> tuple[list[list[int]], list[list[float]]]:
         """vLLM generation from prompts with images: vLLM receives each prompt's token ids with one placeholder per
-        image (its own processor expands them) and the images as multi-modal data; the trainer's processor computes
-        the expanded prompt ids and pixel values trained on, which must be the prompt vLLM sampled from."""
-        from .utils.vision import vision_rows_from_batch
-
-        texts, images, encoded, conversational = self._encode_image_prompts(inputs)
+        image (its own processor expands them) and the images as multi-modal data; the trainer's processor computed
+        the expanded prompt ids trained on (`prompt_ids`), which must be the prompt vLLM sampled from."""
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
-        placeholder_ids = tokenizer(texts, add_special_tokens=not conversational)["input_ids"]
-        start = time.perf_counter()
+        placeholder_ids = tokenizer(image_prompts["texts"], add_special_tokens=not image_prompts["conversational"])[
+            "input_ids"
+        ]
         output = self.vllm_generation.generate(
             placeholder_ids, model=self.model_wrapped, weights_version=self.state.global_step, images=images
         )
-        self._timing["generation"] += time.perf_counter() - start
-        prompt_ids = [ids[mask.bool()].tolist() for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])]
         for row, (ours, theirs) in enumerate(zip(prompt_ids, output["prompt_ids"])):
-            if list(theirs) != ours:
+            if list(theirs) != list(ours):
                 raise RuntimeError(
                     f"vLLM expanded the image placeholders of prompt {row} into {len(theirs)} tokens that differ "
                     f"from the {len(ours)} the trainer's processor ({type(self.processing_class).__name__}) gives: "
                     "the completion would be trained on another prompt than it was sampled from. Make the processor "
                     "saved with the model (the one vLLM loads) match `processing_class`, or set use_vllm=False."
                 )
-        return {
-            "prompt_ids": prompt_ids,
-            "completion_ids": output["completion_ids"],
-            "sampling_logps": output["logprobs"] if self._uses_sampling_logps() else None,
-            "extra_fields": {},
-            "vision_rows": vision_rows_from_batch(encoded, [len(row) for row in images]),
-        }
+        return output["completion_ids"], output["logprobs"]
 
     def end(self) -> None:
         # Release vLLM first: its in-process engine tears down the process groups it joined, which must still exist.
@@ -514,14 +537,14 @@ class _OnlineGenerationMixin:
             "extra_fields": extra,
         }
 
-    def _decode_completions(self, inputs: list[dict[str, Any]], completion_ids: list[list[int]]) -> list[Any]:
+    def _decode_completions(self, prompts: list[Any], completion_ids: list[list[int]]) -> list[Any]:
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        if not is_conversational({"prompt": inputs[0]["prompt"]}):
+        if not is_conversational({"prompt": prompts[0]}):
             return texts
         completions = []
-        for example, text in zip(inputs, texts):
+        for prompt, text in zip(prompts, texts):
             # A prompt ending with an assistant message is continued: the completion extends that message.
-            last = example["prompt"][-1]
+            last = prompt[-1]
             bootstrap = last.get("content", "") if last.get("role") == "assistant" else ""
             if not isinstance(bootstrap, str):
                 bootstrap = ""

@@ -2,7 +2,7 @@
 
 [`_OnlineRewardsMixin`] is inherited by `_OnlineTrainer` (see `online_base.py`). `_prepare_reward_funcs` turns the
 `reward_funcs` argument into callables and frozen reward models (with their tokenizers and names);
-`_compute_rewards` calls each of them on a round (async functions concurrently) and gathers the `(N_global, F)`
+`_calculate_rewards` calls each of them on a round (async functions concurrently) and gathers the `(N_global, F)`
 rewards, NaN where a function returned None; `_aggregated_rewards` applies the reward weights.
 """
 
@@ -208,22 +208,34 @@ class _OnlineRewardsMixin:
                     f"to its signature to take the ones it does not use, e.g. `def {name}(completions, **kwargs):`."
                 )
 
-    def _compute_rewards(
+    # Environments of the round's rows (tool calling with `environment_factory`), passed to the reward functions.
+    environments: list[Any] | None = None
+
+    def _log_completion_extra(self, column: str, values: list) -> None:
+        """TRL's `log_extra` callback of reward functions: a column added to the completions table."""
+        self._logged_extra[column] = list(values)
+
+    def _log_metric(self, name: str, value: float) -> None:
+        """TRL's `log_metric` callback of reward functions: a scalar averaged into this interval's metrics."""
+        self._metrics[self._mode][name].append(float(value))
+
+    def _calculate_rewards(
         self,
         inputs: list[dict[str, Any]],
         prompts: list[Any],
         completions: list[Any],
-        completion_ids: list[list[int]],
-        extra_fields: dict[str, list] | None = None,
+        completion_ids_list: list[list[int]],
     ) -> torch.Tensor:
-        """Score every completion with every reward function; returns the `(N_global, F)` rewards of all processes.
+        """TRL's hook: score every completion with every reward function; returns the float32 `(N_global, F)`
+        rewards of all processes (rank order), NaN where a function returned None.
 
-        Callables are called with keyword arguments `prompts`, `completions`, `completion_ids`, `trainer_state`,
-        `log_extra`, `log_metric` (see `_reward_logging_callbacks`) and every other dataset column (plus `extra_fields`). `async def` functions run
-        concurrently. A None reward becomes NaN (the function does not apply to that completion).
+        Reads `reward_funcs`, `reward_processing_classes` and `reward_func_names` at call time. Callables are called
+        with keyword arguments `prompts`, `completions`, `completion_ids`, `trainer_state`, `log_extra`,
+        `log_metric` (see `_reward_logging_callbacks`), `environments` (with an environment factory) and every other
+        column of `inputs`. `async def` functions run concurrently.
         """
+        completion_ids = completion_ids_list
         device = self.accelerator.device
-        mode = self._mode
         num = len(prompts)
         rewards = torch.full((num, len(self.reward_funcs)), float("nan"), dtype=torch.float32, device=device)
 
@@ -232,20 +244,18 @@ class _OnlineRewardsMixin:
             for key in inputs[0]
             if key not in ("prompt", "completion", "completion_ids")
         }
-        columns.update(extra_fields or {})
-
-        def log_extra(name: str, values: list) -> None:
-            self._logged_extra[name] = list(values)
-
-        def log_metric(name: str, value: float) -> None:
-            self._metrics[mode][name].append(float(value))
-
+        if self.environments is not None:
+            columns["environments"] = self.environments
         common = {
             "prompts": prompts,
             "completions": completions,
             "completion_ids": completion_ids,
             "trainer_state": self.state,
-            **({"log_extra": log_extra, "log_metric": log_metric} if self._reward_logging_callbacks else {}),
+            **(
+                {"log_extra": self._log_completion_extra, "log_metric": self._log_metric}
+                if self._reward_logging_callbacks
+                else {}
+            ),
             **columns,
         }
         pending: list[tuple[int, Any]] = []

@@ -121,6 +121,8 @@ class RLOOTrainer(_OnlineTrainer):
             "}"
         ),
     }
+    # As TRL: the Trainer divides RLOO's loss by the gradient accumulation steps (a `compute_loss` override inherits it).
+    loss_is_scaled_for_ga = False
     _config_class = RLOOConfig
     # As TRL: a metric undefined over the whole logging window (all-None rewards, no completion token) logs None.
     _undefined_metric_value = None
@@ -191,8 +193,9 @@ class RLOOTrainer(_OnlineTrainer):
         return shaped if shaped is not None and shaped.shape == rewards.shape else rewards
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        logps, entropy, outputs = self._forward_logps(model, inputs, compute_entropy=True)
-        mask = inputs["completion_mask"].to(logps.dtype)
+        with self._decode_replay_for(inputs):
+            logps, entropy, aux_loss = self._completion_logps(model, inputs, compute_entropy=True)
+        mask = self._loss_mask(inputs).to(logps.dtype)
         advantages = inputs["advantages"].to(logps.dtype)
         old = inputs.get("old_per_token_logps")
         if old is None or self._is_on_policy():
@@ -202,7 +205,7 @@ class RLOOTrainer(_OnlineTrainer):
             logps, old, advantages, mask, self.epsilon_low, self.epsilon_high
         )
         loss = per_sequence_loss.mean() / self._gradient_accumulation_divisor()
-        loss = self._add_aux_loss(loss, outputs)
+        loss = self._add_aux_loss(loss, aux_loss)
 
         with torch.no_grad():
             self._record_metric("entropy", masked_mean(entropy.detach(), mask))

@@ -1,7 +1,7 @@
 """Multi-turn tool calling and environments for the online trainers.
 
-The tool loop sits above the trainer's single generation hook (`_generate`), so it works with every generation
-backend (transformers `generate`, continuous batching, vLLM). One rollout goes:
+The tool loop sits above the trainer's single-turn generation hook (`_generate_single_turn`, TRL's), so it works with
+every generation backend (transformers `generate`, continuous batching, vLLM). One rollout goes:
 
 1. (environments) each generated row gets its own environment instance; `reset(**row)` may extend the last user
    message, and the instance's public methods become that row's tools, next to the trainer-wide `tools`;
@@ -40,7 +40,6 @@ from ..chat_template_utils import (
     supports_tool_calling,
 )
 from ..data_utils import is_conversational
-from .online_generation import CONTINUATION_IDS_KEY
 from .online_rewards import _run_coroutines
 from .utils import get_callable_name, is_async_callable
 
@@ -304,23 +303,22 @@ class _ToolCallingMixin:
     # ------------------------------------------------------------------------------------------------------------
     # The rollout
     # ------------------------------------------------------------------------------------------------------------
-    def _rollout(self, prompts: list[Any], inputs: list[dict[str, Any]]) -> dict[str, Any]:
+    def _prepare_rollout_rows(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Before generation (as TRL): each row gets its environment (`self.environments`), `reset(**row)` may extend
+        its last user message, and its tools (trainer-wide, the environment's methods, the dataset's `tools` column)
+        are fixed for the rollout."""
+        inputs = super()._prepare_rollout_rows(inputs)
         if not self._tools_enabled:
-            return super()._rollout(prompts, inputs)
-        return self._tool_rollout(prompts, inputs)
-
-    def _tool_rollout(self, prompts: list[Any], inputs: list[dict[str, Any]]) -> dict[str, Any]:
+            return inputs
         num = len(inputs)
+        prompts = [copy.deepcopy(example["prompt"]) for example in inputs]
         if not is_conversational({"prompt": prompts[0]}):
             raise ValueError(
                 "Tool calling needs conversational prompts (lists of chat messages) so that tools and tool results "
                 f"are rendered with the chat template; found a {type(prompts[0]).__name__} prompt. Convert the "
                 "prompts to e.g. [{'role': 'user', 'content': ...}]."
             )
-        prompts = [copy.deepcopy(prompt) for prompt in prompts]
         environments = self._environment_pool.acquire(inputs) if self._environment_pool is not None else [None] * num
-
-        # ---- Per-row tools (trainer-wide + environment methods) and reset() ------------------------------------
         row_tools: list[list[Any]] = []
         row_tool_maps: list[dict[str, Callable]] = []
         for i, (example, environment) in enumerate(zip(inputs, environments)):
@@ -340,18 +338,47 @@ class _ToolCallingMixin:
                 schemas += list(dataset_tools)  # described to the model, but not executable here
             row_tools.append(schemas)
             row_tool_maps.append(mapping)
-        turn_inputs = [
-            {**example, "prompt": prompt, "tools": tools} for example, prompt, tools in zip(inputs, prompts, row_tools)
-        ]
+        self.environments = environments if environments[0] is not None else None
+        self._row_tools, self._row_tool_maps = row_tools, row_tool_maps
+        return [{**example, "prompt": prompt} for example, prompt in zip(inputs, prompts)]
 
+    def _prompt_rows_of(self, prompts: list[Any]) -> list[dict[str, Any]]:
+        rows = super()._prompt_rows_of(prompts)
+        row_tools = self.__dict__.get("_row_tools")
+        if self._tools_enabled and row_tools is not None and len(row_tools) == len(rows):
+            rows = [{**row, "tools": tools} for row, tools in zip(rows, row_tools)]
+        return rows
+
+    def _rollout(self, prompts: list[Any]) -> dict[str, Any]:
+        if not self._tools_enabled:
+            return super()._rollout(prompts)
+        return self._tool_rollout(prompts)
+
+    def _generate_turn(
+        self, prompt_ids: list[list[int]], images: Any, multimodal_fields: dict[str, Any], num_generations: int
+    ) -> tuple[list[list[int]], list[list[float]] | None]:
+        """One turn through `_generate_single_turn` (TRL's hook) with the trainer's argument shape."""
+        extra = (num_generations,) if self._single_turn_takes_num_generations else ()
+        return self._single_turn_result(self._generate_single_turn(prompt_ids, images, multimodal_fields, *extra))
+
+    def _tool_rollout(self, prompts: list[Any]) -> dict[str, Any]:
+        num = len(prompts)
+        row_tools, row_tool_maps = self._row_tools, self._row_tool_maps
+        inputs = self._prompt_rows_of(prompts)
+        prompt_ids, images, multimodal_fields = self._tokenize_prompts(prompts)
+        self.__dict__.pop("_image_prompts", None)
+        if images is not None:
+            raise ValueError(
+                "Tool calling with image prompts is not supported: later turns are generated from token ids without "
+                "their images. Train tools on text prompts, or drop tools/environment_factory."
+            )
         # ---- First turn ----------------------------------------------------------------------------------------
-        output = self._generate(prompts, turn_inputs)
-        prompt_ids = [list(ids) for ids in output["prompt_ids"]]
-        completion_ids = [list(ids) for ids in output["completion_ids"]]
+        completion_ids, sampling = self._generate_turn(prompt_ids, None, multimodal_fields, self._group_size())
+        prompt_ids = [list(ids) for ids in prompt_ids]
+        completion_ids = [list(ids) for ids in completion_ids]
         tool_mask = [[1] * len(ids) for ids in completion_ids]
-        sampling = output.get("sampling_logps")
-        sampling = [list(lp) for lp in sampling] if sampling is not None else None
-        extra_fields = dict(output.get("extra_fields") or {})
+        uses_sampling = self._uses_sampling_logps()
+        sampling = [list(lp) for lp in sampling] if sampling is not None and uses_sampling else None
         messages: list[list[dict[str, Any]]] = [[] for _ in range(num)]
         last_turn = {i: completion_ids[i] for i in range(num)}
         budget = self.max_completion_length
@@ -405,21 +432,17 @@ class _ToolCallingMixin:
                 break
             iterations += 1
             if not continuing:  # other processes still generate: take part with a throw-away row
-                dummy = {**turn_inputs[0], CONTINUATION_IDS_KEY: prompt_ids[0]}
-                self._generate_limited([prompts[0]], [dummy], 1)
+                self._generate_limited([prompt_ids[0]], 1)
                 continue
 
             # Generate the next turn of those rows, from exactly the tokens so far.
-            next_inputs = [
-                {**turn_inputs[i], CONTINUATION_IDS_KEY: prompt_ids[i] + completion_ids[i]} for i in continuing
-            ]
+            next_ids = [prompt_ids[i] + completion_ids[i] for i in continuing]
             remaining = max(budget - len(completion_ids[i]) for i in continuing)
-            output = self._generate_limited([prompts[i] for i in continuing], next_inputs, remaining)
-            turn_sampling = output.get("sampling_logps")
+            turn_completions, turn_sampling = self._generate_limited(next_ids, remaining)
             if turn_sampling is None:
                 sampling = None
             for k, i in enumerate(continuing):
-                turn_ids = list(output["completion_ids"][k])[: budget - len(completion_ids[i])]
+                turn_ids = list(turn_completions[k])[: budget - len(completion_ids[i])]
                 completion_ids[i] += turn_ids
                 tool_mask[i] += [1] * len(turn_ids)
                 if sampling is not None:
@@ -441,21 +464,21 @@ class _ToolCallingMixin:
             )
 
         self._record_tool_metrics(calls, failures, num)
-        if environments[0] is not None:
-            extra_fields["environments"] = environments
         return {
             "prompt_ids": prompt_ids,
             "completion_ids": completion_ids,
             "sampling_logps": sampling,
-            "extra_fields": extra_fields,
-            "prompts": prompts,
+            "extra_fields": {},
             "completions": messages,
             "tool_mask": tool_mask,
+            "images": None,
+            "tool_images": [],
         }
 
-    def _generate_limited(self, prompts: list[Any], inputs: list[dict[str, Any]], max_new_tokens: int) -> dict:
-        """`_generate` with at most `max_new_tokens` new tokens (transformers and vLLM back-ends; a `rollout_func`
-        is not limited, its turns are truncated afterwards)."""
+    def _generate_limited(
+        self, prompt_ids: list[list[int]], max_new_tokens: int
+    ) -> tuple[list[list[int]], list[list[float]] | None]:
+        """A later turn (one completion per row of exact token ids) with at most `max_new_tokens` new tokens."""
         original = self.generation_config
         limited = copy.deepcopy(original)
         limited.max_new_tokens = max(1, min(max_new_tokens, original.max_new_tokens or max_new_tokens))
@@ -466,7 +489,7 @@ class _ToolCallingMixin:
             # vLLM's server mode samples every process's rows with one limit: the largest one asked for.
             vllm_generation.max_tokens = min(self._max_over_processes(limited.max_new_tokens), original_max_tokens)
         try:
-            return self._generate(prompts, inputs)
+            return self._generate_turn(prompt_ids, None, {}, 1)
         finally:
             self.generation_config = original
             if vllm_generation is not None:

@@ -219,9 +219,9 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         processing_class: Any,
         args: Any,
         dataset_name: str,
-        kl_chunk_size: int,
     ) -> Dataset | IterableDataset:
-        """Tokenize an unpaired (or paired, then unpaired) dataset and attach the KL completions when needed."""
+        """Tokenize an unpaired (or paired, then unpaired) dataset and attach the KL completions when needed (TRL's
+        hook and signature)."""
         if self._is_vision_dataset:  # the vision collator renders and processes the raw rows (KL rows included)
             return dataset
         trainer_name = type(self).__name__
@@ -269,8 +269,15 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         if self._needs_kl and _KL_COLUMN not in (get_dataset_column_names(tokenized) or []):
             # One process, so that the chunks are consecutive batch-sized slices of the whole dataset.
             desc = {} if is_iterable else {"desc": f"Pairing KL completions in {dataset_name}"}
+            kl_chunk_size = self._kl_chunk_size(args, dataset_name)
             tokenized = tokenized.map(_KLCompletions(), batched=True, batch_size=kl_chunk_size, **desc)
         return tokenized
+
+    @staticmethod
+    def _kl_chunk_size(args: Any, dataset_name: str) -> int:
+        """Rows per chunk whose completions are rotated by one to form the mismatched KL pairs: a training or an
+        evaluation batch, as TRL pairs them."""
+        return args.per_device_train_batch_size if dataset_name == "train" else args.per_device_eval_batch_size
 
     @staticmethod
     def _unpair(

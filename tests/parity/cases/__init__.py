@@ -253,6 +253,7 @@ from . import (  # noqa: E402, F401
     internals,
     offline,
     online,
+    plugins,
     ppo,
     vlm,
 )

@@ -448,12 +448,17 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
         columns = get_dataset_column_names(dataset) or []
         return all(c in columns for c in ("label", *_BCO_TOKEN_COLUMNS))
 
+    @staticmethod
+    def _kl_chunk_size(args: Any, dataset_name: str) -> int:
+        # BCO (TRL 1.12) pairs each completion with its neighbour's: chunks of one row rotate nothing.
+        return 1
+
     def _prepare_bco_dataset(self, dataset: Any, processing_class: Any, args: BCOConfig, name: str) -> Any:
         """Tokenize (see `_prepare_dataset`), then write TRL 1.12's BCO columns: the raw `prompt`, `completion`,
         `label` (and any other column of the input) followed by `_BCO_TOKEN_COLUMNS`."""
         if self._is_prepared(dataset):
             return dataset
-        dataset = self._prepare_dataset(dataset, processing_class, args, name, kl_chunk_size=1)
+        dataset = self._prepare_dataset(dataset, processing_class, args, name)
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
         kwargs = {} if isinstance(dataset, IterableDataset) else {"desc": f"Writing the BCO columns of {name}"}
         return dataset.map(

@@ -22,7 +22,7 @@ PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 COMPLETION_KEYS = (
     "completion_ids",
     "completion_mask",
-    "completion_attention_mask",
+    "tool_mask",
     "old_per_token_logps",
     "ref_per_token_logps",
     "sampling_per_token_logps",
@@ -213,7 +213,7 @@ class GRPOWithReplayBufferTrainer(GRPOTrainer):
         """Group `index`'s rows, without the prompt and completion columns that are padding in all of them."""
         rows = slice(index * group, (index + 1) * group)
         width = tensors["completion_ids"].shape[1]
-        attended = tensors.get("completion_attention_mask", tensors["completion_mask"])
+        attended = tensors["completion_mask"]
         prompt_columns = tensors["prompt_mask"][rows].bool().any(dim=0)
         completion_columns = attended[rows].bool().any(dim=0)
         out = {}

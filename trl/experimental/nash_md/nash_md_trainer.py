@@ -352,7 +352,7 @@ class NashMDTrainer(OnlineDPOTrainer):
 
     def _generate_pairs(self, rows: list[dict[str, Any]]) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
         # First completion: the policy (through the core's backend); second: the geometric mixture, with transformers.
-        output = self._generate([row["prompt"] for row in rows], rows)
+        output = self._generate_rows(rows)
         prompt_lists = output["prompt_ids"]
         coef = self.mixture_coef
         with self._unwrapped_for_generation(self.model_wrapped) as policy, contextlib.ExitStack() as stack:
@@ -377,7 +377,7 @@ class NashMDTrainer(OnlineDPOTrainer):
         num_pairs = inputs["first_win_prob"].shape[0]
         # The loss and the metrics only need the policy's own completions; the mixture's serve the preference only.
         first = {key: value[:num_pairs] for key, value in inputs.items() if key != "first_win_prob"}
-        policy_token_logps, _, outputs = self._forward_logps(model, first)
+        policy_token_logps, _, aux_loss = self._completion_logps(model, first)
         ref_token_logps = first["ref_per_token_logps"].to(policy_token_logps.dtype)
         mask = first["completion_mask"].to(policy_token_logps.dtype)
 
@@ -389,7 +389,7 @@ class NashMDTrainer(OnlineDPOTrainer):
         policy_logps = (policy_token_logps.detach() * mask).sum(dim=1)
         ref_logps = (ref_token_logps * mask).sum(dim=1)
         loss = losses.mean() / self._gradient_accumulation_divisor()
-        loss = self._add_aux_loss(loss, outputs)
+        loss = self._add_aux_loss(loss, aux_loss)
 
         with torch.no_grad():
             policy_logps = policy_logps.detach()

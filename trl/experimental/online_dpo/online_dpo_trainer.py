@@ -404,14 +404,14 @@ class OnlineDPOTrainer(_OnlineTrainer):
         contains_eos = torch.tensor([bool(ids) and ids[-1] in eos for ids in completion_lists], device=device)
         batch["contains_eos"] = contains_eos
 
-        completions = self._decode_completions(pair_rows, completion_lists)
+        completions = self._decode_completions([row["prompt"] for row in pair_rows], completion_lists)
         if self.judge is not None:
             batch["first_win_prob"] = self._judge_pairs(rows, completions[:num_pairs], completions[num_pairs:])
         else:
             prompts = [row["prompt"] for row in pair_rows]
             self._pair_batch = batch if self._reward_models_score_ids else None
             try:
-                rewards = self._compute_rewards(pair_rows, prompts, completions, completion_lists)
+                rewards = self._calculate_rewards(pair_rows, prompts, completions, completion_lists)
             finally:
                 self._pair_batch = None
             index = self.accelerator.process_index
@@ -451,11 +451,11 @@ class OnlineDPOTrainer(_OnlineTrainer):
         """
         if getattr(self, "vllm_generation", None) is not None:
             doubled = [row for row in rows for _ in range(2)]
-            output = self._generate([row["prompt"] for row in doubled], doubled)
+            output = self._generate_rows(doubled)
             completions = output["completion_ids"]
             return output["prompt_ids"][0::2], completions[0::2], completions[1::2]
         twice = rows + rows
-        output = self._generate([row["prompt"] for row in twice], twice)
+        output = self._generate_rows(twice)
         completions, n = output["completion_ids"], len(rows)
         return output["prompt_ids"][:n], completions[:n], completions[n:]
 
@@ -571,11 +571,11 @@ class OnlineDPOTrainer(_OnlineTrainer):
     # ------------------------------------------------------------------------------------------------------------
     def _sequence_logps(self, model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Policy (with gradient) and reference log-probabilities of every completion, summed over its tokens."""
-        per_token_logps, _, outputs = self._forward_logps(model, inputs)
+        per_token_logps, _, aux_loss = self._completion_logps(model, inputs)
         mask = inputs["completion_mask"].to(per_token_logps.dtype)
         logps = (per_token_logps * mask).sum(dim=1)
         ref_logps = (inputs["ref_per_token_logps"].to(per_token_logps.dtype) * mask).sum(dim=1)
-        return logps, ref_logps, outputs
+        return logps, ref_logps, aux_loss
 
     @staticmethod
     def _chosen_rejected(first_win_prob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -589,7 +589,7 @@ class OnlineDPOTrainer(_OnlineTrainer):
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         beta = self.beta
-        logps, ref_logps, outputs = self._sequence_logps(model, inputs)
+        logps, ref_logps, aux_loss = self._sequence_logps(model, inputs)
         chosen, rejected, valid = self._chosen_rejected(inputs["first_win_prob"])
         losses = online_dpo_loss(
             logps[chosen], logps[rejected], ref_logps[chosen], ref_logps[rejected], beta, self.args.loss_type
@@ -597,7 +597,7 @@ class OnlineDPOTrainer(_OnlineTrainer):
         valid_f = valid.to(losses.dtype)
         loss = torch.where(valid, losses, torch.zeros_like(losses)).sum() / valid_f.sum().clamp(min=1.0)
         loss = loss / self._gradient_accumulation_divisor()
-        loss = self._add_aux_loss(loss, outputs)
+        loss = self._add_aux_loss(loss, aux_loss)
 
         with torch.no_grad():
             logps, ref_logps = logps.detach(), ref_logps.detach()

@@ -167,7 +167,7 @@ class XPOTrainer(OnlineDPOTrainer):
 
     def _generate_pairs(self, rows: list[dict[str, Any]]) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
         # First completion: the policy (through the core's backend); second: the reference, with transformers.
-        output = self._generate([row["prompt"] for row in rows], rows)
+        output = self._generate_rows(rows)
         prompt_lists = output["prompt_ids"]
         if self.ref_model is not None:
             with self._unwrapped_for_generation(self.ref_model) as reference:
@@ -179,7 +179,7 @@ class XPOTrainer(OnlineDPOTrainer):
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         beta, alpha = self.beta, self.alpha
-        logps, ref_logps, outputs = self._sequence_logps(model, inputs)
+        logps, ref_logps, aux_loss = self._sequence_logps(model, inputs)
         num_pairs = logps.shape[0] // 2
         chosen, rejected, valid = self._chosen_rejected(inputs["first_win_prob"])
         dpo_losses, xpo_losses = xpo_loss(
@@ -197,7 +197,7 @@ class XPOTrainer(OnlineDPOTrainer):
         # The exploration term does not depend on the verdict: every reference sample counts.
         xpo_term = xpo_losses.mean()
         loss = (dpo_term + xpo_term) / self._gradient_accumulation_divisor()
-        loss = self._add_aux_loss(loss, outputs)
+        loss = self._add_aux_loss(loss, aux_loss)
 
         with torch.no_grad():
             logps, ref_logps = logps.detach(), ref_logps.detach()
