@@ -17,7 +17,14 @@ from trainer_utils import (
 from trl import GRPOConfig
 from trl import GRPOTrainer as StableGRPOTrainer
 from trl.experimental.gspo_token import GRPOTrainer
+from trl.experimental.gspo_token.grpo_trainer import sequence_token_log_weights
 from trl.trainer.grpo_trainer import grpo_per_token_loss, importance_log_weights, normalize_per_token_loss
+
+
+def _log_weights(logps, old, mask, level):
+    if level == "sequence_token":
+        return sequence_token_log_weights(logps, old, mask)
+    return importance_log_weights(logps, old, mask, level)
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -42,7 +49,7 @@ def _loss_and_grad(level, advantages=ADV, eps=(0.2, 0.28)):
         loss_type="grpo",
         epsilon_low=eps[0],
         epsilon_high=eps[1],
-        importance_sampling_level=level,
+        log_weights=_log_weights(logps, torch.tensor(OLD), torch.tensor(MASK), level),
     )
     loss = normalize_per_token_loss(per_token, torch.tensor(MASK), "grpo")
     loss.backward()
@@ -54,7 +61,7 @@ def _sequence_log_ratios():
 
 
 def test_ratio_value_equals_sequence_ratio_at_every_token():
-    log_w = importance_log_weights(torch.tensor(LOGPS), torch.tensor(OLD), torch.tensor(MASK), "sequence_token")
+    log_w = sequence_token_log_weights(torch.tensor(LOGPS), torch.tensor(OLD), torch.tensor(MASK))
     expected = [[s] * 3 for s in _sequence_log_ratios()]
     torch.testing.assert_close(log_w, torch.tensor(expected))
 
@@ -87,7 +94,7 @@ def test_per_token_advantages_change_the_gradient_as_the_formula_says():
     results = {}
     for level in ("sequence_token", "sequence"):
         logps.grad = None
-        log_w = importance_log_weights(logps, torch.tensor(OLD), mask, level)
+        log_w = _log_weights(logps, torch.tensor(OLD), mask, level)
         loss = (-(torch.exp(log_w) * adv) * mask).sum(dim=1).div(mask.sum(dim=1)).mean()
         loss.backward()
         results[level] = logps.grad.clone()

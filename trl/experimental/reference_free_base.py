@@ -282,12 +282,11 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
     only where a token is scored, and the `logits/*` metrics come from the final hidden states (see
     `mean_logits_from_hidden`). Encoder-decoder models (`is_encoder_decoder`, read from the model's config unless
     `args.is_encoder_decoder` declares it) get the prompts as encoder input and the completions as decoder labels,
-    scored from the decoder's logits. A subclass sets `_config_class`, `_suffix` and implements
+    scored from the decoder's logits. A subclass sets `_config_class`, `_name` and implements
     [`_preference_loss`]; the switches below pick what differs between the methods.
     """
 
     _config_class: type = None
-    _suffix: str = ""
     # Sequence log-probabilities as per-token means (True) or sums (False).
     _length_normalized: bool = False
     # NLL of the chosen sequences over prompt and completion (ORPO) or the completion only (CPO).
@@ -316,7 +315,7 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
                 raise ValueError(f"{name} needs a `model` (a model or a path / hub id) or a `model_init` callable.")
             model = model_init()
         if args is None:
-            args = self._default_args(self._config_class, model, self._suffix)
+            args = self._default_args(self._config_class, model)
         elif not isinstance(args, self._config_class):
             raise TypeError(
                 f"{name} needs args of type {self._config_class.__name__}; got {type(args).__name__}. Build a "

@@ -95,6 +95,8 @@ class _BaseTrainer(Trainer):
     _accepts_images: bool = False
     _tag_names: list[str] = []
     _name: str = "Base"
+    # Suffix of the default `output_dir` (`<model name>-<suffix>`) when it differs from `_name`.
+    _output_dir_suffix: str | None = None
     _paper: dict[str, str] = {}
     _template_file: str = "lm_model_card.md"
     # Logged for a metric none of whose recorded values is defined (all NaN) in the logging window.
@@ -117,10 +119,27 @@ class _BaseTrainer(Trainer):
         return getattr(config, "_name_or_path", None) or type(model).__name__
 
     @classmethod
-    def _default_args(cls, config_class: type[TrainingArguments], model: Any, suffix: str) -> TrainingArguments:
-        """Config used when `args=None`: `output_dir` is `<model name>-<suffix>`."""
+    def _default_args(cls, config_class: type[TrainingArguments], model: Any) -> TrainingArguments:
+        """Config used when `args=None`: `output_dir` is `<model name>-<suffix>`, the suffix being
+        `_output_dir_suffix` or else the trainer's `_name` (as TRL names them: `Qwen2-0.5B-GRPO`, `...-OnlineDPO`)."""
         model_name = cls._model_id(model).rstrip("/").split("/")[-1]
-        return config_class(f"{model_name}-{suffix}")
+        return config_class(f"{model_name}-{cls._output_dir_suffix or cls._name}")
+
+    @classmethod
+    def _load_trained_model(cls, model: Any, args: TrainingArguments, peft_config: Any, **load_kwargs: Any) -> Any:
+        """The model to train: loaded when `model` is a path or id (`_load_model`, with `load_kwargs`), refused when
+        it is already a PeftModel and a `peft_config` asks to wrap it again."""
+        model = cls._load_model(model, args, **load_kwargs)
+        cls._reject_peft_model_with_config(model, peft_config)
+        return model
+
+    @classmethod
+    def _reject_peft_model_with_config(cls, model: Any, peft_config: Any) -> None:
+        if cls._is_peft_model(model) and peft_config is not None:
+            raise ValueError(
+                "You passed a PeftModel together with a peft_config. Pass either a base model with peft_config, or "
+                "the PeftModel alone."
+            )
 
     @staticmethod
     def _load_model(

@@ -109,7 +109,6 @@ class DistillationTrainer(_ToolCallingMixin, _OnlineTrainer):
         ),
     }
     _config_class = DistillationConfig
-    _default_suffix = "Distillation"
     _undefined_metric_value = None
     # The teacher is the signal: no reward functions, no advantages, no reward columns in the completions table.
     _logs_rewards = False
@@ -129,7 +128,7 @@ class DistillationTrainer(_ToolCallingMixin, _OnlineTrainer):
         tools: list[Callable] | None = None,
     ):
         if args is None:
-            args = self._default_args(DistillationConfig, model, self._default_suffix)
+            args = self._default_args(DistillationConfig, model)
         # The teacher is loaded first, so that a bad teacher path fails before the student is set up.
         if teacher_model is not None and teacher_model is model:
             raise ValueError(

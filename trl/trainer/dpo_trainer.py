@@ -355,7 +355,7 @@ class DPOTrainer(_PreferenceTrainer):
     ):
         # ---- Config --------------------------------------------------------------------------------------------
         if args is None:
-            args = self._default_args(DPOConfig, model, "DPO")
+            args = self._default_args(DPOConfig, model)
         elif isinstance(args, TrainingArguments) and not isinstance(args, DPOConfig):
             args = _to_dpo_config(args)
         self._check_train_dataset(train_dataset, "DPOTrainer")

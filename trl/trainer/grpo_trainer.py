@@ -58,18 +58,14 @@ def normalize_then_sum_advantages(
 def importance_log_weights(
     per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor, mask: torch.Tensor, level: str = "token"
 ) -> torch.Tensor:
-    """Log importance ratios: per token `(B, T)`; per sequence `(B, 1)` as the masked mean `s` of the token log-ratios
-    (GSPO); or `sequence_token` (GSPO-token), `(B, T)` with value `s` at every token and the gradient of the token's
-    own log-probability: `logp - sg(logp) + sg(s)`."""
+    """Log importance ratios: per token `(B, T)`, or per sequence `(B, 1)` as the masked mean of the token log-ratios
+    (GSPO). Other levels are a subclass's (`GRPOTrainer._importance_log_weights`)."""
     log_ratio = per_token_logps - old_per_token_logps
     if level == "token":
         return log_ratio
-    sequence = masked_mean(log_ratio, mask, dim=1).unsqueeze(1)
     if level == "sequence":
-        return sequence
-    if level == "sequence_token":
-        return per_token_logps - per_token_logps.detach() + sequence.detach()
-    raise ValueError(f"importance_sampling_level must be 'token', 'sequence' or 'sequence_token'; got {level!r}.")
+        return masked_mean(log_ratio, mask, dim=1).unsqueeze(1)
+    raise ValueError(f"importance_sampling_level must be 'token' or 'sequence'; got {level!r}.")
 
 
 def vespo_sequence_weights(
@@ -115,6 +111,7 @@ def grpo_per_token_loss(
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     vespo_params: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
+    log_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token policy loss of the GRPO family, before masking/normalisation (KL and entropy terms excluded).
 
@@ -139,13 +136,16 @@ def grpo_per_token_loss(
         importance_sampling_level: `"token"` or `"sequence"`.
         sapo_temperature_pos, sapo_temperature_neg: SAPO gate temperatures.
         vespo_params: `(k_pos, lambda_pos, k_neg, lambda_neg)`.
+        log_weights: The log importance ratios, when the caller computed them (another level); by default
+            [`importance_log_weights`] at `importance_sampling_level`.
 
     Returns:
         `(per_token_loss, ratio, stats)`: the `(B, T)` loss, the ratio `r` (`(B, T)` or `(B, 1)`), and boolean/float
         tensors for metrics (`low_clipped`, `high_clipped`, and `cispo_clipped` / `vespo_phi` when relevant).
     """
     adv = advantages.unsqueeze(1)
-    log_weights = importance_log_weights(per_token_logps, old_per_token_logps, mask, importance_sampling_level)
+    if log_weights is None:
+        log_weights = importance_log_weights(per_token_logps, old_per_token_logps, mask, importance_sampling_level)
     ratio = torch.exp(log_weights)
     stats = {
         "low_clipped": (ratio < 1 - epsilon_low) & (adv < 0),
@@ -346,7 +346,6 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
     _config_class = GRPOConfig
     # As TRL: a metric undefined over the whole logging window (all-None rewards, no completion token) logs None.
     _undefined_metric_value = None
-    _default_suffix = "GRPO"
     # Ratio levels this trainer trains with (the GSPO-token subclass adds "sequence_token").
     _importance_sampling_levels = ("token", "sequence")
     _decode_replay = True
@@ -652,6 +651,12 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         dropped = (advantages < 0) & (kl > off_policy_threshold)
         return (~dropped).to(mask.dtype)
 
+    def _importance_log_weights(
+        self, per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Hook: the log importance ratios of the loss at `args.importance_sampling_level` (GSPO-token adds a level)."""
+        return importance_log_weights(per_token_logps, old_per_token_logps, mask, self.args.importance_sampling_level)
+
     def _high_entropy_mask(self, entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Tokens whose entropy is at or above the `1 - top_entropy_quantile` quantile (over all processes)."""
         return self.get_high_entropy_mask(entropy, mask, 1.0 - self.args.top_entropy_quantile).to(mask.dtype)
@@ -681,6 +686,7 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             sapo_temperature_pos=args.sapo_temperature_pos,
             sapo_temperature_neg=args.sapo_temperature_neg,
             vespo_params=(args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
+            log_weights=self._importance_log_weights(logps, old, mask),
         )
         is_ratio = inputs.get("importance_sampling_ratio")
         if is_ratio is None and "sampling_per_token_logps" in inputs and "old_per_token_logps" not in inputs:

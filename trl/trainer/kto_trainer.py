@@ -200,7 +200,7 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
     ):
         # ---- Config --------------------------------------------------------------------------------------------
         if args is None:
-            args = self._default_args(KTOConfig, model, "KTO")
+            args = self._default_args(KTOConfig, model)
         self._check_train_dataset(train_dataset, "KTOTrainer")
         if args.loss_type == "kto" and args.per_device_train_batch_size < 2:
             raise ValueError(

@@ -147,12 +147,11 @@ class _OnlineStateCallback(TrainerCallback):
 class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetricsMixin, _BaseTrainer):
     """Base class of online RL trainers: prompt sampling, generation, rewards, advantages, metrics and logging.
 
-    Subclasses set `_config_class` and `_default_suffix`, and implement `_compute_advantages` and `_compute_loss`.
+    Subclasses set `_config_class` and `_name`, and implement `_compute_advantages` and `_compute_loss`.
     They may override `_needs_ref_model`, `_needs_rollout_logps` and `_generate`.
     """
 
     _config_class: type = None
-    _default_suffix: str = "Online"
     # `compute_loss` normalises for gradient accumulation itself; the Trainer must not divide again.
     loss_is_scaled_for_ga = True
     # GRPO and RLOO log each step's wall time (`step_time`) as TRL does; TRL's Online DPO family does not.
@@ -209,7 +208,7 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         user_model = model  # a path (the reference is reloaded from it) or an instance (the reference is a copy)
         # ---- Config and data checks ----------------------------------------------------------------------------
         if args is None:
-            args = self._default_args(self._config_class, model, self._default_suffix)
+            args = self._default_args(self._config_class, model)
         elif not isinstance(args, self._config_class):
             raise TypeError(
                 f"{trainer_name} expects `args` to be a {self._config_class.__name__}; got {type(args).__name__}. "
@@ -227,12 +226,7 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
 
         # ---- Model and processing class ------------------------------------------------------------------------
         model_id = self._model_id(model)
-        model = self._load_model(model, args, quantization_config=quantization_config)
-        if self._is_peft_model(model) and peft_config is not None:
-            raise ValueError(
-                "You passed a PeftModel together with a peft_config. Pass either a base model with peft_config, or "
-                "the PeftModel alone."
-            )
+        model = self._load_trained_model(model, args, peft_config, quantization_config=quantization_config)
         if processing_class is None:
             processing_class = self._load_processing_class(model_id, args, padding_side="left")
         # Images: prompts are processed with their images at generation time; pixel values follow each row.

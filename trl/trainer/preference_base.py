@@ -86,11 +86,7 @@ class _PreferenceTrainer(_BaseTrainer):
 
     def _check_peft_arguments(self, model: nn.Module, peft_config: Any, ref_model: Any, args: Any) -> None:
         """A PeftModel cannot take a second `peft_config`; `sync_ref_model` needs a reference that can be blended."""
-        if self._is_peft_model(model) and peft_config is not None:
-            raise ValueError(
-                "You passed a PeftModel together with a peft_config. Pass either a base model with peft_config, or "
-                "the PeftModel alone."
-            )
+        self._reject_peft_model_with_config(model, peft_config)
         will_be_peft = self._is_peft_model(model) or peft_config is not None
         if getattr(args, "sync_ref_model", False) and will_be_peft and ref_model is None:
             raise ValueError(

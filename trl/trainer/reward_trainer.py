@@ -169,7 +169,7 @@ class RewardTrainer(_BaseTrainer):
     ):
         # ---- Config --------------------------------------------------------------------------------------------
         if args is None:
-            args = self._default_args(RewardConfig, model, "Reward")
+            args = self._default_args(RewardConfig, model)
         self._check_train_dataset(train_dataset, "RewardTrainer")
         self._prepare_iterable_args(args, train_dataset)
 
@@ -189,11 +189,7 @@ class RewardTrainer(_BaseTrainer):
             quantization_config=quantization_config,
             num_labels=1,
         )
-        if self._is_peft_model(model) and peft_config is not None:
-            raise ValueError(
-                "You passed a PeftModel together with a peft_config. Pass either a base model with peft_config, or "
-                "the PeftModel alone."
-            )
+        self._reject_peft_model_with_config(model, peft_config)
         model_num_labels = getattr(getattr(model, "config", None), "num_labels", None)
         if model_num_labels != 1:
             raise ValueError(

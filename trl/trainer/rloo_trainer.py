@@ -126,7 +126,6 @@ class RLOOTrainer(_OnlineTrainer):
     _config_class = RLOOConfig
     # As TRL: a metric undefined over the whole logging window (all-None rewards, no completion token) logs None.
     _undefined_metric_value = None
-    _default_suffix = "RLOO"
     _decode_replay = True
 
     def __init__(

@@ -298,7 +298,7 @@ class SFTTrainer(_BaseTrainer):
     ):
         # ---- Config --------------------------------------------------------------------------------------------
         if args is None:
-            args = self._default_args(SFTConfig, model, "SFT")
+            args = self._default_args(SFTConfig, model)
         elif isinstance(args, TrainingArguments) and not isinstance(args, SFTConfig):
             args = _to_sft_config(args)
         self._check_train_dataset(train_dataset, "SFTTrainer")
@@ -319,12 +319,7 @@ class SFTTrainer(_BaseTrainer):
 
         # ---- Model ---------------------------------------------------------------------------------------------
         model_id = self._model_id(model)
-        model = self._load_model(model, args, quantization_config=quantization_config)
-        if self._is_peft_model(model) and peft_config is not None:
-            raise ValueError(
-                "You passed a PeftModel together with a peft_config. Pass either a base model with peft_config, or "
-                "the PeftModel alone."
-            )
+        model = self._load_trained_model(model, args, peft_config, quantization_config=quantization_config)
 
         # ---- Processing class ----------------------------------------------------------------------------------
         if processing_class is None:

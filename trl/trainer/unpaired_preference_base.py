@@ -632,32 +632,6 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Metrics
     # ------------------------------------------------------------------------------------------------------------
-    def _record_unpaired_metrics(
-        self,
-        mode: str,
-        label: torch.Tensor,
-        logps: torch.Tensor,
-        rewards: torch.Tensor,
-        example_logits: torch.Tensor,
-        means: dict[str, torch.Tensor] | None = None,
-        num_tokens: torch.Tensor | None = None,
-    ) -> None:
-        """Store per-class sums and counts (averaged per class at log time) and the other batch metrics;
-        `example_logits` is the `(n,)` value each example contributes to `logits/<class>`."""
-        chosen, rejected = label.float(), (~label).float()
-        example_logits = example_logits.float()
-        sums = {
-            "rewards/chosen_sum": (rewards * chosen).sum(),
-            "rewards/rejected_sum": (rewards * rejected).sum(),
-            "logps/chosen_sum": (logps * chosen).sum(),
-            "logps/rejected_sum": (logps * rejected).sum(),
-            "logits/chosen_sum": (example_logits * chosen).sum(),
-            "logits/rejected_sum": (example_logits * rejected).sum(),
-            "count/chosen": chosen.sum(),
-            "count/rejected": rejected.sum(),
-        }
-        self._record_batch_metrics(mode, means=means, sums=sums, num_tokens=num_tokens)
-
     def _record_class_metrics(
         self,
         mode: str,
@@ -717,32 +691,6 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
             metrics[f"logps/{split}"].append(logp)
         if len(classes) == 2:
             metrics["rewards/margins"].append(classes["chosen"][0] - classes["rejected"][0])
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Turn the per-class sums and counts of the logging interval into means, then log as usual.
-
-        Only for metrics stored by `_record_unpaired_metrics` (BCO): `rewards/chosen` is the sum of the chosen
-        rewards over the interval divided by the number of chosen examples (likewise for `logps/*` and `logits/*`),
-        so batches with few or no examples of a class weigh in proportionally; a class absent from the whole interval
-        is not logged. `rewards/margins` is `rewards/chosen - rewards/rejected`. The `*_sum` and `count/*` entries
-        only serve this and are not logged (TRL 1.12's BCO logs the means alone).
-        """
-        mode = self._mode
-        if not hasattr(self, "_metrics"):
-            self._init_metrics()
-        metrics = self._metrics[mode]
-        if not any(f"count/{split}" in metrics for split in ("chosen", "rejected")):
-            # Metrics recorded per batch (`_record_class_metrics`): averaged over the batches as they are.
-            return super().log(logs, start_time)
-        for split in ("chosen", "rejected"):
-            total = sum(metrics.pop(f"count/{split}", []))
-            for name in ("rewards", "logps", "logits"):
-                values = metrics.pop(f"{name}/{split}_sum", None)
-                if values and total > 0:
-                    metrics[f"{name}/{split}"] = [sum(values) / total]
-        if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
-            metrics["rewards/margins"] = [metrics["rewards/chosen"][0] - metrics["rewards/rejected"][0]]
-        super().log(logs, start_time)
 
 
 class _UnpairedTokenizer:

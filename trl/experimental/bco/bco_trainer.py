@@ -318,7 +318,7 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
                 raise ValueError("BCOTrainer needs a `model` (a model or a path / hub id) or a `model_init` callable.")
             model = model_init()
         if args is None:
-            args = self._default_args(BCOConfig, model, "BCO")
+            args = self._default_args(BCOConfig, model)
         self._check_train_dataset(train_dataset, "BCOTrainer")
         self._check_udm_inputs(embedding_func, embedding_tokenizer)
         if args.generate_during_eval and not (is_wandb_available() or is_comet_available()):
@@ -447,6 +447,58 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
         """Whether a dataset already holds TRL's BCO token columns (prepared by this trainer or by TRL 1.12)."""
         columns = get_dataset_column_names(dataset) or []
         return all(c in columns for c in ("label", *_BCO_TOKEN_COLUMNS))
+
+    def _record_unpaired_metrics(
+        self,
+        mode: str,
+        label: torch.Tensor,
+        logps: torch.Tensor,
+        rewards: torch.Tensor,
+        example_logits: torch.Tensor,
+        means: dict[str, torch.Tensor] | None = None,
+        num_tokens: torch.Tensor | None = None,
+    ) -> None:
+        """Store per-class sums and counts (averaged per class at log time) and the other batch metrics;
+        `example_logits` is the `(n,)` value each example contributes to `logits/<class>`."""
+        chosen, rejected = label.float(), (~label).float()
+        example_logits = example_logits.float()
+        sums = {
+            "rewards/chosen_sum": (rewards * chosen).sum(),
+            "rewards/rejected_sum": (rewards * rejected).sum(),
+            "logps/chosen_sum": (logps * chosen).sum(),
+            "logps/rejected_sum": (logps * rejected).sum(),
+            "logits/chosen_sum": (example_logits * chosen).sum(),
+            "logits/rejected_sum": (example_logits * rejected).sum(),
+            "count/chosen": chosen.sum(),
+            "count/rejected": rejected.sum(),
+        }
+        self._record_batch_metrics(mode, means=means, sums=sums, num_tokens=num_tokens)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Turn the per-class sums and counts of the logging interval into means, then log as usual.
+
+        Only for metrics stored by `_record_unpaired_metrics` (BCO): `rewards/chosen` is the sum of the chosen
+        rewards over the interval divided by the number of chosen examples (likewise for `logps/*` and `logits/*`),
+        so batches with few or no examples of a class weigh in proportionally; a class absent from the whole interval
+        is not logged. `rewards/margins` is `rewards/chosen - rewards/rejected`. The `*_sum` and `count/*` entries
+        only serve this and are not logged (TRL 1.12's BCO logs the means alone).
+        """
+        mode = self._mode
+        if not hasattr(self, "_metrics"):
+            self._init_metrics()
+        metrics = self._metrics[mode]
+        if not any(f"count/{split}" in metrics for split in ("chosen", "rejected")):
+            # Metrics recorded per batch (`_record_class_metrics`): averaged over the batches as they are.
+            return super().log(logs, start_time)
+        for split in ("chosen", "rejected"):
+            total = sum(metrics.pop(f"count/{split}", []))
+            for name in ("rewards", "logps", "logits"):
+                values = metrics.pop(f"{name}/{split}_sum", None)
+                if values and total > 0:
+                    metrics[f"{name}/{split}"] = [sum(values) / total]
+        if "rewards/chosen" in metrics and "rewards/rejected" in metrics:
+            metrics["rewards/margins"] = [metrics["rewards/chosen"][0] - metrics["rewards/rejected"][0]]
+        super().log(logs, start_time)
 
     @staticmethod
     def _kl_chunk_size(args: Any, dataset_name: str) -> int:

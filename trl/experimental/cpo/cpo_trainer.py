@@ -130,7 +130,6 @@ class CPOTrainer(_ReferenceFreePreferenceTrainer):
     _tag_names = ["trl", "cpo"]
     _name = "CPO"
     _config_class = CPOConfig
-    _suffix = "CPO"
     _paper = {
         "title": "Contrastive Preference Optimization: Pushing the Boundaries of LLM Performance in Machine Translation",
         "id": "2401.08417",

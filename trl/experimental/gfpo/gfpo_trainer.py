@@ -88,7 +88,6 @@ class GFPOTrainer(GRPOTrainer):
         ),
     }
     _config_class = GFPOConfig
-    _default_suffix = "GFPO"
 
     def __init__(
         self,

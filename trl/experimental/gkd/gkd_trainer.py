@@ -115,7 +115,7 @@ class GKDTrainer(SFTTrainer):
         if model is None:
             raise ValueError(f"{trainer} needs a student `model` (a path, a hub id or a model instance).")
         if args is None:
-            args = self._default_args(self._config_class, model, self._name)
+            args = self._default_args(self._config_class, model)
         elif not isinstance(args, self._config_class):
             raise TypeError(
                 f"{trainer} expects `args` to be a {config}, got {type(args).__name__}. Build a {config} (it accepts "

@@ -303,7 +303,7 @@ class NashMDTrainer(OnlineDPOTrainer):
         ),
     }
     _config_class = NashMDConfig
-    _default_suffix = "NashMD"
+    _output_dir_suffix = "NashMD"
     _policy_samples_per_prompt = 1
     _reward_models_score_ids = True
     _soft_preferences = True

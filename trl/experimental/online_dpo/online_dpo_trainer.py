@@ -212,7 +212,7 @@ class OnlineDPOTrainer(_OnlineTrainer):
         ),
     }
     _config_class = OnlineDPOConfig
-    _default_suffix = "OnlineDPO"
+    _output_dir_suffix = "OnlineDPO"
     # Completions `_generate` samples from the policy per prompt: both members of a pair here; XPO and Nash-MD sample
     # one and take the other from the reference / the mixture.
     _policy_samples_per_prompt = 2

@@ -107,7 +107,6 @@ class ORPOTrainer(_ReferenceFreePreferenceTrainer):
     _tag_names = ["trl", "orpo"]
     _name = "ORPO"
     _config_class = ORPOConfig
-    _suffix = "ORPO"
     _paper = {
         "title": "ORPO: Monolithic Preference Optimization without Reference Model",
         "id": "2403.07691",

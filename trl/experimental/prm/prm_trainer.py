@@ -174,19 +174,16 @@ class PRMTrainer(_BaseTrainer):
                 "PRMTrainer needs a `model` (a token-classification model or its path) or a `model_init`."
             )
         if args is None:
-            args = self._default_args(PRMConfig, model if model is not None else "model", "PRM")
+            args = self._default_args(PRMConfig, model if model is not None else "model")
         self._check_train_dataset(train_dataset, "PRMTrainer")
         self._prepare_iterable_args(args, train_dataset)
 
         # ---- Model ---------------------------------------------------------------------------------------------
         if model is not None:
             model_id = self._model_id(model)
-            model = self._load_model(model, args, architecture=AutoModelForTokenClassification, num_labels=2)
-            if self._is_peft_model(model) and peft_config is not None:
-                raise ValueError(
-                    "You passed a PeftModel together with a peft_config. Pass either a base model with peft_config, "
-                    "or the PeftModel alone."
-                )
+            model = self._load_trained_model(
+                model, args, peft_config, architecture=AutoModelForTokenClassification, num_labels=2
+            )
             if args.disable_dropout:
                 disable_dropout_in_model(model)
             peft_config = self._with_trainable_head(peft_config, model, task_type="TOKEN_CLS")

@@ -119,7 +119,6 @@ class XPOTrainer(OnlineDPOTrainer):
         ),
     }
     _config_class = XPOConfig
-    _default_suffix = "XPO"
     _policy_samples_per_prompt = 1
     _reward_models_score_ids = True
 
