@@ -234,12 +234,10 @@ class TPOTrainer(_PreferenceTrainer):
             )
 
         # ---- Model, tokenizer, PEFT (no reference model: TPO needs none) ---------------------------------------
+        if processing_class is not None:
+            _check_tokenizer(processing_class)
         model, processing_class, tokenizer = self._load_policy(model, None, processing_class, args, peft_config)
-        if not isinstance(processing_class, PreTrainedTokenizerBase):
-            raise TypeError(
-                f"TPOTrainer trains on text only and needs a tokenizer (PreTrainedTokenizerBase) as processing_class; "
-                f"got {type(processing_class).__name__}. Pass processing_class=AutoTokenizer.from_pretrained(...)."
-            )
+        _check_tokenizer(processing_class)
         if args.disable_dropout:
             disable_dropout_in_model(model)
         self.pad_token_id = tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
@@ -287,7 +285,11 @@ class TPOTrainer(_PreferenceTrainer):
         self, dataset: Dataset | IterableDataset, processing_class: Any, args: TPOConfig, dataset_name: str
     ) -> Dataset | IterableDataset:
         dataset, first, columns, map_kwargs, is_iterable = self._open_dataset(
-            dataset, args, dataset_name, {}, f"The {dataset_name} dataset is empty; TPOTrainer needs at least one triple."
+            dataset,
+            args,
+            dataset_name,
+            {},
+            f"The {dataset_name} dataset is empty; TPOTrainer needs at least one triple.",
         )
         if all(c in columns for c in _TOKENIZED_COLUMNS):
             tokenized = dataset
@@ -313,20 +315,23 @@ class TPOTrainer(_PreferenceTrainer):
             tokenize = _TripleTokenizer(processing_class, conversational)
             tokenized = dataset.map(tokenize, **map_kwargs_with_desc(map_kwargs, f"Tokenizing {dataset_name}"))
 
-        # Drop triples whose chosen or rejected completion keeps no scored token after truncation.
-        keep_fn = _HasPreferenceTargets(args.max_length, args.truncation_mode)
-        if is_iterable:
-            return tokenized.filter(keep_fn)
-        flags = [
-            keep_fn.check(len(p), len(c), len(r))
-            for p, c, r in zip(tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"])
-        ]
-        none_left = (
-            f"No {dataset_name} triple has a chosen and a rejected completion token left to train on with "
-            f"max_length={args.max_length} and truncation_mode={args.truncation_mode!r}. Raise max_length or shorten "
-            "the prompts."
-        )
-        return self._keep_flagged(tokenized, flags, dataset_name, "triples", args.max_length, none_left)
+        # As in TRL, triples left without a chosen or rejected token by truncation are kept (their log-probs are
+        # 0); a warning says how many there are.
+        if not is_iterable:
+            keep_fn = _HasPreferenceTargets(args.max_length, args.truncation_mode)
+            lengths = zip(tokenized["prompt_ids"], tokenized["chosen_ids"], tokenized["rejected_ids"])
+            empty = sum(not keep_fn.check(len(p), len(c), len(r)) for p, c, r in lengths)
+            if empty:
+                logger.warning(
+                    "%d of %d %s triples keep no chosen or rejected completion token within max_length=%s "
+                    "(truncation_mode=%r); they add nothing to the preference term.",
+                    empty,
+                    len(tokenized),
+                    dataset_name,
+                    args.max_length,
+                    args.truncation_mode,
+                )
+        return tokenized
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
@@ -407,6 +412,14 @@ class TPOTrainer(_PreferenceTrainer):
         return loss
 
 
+def _check_tokenizer(processing_class: Any) -> None:
+    if not isinstance(processing_class, PreTrainedTokenizerBase):
+        raise TypeError(
+            "TPOTrainer trains on text only and needs a tokenizer (PreTrainedTokenizerBase) as processing_class; got "
+            f"{type(processing_class).__name__}. Pass processing_class=AutoTokenizer.from_pretrained(...)."
+        )
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Dataset-map helpers (picklable, so that `dataset_num_proc` works)
 # ----------------------------------------------------------------------------------------------------------------
@@ -458,6 +471,3 @@ class _HasPreferenceTargets:
             scored_completion_tokens(prompt_len, length, self.max_length, self.mode) > 0
             for length in (chosen_len, rejected_len)
         )
-
-    def __call__(self, example: dict[str, Any]) -> bool:
-        return self.check(len(example["prompt_ids"]), len(example["chosen_ids"]), len(example["rejected_ids"]))
