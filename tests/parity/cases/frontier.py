@@ -130,3 +130,207 @@ def _tpo_tokenized(ctx):
     rows = [trainer.train_dataset[i] for i in range(3)]
     keys = ("prompt_ids", "chosen_ids", "rejected_ids", "reference_ids")
     return {"rows": [{k: row[k] for k in keys} for row in rows], "pad": tok.pad_token_id}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# trl.kernels.chunked_divergence
+# ---------------------------------------------------------------------------------------------------------------------
+def _divergence_inputs(seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    student = torch.randn(5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(11, generator=g, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(5, 6, generator=g, dtype=torch.float64)
+    teacher_weight = torch.randn(11, 6, generator=g, dtype=torch.float64)
+    return student, weight, bias, teacher, teacher_weight
+
+
+@case("kernels/chunked_divergence")
+def _chunked_divergence(ctx):
+    from trl.kernels.chunked_divergence import TOKEN_CHUNK_SIZE, VOCAB_CHUNK_SIZE, ChunkedDivergenceFunction
+
+    out = {"constants": [TOKEN_CHUNK_SIZE, VOCAB_CHUNK_SIZE]}
+    settings = {
+        "beta=0": (0.0, 1.0, 1.0, None, 1.0, None),
+        "beta=1": (1.0, 1.0, 1.0, None, 1.0, None),
+        "beta=0.5/T=0.7": (0.5, 0.7, 1.0, None, 1.0, None),
+        "beta=0.3/scale/softcap": (0.3, 1.0, 0.5, 3.0, 2.0, 4.0),
+    }
+    for name, (beta, temperature, s_scale, s_cap, t_scale, t_cap) in settings.items():
+        student, weight, bias, teacher, teacher_weight = _divergence_inputs()
+        divergence, entropy = ChunkedDivergenceFunction.apply(
+            student, weight, bias, teacher, teacher_weight, None, beta, temperature, s_scale, s_cap, t_scale, t_cap
+        )
+        divergence.sum().backward()
+        out[name] = to_jsonable(
+            {
+                "divergence": divergence,
+                "entropy": entropy,
+                "dtypes": [str(divergence.dtype), str(entropy.dtype)],
+                "entropy_requires_grad": entropy.requires_grad,
+                "grad_hidden": student.grad,
+                "grad_weight_norm": weight.grad.norm(),
+                "grad_bias": bias.grad,
+            }
+        )
+    return out
+
+
+@case("kernels/chunked_logprob_constants")
+def _chunked_logprob_constants(ctx):
+    from trl.kernels import chunked_logprob
+
+    return {"token_chunk": chunked_logprob.TOKEN_CHUNK_SIZE, "outputs": list(chunked_logprob.OPTIONAL_OUTPUTS)}
+
+
+@case("trainer_utils/selective_log_softmax_and_entropy_signature")
+def _slse_signature(ctx):
+    import torch
+
+    from trl.trainer.utils import selective_log_softmax_and_entropy
+
+    logits = torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    index = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    logps, entropy = selective_log_softmax_and_entropy(logits, index, False, 0.8)
+    masked = selective_log_softmax_and_entropy(logits, index, True, 1.0, torch.tensor([[1, 0, 1], [0, 1, 1]]))
+    return to_jsonable(
+        {"logps": logps, "entropy": entropy, "entropy_grad": entropy.requires_grad, "masked": list(masked)}
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# trl.trainer.add_fused_lm_head
+# ---------------------------------------------------------------------------------------------------------------------
+def _fused_model(ctx, **kwargs):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trl.trainer import add_fused_lm_head
+
+    model = AutoModelForCausalLM.from_pretrained(ctx.model(QWEN))
+    add_fused_lm_head(model, **kwargs)
+    ids = torch.randint(0, 200, (2, 7), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return model, ids, labels
+
+
+def _fused_fingerprint(output) -> dict:
+    return to_jsonable({key: value for key, value in output.items()})
+
+
+@case("fused_lm_head/outputs")
+def _fused_outputs(ctx):
+    import inspect
+
+    from transformers import AutoModelForCausalLM
+
+    reference = inspect.signature(AutoModelForCausalLM.from_pretrained(ctx.model(QWEN)).forward)
+    all_outputs = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    model, ids, labels = _fused_model(ctx, temperature=0.7, outputs=all_outputs)
+    fused = model(input_ids=ids, labels=labels, fused_lm_head=True)
+    fused.loss.backward()
+    plain = model(input_ids=ids, labels=labels)
+    return {
+        "signature_kept": inspect.signature(model.forward) == reference,
+        "type": type(fused).__name__,
+        "fused": _fused_fingerprint(fused),
+        "plain_type": type(plain).__name__,
+        "plain_loss": plain.loss.item(),
+        "lm_head_grad_norm": model.lm_head.weight.grad.norm().item(),
+    }
+
+
+@case("fused_lm_head/shift_labels_num_items")
+def _fused_shift_labels(ctx):
+    model, ids, labels = _fused_model(ctx, cast_lm_head_to_fp32=True)
+    out = model(input_ids=ids, shift_labels=labels, num_items_in_batch=5, fused_lm_head=True)
+    attention = model(input_ids=ids, attention_mask=(ids > 20).long(), labels=labels, fused_lm_head=True)
+    return {"shift": _fused_fingerprint(out), "attention_mask": _fused_fingerprint(attention)}
+
+
+@case("fused_lm_head/generate_still_works")
+def _fused_generate(ctx):
+    model, ids, _ = _fused_model(ctx)
+    return to_jsonable(model.generate(input_ids=ids[:, :3], max_new_tokens=3, do_sample=False))
+
+
+@case("fused_lm_head/output_fields")
+def _fused_output_fields(ctx):
+    import dataclasses
+
+    from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
+
+    with maybe_gather_lm_head_ctx(None):
+        entered = True
+    return {"fields": [f.name for f in dataclasses.fields(FusedCausalLMOutput)], "null_context": entered}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Selective activation checkpointing (trl.models, SFT's gradient_checkpointing_kwargs={"selective": True})
+# ---------------------------------------------------------------------------------------------------------------------
+def _sft_selective(ctx, **config):
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir=ctx.tmpdir(), **{**COMMON_ARGS, **config})
+    data = ctx.dataset("standard_language_modeling", "train", 8)
+    return SFTTrainer(model=ctx.model(QWEN), args=args, train_dataset=data)
+
+
+@case("sft/gradient_checkpointing_kwargs=selective")
+def _sft_selective_train(ctx):
+    trainer = _sft_selective(
+        ctx, gradient_checkpointing=True, gradient_checkpointing_kwargs={"selective": True}, max_length=32
+    )
+    out = run_trainer(trainer, evaluate=False)
+    out["wrapped"] = bool(getattr(trainer.model.gradient_checkpointing_enable, "_is_sac_wrapped", False))
+    out["kwargs_after"] = to_jsonable(trainer.args.gradient_checkpointing_kwargs)
+    return out
+
+
+@case("sft/gradient_checkpointing_kwargs=selective_false")
+def _sft_selective_false(ctx):
+    trainer = _sft_selective(ctx, gradient_checkpointing=True, gradient_checkpointing_kwargs={"selective": False})
+    return {"kwargs_after": to_jsonable(trainer.args.gradient_checkpointing_kwargs)}
+
+
+@case("errors/sft_selective_without_gradient_checkpointing", phrases=("gradient_checkpointing",))
+def _sft_selective_no_gc(ctx):
+    return expect_error(
+        lambda: _sft_selective(ctx, gradient_checkpointing=False, gradient_checkpointing_kwargs={"selective": True})
+    )
+
+
+@case("errors/sft_selective_reentrant", phrases=("use_reentrant",))
+def _sft_selective_reentrant(ctx):
+    return expect_error(
+        lambda: _sft_selective(
+            ctx, gradient_checkpointing=True, gradient_checkpointing_kwargs={"selective": True, "use_reentrant": True}
+        )
+    )
+
+
+@case("models/enable_selective_activation_checkpointing")
+def _sac_model(ctx):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from trl.models import enable_selective_activation_checkpointing
+
+    model = AutoModelForCausalLM.from_pretrained(ctx.model(QWEN))
+    enable_selective_activation_checkpointing(model)
+    first = model.gradient_checkpointing_enable
+    enable_selective_activation_checkpointing(model)
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids = torch.randint(0, 200, (2, 6), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return {
+        "idempotent": model.gradient_checkpointing_enable is first,
+        "marked": bool(getattr(first, "_is_sac_wrapped", False)),
+        "loss": loss.item(),
+        "grad_sum": sum(p.grad.double().sum().item() for p in model.parameters() if p.grad is not None),
+    }
