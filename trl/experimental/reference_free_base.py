@@ -41,6 +41,7 @@ from ..trainer.utils import (
     selective_log_softmax,
 )
 from ..trainer.utils.logprobs import mean_logits_from_hidden
+from .reference_free_legacy import _ReferenceFreeLegacyHelpers
 
 
 logger = logging.getLogger(__name__)
@@ -275,7 +276,7 @@ class DataCollatorForEncoderDecoderPreference:
 # ----------------------------------------------------------------------------------------------------------------
 # Trainer
 # ----------------------------------------------------------------------------------------------------------------
-class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
+class _ReferenceFreePreferenceTrainer(_ReferenceFreeLegacyHelpers, _PreferenceTrainer):
     """Private base of `CPOTrainer` and `ORPOTrainer`: offline preference training without a reference model.
 
     Chosen and rejected sequences go through the model in one forward pass on a right-padded batch; the LM head runs
@@ -283,7 +284,8 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
     `mean_logits_from_hidden`). Encoder-decoder models (`is_encoder_decoder`, read from the model's config unless
     `args.is_encoder_decoder` declares it) get the prompts as encoder input and the completions as decoder labels,
     scored from the decoder's logits. A subclass sets `_config_class`, `_suffix` and implements
-    [`_preference_loss`]; the switches below pick what differs between the methods.
+    [`_preference_loss`]; the switches below pick what differs between the methods. TRL's older step-by-step helpers
+    (`concatenated_forward`, `get_batch_loss_metrics`, ...) come from `_ReferenceFreeLegacyHelpers`.
     """
 
     _config_class: type = None

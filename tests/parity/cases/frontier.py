@@ -334,3 +334,80 @@ def _sac_model(ctx):
         "loss": loss.item(),
         "grad_sum": sum(p.grad.double().sum().item() for p in model.parameters() if p.grad is not None),
     }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPO / ORPO legacy helpers on a batch in TRL's layout (built by hand, so both sides get the same input)
+# ---------------------------------------------------------------------------------------------------------------------
+def _trl_layout_batch(tok):
+    import torch
+
+    pairs = [("3 + 18 =", " 21", " 22"), ("The sky is", " blue today", " green")]
+    pad_id = tok.pad_token_id
+    rows = {"chosen": [], "rejected": []}
+    prompts = []
+    for prompt, chosen, rejected in pairs:
+        prompt_ids = tok(prompt)["input_ids"]
+        prompts.append(prompt_ids)
+        for side, text in (("chosen", chosen), ("rejected", rejected)):
+            ids = prompt_ids + tok(text)["input_ids"] + [tok.eos_token_id]
+            rows[side].append((ids, [-100] * len(prompt_ids) + ids[len(prompt_ids) :]))
+    batch = {}
+    for side, items in rows.items():
+        width = max(len(ids) for ids, _ in items)
+        batch[f"{side}_input_ids"] = torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in items])
+        batch[f"{side}_attention_mask"] = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in items])
+        batch[f"{side}_labels"] = torch.tensor([lab + [-100] * (width - len(lab)) for _, lab in items])
+    width = max(len(p) for p in prompts)
+    batch["prompt_input_ids"] = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    batch["prompt_attention_mask"] = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return batch
+
+
+def legacy_helpers_case(ctx, kind: str, **config) -> dict:
+    import importlib
+
+    import torch
+
+    module = importlib.import_module(f"trl.experimental.{kind}")
+    prefix = kind.upper()
+    args = getattr(module, f"{prefix}Config")(output_dir=ctx.tmpdir(), **{**COMMON_ARGS, **config})
+    trainer = getattr(module, f"{prefix}Trainer")(
+        model=ctx.model(QWEN), args=args, train_dataset=ctx.dataset("standard_preference", "train", 4)
+    )
+    tok = tokenizer(ctx)
+    batch = _trl_layout_batch(tok)
+    trainer_class = type(trainer)
+    forward = trainer.concatenated_forward(trainer.model, batch)
+    loss, metrics = trainer.get_batch_loss_metrics(trainer.model, batch)
+    _, eval_metrics = trainer.get_batch_loss_metrics(trainer.model, batch, train_eval="eval")
+    loss.backward()
+    return to_jsonable(
+        {
+            "tokenized": [
+                trainer.build_tokenized_answer(p, a)
+                for p, a in (("The sky is", " blue"), ("hello wor", "ld"), ("3 + 18 =", " 21"))
+            ],
+            "concatenated": trainer_class.concatenated_inputs(batch, padding_value=7),
+            "forward": {
+                "count": len(forward),
+                "logps": forward[:2],
+                "logits_shapes": [list(t.shape) for t in forward[2:4]],
+                "logits_sums": [t.double().sum().item() for t in forward[2:4]],
+                "nll": forward[4],
+            },
+            "loss": loss,
+            "metrics": metrics,
+            "eval_metrics": eval_metrics,
+            "grad_norm": torch.sqrt(sum((p.grad.double() ** 2).sum() for p in trainer.model.parameters())),
+        }
+    )
+
+
+for _kind, _name, _config in (
+    ("cpo", "sigmoid", {}),
+    ("cpo", "simpo", dict(loss_type="simpo", cpo_alpha=0.0)),
+    ("cpo", "ipo/cpo_alpha=0.5", dict(loss_type="ipo", cpo_alpha=0.5)),
+    ("orpo", "default", {}),
+):
+    register(f"{_kind}/legacy_helpers/{_name}", partial(legacy_helpers_case, kind=_kind, **_config))
