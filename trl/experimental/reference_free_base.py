@@ -41,7 +41,7 @@ from ..trainer.utils import (
     selective_log_softmax,
 )
 from ..trainer.utils.logprobs import mean_logits_from_hidden
-from .reference_free_legacy import _ReferenceFreeLegacyHelpers
+from .reference_free_legacy import _ReferenceFreeLegacyHelpers, pair_metric_values
 
 
 logger = logging.getLogger(__name__)
@@ -644,19 +644,16 @@ class _ReferenceFreePreferenceTrainer(_ReferenceFreeLegacyHelpers, _PreferenceTr
             loss = loss + self._aux_loss_coef * aux_loss
 
         with torch.no_grad():
-            chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
-            means = {
-                "rewards/chosen": chosen_rewards.mean(),
-                "rewards/rejected": rejected_rewards.mean(),
-                "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-                "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-                "logps/rejected": rejected_logps.detach().mean(),
-                "logps/chosen": chosen_logps.detach().mean(),
-                "logits/rejected": mean_logits[num_pairs:].mean(),
-                "logits/chosen": mean_logits[:num_pairs].mean(),
-                "nll_loss": nll_loss.detach(),
-                **{key: value.detach() for key, value in extra.items()},
-            }
+            means = pair_metric_values(
+                chosen_rewards,
+                rejected_rewards,
+                chosen_logps,
+                rejected_logps,
+                mean_logits[:num_pairs].mean(),
+                mean_logits[num_pairs:].mean(),
+                nll_loss,
+                extra,
+            )
             if aux_loss is not None:
                 means["aux_loss"] = aux_loss.detach().float()
             self._record_batch_metrics(mode, means=means)

@@ -17,6 +17,32 @@ import torch.nn.functional as F
 _LABEL_PAD = -100
 
 
+def pair_metric_values(
+    chosen_rewards: torch.Tensor,
+    rejected_rewards: torch.Tensor,
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    chosen_logits_mean: torch.Tensor,
+    rejected_logits_mean: torch.Tensor,
+    nll_loss: torch.Tensor,
+    extra: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """TRL's CPO / ORPO batch metrics, in TRL's order, as detached scalar tensors."""
+    chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
+    return {
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+        "logps/rejected": rejected_logps.detach().mean(),
+        "logps/chosen": chosen_logps.detach().mean(),
+        "logits/rejected": rejected_logits_mean.detach().float(),
+        "logits/chosen": chosen_logits_mean.detach().float(),
+        "nll_loss": nll_loss.detach(),
+        **{key: value.detach() for key, value in extra.items()},
+    }
+
+
 class _ReferenceFreeLegacyHelpers:
     """Mixin of `_ReferenceFreePreferenceTrainer`: TRL's `build_tokenized_answer`, `concatenated_inputs`,
     `concatenated_forward` and `get_batch_loss_metrics` (the subclass supplies `_preference_loss`, `_nll_weight`,
@@ -179,19 +205,16 @@ class _ReferenceFreeLegacyHelpers:
         loss = losses.mean() + self._nll_weight() * nll_loss
         if aux:
             loss = loss + self._aux_loss_coef * aux[0]
-        chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
-        values = {
-            "rewards/chosen": chosen_rewards.mean(),
-            "rewards/rejected": rejected_rewards.mean(),
-            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-            "logps/rejected": rejected_logps.detach().mean(),
-            "logps/chosen": chosen_logps.detach().mean(),
-            "logits/rejected": rejected_logits.detach().float().mean(),
-            "logits/chosen": chosen_logits.detach().float().mean(),
-            "nll_loss": nll_loss.detach(),
-            **extra,
-        }
+        values = pair_metric_values(
+            chosen_rewards,
+            rejected_rewards,
+            chosen_logps,
+            rejected_logps,
+            chosen_logits.detach().float().mean(),
+            rejected_logits.detach().float().mean(),
+            nll_loss,
+            extra,
+        )
         stacked = torch.stack([torch.as_tensor(v).detach().float().reshape(()) for v in values.values()])
         gathered = self.accelerator.gather_for_metrics(stacked.unsqueeze(0)).mean(dim=0).tolist()
         prefix = "eval_" if train_eval == "eval" else ""
