@@ -40,6 +40,7 @@ SCRIPT_ARGS = {
     "rloo.py": ONLINE_ARGS,
     "sft.py": ["--max_length", "64"],
     "sft_vlm.py": ["--freeze_vision_tower", "true"],
+    "tpo.py": ["--max_length", "64"],
     "xpo.py": PAIRWISE_ARGS,
 }
 

@@ -41,6 +41,7 @@ from ..trainer.utils import (
     selective_log_softmax,
 )
 from ..trainer.utils.logprobs import mean_logits_from_hidden
+from .reference_free_legacy import _ReferenceFreeLegacyHelpers, pair_metric_values
 
 
 logger = logging.getLogger(__name__)
@@ -275,7 +276,7 @@ class DataCollatorForEncoderDecoderPreference:
 # ----------------------------------------------------------------------------------------------------------------
 # Trainer
 # ----------------------------------------------------------------------------------------------------------------
-class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
+class _ReferenceFreePreferenceTrainer(_ReferenceFreeLegacyHelpers, _PreferenceTrainer):
     """Private base of `CPOTrainer` and `ORPOTrainer`: offline preference training without a reference model.
 
     Chosen and rejected sequences go through the model in one forward pass on a right-padded batch; the LM head runs
@@ -283,7 +284,8 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
     `mean_logits_from_hidden`). Encoder-decoder models (`is_encoder_decoder`, read from the model's config unless
     `args.is_encoder_decoder` declares it) get the prompts as encoder input and the completions as decoder labels,
     scored from the decoder's logits. A subclass sets `_config_class`, `_name` and implements
-    [`_preference_loss`]; the switches below pick what differs between the methods.
+    [`_preference_loss`]; the switches below pick what differs between the methods. TRL's older step-by-step helpers
+    (`concatenated_forward`, `get_batch_loss_metrics`, ...) come from `_ReferenceFreeLegacyHelpers`.
     """
 
     _config_class: type = None
@@ -641,19 +643,16 @@ class _ReferenceFreePreferenceTrainer(_PreferenceTrainer):
             loss = loss + self._aux_loss_coef * aux_loss
 
         with torch.no_grad():
-            chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
-            means = {
-                "rewards/chosen": chosen_rewards.mean(),
-                "rewards/rejected": rejected_rewards.mean(),
-                "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-                "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-                "logps/rejected": rejected_logps.detach().mean(),
-                "logps/chosen": chosen_logps.detach().mean(),
-                "logits/rejected": mean_logits[num_pairs:].mean(),
-                "logits/chosen": mean_logits[:num_pairs].mean(),
-                "nll_loss": nll_loss.detach(),
-                **{key: value.detach() for key, value in extra.items()},
-            }
+            means = pair_metric_values(
+                chosen_rewards,
+                rejected_rewards,
+                chosen_logps,
+                rejected_logps,
+                mean_logits[:num_pairs].mean(),
+                mean_logits[num_pairs:].mean(),
+                nll_loss,
+                extra,
+            )
             if aux_loss is not None:
                 means["aux_loss"] = aux_loss.detach().float()
             self._record_batch_metrics(mode, means=means)

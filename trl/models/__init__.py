@@ -1,4 +1,5 @@
-"""Model helpers: reference models, generation unwrapping, DeepSpeed/FSDP preparation, activation offloading, and the
+"""Model helpers: reference models, generation unwrapping, DeepSpeed/FSDP preparation, activation offloading, selective
+activation checkpointing, and the
 Stable Diffusion pipelines of DDPO and AlignProp (`modeling_sd_base`, needs diffusers)."""
 
 import sys
@@ -18,6 +19,7 @@ _import_structure = {
         "pipeline_step_with_grad",
         "scheduler_step",
     ],
+    "selective_activation_checkpointing": ["enable_selective_activation_checkpointing"],
     "utils": ["create_reference_model", "prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation"],
 }
 
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
         pipeline_step_with_grad,
         scheduler_step,
     )
+    from .selective_activation_checkpointing import enable_selective_activation_checkpointing
     from .utils import create_reference_model, prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 else:
     sys.modules[__name__] = _LazyModule(__name__, globals()["__file__"], _import_structure, module_spec=__spec__)

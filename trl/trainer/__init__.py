@@ -44,6 +44,7 @@ _import_structure = {
     "sft_config": ["SFTConfig"],
     "sft_trainer": ["SFTTrainer"],
     "utils": [
+        "add_fused_lm_head",
         "disable_dropout_in_model",
         "ensure_master_addr_port",
         "get_kbit_device_map",
@@ -77,6 +78,7 @@ if TYPE_CHECKING:
     from .sft_config import SFTConfig
     from .sft_trainer import SFTTrainer
     from .utils import (
+        add_fused_lm_head,
         disable_dropout_in_model,
         ensure_master_addr_port,
         get_kbit_device_map,

@@ -366,7 +366,7 @@ class _OnlineGenerationMixin:
         return keep
 
     def _replays_decode_outputs(self) -> bool:
-        """Hook: whether this trainer's loss pass can replay the decode's layer outputs (`_forward_logps` on the
+        """Hook: whether this trainer's loss pass can replay the decode's layer outputs (`_get_per_token_logps_and_entropies` on the
         shared-prefix layout)."""
         return False
 

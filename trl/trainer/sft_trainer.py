@@ -31,6 +31,7 @@ from ..data_utils import (
     maybe_convert_to_chatml,
     pack_dataset,
 )
+from ..models.selective_activation_checkpointing import apply_selective_checkpointing_option
 from ._sft_data import _AppendEOS, _LabelBuilder, _shortest_prompt, _Tokenizer, _Truncator
 from .base_trainer import _BaseTrainer
 from .sft_config import SFTConfig
@@ -370,8 +371,11 @@ class SFTTrainer(_BaseTrainer):
                 self._aux_loss_coef = float(coef)
                 model_config.output_router_logits = True
 
-        # ---- PEFT ----------------------------------------------------------------------------------------------
+        # ---- PEFT (after the selective-checkpointing wrapper, which PEFT's own checkpointing call goes through) ----
+        will_be_peft = peft_config is not None or self._is_peft_model(model)
+        apply_selective_checkpointing_option(model, args, will_be_peft)
         model = self._wrap_peft(model, peft_config, args)
+        apply_selective_checkpointing_option(model, args, will_be_peft)
 
         # ---- Images: the collator renders and processes the rows, so dataset preparation is skipped -------------
         first_example = self._first_example(train_dataset)

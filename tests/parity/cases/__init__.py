@@ -249,6 +249,7 @@ from . import (  # noqa: E402, F401
     dpo_losses,
     errors,
     experimental,
+    frontier,
     grpo_variants,
     internals,
     offline,

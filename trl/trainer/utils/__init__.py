@@ -24,12 +24,7 @@ helpers in `trl.models.loading`, `trl.models.peft` and `trl.models.utils`. They 
 
 # TRL's name for the fused LM-head log-prob function (imported by code written for TRL).
 from ...kernels.chunked_logprob import ChunkedLogProbFunction as _ChunkedLogProbFunction  # noqa: F401
-from ...kernels.log_softmax import (
-    _log_softmax_stats,
-    entropy_from_logits,
-    selective_log_softmax,
-    selective_log_softmax_and_entropy,
-)
+from ...kernels.log_softmax import _log_softmax_stats, entropy_from_logits, selective_log_softmax
 from ...models.loading import (
     create_model_from_path,
     get_config_model_id,
@@ -44,7 +39,13 @@ from ...models.peft import (
     use_adapter,
 )
 from ...models.utils import disable_dropout_in_model, hash_module
-from .callables import get_callable_name, identity, is_async_callable
+from .callables import (
+    get_callable_name,
+    identity,
+    is_async_callable,
+    shutdown_event_loop_in_daemon,
+    start_event_loop_in_daemon,
+)
 from .dataset_rows import (
     PromptCompletionTokenizer,
     as_token_list,
@@ -54,15 +55,17 @@ from .dataset_rows import (
     remove_none_values,
     scored_completion_tokens,
 )
-from .distributed import ensure_master_addr_port, uses_sharding_engine
+from .distributed import ensure_master_addr_port, global_then_local_main_first, uses_sharding_engine
 from .divergence import generalized_jsd_loss, per_token_generalized_jsd
 from .flops import adjusted_mfu, compute_flops_per_token, compute_mfu, get_peak_flops, get_peak_flops_per_device
+from .fused_lm_head import FusedCausalLMOutput, add_fused_lm_head, maybe_gather_lm_head_ctx
 from .logprobs import (
     TokenLogps,
     compute_token_logps,
     fusable_lm_head,
     logits_statistics,
     model_accepts_argument,
+    selective_log_softmax_and_entropy,
 )
 from .packing import (
     MIN_SAVED_SHARE,
@@ -98,7 +101,9 @@ from .vision import split_pixel_values_by_grid, strip_images_from_messages, unsp
 
 
 __all__ = [
+    "FusedCausalLMOutput",
     "RepeatSampler",
+    "add_fused_lm_head",
     "adjusted_mfu",
     "compute_flops_per_token",
     "compute_mfu",
@@ -120,10 +125,12 @@ __all__ = [
     "get_peft_config",
     "get_quantization_config",
     "get_trackio_space_url",
+    "global_then_local_main_first",
     "hash_module",
     "identity",
     "is_async_callable",
     "log_table_to_comet_experiment",
+    "maybe_gather_lm_head_ctx",
     "nanmax",
     "nanmin",
     "nanstd",
@@ -138,8 +145,10 @@ __all__ = [
     "selective_log_softmax",
     "selective_log_softmax_and_entropy",
     "shuffle_sequence_dict",
+    "shutdown_event_loop_in_daemon",
     "split_pixel_values_by_grid",
     "split_tensor_dict",
+    "start_event_loop_in_daemon",
     "strip_images_from_messages",
     "unsplit_pixel_values_by_grid",
     "use_adapter",

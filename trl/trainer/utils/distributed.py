@@ -2,6 +2,7 @@
 shard the model, and a clean exit for processes of a gloo group."""
 
 import atexit
+import contextlib
 import os
 import platform
 import socket
@@ -37,6 +38,30 @@ def ensure_master_addr_port(addr: str | None = None, port: int | None = None) ->
         except ValueError:
             pass
     os.environ["MASTER_PORT"] = str(_find_free_port())
+
+
+@contextlib.contextmanager
+def global_then_local_main_first():
+    """Run the block on the global main process first, then on the main process of each other node, then on all
+    remaining processes (for work such as dataset preparation whose cache the later ones reuse).
+
+    Every process passes the same two barriers, so the block runs in three waves; on a single process it just runs.
+    """
+    from accelerate import PartialState
+
+    state = PartialState()
+    if state.is_main_process:
+        yield
+        state.wait_for_everyone()
+        state.wait_for_everyone()
+    elif state.is_local_main_process:
+        state.wait_for_everyone()
+        yield
+        state.wait_for_everyone()
+    else:
+        state.wait_for_everyone()
+        state.wait_for_everyone()
+        yield
 
 
 def uses_sharding_engine(args: Any) -> bool:

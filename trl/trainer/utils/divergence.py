@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from ...kernels.chunked_divergence import _chunk_divergence
 from ...kernels.log_softmax import _CHUNK_BYTES, _chunk_selection, _iter_row_chunks, _read, _write
 
 
@@ -30,55 +31,6 @@ _REDUCTIONS = ("batchmean", "sum", "mean", "none")
 
 def _default_chunk_rows(vocab_size: int) -> int:
     return max(1, _CHUNK_BYTES // (max(vocab_size, 1) * 4 * _WORK_TENSORS_PER_ROW))
-
-
-def _chunk_divergence(
-    student_logits: torch.Tensor,
-    teacher_logits: torch.Tensor,
-    beta: float,
-    temperature: float,
-    want_student_grad: bool,
-    want_teacher_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Per-row divergence of one chunk and, on request, its gradients with respect to each side's logits.
-
-    Gradients follow from `d/dz_j f(log_softmax(z)) = g_j - p_j * sum_k g_k` with `g = df/d log p`; for the
-    mixture terms `g = w * p * (log p - log m)` (the mixture's own dependence cancels), giving
-    `w * p * (log p - log m - KL(p || m)) / T` for the side weighted by `w`.
-    """
-    compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
-    log_s = torch.log_softmax(student_logits.to(compute_dtype) / temperature, dim=-1)
-    log_t = torch.log_softmax(teacher_logits.to(compute_dtype) / temperature, dim=-1)
-    p_s, p_t = log_s.exp(), log_t.exp()
-
-    def kl(p: torch.Tensor, log_p: torch.Tensor, log_q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Terms with p == 0 contribute exactly 0 (avoids 0 * inf when a logit is -inf).
-        terms = torch.where(p > 0, log_p - log_q, torch.zeros((), dtype=p.dtype, device=p.device))
-        return terms, (p * terms).sum(-1, keepdim=True)
-
-    grad_s = grad_t = None
-    if beta == 0.0:
-        terms_t, value = kl(p_t, log_t, log_s)
-        if want_student_grad:
-            grad_s = (p_s - p_t) / temperature
-        if want_teacher_grad:
-            grad_t = p_t * (terms_t - value) / temperature
-    elif beta == 1.0:
-        terms_s, value = kl(p_s, log_s, log_t)
-        if want_student_grad:
-            grad_s = p_s * (terms_s - value) / temperature
-        if want_teacher_grad:
-            grad_t = (p_t - p_s) / temperature
-    else:
-        log_m = torch.logaddexp(log_s + math.log(1.0 - beta), log_t + math.log(beta))
-        terms_s, kl_s = kl(p_s, log_s, log_m)
-        terms_t, kl_t = kl(p_t, log_t, log_m)
-        value = beta * kl_t + (1.0 - beta) * kl_s
-        if want_student_grad:
-            grad_s = (1.0 - beta) * p_s * (terms_s - kl_s) / temperature
-        if want_teacher_grad:
-            grad_t = beta * p_t * (terms_t - kl_t) / temperature
-    return value.squeeze(-1), grad_s, grad_t
 
 
 class _ChunkedJSD(torch.autograd.Function):

@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 
 from ...kernels.linear_log_softmax import linear_selective_log_softmax
-from ...kernels.log_softmax import selective_log_softmax, selective_log_softmax_and_entropy
+from ...kernels.log_softmax import selective_log_softmax
+from ...kernels.log_softmax import selective_log_softmax_and_entropy as _logps_and_entropy
 
 
 class TokenLogps(NamedTuple):
@@ -29,6 +30,30 @@ class TokenLogps(NamedTuple):
     entropy: torch.Tensor | None
     outputs: Any
     stats: dict[str, torch.Tensor] = {}
+
+
+def selective_log_softmax_and_entropy(
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    entropy_requires_grad: bool = True,
+    temperature: float = 1.0,
+    row_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selected-token log-probabilities and per-position entropies of `softmax(logits / temperature)`, with TRL's
+    `trl.trainer.utils` signature (see `trl.kernels.selective_log_softmax_and_entropy` for the computation).
+
+    Args:
+        logits: Tensor of shape `(..., vocab_size)`.
+        index: Integer tensor of shape `(...)` with the token ids to score.
+        entropy_requires_grad: When False, the entropy is returned detached (no gradient flows through it).
+        temperature: Logits are divided by this value before the softmax (must be > 0).
+        row_mask: Optional boolean mask with the shape of `index`; masked rows read 0 for both results.
+
+    Returns:
+        `(log_probs, entropy)`, both with the shape of `index`.
+    """
+    logps, entropy = _logps_and_entropy(logits, index, temperature=temperature, row_mask=row_mask)
+    return logps, entropy if entropy_requires_grad else entropy.detach()
 
 
 def model_accepts_argument(model: nn.Module, name: str) -> bool:
@@ -161,7 +186,7 @@ def compute_token_logps(
     else:
         targets = targets[:, positions]
     if compute_entropy:
-        logps, entropy = selective_log_softmax_and_entropy(logits, targets, temperature=temperature)
+        logps, entropy = _logps_and_entropy(logits, targets, temperature=temperature)
     else:
         logps, entropy = selective_log_softmax(logits, targets, temperature=temperature), None
     if upcast:
