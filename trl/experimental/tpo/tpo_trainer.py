@@ -219,7 +219,7 @@ class TPOTrainer(_PreferenceTrainer):
         peft_config: Any = None,
     ):
         if args is None:
-            args = self._default_args(TPOConfig, model, "TPO")
+            args = self._default_args(TPOConfig, model)
         elif not isinstance(args, TPOConfig):
             raise TypeError(f"TPOTrainer needs args of type TPOConfig; got {type(args).__name__}.")
         self._check_train_dataset(train_dataset, "TPOTrainer")
