@@ -496,3 +496,21 @@ def test_offline_compute_loss_hook_is_called(tmp_path, trainer_name, unpaired):
     trainer = trainer_class(get_model_path("tiny-Qwen2ForCausalLM"), args=args, train_dataset=data)
     trainer.train()
     assert calls["compute_loss"] == calls["_compute_loss"] == 2
+
+
+def test_rloo_subclass_overriding_a_loss_hook_gets_trl_rollout_logps(tmp_path, prompts):
+    """On-policy without KL the rollout scoring pass is skipped (same values), unless a subclass overrides a hook that
+    could see it: then the batch carries TRL's `old_logps`, as under TRL."""
+    seen = []
+
+    class ReadsOldLogps(RLOOTrainer):
+        def _compute_loss(self, model, inputs):
+            seen.append("old_logps" in inputs)
+            return super()._compute_loss(model, inputs)
+
+    args = args_builder(RLOOConfig)(tmp_path, **{**GROUP_ARGS, "beta": 0.0, "max_steps": 1})
+    model = get_model_path("tiny-Qwen2ForCausalLM")
+    ReadsOldLogps(model, reward_funcs=constant_length_reward, args=args, train_dataset=prompts).train()
+    assert seen == [True]
+    plain = RLOOTrainer(model, reward_funcs=constant_length_reward, args=args, train_dataset=prompts)
+    assert not plain._needs_rollout_logps()

@@ -97,6 +97,12 @@ class _BaseTrainer(Trainer):
     _name: str = "Base"
     # Suffix of the default `output_dir` (`<model name>-<suffix>`) when it differs from `_name`.
     _output_dir_suffix: str | None = None
+    # Instance state declared here with its default (set later, or only by some trainers) rather than probed.
+    ref_model = None
+    current_gradient_accumulation_steps: int | None = None
+    _total_train_tokens = 0
+    _shared_prefix_passes = 0
+    _policy_is_reference = False
     _paper: dict[str, str] = {}
     _template_file: str = "lm_model_card.md"
     # Logged for a metric none of whose recorded values is defined (all NaN) in the logging window.
@@ -124,6 +130,12 @@ class _BaseTrainer(Trainer):
         `_output_dir_suffix` or else the trainer's `_name` (as TRL names them: `Qwen2-0.5B-GRPO`, `...-OnlineDPO`)."""
         model_name = cls._model_id(model).rstrip("/").split("/")[-1]
         return config_class(f"{model_name}-{cls._output_dir_suffix or cls._name}")
+
+    def _overridden_since(self, base: type, *names: str) -> bool:
+        """Whether the trainer's class overrides any of the methods `names` that `base` defines (a subclass written
+        for TRL replacing a hook): fast paths that would bypass such a hook step aside."""
+        cls = type(self)
+        return any(getattr(cls, name) is not getattr(base, name) for name in names)
 
     @classmethod
     def _load_trained_model(cls, model: Any, args: TrainingArguments, peft_config: Any, **load_kwargs: Any) -> Any:
@@ -422,8 +434,8 @@ class _BaseTrainer(Trainer):
         `eval_num_tokens` says how much the evaluated model was trained on).
         """
         if mode == "train" and batch_tokens is not None:
-            self._total_train_tokens = getattr(self, "_total_train_tokens", 0) + int(batch_tokens)
-        self._metrics[mode]["num_tokens"] = [float(getattr(self, "_total_train_tokens", 0))]
+            self._total_train_tokens = self._total_train_tokens + int(batch_tokens)
+        self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]
 
     def _record_sum_metric(self, name: str, value: "torch.Tensor | float", mode: str | None = None) -> None:
         """Store a metric summed across processes (counts such as `num_tokens`)."""
@@ -536,7 +548,7 @@ class _BaseTrainer(Trainer):
         A subclass extends the dict of `super()._checkpoint_state()` and reads its keys back in
         `_restore_checkpoint_state`.
         """
-        return {"total_train_tokens": getattr(self, "_total_train_tokens", 0)}
+        return {"total_train_tokens": self._total_train_tokens}
 
     def _restore_checkpoint_state(self, state: dict[str, Any]) -> None:
         """Hook: restore what `_checkpoint_state` saved (called when training resumes from a checkpoint)."""
@@ -561,7 +573,7 @@ class _BaseTrainer(Trainer):
 
     def _synced_reference_model(self) -> nn.Module | None:
         # SyncRef updates the reference model during training, so a resumed run needs it back from the checkpoint.
-        ref_model = getattr(self, "ref_model", None)
+        ref_model = self.ref_model
         return self.accelerator.unwrap_model(ref_model) if ref_model is not None else None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
@@ -647,7 +659,7 @@ class _BaseTrainer(Trainer):
             if arena is None:
                 # A trainer that also holds a reference model trades one more attention forward per layer for a
                 # backward pass that never holds a whole layer's activations (see `CheckpointArena`).
-                split_layers = getattr(self, "ref_model", None) is not None
+                split_layers = self.ref_model is not None
                 arena = self._checkpoint_arena = CheckpointArena(split_layers=split_layers)
             stack.enter_context(lean_layer_checkpoints(self.model, arena))
         return stack

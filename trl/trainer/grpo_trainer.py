@@ -350,6 +350,8 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
     _importance_sampling_levels = ("token", "sequence")
     _decode_replay = True
     _single_turn_takes_num_generations = True
+    liger_grpo_loss = None
+    _last_world_entropy: float | None = None
     _generate_outputs = (
         "prompt_ids",
         "completion_ids",
@@ -467,7 +469,7 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
 
     def _needs_rollout_logps(self) -> bool:
         # The chunked loss cannot compare the sampler's log-probs with its own on the fly: store the old ones.
-        needs_old = getattr(self, "liger_grpo_loss", None) is not None and self._uses_sampling_logps()
+        needs_old = self.liger_grpo_loss is not None and self._uses_sampling_logps()
         return super()._needs_rollout_logps() or needs_old
 
     def _compute_liger_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
@@ -791,7 +793,7 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         if self.args.use_adaptive_entropy and self.is_world_process_zero():
             state = {
                 "entropy_coef": self.entropy_coef,
-                "last_world_entropy": getattr(self, "_last_world_entropy", None),
+                "last_world_entropy": self._last_world_entropy,
             }
             with open(os.path.join(folder, ENTROPY_STATE_FILE), "w") as f:
                 json.dump(state, f)

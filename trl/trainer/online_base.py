@@ -185,8 +185,6 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         "normalize_advantages",
         "reward_clip_range",
     )
-    # Reference model (None unless one is used); declared so that plugins and callbacks can read it before it is set.
-    ref_model = None
 
     def __init__(
         self,
@@ -964,9 +962,7 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         the trainer declares `loss_is_scaled_for_ga` (else the Trainer divides, as TRL's RLOO leaves it), 1 otherwise."""
         if self._mode != "train" or not self.loss_is_scaled_for_ga:
             return 1.0
-        return float(
-            getattr(self, "current_gradient_accumulation_steps", None) or self.args.gradient_accumulation_steps
-        )
+        return float(self.current_gradient_accumulation_steps or self.args.gradient_accumulation_steps)
 
     def _add_aux_loss(self, loss: torch.Tensor, aux_loss: torch.Tensor | None) -> torch.Tensor:
         """`loss` plus the router load-balancing loss (`aux_loss`, from `_get_per_token_logps_and_entropies`) times

@@ -151,6 +151,9 @@ class _OnlineGenerationMixin:
     # Rows (dataset examples) of the round being generated, set by the caller of `_rollout`: their `tools` and
     # `chat_template_kwargs` columns shape each rendered prompt (see `_prompt_rows_of`).
     _prompt_rows: list[dict[str, Any]] | None = None
+    # The vLLM back-end (None without `use_vllm`) and the image token suppressed in generation (None for text).
+    vllm_generation = None
+    _image_token_id: int | None = None
 
     # ------------------------------------------------------------------------------------------------------------
     # Construction
@@ -190,7 +193,7 @@ class _OnlineGenerationMixin:
             "repetition_penalty": args.repetition_penalty,
             "cache_implementation": args.cache_implementation,
         }
-        image_token_id = getattr(self, "_image_token_id", None)
+        image_token_id = self._image_token_id
         if image_token_id is not None:
             # A sampled image token would have no image features behind it in the training forward (as TRL does).
             kwargs["suppress_tokens"] = [image_token_id]
@@ -257,7 +260,7 @@ class _OnlineGenerationMixin:
         end-of-sequence token, included) and, from vLLM, the sampled tokens' log-probabilities (else None)."""
         start = time.perf_counter()
         try:
-            if getattr(self, "vllm_generation", None) is not None:
+            if self.vllm_generation is not None:
                 return self._generate_with_vllm(prompt_ids, images)
             if images is not None:
                 return self._generate_with_images(prompt_ids, multimodal_fields), None
@@ -431,7 +434,7 @@ class _OnlineGenerationMixin:
             return None
         from ..generation.vllm_generation import VLLMGeneration
 
-        image_token_id = getattr(self, "_image_token_id", None)
+        image_token_id = self._image_token_id
         return VLLMGeneration(
             self.model,
             self.accelerator,
@@ -486,7 +489,7 @@ class _OnlineGenerationMixin:
 
     def end(self) -> None:
         # Release vLLM first: its in-process engine tears down the process groups it joined, which must still exist.
-        if getattr(self, "vllm_generation", None) is not None:
+        if self.vllm_generation is not None:
             self.vllm_generation.close()
         # `Trainer.end` (finish the trackers) exists from transformers 5; before, the same call is the accelerator's.
         parent_end = getattr(super(), "end", None)

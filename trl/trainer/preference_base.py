@@ -243,7 +243,7 @@ class _PreferenceTrainer(_BaseTrainer):
         in the same layout as the policy (`_choose_layout`)."""
 
         stack = super()._training_kernels()
-        ref_model = getattr(self, "ref_model", None)
+        ref_model = self.ref_model
         if ref_model is not None and ref_model is not self.model:
             stack.enter_context(packed_sdpa_attention(ref_model))
         return stack
@@ -288,8 +288,8 @@ class _PreferenceTrainer(_BaseTrainer):
         was released after precomputation and the batch carries no precomputed values, a clear error.
         """
         with torch.no_grad():
-            ref_model = getattr(self, "ref_model", None)
-            if ref_model is None and getattr(self, "_policy_is_reference", False):
+            ref_model = self.ref_model
+            if ref_model is None and self._policy_is_reference:
                 yield model
                 return
             if ref_model is None and not self._is_peft_model(self.accelerator.unwrap_model(model)):
@@ -320,7 +320,7 @@ class _PreferenceTrainer(_BaseTrainer):
             return False
         if self._is_vision_dataset or uses_sharding_engine(args):
             return False
-        if self.accelerator.num_processes > 1 and getattr(self, "ref_model", None) is None:
+        if self.accelerator.num_processes > 1 and self.ref_model is None:
             return False
         dataset = self.train_dataset
         size = len(dataset) if hasattr(dataset, "__len__") else None
@@ -344,7 +344,7 @@ class _PreferenceTrainer(_BaseTrainer):
             num_examples: Examples in the batch.
         """
         cache = self.__dict__.get("_reference_cache")
-        ref_model = getattr(self, "ref_model", None)
+        ref_model = self.ref_model
         if cache is None or not reference_is_deterministic(ref_model if ref_model is not None else model):
             return compute()
         return cache.values_for(row_digests(parts, num_examples), parts[0][0].device, compute)
@@ -375,7 +375,7 @@ class _PreferenceTrainer(_BaseTrainer):
         args = self.args
         was_training = self.model.training
         self.model.eval()
-        self._policy_is_reference = getattr(self, "ref_model", None) is None
+        self._policy_is_reference = self.ref_model is None
         sharded = self.is_deepspeed_enabled or self.is_fsdp_enabled
         model = self.model if sharded else self.model.to(args.device)
 
@@ -430,7 +430,7 @@ class _PreferenceTrainer(_BaseTrainer):
 
         if not isinstance(dataset, Dataset) or all(c in dataset.column_names for c in columns):
             return dataset
-        policy_is_reference = getattr(self, "ref_model", None) is None and not self._is_peft_model(
+        policy_is_reference = self.ref_model is None and not self._is_peft_model(
             self.accelerator.unwrap_model(self.model)
         )
         if policy_is_reference and self.state.global_step > 0:
@@ -589,7 +589,7 @@ class _PreferenceTrainer(_BaseTrainer):
         if prefix_groups is not None and not forward_kwargs and sharing_possible_now(model):
             shared = share_prefixes(inputs["input_ids"], inputs["attention_mask"], prefix_groups, self.pad_token_id)
             if shared.saved_share >= MIN_SHARED_SAVING:
-                self._shared_prefix_passes = getattr(self, "_shared_prefix_passes", 0) + 1
+                self._shared_prefix_passes = self._shared_prefix_passes + 1
                 return shared_prefix_token_logps(
                     model,
                     inputs["input_ids"],

@@ -423,7 +423,7 @@ class RewardTrainer(_BaseTrainer):
         layout = share_prefixes(input_ids, attention_mask, paired_groups(len(input_ids)), self._pad_token_id())
         if layout.saved_share < MIN_SHARED_SAVING:
             return None
-        self._shared_prefix_passes = getattr(self, "_shared_prefix_passes", 0) + 1
+        self._shared_prefix_passes = self._shared_prefix_passes + 1
         return shared_prefix_pooled_scores(model, input_ids, attention_mask, layout)
 
     def _pad_token_id(self) -> int:

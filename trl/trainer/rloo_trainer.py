@@ -123,6 +123,8 @@ class RLOOTrainer(_OnlineTrainer):
     }
     # As TRL: the Trainer divides RLOO's loss by the gradient accumulation steps (a `compute_loss` override inherits it).
     loss_is_scaled_for_ga = False
+    # Rewards after clipping and the KL penalty (what the leave-one-out baseline used), for `frac_reward_zero_std`.
+    _shaped_rewards = None
     _config_class = RLOOConfig
     # As TRL: a metric undefined over the whole logging window (all-None rewards, no completion token) logs None.
     _undefined_metric_value = None
@@ -163,9 +165,26 @@ class RLOOTrainer(_OnlineTrainer):
         # On-policy, the loss uses the pass's own log-probabilities (the rollout's serve the KL reward only).
         return "old_per_token_logps" in inputs and not self._is_on_policy()
 
+    # TRL's RLOO always scores the rollout with the policy (`old_logps` in the batch); on-policy without a KL penalty
+    # this project skips that pass (the loss pass's detached values are the same), unless a subclass overrides a hook
+    # that could see the difference.
+    _hooks_seeing_rollout_logps = (
+        "_generate_and_score_completions",
+        "_get_per_token_logps_and_entropies",
+        "compute_loss",
+        "_compute_loss",
+    )
+
     def _needs_rollout_logps(self) -> bool:
         # The KL penalty enters the reward, so the sampling policy's log-probabilities are needed right away.
-        return self.args.beta != 0.0 or not self._is_on_policy()
+        if self.args.beta != 0.0 or not self._is_on_policy():
+            return True
+        return self._overridden_since(RLOOTrainer, *self._hooks_seeing_rollout_logps)
+
+    def _compute_rollout_logps(self, batch: dict[str, Any]) -> None:
+        super()._compute_rollout_logps(batch)
+        if "old_per_token_logps" in batch:  # TRL's key: each completion's summed log-probability at generation
+            batch["old_logps"] = (batch["old_per_token_logps"] * batch["completion_mask"]).sum(dim=1)
 
     def _compute_advantages(self, rewards_per_func: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
         args = self.args
@@ -188,7 +207,7 @@ class RLOOTrainer(_OnlineTrainer):
 
     def _rewards_for_zero_std(self, rewards: torch.Tensor) -> torch.Tensor:
         # As TRL: a group counts as zero-spread on the rewards the baseline uses (clipped, minus the KL penalty).
-        shaped = getattr(self, "_shaped_rewards", None)
+        shaped = self._shaped_rewards
         return shaped if shaped is not None and shaped.shape == rewards.shape else rewards
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:

@@ -483,7 +483,7 @@ class _ToolCallingMixin:
         limited = copy.deepcopy(original)
         limited.max_new_tokens = max(1, min(max_new_tokens, original.max_new_tokens or max_new_tokens))
         self.generation_config = limited
-        vllm_generation = getattr(self, "vllm_generation", None)
+        vllm_generation = self.vllm_generation
         if vllm_generation is not None:
             original_max_tokens = vllm_generation.max_tokens
             # vLLM's server mode samples every process's rows with one limit: the largest one asked for.

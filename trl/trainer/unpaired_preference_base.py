@@ -548,7 +548,7 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
             return "the batch has images"
         if getattr(self, "model_wrapped", self.model) is not self.model or not sharing_possible_now(self.model):
             return "the model is wrapped or sharded for distributed training"
-        ref_model = getattr(self, "ref_model", None)
+        ref_model = self.ref_model
         if not keys_values_capturable(self.model) or (ref_model is not None and not keys_values_capturable(ref_model)):
             return "a model does not attend through the key/value-recording attention function now"
         if not bool(main["attention_mask"][:, 0].all() and kl_rows["attention_mask"][:, 0].all()):
@@ -577,7 +577,7 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         rows' recorded prompt keys/values."""
         from .utils.prefix_sharing import prefix_cached_token_logps
 
-        self._shared_prefix_passes = getattr(self, "_shared_prefix_passes", 0) + 1
+        self._shared_prefix_passes = self._shared_prefix_passes + 1
         return prefix_cached_token_logps(
             model,
             main["input_ids"],

@@ -213,6 +213,8 @@ class OnlineDPOTrainer(_OnlineTrainer):
     }
     _config_class = OnlineDPOConfig
     _output_dir_suffix = "OnlineDPO"
+    # The pair batch being scored (token-id reward models read it), set during `_prepare_inputs` only.
+    _pair_batch = None
     # Completions `_generate` samples from the policy per prompt: both members of a pair here; XPO and Nash-MD sample
     # one and take the other from the reference / the mixture.
     _policy_samples_per_prompt = 2
@@ -435,7 +437,7 @@ class OnlineDPOTrainer(_OnlineTrainer):
     def _score_with_reward_model(
         self, reward_model: nn.Module, tokenizer: Any, prompts: list[Any], completions: list[Any]
     ) -> torch.Tensor:
-        batch = getattr(self, "_pair_batch", None)
+        batch = self._pair_batch
         policy_tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
         same_vocab = tokenizer is policy_tokenizer or tokenizer.get_vocab() == policy_tokenizer.get_vocab()
         if batch is None or not same_vocab or not hasattr(reward_model, "score"):
@@ -449,7 +451,7 @@ class OnlineDPOTrainer(_OnlineTrainer):
         gets the whole batch twice, as TRL samples it, so the same seed draws the same tokens (identical prompts still
         share one prefill).
         """
-        if getattr(self, "vllm_generation", None) is not None:
+        if self.vllm_generation is not None:
             doubled = [row for row in rows for _ in range(2)]
             output = self._generate_rows(doubled)
             completions = output["completion_ids"]
