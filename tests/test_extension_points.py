@@ -514,3 +514,49 @@ def test_rloo_subclass_overriding_a_loss_hook_gets_trl_rollout_logps(tmp_path, p
     assert seen == [True]
     plain = RLOOTrainer(model, reward_funcs=constant_length_reward, args=args, train_dataset=prompts)
     assert not plain._needs_rollout_logps()
+
+
+OFFLINE_HOOKS = {
+    "SFT": ["training_step", "compute_loss", "prediction_step", "evaluate", "log", "_save_checkpoint"],
+    "DPO": ["training_step", "compute_loss", "_compute_loss", "compute_ref_log_probs", "prediction_step", "log"],
+    "KTO": ["training_step", "compute_loss", "_compute_loss", "compute_ref_log_probs", "prediction_step", "log"],
+    "Reward": ["training_step", "compute_loss", "evaluate", "log", "_save_checkpoint"],
+}
+# Hooks TRL calls outside the step, at construction: `_prepare_dataset` (before `Trainer.__init__`) and
+# `_set_signature_columns_if_needed` (when the dataloader is built).
+OFFLINE_CONSTRUCTION_HOOKS = ["_prepare_dataset", "_set_signature_columns_if_needed"]
+
+
+@pytest.mark.parametrize("trainer_name", sorted(OFFLINE_HOOKS))
+def test_offline_overridden_hooks_are_called(tmp_path, trainer_name, unpaired):
+    import trl
+    from trl.assets import load_test_dataset
+
+    hooks = OFFLINE_HOOKS[trainer_name] + OFFLINE_CONSTRUCTION_HOOKS
+    base = getattr(trl, f"{trainer_name}Trainer")
+    trainer_class, calls = recording_subclass(base, hooks)
+    data = {
+        "SFT": load_test_dataset("standard_language_modeling", split="train"),
+        "DPO": load_test_dataset("standard_preference", split="train"),
+        "KTO": unpaired["train"],
+        "Reward": load_test_dataset("standard_preference", split="train"),
+    }[trainer_name]
+    args = args_builder(getattr(trl, f"{trainer_name}Config"))(
+        tmp_path,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+    )
+    model = get_model_path(
+        "tiny-Qwen2ForSequenceClassification" if trainer_name == "Reward" else "tiny-Qwen2ForCausalLM"
+    )
+    trainer = trainer_class(model, args=args, train_dataset=data, eval_dataset=data.select(range(4)))
+    assert calls["_prepare_dataset"] >= 2  # train and eval, at construction
+    trainer.train()
+    for name in hooks:
+        assert calls[name] >= 1, name
+    assert calls["training_step"] == 2
