@@ -144,3 +144,28 @@ def test_compatibility_reexports_are_marked():
     for module in COMPATIBILITY_REEXPORTS:
         source = (root / Path(*module.split("."))).with_suffix(".py").read_text()
         assert "Compatibility re-export" in source, module
+
+
+def test_stable_bases_never_name_experimental_trainers():
+    """Stable modules (`trl/trainer/`) hold no experimental trainer's code: no identifier of an experimental trainer
+    class and no branch on one of their names (mentions in docstrings and comments are fine)."""
+    import ast
+
+    import trl.experimental as experimental
+
+    root = Path(trl.__file__).parent
+    experimental_classes = set()
+    for path in (root / "experimental").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name.endswith(("Trainer", "Config")):
+                experimental_classes.add(node.name)
+    stable_names = {name for name in dir(trl) if name.endswith(("Trainer", "Config"))}
+    experimental_only = experimental_classes - stable_names - {"GRPOTrainer"}  # gspo_token re-uses the stable name
+    assert experimental
+    offences = []
+    for path in sorted((root / "trainer").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+            if name in experimental_only:
+                offences.append(f"{path.relative_to(root.parent)}:{node.lineno} names {name}")
+    assert not offences, "\n".join(offences)

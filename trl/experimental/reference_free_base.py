@@ -42,6 +42,7 @@ from ..trainer.utils import (
 )
 from ..trainer.utils.logprobs import mean_logits_from_hidden
 from .reference_free_legacy import _ReferenceFreeLegacyHelpers, pair_metric_values
+from .utils import load_causal_lm
 
 
 logger = logging.getLogger(__name__)
@@ -385,7 +386,7 @@ class _ReferenceFreePreferenceTrainer(_ReferenceFreeLegacyHelpers, _PreferenceTr
     def _load_model(self, model: Any, args: Any, architecture: Any = None, quantization_config: Any = None, **_: Any):
         # As in TRL, a string is loaded with AutoModelForCausalLM.from_pretrained (no float32 default); an
         # encoder-decoder checkpoint with AutoModelForSeq2SeqLM.
-        return self._load_causal_lm(model, args, encoder_decoder=True)
+        return load_causal_lm(model, args, type(self).__name__, encoder_decoder=True)
 
     @staticmethod
     def _resolve_encoder_decoder(model: nn.Module, args: Any, trainer_name: str) -> bool:

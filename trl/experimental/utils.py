@@ -2,6 +2,8 @@
 and reward-model scoring."""
 
 import gc
+import warnings
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -209,3 +211,49 @@ __all__ = [
     "truncate_dataset",
     "truncate_right",
 ]
+
+
+def load_causal_lm(model: Any, args: Any, trainer_name: str, encoder_decoder: bool = False) -> nn.Module:
+    """Load a string `model` with `AutoModelForCausalLM.from_pretrained(model, **args.model_init_kwargs)`.
+
+    The loading of the experimental trainers (BCO, CPO, ORPO): no float32 default, a string `dtype` turned into
+    the `torch.dtype` (`"auto"` kept); encoder-decoder checkpoints are loaded with `AutoModelForSeq2SeqLM` when
+    `encoder_decoder` is True and refused otherwise. An instance is returned as is.
+    """
+    init_kwargs = dict(getattr(args, "model_init_kwargs", None) or {})
+    if not isinstance(model, str):
+        if init_kwargs:
+            warnings.warn(
+                "args.model_init_kwargs is only used when `model` is a string; the model you passed is already "
+                "instantiated, so these kwargs are ignored.",
+                UserWarning,
+                stacklevel=4,
+            )
+        return model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    trust_remote_code = getattr(args, "trust_remote_code", False)
+    config = AutoConfig.from_pretrained(
+        model, revision=init_kwargs.get("revision"), trust_remote_code=trust_remote_code
+    )
+    loader = AutoModelForCausalLM
+    if getattr(config, "is_encoder_decoder", False) and encoder_decoder:
+        from transformers import AutoModelForSeq2SeqLM
+
+        loader = AutoModelForSeq2SeqLM
+    elif getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{trainer_name} trains decoder-only causal language models, but {model!r} is an encoder-decoder "
+            f"model ({type(config).__name__}). Use a causal LM."
+        )
+    dtype = init_kwargs.get("dtype")
+    if isinstance(dtype, str) and dtype != "auto":
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(
+                f"model_init_kwargs['dtype']={dtype!r} is not a torch dtype; use e.g. 'bfloat16', 'float16', "
+                "'float32' or 'auto'."
+            )
+        init_kwargs["dtype"] = getattr(torch, dtype)
+    if trust_remote_code:
+        init_kwargs.setdefault("trust_remote_code", True)
+    return loader.from_pretrained(model, **init_kwargs)

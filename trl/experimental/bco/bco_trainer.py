@@ -43,6 +43,7 @@ from ...trainer.utils import (
     use_adapter,
 )
 from ...trainer.utils.logprobs import summed_logits_from_hidden
+from ..utils import load_causal_lm
 from .bco_config import BCOConfig
 
 
@@ -329,7 +330,7 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
 
         # ---- Model ---------------------------------------------------------------------------------------------
         model_id = self._model_id(model)
-        model = self._load_causal_lm(model, args)
+        model = load_causal_lm(model, args, type(self).__name__)
         self._check_peft_arguments(model, peft_config, ref_model, args)
         is_encoder_decoder = args.is_encoder_decoder
         if is_encoder_decoder is None:
@@ -363,7 +364,7 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
 
         # ---- Reference model -----------------------------------------------------------------------------------
         if isinstance(ref_model, str):
-            ref_model = self._load_causal_lm(ref_model, args)
+            ref_model = load_causal_lm(ref_model, args, type(self).__name__)
         # An instance (not the path) is passed so that the default reference is a frozen copy of the model.
         ref_model = self._build_preference_ref_model(model, model, ref_model, args)
 
