@@ -30,12 +30,16 @@ RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
 # ---------------------------------------------------------------------------------------------------------------------
 # Reward function plumbing
 # ---------------------------------------------------------------------------------------------------------------------
+# Reward functions already warned about returning NaN (once per function name and process).
+_WARNED_NAN_REWARDS: set[str] = set()
+
+
 def _to_float_list(values: Any, name: str, expected: int, prompts: list | None = None) -> list[float]:
     """Validate a reward function's output: one finite number (or None) per completion. None becomes NaN.
 
-    None is TRL's way for a function to say "does not apply to this completion"; a NaN or infinite number is a bug in
-    the function (a division by zero, a log of 0) and is refused, naming the function and the prompt, rather than
-    turned into a zero loss or a sampling crash later on.
+    None is TRL's way for a function to say "does not apply to this completion"; NaN is read the same way (as TRL
+    does, with a one-time warning). An infinite number is a bug in the function (a log of 0) that would turn the
+    advantages into NaN, and is refused, naming the function and the prompt.
     """
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().reshape(-1).tolist()
@@ -64,6 +68,18 @@ def _to_float_list(values: Any, name: str, expected: int, prompts: list | None =
                 f"Reward function {name!r} returned a non-numeric value at position {i}: {value!r} "
                 f"({type(value).__name__}). Rewards must be numbers (int/float) or None."
             )
+        if math.isnan(value):
+            # As TRL: NaN counts like None (left out of the NaN-aware means), which a bug can also produce: said once.
+            if name not in _WARNED_NAN_REWARDS:
+                _WARNED_NAN_REWARDS.add(name)
+                warnings.warn(
+                    f"Reward function {name!r} returned NaN for completion {i}; it is treated like None (no reward "
+                    "for that completion), as TRL does. Return None explicitly if that is intended.",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            out.append(float("nan"))
+            continue
         if not math.isfinite(value):
             prompt = str(prompts[i])[:200] if prompts is not None and i < len(prompts) else "?"
             raise ValueError(
