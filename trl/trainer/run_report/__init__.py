@@ -2,11 +2,11 @@
 
 - `metrics.jsonl`: every logged row (train and eval), appended as it is logged, plus the run's config, a data summary,
   sample completions of online trainers and the checkpoints written (`history.py` documents the rows).
-- `report.html`: one self-contained page with the curves (PNG, matplotlib), tables of every metric, the data summary,
+- `report.html`: one self-contained page with the curves (inline SVG), tables of every metric, the data summary,
   the checkpoints, wall time, throughput and the config, written at each checkpoint and when training ends.
 
 `RunReportCallback` writes both; `write_report` renders the page from one or several `metrics.jsonl` files (what
-`trl report` runs). Importing this package loads neither transformers nor matplotlib; the callback is imported on
+`trl report` runs). Importing this package does not load transformers; the callback is imported on
 first use.
 """
 

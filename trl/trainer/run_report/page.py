@@ -1,16 +1,15 @@
-"""The report page: one self-contained HTML file (inline CSS, PNG curves inlined as base64, no script, no link to
+"""The report page: one self-contained HTML file (inline CSS, curves as inline SVG, no script, no link to
 anything outside the file) built from one or several run histories."""
 
 from __future__ import annotations
 
-import base64
 import datetime
 import html
 import os
 from collections.abc import Iterable
 from typing import Any
 
-from .charts import charted_metrics, matplotlib_available, render_histogram, render_panel, select_panels
+from .charts import charted_metrics, render_histogram, render_panel, select_panels
 from .history import RunHistory, is_number
 
 
@@ -31,7 +30,8 @@ th, td { border: 1px solid #d0d7de; padding: 0.25rem 0.6rem; text-align: left; v
 th { background: #f6f8fa; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .charts { display: grid; grid-template-columns: repeat(auto-fill, minmax(560px, 1fr)); gap: 0.8rem; }
-.charts img { width: 100%; border: 1px solid #eaeef2; border-radius: 4px; }
+figure.chart { margin: 0.4rem 0; max-width: 640px; }
+figure.chart svg { width: 100%; height: auto; border: 1px solid #eaeef2; border-radius: 4px; }
 pre { white-space: pre-wrap; word-break: break-word; margin: 0; font-size: 0.8rem; max-height: 16rem; overflow: auto; }
 details summary { cursor: pointer; color: #0969da; margin: 0.5rem 0; }
 code { background: #f6f8fa; padding: 0 0.2rem; border-radius: 3px; }
@@ -86,9 +86,8 @@ class _Raw(str):
     """HTML that a table cell takes as is (already escaped)."""
 
 
-def _image(png: bytes, alt: str) -> str:
-    encoded = base64.b64encode(png).decode("ascii")
-    return f'<img alt="{_text(alt)}" src="data:image/png;base64,{encoded}">'
+def _figure(svg: str) -> str:
+    return f'<figure class="chart">{svg}</figure>'
 
 
 def _preformatted(value: Any) -> _Raw:
@@ -147,16 +146,11 @@ def _curves(runs: list[RunHistory]) -> str:
     section = "<h2>Curves</h2>"
     if not panels:
         return section + '<p class="note">No metric was logged yet.</p>'
-    if not matplotlib_available():
-        return section + (
-            '<p class="note">Curves need matplotlib, which is not installed (<code>pip install matplotlib</code>, '
-            "then <code>trl report OUTPUT_DIR</code> re-renders this page). The values are in the tables below.</p>"
-        )
     images = []
     for panel in panels:
-        png = render_panel(panel, runs)
-        if png is not None:
-            images.append(_image(png, panel.title))
+        svg = render_panel(panel, runs)
+        if svg is not None:
+            images.append(_figure(svg))
     return section + '<div class="charts">' + "".join(images) + "</div>"
 
 
@@ -248,13 +242,12 @@ def _data_section(runs: list[RunHistory]) -> str:
                 parts.append(_table(header, _length_stats_rows(lengths), numeric_columns=range(1, 8)))
                 if any(stats.get("sampled") for stats in lengths.values()):
                     parts.append('<p class="subtitle">Lengths measured on an evenly spaced sample of the rows.</p>')
-                if matplotlib_available():
-                    for column, stats in lengths.items():
-                        png = render_histogram(
-                            stats.get("hist_edges") or [], stats.get("hist_counts") or [], f"{split}: {column} per row"
-                        )
-                        if png is not None:
-                            parts.append(_image(png, f"{split} {column} length histogram"))
+                for column, stats in lengths.items():
+                    svg = render_histogram(
+                        stats.get("hist_edges") or [], stats.get("hist_counts") or [], f"{split}: {column} per row"
+                    )
+                    if svg is not None:
+                        parts.append(_figure(svg))
     if not parts:
         return ""
     return "<h2>Data</h2>" + "".join(parts)
