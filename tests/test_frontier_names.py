@@ -64,7 +64,11 @@ IMPLEMENTED_ATTRIBUTES = [
         "generate_from_model",
         "store_metrics",
     )
-] + [("trl.experimental.cpo.CPOTrainer", "cpo_loss"), ("trl.experimental.orpo.ORPOTrainer", "odds_ratio_loss")]
+] + [
+    ("trl.experimental.cpo.CPOTrainer", "cpo_loss"),
+    ("trl.experimental.orpo.ORPOTrainer", "odds_ratio_loss"),
+    ("trl.GRPOTrainer", "get_gamma_weights"),
+]
 
 PENDING = {
     "trl.experimental.gmpo": ["GMPOConfig", "GMPOTrainer"],
@@ -83,7 +87,6 @@ PENDING = {
     "trl.distributed": ["DistributedBackend"],
 }
 PENDING_ATTRIBUTES = [
-    ("trl.GRPOTrainer", "get_gamma_weights"),
     ("trl.generation.vllm_client.VLLMClient", "get_server_info"),
     ("trl.generation.vllm_client.VLLMClient", "image_features"),
 ]
