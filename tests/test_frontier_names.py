@@ -42,6 +42,7 @@ IMPLEMENTED = {
     "trl.models": ["enable_selective_activation_checkpointing"],
     "trl.models.selective_activation_checkpointing": ["enable_selective_activation_checkpointing"],
     "trl.experimental.tpo": ["TPOConfig", "TPOTrainer"],
+    "trl.experimental.gmpo": ["GMPOConfig", "GMPOTrainer"],
     "trl.experimental.tpo.tpo_trainer": ["DataCollatorForTriplePreference"],
     "trl.experimental.harbor": ["AGENTS", "HarborBashEnv", "HarborEnv", "HarborSpec"],
     "trl.experimental.openreward": ["OpenRewardSpec"],
@@ -71,7 +72,6 @@ IMPLEMENTED_ATTRIBUTES = [
 ]
 
 PENDING = {
-    "trl.experimental.gmpo": ["GMPOConfig", "GMPOTrainer"],
     "trl.experimental.a2po": ["A2POConfig", "A2POTrainer"],
     "trl.experimental.sdft": ["SDFTConfig", "SDFTTrainer", "loss_utils", "teacher_sync"],
     "trl.experimental.sdpo": ["SDPOConfig", "SDPOTrainer", "loss_utils", "teacher_sync"],

@@ -642,22 +642,8 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Loss
     # ------------------------------------------------------------------------------------------------------------
-    @staticmethod
-    @torch.no_grad()
-    def get_gamma_weights(
-        advantages: torch.Tensor,
-        log_ratio_per_token: torch.Tensor,
-        mask: torch.Tensor,
-        importance_sampling_ratio: torch.Tensor | None,
-        k_pos: float = 2.0,
-        lambda_pos: float = 3.0,
-        k_neg: float = 3.0,
-        lambda_neg: float = 2.0,
-    ) -> torch.Tensor:
-        """TRL's VESPO helper: the `(B, 1)` detached sequence weights of [`vespo_gamma_weights`] (same arguments)."""
-        return vespo_gamma_weights(
-            advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos, lambda_pos, k_neg, lambda_neg
-        )
+    # TRL's VESPO helper: the `(B, 1)` detached sequence weights (see `vespo_gamma_weights`).
+    get_gamma_weights = staticmethod(vespo_gamma_weights)
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """Boolean `(B, T)` mask of the tokens whose entropy is at least the `threshold` quantile of the entropies of
@@ -699,18 +685,24 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         """Tokens whose entropy is at or above the `1 - top_entropy_quantile` quantile (over all processes)."""
         return self.get_high_entropy_mask(entropy, mask, 1.0 - self.args.top_entropy_quantile).to(mask.dtype)
 
-    def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        if self.liger_grpo_loss is not None:
-            return self._compute_liger_loss(model, inputs)
-        args = self.args
+    def _policy_loss_inputs(self, model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """What a policy loss on one micro-batch starts from: `(logps, entropy, aux_loss, mask, advantages, old)`,
+        the current `(B, T)` log-probabilities and entropies, the router loss (or None), the loss mask and advantages
+        in the log-probabilities' dtype, and the sampling policy's log-probabilities (the stored ones, or on-policy
+        the current ones detached, so that the ratio is exactly 1 with its gradient)."""
         with self._decode_replay_for(inputs):
             logps, entropy, aux_loss = self._completion_logps(model, inputs, compute_entropy=True)
         mask = self._loss_mask(inputs).to(logps.dtype)
         advantages = inputs["advantages"].to(logps.dtype)
         old = inputs.get("old_per_token_logps")
-        # On-policy data: the sampling policy is the current one, so the ratio is exactly 1 (with its gradient).
         old = logps.detach() if old is None else old
+        return logps, entropy, aux_loss, mask, advantages, old
 
+    def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        if self.liger_grpo_loss is not None:
+            return self._compute_liger_loss(model, inputs)
+        args = self.args
+        logps, entropy, aux_loss, mask, advantages, old = self._policy_loss_inputs(model, inputs)
         is_ratio = inputs.get("importance_sampling_ratio")
         if is_ratio is None and "sampling_per_token_logps" in inputs and "old_per_token_logps" not in inputs:
             # On-policy: this pass's detached log-probs are the old policy's, so no separate rollout pass is needed.

@@ -250,6 +250,7 @@ from . import (  # noqa: E402, F401
     errors,
     experimental,
     frontier,
+    frontier_online,
     grpo_variants,
     internals,
     offline,
