@@ -257,5 +257,6 @@ from . import (  # noqa: E402, F401
     online,
     plugins,
     ppo,
+    self_distillation,
     vlm,
 )

@@ -38,7 +38,7 @@ class _SelfDistillationConfig(_BaseConfig):
     log_multimodal = False
     mask_truncated_completions = False
 
-    remove_unused_columns: bool | None = field(
+    remove_unused_columns: bool = field(
         default=False, metadata={"help": "Keep dataset columns other than `prompt` (the teacher context needs them)."}
     )
     model_init_kwargs: dict[str, Any] | None = field(

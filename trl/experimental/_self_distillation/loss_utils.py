@@ -85,8 +85,7 @@ def compute_topk_self_distillation_loss(
     """
     student_log_probs = student_logits.log_softmax(dim=-1)
     teacher_log_probs = teacher_logits.log_softmax(dim=-1)
-    k = min(distillation_topk, student_logits.shape[-1])
-    support = student_logits.detach().topk(k, dim=-1).indices
+    support = student_logits.detach().topk(distillation_topk, dim=-1).indices
     student_on, teacher_on = _support_log_probs(
         student_log_probs.gather(-1, support), teacher_log_probs.gather(-1, support), distillation_add_tail
     )

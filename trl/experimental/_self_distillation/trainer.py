@@ -237,4 +237,6 @@ class _SelfDistillationTrainer(_OnlineTrainer):
         metrics = self._metrics[self._mode]
         for key in _NOT_LOGGED:
             metrics.pop(key, None)
-        super().log(logs, start_time)
+        # As TRL's self-distillation trainers: the caller's dict is left as it is (`train()`'s summary keeps
+        # `total_flos` and gets no `epoch`).
+        super().log(dict(logs), start_time)
