@@ -42,6 +42,8 @@ IMPLEMENTED = {
     "trl.models": ["enable_selective_activation_checkpointing"],
     "trl.models.selective_activation_checkpointing": ["enable_selective_activation_checkpointing"],
     "trl.experimental.tpo": ["TPOConfig", "TPOTrainer"],
+    "trl.experimental.gmpo": ["GMPOConfig", "GMPOTrainer"],
+    "trl.experimental.sdft": ["SDFTConfig", "SDFTTrainer", "loss_utils", "teacher_sync"],
     "trl.experimental.tpo.tpo_trainer": ["DataCollatorForTriplePreference"],
     "trl.experimental.harbor": ["AGENTS", "HarborBashEnv", "HarborEnv", "HarborSpec"],
     "trl.experimental.openreward": ["OpenRewardSpec"],
@@ -64,12 +66,14 @@ IMPLEMENTED_ATTRIBUTES = [
         "generate_from_model",
         "store_metrics",
     )
-] + [("trl.experimental.cpo.CPOTrainer", "cpo_loss"), ("trl.experimental.orpo.ORPOTrainer", "odds_ratio_loss")]
+] + [
+    ("trl.experimental.cpo.CPOTrainer", "cpo_loss"),
+    ("trl.experimental.orpo.ORPOTrainer", "odds_ratio_loss"),
+    ("trl.GRPOTrainer", "get_gamma_weights"),
+]
 
 PENDING = {
-    "trl.experimental.gmpo": ["GMPOConfig", "GMPOTrainer"],
     "trl.experimental.a2po": ["A2POConfig", "A2POTrainer"],
-    "trl.experimental.sdft": ["SDFTConfig", "SDFTTrainer", "loss_utils", "teacher_sync"],
     "trl.experimental.sdpo": ["SDPOConfig", "SDPOTrainer", "loss_utils", "teacher_sync"],
     "trl.experimental.iw_opd": ["IWOPDConfig", "IWOPDTrainer"],
     "trl.experimental.iw_opd.iw_opd_trainer": ["build_teacher_request_inputs"],
@@ -83,7 +87,6 @@ PENDING = {
     "trl.distributed": ["DistributedBackend"],
 }
 PENDING_ATTRIBUTES = [
-    ("trl.GRPOTrainer", "get_gamma_weights"),
     ("trl.generation.vllm_client.VLLMClient", "get_server_info"),
     ("trl.generation.vllm_client.VLLMClient", "image_features"),
 ]

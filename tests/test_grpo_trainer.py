@@ -26,7 +26,6 @@ from trl.trainer.grpo_trainer import (
     importance_sampling_correction,
     normalize_per_token_loss,
     normalize_then_sum_advantages,
-    vespo_sequence_weights,
 )
 from trl.trainer.online_base import (
     aggregate_rewards,
@@ -156,7 +155,7 @@ def _hand_per_token(loss_type, level="token", delta=None):
                 tau = 1.0 if adv > 0 else 1.05
                 row.append(-(1 / (1 + math.exp(-tau * (ratio - 1)))) * 4 / tau * adv)
             elif loss_type == "vespo":
-                k, lam = (2.0, 3.0) if adv > 0 else (3.0, 2.0)
+                k, lam = (2.0, 3.0) if adv >= 0 else (3.0, 2.0)
                 w = math.exp(seq_sum)
                 phi = w**k * math.exp(-lam * (w - 1))
                 row.append(-phi * adv * a)  # REINFORCE form: detached weight x advantage x log-probability
@@ -245,11 +244,43 @@ def test_cispo_weight_is_detached():
     assert stats["cispo_clipped"].tolist() == ((ratio > 1.2) & positive).tolist()
 
 
-def test_vespo_weight_is_one_on_policy_and_decays_off_policy():
-    advantages = torch.tensor([1.0, -1.0, 1.0])
-    weights = vespo_sequence_weights(torch.tensor([0.0, 0.0, 3.0]), advantages, 2.0, 3.0, 3.0, 2.0)
-    assert weights[0] == 1.0 and weights[1] == 1.0
-    assert weights[2].item() == pytest.approx(math.exp(2 * 3.0 - 3.0 * (math.exp(3.0) - 1)))
+def _hand_gamma_weight(adv, log_ratios, mask, rhos=None, k_pos=2.0, lam_pos=3.0, k_neg=3.0, lam_neg=2.0):
+    """TRL's VESPO sequence weight written out for one sequence with Python floats."""
+    total = sum(m * min(max(r, -20.0), 20.0) for r, m in zip(log_ratios, mask))
+    if rhos is not None:
+        total += sum(min(max(math.log(rho), math.log(1e-8)), 20.0) for rho in rhos)
+    log_w = min(max(total, math.log(1e-8)), 20.0)
+    k, lam = (k_pos, lam_pos) if adv >= 0 else (k_neg, lam_neg)
+    lam = max(lam, 1e-4)
+    phi = math.exp(lam + k * log_w - lam * math.exp(log_w))
+    return phi if math.isfinite(phi) else 0.0
+
+
+@pytest.mark.parametrize("with_rho", [False, True])
+@pytest.mark.parametrize("params", [(2.0, 3.0, 3.0, 2.0), (1.0, 0.0, 0.5, -1.0)])
+def test_get_gamma_weights_matches_hand_formula(with_rho, params):
+    log_ratios = [[0.1, -0.4, 0.3, 9.0], [-0.2, 0.5, 0.0, 0.1], [0.0, 0.0, 0.0, 0.0], [15.0, 15.0, 0.0, 0.0]]
+    mask = [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]
+    rhos = [[1.2, 0.8, 1.5, 1.0], [0.5, 2.0, 1.1, 0.9], [3.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]]
+    advantages = [1.0, -0.5, 0.0, 2.0]
+    weights = GRPOTrainer.get_gamma_weights(
+        torch.tensor(advantages).unsqueeze(1),
+        torch.tensor(log_ratios, requires_grad=True),
+        torch.tensor(mask, dtype=torch.float32),
+        torch.tensor(rhos) if with_rho else None,
+        *params,
+    )
+    assert weights.shape == (4, 1) and not weights.requires_grad
+    expected = [
+        _hand_gamma_weight(a, r, m, rho if with_rho else None, *params)
+        for a, r, m, rho in zip(advantages, log_ratios, mask, rhos)
+    ]
+    torch.testing.assert_close(weights.squeeze(1), torch.tensor(expected), rtol=1e-5, atol=1e-7)
+    # On-policy without correction every weight is exactly 1; a NaN log-ratio gives 0.
+    on_policy = GRPOTrainer.get_gamma_weights(torch.tensor([[1.0], [-1.0]]), torch.zeros(2, 3), torch.ones(2, 3), None)
+    assert on_policy.flatten().tolist() == [1.0, 1.0]
+    nan = GRPOTrainer.get_gamma_weights(torch.ones(1, 1), torch.tensor([[float("nan"), 0.0]]), torch.ones(1, 2), None)
+    assert nan.item() == 0.0
 
 
 def test_vespo_on_policy_value_is_the_weighted_log_likelihood_and_gradient_the_policy_gradient():
@@ -259,7 +290,7 @@ def test_vespo_on_policy_value_is_the_weighted_log_likelihood_and_gradient_the_p
     per_token, _, stats = grpo_per_token_loss(
         logps, logps.detach(), advantages, torch.tensor(MASK, dtype=torch.float64), loss_type="vespo"
     )
-    assert stats["vespo_phi"].tolist() == [1.0, 1.0, 1.0]
+    assert stats["vespo_phi"].flatten().tolist() == [1.0, 1.0, 1.0]
     torch.testing.assert_close(per_token, -advantages.unsqueeze(1) * torch.tensor(LOGPS, dtype=torch.float64))
     per_token.sum().backward()
     torch.testing.assert_close(logps.grad, -advantages.unsqueeze(1).expand(3, 3))

@@ -6,6 +6,7 @@ LUSPO, VESPO), the k3 KL penalty, GSPO sequence-level ratios, entropy-based toke
 """
 
 import json
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -68,34 +69,50 @@ def importance_log_weights(
     raise ValueError(f"importance_sampling_level must be 'token' or 'sequence'; got {level!r}.")
 
 
-def vespo_sequence_weights(
-    seq_log_ratio: torch.Tensor,
+@torch.no_grad()
+def vespo_gamma_weights(
     advantages: torch.Tensor,
-    k_pos: float,
-    lambda_pos: float,
-    k_neg: float,
-    lambda_neg: float,
+    log_ratio_per_token: torch.Tensor,
+    mask: torch.Tensor,
+    importance_sampling_ratio: torch.Tensor | None,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
 ) -> torch.Tensor:
-    """VESPO weight of each sequence, `phi(w) = w^k * exp(-lambda * (w - 1))` of the sequence ratio `w`.
+    """VESPO weight of each sequence: the gamma-shaped `phi(w) = w^k * exp(lambda * (1 - w))` of its importance ratio.
 
-    `phi(1) = 1`, so on-policy data gets the plain policy gradient; far off-policy sequences (`w` large or small) are
-    smoothly down-weighted instead of hard-clipped. `(k, lambda)` depend on the sign of the advantage. Computed in log
-    space with the log-ratio clamped to [-20, 20] for stability.
+    The sequence log-ratio is `l = sum_t mask * clamp(log_ratio, -20, 20)`, plus `sum_t clamp(log rho_t, log 1e-8, 20)`
+    when a per-token sampler correction `rho` is given (masked positions carry `rho = 1`), so the correction is folded
+    into the weight instead of multiplying the loss. Then `log w = clamp(l, log 1e-8, 20)` and
+    `phi = exp(lambda + k * log w - lambda * w)`, which is 1 on-policy (`w = 1`) and decays smoothly for far off-policy
+    sequences. `(k, lambda)` is `(k_pos, lambda_pos)` for a non-negative advantage, else `(k_neg, lambda_neg)`;
+    `lambda` is floored at 1e-4. Non-finite weights become 0. No gradient flows through the result.
 
     Args:
-        seq_log_ratio: `(B,)` log of the sequence importance ratio (sum of token log-ratios).
-        advantages: `(B,)` advantages.
-        k_pos, lambda_pos: Exponent and decay for positive advantages.
-        k_neg, lambda_neg: Exponent and decay for non-positive advantages.
+        advantages: `(B, 1)` (or `(B,)`) advantages.
+        log_ratio_per_token: `(B, T)` log-ratios of the current to the sampling policy.
+        mask: `(B, T)` completion mask.
+        importance_sampling_ratio: Optional `(B, T)` sampler (vLLM) correction ratios.
+        k_pos, lambda_pos: Exponent and decay for non-negative advantages.
+        k_neg, lambda_neg: Exponent and decay for negative advantages.
 
     Returns:
-        `(B,)` weights (no gradient).
+        `(B, 1)` weights.
     """
-    s = seq_log_ratio.detach().clamp(-20.0, 20.0)
-    positive = advantages > 0
-    k = torch.where(positive, torch.full_like(s, k_pos), torch.full_like(s, k_neg))
-    lam = torch.where(positive, torch.full_like(s, lambda_pos), torch.full_like(s, lambda_neg))
-    return torch.exp(k * s - lam * (torch.exp(s) - 1.0))
+    log_floor = math.log(1e-8)
+    seq_log_ratio = (mask * log_ratio_per_token.clamp(-20.0, 20.0)).sum(dim=-1, keepdim=True)
+    if importance_sampling_ratio is not None:
+        log_rho = torch.log(importance_sampling_ratio).clamp(log_floor, 20.0)
+        seq_log_ratio = seq_log_ratio + log_rho.sum(dim=-1, keepdim=True)
+    log_w = seq_log_ratio.clamp(log_floor, 20.0)
+    adv = advantages.reshape(-1, 1)
+    non_negative = adv >= 0
+    k = torch.where(non_negative, torch.full_like(log_w, k_pos), torch.full_like(log_w, k_neg))
+    lam = torch.where(non_negative, torch.full_like(log_w, lambda_pos), torch.full_like(log_w, lambda_neg))
+    lam = lam.clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def grpo_per_token_loss(
@@ -112,6 +129,7 @@ def grpo_per_token_loss(
     sapo_temperature_neg: float = 1.05,
     vespo_params: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
     log_weights: torch.Tensor | None = None,
+    importance_sampling_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token policy loss of the GRPO family, before masking/normalisation (KL and entropy terms excluded).
 
@@ -123,7 +141,8 @@ def grpo_per_token_loss(
       `eps_high` is the cap itself, epsilon_max);
     - sapo: `-sigmoid(tau (r - 1)) * 4 / tau * A`, `tau` chosen by the sign of `A` (a soft trust region whose
       gradient at `r = 1` is the plain policy gradient);
-    - vespo: `-sg(phi(w)) * A * logp` with `phi` from [`vespo_sequence_weights`] of the sequence ratio `w`.
+    - vespo: `-sg(phi(w)) * A * logp` with `phi` from [`vespo_gamma_weights`] of the sequence ratio `w` (the
+      sampler correction `importance_sampling_ratio`, when given, is folded into `w`).
 
     Args:
         per_token_logps: `(B, T)` log-probabilities under the current policy (with gradient).
@@ -138,6 +157,8 @@ def grpo_per_token_loss(
         vespo_params: `(k_pos, lambda_pos, k_neg, lambda_neg)`.
         log_weights: The log importance ratios, when the caller computed them (another level); by default
             [`importance_log_weights`] at `importance_sampling_level`.
+        importance_sampling_ratio: `(B, T)` sampler correction, used by vespo only (the caller multiplies the other
+            losses by it).
 
     Returns:
         `(per_token_loss, ratio, stats)`: the `(B, T)` loss, the ratio `r` (`(B, T)` or `(B, 1)`), and boolean/float
@@ -167,12 +188,12 @@ def grpo_per_token_loss(
         gate = torch.sigmoid(tau * (ratio - 1)) * 4.0 / tau
         per_token_loss = -gate * adv
     elif loss_type == "vespo":
-        seq_log_ratio = ((per_token_logps - old_per_token_logps) * mask).sum(dim=1)
-        phi = vespo_sequence_weights(seq_log_ratio, advantages, *vespo_params)
+        log_ratio = per_token_logps.detach() - old_per_token_logps
+        phi = vespo_gamma_weights(adv, log_ratio, mask, importance_sampling_ratio, *vespo_params)
         stats["vespo_phi"] = phi
         # REINFORCE form: the detached weight times the advantage times the log-probability (its value is that of
         # the weighted log-likelihood, as TRL logs it; on-policy its gradient equals the clipped objectives').
-        per_token_loss = -phi.unsqueeze(1) * adv * per_token_logps
+        per_token_loss = -phi * adv * per_token_logps
     else:
         raise ValueError(f"Unknown loss_type {loss_type!r}.")
     per_token_loss = per_token_loss.expand_as(per_token_logps)
@@ -623,6 +644,9 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Loss
     # ------------------------------------------------------------------------------------------------------------
+    # TRL's VESPO helper: the `(B, 1)` detached sequence weights (see `vespo_gamma_weights`).
+    get_gamma_weights = staticmethod(vespo_gamma_weights)
+
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """Boolean `(B, T)` mask of the tokens whose entropy is at least the `threshold` quantile of the entropies of
         all unmasked tokens on all processes (TRL's helper; training passes `1 - top_entropy_quantile`). No unmasked
@@ -663,18 +687,31 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         """Tokens whose entropy is at or above the `1 - top_entropy_quantile` quantile (over all processes)."""
         return self.get_high_entropy_mask(entropy, mask, 1.0 - self.args.top_entropy_quantile).to(mask.dtype)
 
-    def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        if self.liger_grpo_loss is not None:
-            return self._compute_liger_loss(model, inputs)
-        args = self.args
+    def _policy_loss_inputs(self, model: nn.Module, inputs: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """What a policy loss on one micro-batch starts from: `(logps, entropy, aux_loss, mask, advantages, old)`,
+        the current `(B, T)` log-probabilities and entropies, the router loss (or None), the loss mask and advantages
+        in the log-probabilities' dtype, and the sampling policy's log-probabilities (the stored ones, or on-policy
+        the current ones detached, so that the ratio is exactly 1 with its gradient)."""
         with self._decode_replay_for(inputs):
             logps, entropy, aux_loss = self._completion_logps(model, inputs, compute_entropy=True)
         mask = self._loss_mask(inputs).to(logps.dtype)
         advantages = inputs["advantages"].to(logps.dtype)
         old = inputs.get("old_per_token_logps")
-        # On-policy data: the sampling policy is the current one, so the ratio is exactly 1 (with its gradient).
         old = logps.detach() if old is None else old
+        return logps, entropy, aux_loss, mask, advantages, old
 
+    def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        if self.liger_grpo_loss is not None:
+            return self._compute_liger_loss(model, inputs)
+        args = self.args
+        logps, entropy, aux_loss, mask, advantages, old = self._policy_loss_inputs(model, inputs)
+        is_ratio = inputs.get("importance_sampling_ratio")
+        if is_ratio is None and "sampling_per_token_logps" in inputs and "old_per_token_logps" not in inputs:
+            # On-policy: this pass's detached log-probs are the old policy's, so no separate rollout pass is needed.
+            is_ratio = self._sampling_correction(old, inputs)
+        if is_ratio is not None:
+            is_ratio = is_ratio.to(logps.dtype)
+        vespo = args.loss_type == "vespo"
         per_token_loss, ratio, stats = grpo_per_token_loss(
             logps,
             old,
@@ -689,13 +726,10 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             sapo_temperature_neg=args.sapo_temperature_neg,
             vespo_params=(args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
             log_weights=self._importance_log_weights(logps, old, mask),
+            importance_sampling_ratio=is_ratio if vespo else None,
         )
-        is_ratio = inputs.get("importance_sampling_ratio")
-        if is_ratio is None and "sampling_per_token_logps" in inputs and "old_per_token_logps" not in inputs:
-            # On-policy: this pass's detached log-probs are the old policy's, so no separate rollout pass is needed.
-            is_ratio = self._sampling_correction(old, inputs)
-        if is_ratio is not None:
-            per_token_loss = per_token_loss * is_ratio.to(per_token_loss.dtype)
+        if is_ratio is not None and not vespo:  # VESPO folds the correction into its sequence weight
+            per_token_loss = per_token_loss * is_ratio
         if args.off_policy_mask_threshold is not None:
             reference = inputs.get("sampling_per_token_logps", old)
             keep = self.get_off_policy_mask(

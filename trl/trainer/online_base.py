@@ -152,6 +152,9 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
     """
 
     _config_class: type = None
+    # Whether a round is shuffled (one `randperm` on the global RNG) before its split into micro-batches, as TRL's GRPO
+    # does; TRL's self-distillation trainers split it in generation order.
+    _shuffle_rollout_batch = True
     # `compute_loss` normalises for gradient accumulation itself; the Trainer must not divide again.
     loss_is_scaled_for_ga = True
     # GRPO and RLOO log each step's wall time (`step_time`) as TRL does; TRL's Online DPO family does not.
@@ -528,7 +531,8 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         steps = args.steps_per_generation
         if self._buffered_inputs is None or self._step % (steps * args.num_iterations) == 0:
             batch = self._generate_and_score_completions(generation_batch)
-            batch = shuffle_sequence_dict(batch)  # micro-batches mix completions of different prompts
+            if self._shuffle_rollout_batch:
+                batch = shuffle_sequence_dict(batch)  # micro-batches mix completions of different prompts
             self._buffered_inputs = split_tensor_dict(batch, steps)
         return self._buffered_inputs[self._step % steps]
 

@@ -22,7 +22,7 @@ def _check_choice(name: str, value: Any, allowed: tuple) -> None:
         raise ValueError(f"{name} must be one of {list(allowed)}; got {value!r}.")
 
 
-def resolve_generation_batch(args: Any) -> None:
+def resolve_generation_batch(args: Any, min_generations: int = 2) -> None:
     """Derive `generation_batch_size` / `steps_per_generation` on `args` and check them against `num_generations`.
 
     Rules (as in TRL): when neither is set, `steps_per_generation = gradient_accumulation_steps` and
@@ -33,6 +33,7 @@ def resolve_generation_batch(args: Any) -> None:
 
     Args:
         args: A config with the fields above (`GRPOConfig`, `RLOOConfig`, ...), after `TrainingArguments.__post_init__`.
+        min_generations: Smallest accepted `num_generations` (self-distillation methods accept 1).
     """
     num_processes = args.world_size
     global_micro_batch = args.per_device_train_batch_size * num_processes
@@ -59,10 +60,10 @@ def resolve_generation_batch(args: Any) -> None:
             " Set only one of them."
         )
 
-    if args.num_generations is None or args.num_generations < 2:
+    if args.num_generations is None or args.num_generations < min_generations:
         raise ValueError(
-            f"num_generations must be at least 2 (advantages compare completions of the same prompt); got "
-            f"{args.num_generations}."
+            f"num_generations must be at least {min_generations} (advantages compare completions of the same "
+            f"prompt); got {args.num_generations}."
         )
     if args.generation_batch_size % args.num_generations != 0:
         raise ValueError(

@@ -250,11 +250,13 @@ from . import (  # noqa: E402, F401
     errors,
     experimental,
     frontier,
+    frontier_online,
     grpo_variants,
     internals,
     offline,
     online,
     plugins,
     ppo,
+    self_distillation,
     vlm,
 )

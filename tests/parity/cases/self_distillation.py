@@ -1,0 +1,115 @@
+"""Parity cases: TRL 1.16's self-distillation methods (SDFT): the shared `loss_utils` on fixed tensors, the config's
+fields, and short training runs on prompts with privileged context."""
+
+from __future__ import annotations
+
+from functools import partial
+
+from . import COMMON_ARGS, QWEN, case, expect_error, register, run_trainer, to_jsonable
+from .dataclass_fields import _fields
+
+
+def _logits():
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(2, 3, 7, generator=gen), torch.randn(2, 3, 7, generator=gen), torch.randint(0, 7, (2, 3))
+
+
+@case("sdft/loss_utils")
+def _sdft_loss_utils(ctx):
+    import torch
+
+    from trl.experimental.sdft import loss_utils as lu
+
+    student, teacher, ids = _logits()
+    out = {}
+    for alpha in (0.0, 0.3, 1.0):
+        out[f"divergence/{alpha}"] = lu.compute_divergence(student.log_softmax(-1), teacher.log_softmax(-1), alpha)
+        out[f"full/{alpha}"] = lu.compute_full_logit_self_distillation_loss(student, teacher, distillation_alpha=alpha)
+        for k in (2, 7):
+            for tail in (False, True):
+                out[f"topk/{alpha}/{k}/{tail}"] = lu.compute_topk_self_distillation_loss(
+                    student, teacher, distillation_topk=k, distillation_alpha=alpha, distillation_add_tail=tail
+                )
+    out["sampled"] = lu.compute_sampled_token_self_distillation_loss(student, teacher, ids, distillation_alpha=1.0)
+    out["tail"] = lu.add_tail_bucket(student.log_softmax(-1)[..., :3])
+    old = torch.linspace(-2.0, 0.0, 6).view(2, 3)
+    out["is_clip"] = lu.apply_importance_sampling_clipping(torch.ones(2, 3), old + 0.5, old, 1.3)
+    out["sampled_alpha_error"] = expect_error(
+        lambda: lu.compute_sampled_token_self_distillation_loss(student, teacher, ids, distillation_alpha=0.5)
+    )
+    return to_jsonable({k: v.tolist() if hasattr(v, "tolist") else v for k, v in out.items()})
+
+
+@case("dataclasses/SDFTConfig")
+def _sdft_fields(ctx):
+    from trl.experimental.sdft import SDFTConfig
+
+    return _fields(SDFTConfig)
+
+
+SDFT_ARGS = dict(
+    COMMON_ARGS,
+    per_device_train_batch_size=4,
+    num_generations=2,
+    max_completion_length=6,
+    learning_rate=1e-2,
+    gradient_checkpointing=False,
+)
+
+
+def _with_context(ctx, dataset: str, n: int):
+    data = ctx.dataset(dataset, "train", n)
+    return data.add_column("privileged_context", [f"Hint number {i}: be brief." for i in range(len(data))])
+
+
+def sdft_case(ctx, *, dataset: str = "standard_prompt_only", peft: bool = False, **config) -> dict:
+    from trl.experimental.sdft import SDFTConfig, SDFTTrainer
+
+    args = SDFTConfig(output_dir=ctx.tmpdir(), **{**SDFT_ARGS, "max_steps": 2, **config})
+    kwargs = {}
+    if peft:
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+        )
+    trainer = SDFTTrainer(model=ctx.model(QWEN), args=args, train_dataset=_with_context(ctx, dataset, 8), **kwargs)
+    return run_trainer(trainer, evaluate=False)
+
+
+for _name, _kwargs in {
+    "topk_logits": {},
+    "full_logits/alpha=0": dict(distillation_mode="full_logits", distillation_alpha=0.0),
+    "sampled_token": dict(distillation_mode="sampled_token", distillation_alpha=1.0),
+    "topk=5/add_tail": dict(distillation_topk=5, distillation_add_tail=True, distillation_alpha=1.0),
+    "teacher=live": dict(teacher_model_kind="live"),
+    "teacher=ema": dict(teacher_model_kind="ema", teacher_update_rate=0.5, max_steps=3),
+    "num_loss_tokens_to_skip=2": dict(num_loss_tokens_to_skip=2),
+    "generate_from_teacher": dict(generate_from_teacher=True),
+    "steps_per_generation=2": dict(steps_per_generation=2, max_steps=3),
+    "gradient_accumulation_steps=2": dict(gradient_accumulation_steps=2, per_device_train_batch_size=2),
+    "conversational": dict(dataset="conversational_prompt_only"),
+    "template": dict(teacher_prompt_template="Context: {privileged_context}\nQuestion: {prompt}"),
+    "peft_lora": dict(peft=True),
+}.items():
+    register(f"sdft/{_name}", partial(sdft_case, **_kwargs))
+
+
+@case("sdft/bad_template", phrases=("teacher_prompt_template",))
+def _sdft_bad_template(ctx):
+    from trl.experimental.sdft import SDFTConfig
+
+    return expect_error(
+        lambda: SDFTConfig(output_dir=ctx.tmpdir(), **{**SDFT_ARGS, "teacher_prompt_template": "{prompt}"})
+    )
+
+
+@case("sdft/sampled_token_alpha", phrases=("distillation_alpha",))
+def _sdft_sampled_alpha(ctx):
+    from trl.experimental.sdft import SDFTConfig
+
+    return expect_error(
+        lambda: SDFTConfig(output_dir=ctx.tmpdir(), **{**SDFT_ARGS, "distillation_mode": "sampled_token"})
+    )

@@ -1,0 +1,125 @@
+"""Per-token self-distillation losses shared by SDFT and SDPO.
+
+`alpha` picks the divergence between the student `p_S` and the teacher `p_T` at a completion position: 0 is the
+forward KL `KL(p_T || p_S)`, 1 the reverse KL `KL(p_S || p_T)`, and values in between the generalized Jensen-Shannon
+divergence `alpha * KL(p_T || m) + (1 - alpha) * KL(p_S || m)` with the mixture `m = (1 - alpha) p_S + alpha p_T`.
+"""
+
+import torch
+
+from ...kernels.log_softmax import selective_log_softmax
+from ...trainer.utils.divergence import generalized_jsd_from_log_probs
+
+
+def compute_divergence(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Divergence of two (log-)distributions over the last dimension, summed over it.
+
+    Args:
+        student_log_probs: `(..., V)` student log-probabilities.
+        teacher_log_probs: `(..., V)` teacher log-probabilities (same support).
+        alpha: 0 forward KL, 1 reverse KL, otherwise the generalized JSD (see the module docstring).
+
+    Returns:
+        `(...)` divergences.
+    """
+    return generalized_jsd_from_log_probs(student_log_probs, teacher_log_probs, alpha).sum(dim=-1)
+
+
+def add_tail_bucket(log_probs: torch.Tensor) -> torch.Tensor:
+    """Append the log of the probability mass outside a support: `log(1 - sum_v p_v)` as one more last-dim slot.
+
+    The log of the support's mass is clamped at `-1e-7` so that the tail stays finite when the support holds it all.
+
+    Args:
+        log_probs: `(..., K)` true log-probabilities on a support (their probabilities sum to at most 1).
+
+    Returns:
+        `(..., K + 1)` log-probabilities summing to one.
+    """
+    log_mass = torch.logsumexp(log_probs, dim=-1, keepdim=True).clamp(max=-1e-7)
+    return torch.cat([log_probs, torch.log(-torch.expm1(log_mass))], dim=-1)
+
+
+def apply_importance_sampling_clipping(
+    per_token_loss: torch.Tensor, student_log_probs: torch.Tensor, old_log_probs: torch.Tensor, clip_coeff: float
+) -> torch.Tensor:
+    """Weight a per-token loss by the detached ratio `pi_S / pi_old`, capped at `clip_coeff`.
+
+    `loss * min(exp(clamp(sg(log pi_S - log pi_old), -20, 20)), clip_coeff)`.
+    """
+    log_ratio = (student_log_probs.detach() - old_log_probs).clamp(-20.0, 20.0)
+    return per_token_loss * torch.exp(log_ratio).clamp(max=clip_coeff)
+
+
+def _support_log_probs(
+    student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, add_tail: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two distributions restricted to a support: with a tail bucket for the rest, or renormalised on it."""
+    if add_tail:
+        return add_tail_bucket(student_log_probs), add_tail_bucket(teacher_log_probs)
+    return student_log_probs.log_softmax(dim=-1), teacher_log_probs.log_softmax(dim=-1)
+
+
+def compute_topk_self_distillation_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    *,
+    distillation_topk: int,
+    distillation_alpha: float,
+    distillation_add_tail: bool,
+) -> torch.Tensor:
+    """Divergence on the student's `distillation_topk` most likely tokens of each position.
+
+    Both models' true log-probabilities are gathered there, then either a tail bucket is added for the remaining mass
+    or they are renormalised over the support, and [`compute_divergence`] is taken.
+
+    Args:
+        student_logits: `(B, T, V)` student logits (already divided by the temperature).
+        teacher_logits: `(B, T, V)` teacher logits (same).
+        distillation_topk: Support size per position.
+        distillation_alpha: See [`compute_divergence`].
+        distillation_add_tail: Keep the mass outside the support as one bucket instead of renormalising.
+
+    Returns:
+        `(B, T)` per-token losses.
+    """
+    student_log_probs = student_logits.log_softmax(dim=-1)
+    teacher_log_probs = teacher_logits.log_softmax(dim=-1)
+    support = student_logits.detach().topk(distillation_topk, dim=-1).indices
+    student_on, teacher_on = _support_log_probs(
+        student_log_probs.gather(-1, support), teacher_log_probs.gather(-1, support), distillation_add_tail
+    )
+    return compute_divergence(student_on, teacher_on, distillation_alpha)
+
+
+def compute_full_logit_self_distillation_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, distillation_alpha: float
+) -> torch.Tensor:
+    """[`compute_divergence`] over the whole vocabulary; `(B, T)` per-token losses."""
+    return compute_divergence(
+        student_logits.log_softmax(dim=-1), teacher_logits.log_softmax(dim=-1), distillation_alpha
+    )
+
+
+def compute_sampled_token_self_distillation_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    completion_ids: torch.Tensor,
+    *,
+    distillation_alpha: float,
+) -> torch.Tensor:
+    """Reverse KL estimated on the sampled tokens: `sg(log p_S(y) - log p_T(y)) * log p_S(y)` per token.
+
+    Its gradient is the sampled reverse-KL policy gradient; only `distillation_alpha == 1` (reverse KL) is defined.
+
+    Raises:
+        ValueError: When `distillation_alpha` is not 1.
+    """
+    if distillation_alpha != 1.0:
+        raise ValueError(
+            "Only reverse KL (alpha=1.0) is supported for token-level distillation when "
+            f"`distillation_mode='sampled_token'`, got alpha={distillation_alpha}"
+        )
+    student = selective_log_softmax(student_logits, completion_ids)
+    teacher = selective_log_softmax(teacher_logits, completion_ids)
+    return (student - teacher).detach() * student

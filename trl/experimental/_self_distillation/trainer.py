@@ -1,0 +1,242 @@
+"""The online self-distillation core shared by SDFT and SDPO.
+
+Rollouts are those of the online trainers (`_OnlineTrainer`: prompt sampling, generation, buffering over
+`steps_per_generation * num_iterations` micro-steps). What is added: a teacher prompt per row (built by the subclass
+from privileged context), a teacher that is the student itself or a copy/adapter of it, and a per-token
+self-distillation loss on the student's completions ([`loss_utils`]).
+"""
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn as nn
+from datasets import IterableDataset
+
+from ...kernels.log_softmax import selective_log_softmax
+from ...models.peft import use_adapter
+from ...trainer.online_base import _OnlineTrainer
+from ...trainer.utils import pad
+from .loss_utils import (
+    apply_importance_sampling_clipping,
+    compute_full_logit_self_distillation_loss,
+    compute_sampled_token_self_distillation_loss,
+    compute_topk_self_distillation_loss,
+)
+from .teacher_sync import PEFTAdapterEMACallback, SyncTeacherModelCallback, is_pure_lora_training
+
+
+TEACHER_ADAPTER = "teacher"
+# Metrics the shared online core records that TRL's self-distillation trainers do not log.
+_NOT_LOGGED = ("num_tokens", "step_time")
+
+
+def completion_logits(
+    model: nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float,
+) -> torch.Tensor:
+    """`(B, C, V)` logits predicting each completion token after `prompt`, divided by `temperature`.
+
+    Only the last `C + 1` positions go through the LM head. Positions count from each prompt's first real token.
+    """
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    width = completion_ids.shape[1]
+    outputs = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=width + 1,
+    )
+    return outputs.logits[:, -(width + 1) : -1] / temperature
+
+
+def self_distillation_per_token_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, completion_ids: torch.Tensor, args: Any
+) -> torch.Tensor:
+    """`(B, C)` per-token loss of `args.distillation_mode` (see [`loss_utils`])."""
+    if args.distillation_mode == "sampled_token":
+        return compute_sampled_token_self_distillation_loss(
+            student_logits, teacher_logits, completion_ids, distillation_alpha=args.distillation_alpha
+        )
+    if args.distillation_mode == "full_logits":
+        return compute_full_logit_self_distillation_loss(
+            student_logits, teacher_logits, distillation_alpha=args.distillation_alpha
+        )
+    return compute_topk_self_distillation_loss(
+        student_logits,
+        teacher_logits,
+        distillation_topk=args.distillation_topk,
+        distillation_alpha=args.distillation_alpha,
+        distillation_add_tail=args.distillation_add_tail,
+    )
+
+
+def sequence_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over sequences of each sequence's masked token mean; an empty mask gives a zero attached to the graph."""
+    mask = mask.to(per_token_loss.dtype)
+    if mask.sum() == 0:
+        return per_token_loss.sum() * 0.0
+    return ((per_token_loss * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)).mean()
+
+
+class _SelfDistillationTrainer(_OnlineTrainer):
+    """Online trainer whose signal is the model's own distribution given a richer (teacher) prompt.
+
+    Subclasses implement `_teacher_prompts(rows, batch)` (one teacher prompt per local row, or None to reuse the
+    student prompt) and `_compute_loss`, using `_teacher_logits` and `_distillation_loss`.
+    """
+
+    loss_is_scaled_for_ga = True
+    _logs_rewards = False
+    _undefined_metric_value = None
+    _shuffle_rollout_batch = False
+    _loss_name: str = ""
+
+    def __init__(self, model, args, train_dataset, eval_dataset, peft_config, reward_funcs=None, **kwargs):
+        for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if isinstance(dataset, IterableDataset):
+                raise NotImplementedError(f"{type(self).__name__} does not support an IterableDataset {name}.")
+        if train_dataset is None:
+            raise ValueError(f"{type(self).__name__} needs a train_dataset (rows with a `prompt` column).")
+        super().__init__(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            peft_config=peft_config,
+            **kwargs,
+        )
+        self._setup_teacher(model)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Teacher
+    # ------------------------------------------------------------------------------------------------------------
+    def _setup_teacher(self, model_argument: Any) -> None:
+        """Pick the teacher of `args.teacher_model_kind` (see the configs) and its update callback."""
+        kind = self.args.teacher_model_kind
+        self.teacher_model = None
+        self._teacher_adapter: str | None = None  # PEFT: run the teacher with this adapter (None: adapters off)
+        self._teacher_is_student = kind == "live"
+        peft = self._is_peft_model(self.model)
+        if kind == "live":
+            return
+        if kind == "ema" and peft:
+            if not is_pure_lora_training(self.model):
+                raise ValueError(
+                    "teacher_model_kind='ema' with a PEFT model needs pure LoRA training (only `lora_` parameters "
+                    "trainable); use teacher_model_kind='base' or 'live', or train LoRA adapters only."
+                )
+            self._teacher_adapter = TEACHER_ADAPTER
+            self.add_callback(
+                PEFTAdapterEMACallback(
+                    self.model,
+                    teacher_adapter_name=TEACHER_ADAPTER,
+                    update_rate=self.args.teacher_update_rate,
+                    sync_steps=self.args.teacher_sync_steps,
+                    accelerator=self.accelerator,
+                )
+            )
+            return
+        if peft:
+            return  # "base": the student with its adapters disabled
+        source = model_argument if isinstance(model_argument, str) else self.model
+        teacher = self._build_ref_model(source, self.accelerator.unwrap_model(self.model), None, self.args)
+        self.teacher_model = self._prepare_ref_model(teacher)
+        if kind == "ema":
+            self.add_callback(SyncTeacherModelCallback(self.teacher_model, accelerator=self.accelerator))
+
+    @contextlib.contextmanager
+    def _teacher(self, model: nn.Module):
+        """The teacher to run inside the block (no gradient flows through it)."""
+        if self._teacher_is_student:
+            yield model
+        elif self.teacher_model is not None:
+            yield self.teacher_model
+        else:
+            with use_adapter(self.accelerator.unwrap_model(model), self._teacher_adapter):
+                yield model
+
+    def _teacher_logits(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        with torch.no_grad(), self._teacher(model) as teacher:
+            return completion_logits(
+                teacher,
+                inputs["teacher_prompt_ids"],
+                inputs["teacher_prompt_mask"],
+                inputs["completion_ids"],
+                inputs["completion_mask"],
+                self.args.temperature,
+            )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Hooks of the online core: no reward functions by default, no reference model
+    # ------------------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _needs_ref_model(args: Any) -> bool:
+        return False
+
+    def _needs_rollout_logps(self) -> bool:
+        return not self._is_on_policy() and not getattr(self.args, "generate_from_teacher", False)
+
+    def _tokenize_prompts(self, prompts: list) -> tuple[list[list[int]], list | None, dict[str, Any]]:
+        prompt_ids, images, fields = super()._tokenize_prompts(prompts)
+        limit = self.args.max_prompt_length
+        if limit is not None:
+            prompt_ids = [ids[-limit:] if len(ids) > limit else ids for ids in prompt_ids]
+        return prompt_ids, images, fields
+
+    def _padded_prompts(self, prompts: list, max_length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded ids and mask of prompts rendered like the student's, keeping the last `max_length` tokens."""
+        ids, _, _ = super()._tokenize_prompts(prompts)
+        if max_length is not None:
+            ids = [row[-max_length:] if len(row) > max_length else row for row in ids]
+        device = self.accelerator.device
+        tensors = [torch.tensor(row, dtype=torch.long, device=device) for row in ids]
+        return pad(tensors, self.pad_token_id, "left"), pad([torch.ones_like(t) for t in tensors], 0, "left")
+
+    def _teacher_prompts(self, rows: list[dict[str, Any]], batch: dict[str, Any]) -> list | None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Loss pieces
+    # ------------------------------------------------------------------------------------------------------------
+    def _distillation_loss(
+        self, model: nn.Module, inputs: dict[str, Any], loss_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The self-distillation loss (sequence mean of the masked token mean) and the student's `(B, C)` logits."""
+        args = self.args
+        completion_ids = inputs["completion_ids"]
+        student_logits = completion_logits(
+            model,
+            inputs["prompt_ids"],
+            inputs["prompt_mask"],
+            completion_ids,
+            inputs["completion_mask"],
+            args.temperature,
+        )
+        teacher_logits = self._teacher_logits(model, inputs)
+        per_token = self_distillation_per_token_loss(student_logits, teacher_logits, completion_ids, args)
+        old = inputs.get("old_per_token_logps")
+        if args.distillation_is_clip is not None and old is not None:
+            student_logps = selective_log_softmax(student_logits, completion_ids)
+            per_token = apply_importance_sampling_clipping(per_token, student_logps, old, args.distillation_is_clip)
+        return sequence_mean_loss(per_token, loss_mask), student_logits
+
+    def _record_distillation_loss(self, value: torch.Tensor) -> None:
+        self._record_metric("self_distillation/distillation_loss", value.detach())
+        self._record_metric(f"{self._loss_name}/distillation_loss", value.detach())
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        metrics = self._metrics[self._mode]
+        for key in _NOT_LOGGED:
+            metrics.pop(key, None)
+        # As TRL's self-distillation trainers: the caller's dict is left as it is (`train()`'s summary keeps
+        # `total_flos` and gets no `epoch`).
+        super().log(dict(logs), start_time)
