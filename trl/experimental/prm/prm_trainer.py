@@ -25,6 +25,7 @@ from transformers.trainer_utils import EvalPrediction
 from ...data_utils import get_dataset_column_names, is_conversational
 from ...trainer.base_trainer import _BaseTrainer
 from ...trainer.utils import disable_dropout_in_model, pad
+from ...trainer.utils.ignored_options import PRM_IGNORED_OPTIONS
 from .prm_config import PRMConfig
 
 
@@ -137,6 +138,7 @@ class PRMTrainer(_BaseTrainer):
     """
 
     _tag_names = ["trl", "prm"]
+    _ignored_options = PRM_IGNORED_OPTIONS
     _name = "PRM"
     _paper = {
         "title": "Solving math word problems with process- and outcome-based feedback",
