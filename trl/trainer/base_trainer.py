@@ -550,6 +550,16 @@ class _BaseTrainer(Trainer):
         if "total_train_tokens" in state:
             self._total_train_tokens = int(state["total_train_tokens"])
 
+    def _state_from_log_history(self) -> dict[str, Any] | None:
+        """What `_checkpoint_state` would have held, recovered from the resumed `trainer_state.json` when the
+        checkpoint has no `trl_state_<rank>.pt` (one written by TRL): the token count logged at the checkpoint's step
+        (None when no log entry falls on that step, and the count restarts from zero as in TRL)."""
+        step = self.state.global_step
+        for entry in reversed(self.state.log_history):
+            if entry.get("step") == step and "num_tokens" in entry:
+                return {"total_train_tokens": entry["num_tokens"]}
+        return None
+
     def _save_checkpoint_extras(self, checkpoint_dir: str) -> None:
         """Hook: write extra files into a checkpoint while it is still being assembled (before it becomes visible
         under its final name). The default writes this process's `_checkpoint_state`."""
@@ -612,6 +622,8 @@ class _BaseTrainer(Trainer):
             return
 
         state = load_trainer_state(checkpoint, self.args.process_index)
+        if state is None:  # a checkpoint written by TRL itself, which keeps no state of its own
+            state = self._state_from_log_history()
         if state is not None:
             self._restore_checkpoint_state(state)
         if self._reference_model_changes():
