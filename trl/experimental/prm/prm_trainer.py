@@ -387,8 +387,10 @@ class PRMTrainer(_BaseTrainer):
             n_dropped = n_before - len(dataset)
             if n_dropped == n_before:
                 raise ValueError(
-                    f"No {dataset_name} example has a labelled step left after truncation (max_length="
-                    f"{args.max_length}, max_completion_length={args.max_completion_length}). Raise these limits."
+                    f"No {dataset_name} example has a labelled step left: every row has an empty `completions` "
+                    f"list or lost all its steps to truncation (max_length={args.max_length}, "
+                    f"max_completion_length={args.max_completion_length}). Expected at least one step per row; raise "
+                    "these limits if the steps were cut."
                 )
             if n_dropped:
                 logger.warning(
@@ -403,7 +405,11 @@ class PRMTrainer(_BaseTrainer):
 
     @staticmethod
     def _warn_separator_inside_steps(dataset: Dataset, separator: str, dataset_name: str) -> None:
-        rows = sum(any(separator in step for step in steps) for steps in dataset["completions"])
+        # Malformed rows (a step that is not a string) are refused with a clear error when tokenized, just after.
+        rows = sum(
+            isinstance(steps, list) and any(isinstance(step, str) and separator in step for step in steps)
+            for steps in dataset["completions"]
+        )
         if rows:
             logger.warning(
                 "%d of %d %s examples have a step containing the step separator %r. It is kept as ordinary text "
