@@ -36,7 +36,12 @@ def train(out_dir: str, trainer: str = "sft", mode: str = "full", run_dir: str =
                 os.kill(os.getpid(), signal.SIGKILL)
 
     config_class, trainer_class, dataset, options = {
-        "sft": (SFTConfig, SFTTrainer, "standard_language_modeling", {"model_init_kwargs": {"attention_dropout": 0.1}}),
+        "sft": (
+            SFTConfig,
+            SFTTrainer,
+            "standard_language_modeling",
+            {"model_init_kwargs": {"attention_dropout": 0.1}},
+        ),
         "dpo": (DPOConfig, DPOTrainer, "standard_preference", {}),
     }[trainer]
     args = config_class(

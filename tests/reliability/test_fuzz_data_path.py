@@ -411,6 +411,7 @@ LONG_RUNS = {
 def test_long_fuzz_run(kind):
     """Many more (non-derandomized) examples per trainer: `pytest -m "reliability and slow" -k long_fuzz`."""
     strategy, check = LONG_RUNS[kind]
+
     def check_rows(rows):
         check(rows)
 
