@@ -8,19 +8,18 @@ come back too. Launch helpers: tests/distributed_utils.py.
 """
 
 import json
-import math
 import os
 import signal
 
 import pytest
 from distributed_utils import engine_params, launch, write_report
+from log_compare import assert_same_step_logs, step_logs
 
 
 pytestmark = pytest.mark.distributed
 
 MAX_STEPS = 4
 KILL_STEP = 2
-TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"}
 
 
 def train(out_dir: str, trainer: str = "sft", mode: str = "full", run_dir: str = "") -> None:
@@ -70,24 +69,6 @@ def train(out_dir: str, trainer: str = "sft", mode: str = "full", run_dir: str =
     write_report(out_dir, {"process_index": instance.args.process_index, "logs": instance.state.log_history})
 
 
-def _logs(report):
-    return {entry["step"]: entry for entry in report["logs"] if "loss" in entry}
-
-
-def _assert_same_logs(reference, resumed, rtol=1e-5):
-    assert sorted(resumed) == sorted(reference) == list(range(1, MAX_STEPS + 1))
-    for step, entry in reference.items():
-        for key, value in entry.items():
-            if key in TIMING_KEYS or not isinstance(value, (int, float)):
-                continue
-            other = resumed[step].get(key)
-            assert other is not None, f"step {step}: {key} missing after resume"
-            if math.isnan(value):
-                assert math.isnan(other), f"step {step}: {key}"
-            else:
-                assert other == pytest.approx(value, rel=rtol, abs=1e-7), f"step {step}: {key}: {other} != {value}"
-
-
 @pytest.mark.parametrize("engine", engine_params(["ddp", "zero2", "fsdp2"]))
 @pytest.mark.parametrize("trainer", ["sft", "dpo"])
 def test_two_ranks_killed_after_checkpoint_resume_with_the_same_curve(trainer, engine, tmp_path):
@@ -104,4 +85,5 @@ def test_two_ranks_killed_after_checkpoint_resume_with_the_same_curve(trainer, e
     assert state["global_step"] == KILL_STEP
     resumed = launch(worker, tmp_path / "resumed", engine, trainer=trainer, mode="resume", run_dir=str(run_dir))
     for rank in (0, 1):
-        _assert_same_logs(_logs(full[rank]), _logs(resumed[rank]))
+        assert sorted(step_logs(full[rank]["logs"])) == list(range(1, MAX_STEPS + 1))
+        assert_same_step_logs(step_logs(full[rank]["logs"]), step_logs(resumed[rank]["logs"]))

@@ -15,13 +15,13 @@ Needs TRL's environment: `make parity-env` (or `PARITY_VENV=<venv>`); the tests 
 """
 
 import json
-import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from log_compare import assert_same_step_logs, step_logs
 
 
 pytestmark = pytest.mark.parity
@@ -30,7 +30,6 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 RUNNER = HERE / "_cross_resume_run.py"
 TRL_PYTHON = Path(os.environ.get("PARITY_VENV", REPO / ".venv-parity")) / "bin" / "python"
-TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"}
 TRAINERS = ["sft", "dpo", "kto", "reward"]
 KILL_STEP = 2
 # The two libraries' weights after the same steps differ by float rounding (AdamW moves every element whose gradient is
@@ -78,24 +77,7 @@ def _run(side, assets, trainer, output_dir, mode, log_file, scratch):
         logs = json.load(f)
     expected_root = TRL_PYTHON.parent.parent if side == "trl" else REPO
     assert str(Path(logs["trl"]).resolve()).startswith(str(expected_root.resolve())), logs["trl"]
-    return {entry["step"]: entry for entry in logs["logs"] if "loss" in entry}
-
-
-def _assert_same(reference, resumed, skip=(), rtol=RTOL):
-    """The continuation (steps after the checkpoint) matches; the steps before it are the writer's history."""
-    assert sorted(resumed) == sorted(reference)
-    for step, entry in reference.items():
-        if step <= KILL_STEP:
-            continue
-        for key, value in entry.items():
-            if key in TIMING_KEYS or key in skip or not isinstance(value, (int, float)):
-                continue
-            other = resumed[step].get(key)
-            assert other is not None, f"step {step}: {key} missing after resume"
-            if math.isnan(value):
-                assert math.isnan(other), f"step {step}: {key}"
-            else:
-                assert other == pytest.approx(value, rel=rtol, abs=ATOL), f"step {step}: {key}: {other} != {value}"
+    return step_logs(logs["logs"])
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)
@@ -109,4 +91,5 @@ def test_checkpoint_of_one_library_resumes_under_the_other(trainer, writer, resu
                    tmp_path)  # fmt: skip
     reference = _run(resumer, assets_file, trainer, tmp_path / "full", "full", tmp_path / "f.json", tmp_path)
     skip = ("num_tokens",) if resumer == "trl" else ()
-    _assert_same(reference, resumed, skip=skip)
+    # The continuation (steps after the checkpoint) matches; the steps before it are the writer's history.
+    assert_same_step_logs(reference, resumed, rtol=RTOL, atol=ATOL, skip=skip, after_step=KILL_STEP)
