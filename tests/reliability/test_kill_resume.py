@@ -8,20 +8,18 @@ reference log-probs, KL pairs, running statistics (BCO) and the token count (`nu
 """
 
 import json
-import math
 import os
 import subprocess
 import sys
 
 import pytest
+from log_compare import assert_same_step_logs, step_logs
 
 
 pytestmark = pytest.mark.reliability
 
 
 RUNNER = os.path.join(os.path.dirname(__file__), "_run_trainer.py")
-# Wall-clock measurements differ between runs by nature; everything else must match.
-TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"}
 # (trainer, step after whose checkpoint the run is killed). GRPO generates for two steps at a time
 # (steps_per_generation=2), so killing after step 3 resumes in the middle of a generation batch.
 TRAINERS = [
@@ -59,24 +57,12 @@ def _run(*args, expect_kill=False):
         assert result.returncode == 0, result.stderr[-3000:]
 
 
-def _step_logs(path):
-    with open(path) as f:
-        return {entry["step"]: entry for entry in json.load(f) if "loss" in entry}
-
-
 def assert_same_logs(reference_file, resumed_file, rtol=1e-5):
-    reference, resumed = _step_logs(reference_file), _step_logs(resumed_file)
-    assert sorted(resumed) == sorted(reference)
-    for step, entry in reference.items():
-        for key, value in entry.items():
-            if key in TIMING_KEYS or not isinstance(value, (int, float)):
-                continue
-            other = resumed[step].get(key)
-            assert other is not None, f"step {step}: {key} missing after resume"
-            if math.isnan(value):
-                assert math.isnan(other), f"step {step}: {key}"
-            else:
-                assert other == pytest.approx(value, rel=rtol, abs=1e-7), f"step {step}: {key}"
+    logs = []
+    for path in (reference_file, resumed_file):
+        with open(path) as f:
+            logs.append(step_logs(json.load(f)))
+    assert_same_step_logs(*logs, rtol=rtol)
 
 
 @pytest.mark.parametrize("trainer,kill_step", TRAINERS, ids=[name for name, _ in TRAINERS])

@@ -34,6 +34,15 @@ def extract_prompt(example: dict[str, Sequence]) -> dict[str, Sequence]:
     ```
     """
     chosen, rejected = example["chosen"], example["rejected"]
+    if not (
+        (isinstance(chosen, str) and isinstance(rejected, str))
+        or (isinstance(chosen, list) and isinstance(rejected, list))
+    ):
+        raise TypeError(
+            "Preference data needs `chosen` and `rejected` of the same kind: both strings (standard) or both lists "
+            f"of messages (conversational); got {type(chosen).__name__} and {type(rejected).__name__} "
+            f"(chosen={str(chosen)[:80]!r}, rejected={str(rejected)[:80]!r})."
+        )
     limit = min(len(chosen), len(rejected))
     index = 0
     while index < limit and chosen[index] == rejected[index]:

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.utils import is_peft_available
 
 from .._compat import trainer_divides_scaled_loss
-from .._data.formats import check_no_images, check_single_format
+from .._data.formats import check_no_images, check_single_format, get_dataset_column_names
 from ..chat_template_utils import clone_chat_template
 from ..models.activation_offloading import get_act_offloading_ctx_manager
 from ..models.utils import _create_reference_model, prepare_deepspeed, prepare_fsdp
@@ -52,6 +52,7 @@ from .utils.contiguous_state import (
 )
 from .utils.cpu_allocator import keep_activation_memory
 from .utils.distributed import guard_gloo_exit, uses_sharding_engine
+from .utils.ignored_options import IgnoredOption, warn_ignored_options
 from .utils.layer_checkpoints import CheckpointArena, lean_layer_checkpoints
 from .utils.lean_modules import lean_modules, mlps_without_grad
 from .utils.packing import packed_sdpa_attention
@@ -90,6 +91,8 @@ class _BaseTrainer(Trainer):
         _template_file: Model card template under `trl/templates/`.
         _accepts_images: Whether the trainer trains vision-language models on image columns; the others refuse
             a dataset with images rather than dropping them.
+        _ignored_options: The trainer's table of options that have no effect in some runs (see
+            `trl/trainer/utils/ignored_options.py`), checked once when the trainer is built.
     """
 
     _accepts_images: bool = False
@@ -105,6 +108,7 @@ class _BaseTrainer(Trainer):
     _policy_is_reference = False
     _paper: dict[str, str] = {}
     _template_file: str = "lm_model_card.md"
+    _ignored_options: tuple[IgnoredOption, ...] = ()
     # Logged for a metric none of whose recorded values is defined (all NaN) in the logging window.
     _undefined_metric_value: Any = float("nan")
 
@@ -112,6 +116,21 @@ class _BaseTrainer(Trainer):
         super().__init__(*args, **kwargs)
         # Every trainer leaves metrics.jsonl and report.html in its output_dir (opt out: save_run_report=False).
         self.add_callback(RunReportCallback(self))
+        warn_ignored_options(self.args, self._ignored_option_facts(), self._ignored_options, type(self).__name__)
+
+    def _ignored_option_facts(self) -> dict[str, Any]:
+        """What the conditions of `_ignored_options` read about this run: the format and columns of the training
+        data as given, whether it streams, whether an evaluation set was given and whether the model is an
+        encoder-decoder. Trainers add their own facts by extending this dict."""
+        given = getattr(self, "_given_train_data", None) or {}
+        config = getattr(getattr(self, "model", None), "config", None)
+        return {
+            "format": given.get("raw_format"),
+            "columns": list(getattr(self, "_given_train_columns", None) or ()),
+            "iterable": bool(getattr(self, "_given_train_iterable", False)),
+            "eval_dataset": getattr(self, "eval_dataset", None) is not None,
+            "encoder_decoder": bool(getattr(self, "is_encoder_decoder", getattr(config, "is_encoder_decoder", False))),
+        }
 
     # ------------------------------------------------------------------------------------------------------------
     # Construction helpers (called by subclasses before `Trainer.__init__`)
@@ -279,7 +298,14 @@ class _BaseTrainer(Trainer):
             )
 
         check_single_format(train_dataset, "train")
-        self._given_train_data = describe_given_dataset(train_dataset)  # for the run report's data summary
+        self._given_train_data = describe_given_dataset(train_dataset)
+        from datasets import Dataset, IterableDataset
+
+        if isinstance(train_dataset, (Dataset, IterableDataset)):
+            self._given_train_columns = get_dataset_column_names(train_dataset)
+            self._given_train_iterable = isinstance(
+                train_dataset, IterableDataset
+            )  # for the run report's data summary
         if not self._accepts_images:  # trainers that take images check the processor themselves
             check_no_images(train_dataset, "train")
 
@@ -555,6 +581,16 @@ class _BaseTrainer(Trainer):
         if "total_train_tokens" in state:
             self._total_train_tokens = int(state["total_train_tokens"])
 
+    def _state_from_log_history(self) -> dict[str, Any] | None:
+        """What `_checkpoint_state` would have held, recovered from the resumed `trainer_state.json` when the
+        checkpoint has no `trl_state_<rank>.pt` (one written by TRL): the token count logged at the checkpoint's step
+        (None when no log entry falls on that step, and the count restarts from zero as in TRL)."""
+        step = self.state.global_step
+        for entry in reversed(self.state.log_history):
+            if entry.get("step") == step and "num_tokens" in entry:
+                return {"total_train_tokens": entry["num_tokens"]}
+        return None
+
     def _save_checkpoint_extras(self, checkpoint_dir: str) -> None:
         """Hook: write extra files into a checkpoint while it is still being assembled (before it becomes visible
         under its final name). The default writes this process's `_checkpoint_state`."""
@@ -617,6 +653,8 @@ class _BaseTrainer(Trainer):
             return
 
         state = load_trainer_state(checkpoint, self.args.process_index)
+        if state is None:  # a checkpoint written by TRL itself, which keeps no state of its own
+            state = self._state_from_log_history()
         if state is not None:
             self._restore_checkpoint_state(state)
         if self._reference_model_changes():

@@ -35,6 +35,7 @@ from .utils import (
     map_kwargs_with_desc,
     scored_completion_tokens,
 )
+from .utils.ignored_options import DPO_IGNORED_OPTIONS
 from .utils.prefix_sharing import paired_groups, supports_prefix_sharing
 from .vision_collators import DataCollatorForVisionPreference  # noqa: F401  (public here, as in TRL)
 
@@ -318,6 +319,7 @@ class DPOTrainer(_PreferenceTrainer):
     _accepts_images = True
 
     _tag_names = ["trl", "dpo"]
+    _ignored_options = DPO_IGNORED_OPTIONS
     _name = "DPO"
     _template_file = "lm_model_card.md"
     _paper = {

@@ -25,6 +25,7 @@ from transformers.trainer_utils import EvalPrediction
 
 from .kto_config import KTOConfig
 from .unpaired_preference_base import DataCollatorForUnpairedPreference, _UnpairedPreferenceTrainer
+from .utils.ignored_options import KTO_IGNORED_OPTIONS
 from .vision_collators import DataCollatorForVisionUnpairedPreference  # noqa: F401  (public here, as in TRL)
 
 
@@ -161,6 +162,7 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
     _accepts_images = True
 
     _tag_names = ["trl", "kto"]
+    _ignored_options = KTO_IGNORED_OPTIONS
     _name = "KTO"
     _keep_raw_columns = True
     _interleave_unpaired = False

@@ -24,6 +24,7 @@ from ..data_utils import get_dataset_column_names, is_conversational
 from .base_trainer import _BaseTrainer
 from .reward_config import RewardConfig
 from .utils import disable_dropout_in_model, model_accepts_argument, pad, sequence_scores_without_padding
+from .utils.ignored_options import REWARD_IGNORED_OPTIONS
 from .utils.prefix_sharing import (
     MIN_SHARED_SAVING,
     paired_groups,
@@ -148,6 +149,7 @@ class RewardTrainer(_BaseTrainer):
     """
 
     _tag_names = ["trl", "reward-trainer"]
+    _ignored_options = REWARD_IGNORED_OPTIONS
     _name = "Reward"
     _template_file = "rm_model_card.md"
 

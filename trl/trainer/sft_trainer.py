@@ -44,6 +44,7 @@ from .utils import (
     pad,
 )
 from .utils.dataset_rows import map_kwargs_with_desc as _desc
+from .utils.ignored_options import SFT_IGNORED_OPTIONS
 from .utils.packing import packed_forward_inputs
 from .utils.token_losses import _chunked_cross_entropy_loss, dft_loss, dft_token_weights  # noqa: F401  (TRL's names)
 from .utils.vision import check_image_columns, check_vision_processing_class, is_vision_example
@@ -272,6 +273,7 @@ class SFTTrainer(_BaseTrainer):
     _accepts_images = True
 
     _tag_names = ["trl", "sft"]
+    _ignored_options = SFT_IGNORED_OPTIONS
     _name = "SFT"
     _template_file = "lm_model_card.md"
 
@@ -482,6 +484,11 @@ class SFTTrainer(_BaseTrainer):
 
         self._init_activation_offloading()
         self._add_model_tags(self.model)
+
+    def _ignored_option_facts(self) -> dict[str, Any]:
+        facts = super()._ignored_option_facts()
+        facts.update(skip_prepare_dataset=self._skip_prepare_dataset, vision=self._is_vision_dataset)
+        return facts
 
     # ------------------------------------------------------------------------------------------------------------
     # Dataset preparation

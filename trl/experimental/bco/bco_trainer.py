@@ -42,6 +42,7 @@ from ...trainer.utils import (
     selective_log_softmax,
     use_adapter,
 )
+from ...trainer.utils.ignored_options import BCO_IGNORED_OPTIONS
 from ...trainer.utils.logprobs import summed_logits_from_hidden
 from ..utils import load_causal_lm
 from .bco_config import BCOConfig
@@ -270,6 +271,7 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
     """
 
     _tag_names = ["trl", "bco"]
+    _ignored_options = BCO_IGNORED_OPTIONS
     # TRL 1.12's prepared datasets: the raw columns kept, paired data unpaired as all chosen rows then all rejected
     # ones (per batch of 1000 pairs), read in that order.
     _keep_raw_columns = True
@@ -418,6 +420,9 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Setup helpers
     # ------------------------------------------------------------------------------------------------------------
+    def _ignored_option_facts(self) -> dict[str, Any]:
+        return {**super()._ignored_option_facts(), "udm": self.match_underlying_distribution}
+
     @staticmethod
     def _check_udm_inputs(embedding_func: Callable | None, embedding_tokenizer: Any) -> None:
         if embedding_func is None and embedding_tokenizer is None:

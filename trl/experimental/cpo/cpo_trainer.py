@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from ...trainer.utils.ignored_options import CPO_IGNORED_OPTIONS
 from ..reference_free_base import _ReferenceFreePreferenceTrainer
 from .cpo_config import CPOConfig
 
@@ -128,6 +129,7 @@ class CPOTrainer(_ReferenceFreePreferenceTrainer):
     """
 
     _tag_names = ["trl", "cpo"]
+    _ignored_options = CPO_IGNORED_OPTIONS
     _name = "CPO"
     _config_class = CPOConfig
     _paper = {

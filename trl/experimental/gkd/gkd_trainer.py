@@ -24,6 +24,7 @@ from ...models.utils import disable_dropout_in_model, unwrap_model_for_generatio
 from ...trainer.online_math import completion_mask_from_ids
 from ...trainer.sft_trainer import SFTTrainer
 from ...trainer.utils import create_model_from_path, generalized_jsd_loss, model_accepts_argument
+from ...trainer.utils.ignored_options import GKD_IGNORED_OPTIONS
 from ..utils import DataCollatorForChatML
 from .gkd_config import GKDConfig
 
@@ -74,6 +75,7 @@ class GKDTrainer(SFTTrainer):
     _accepts_images = False  # the distillation collators are text-only
 
     _tag_names = ["trl", "gkd"]
+    _ignored_options = GKD_IGNORED_OPTIONS
     _name = "GKD"
     # Hook for subclasses (GOLD): the config class `args` must be an instance of.
     _config_class: type = GKDConfig
@@ -136,6 +138,7 @@ class GKDTrainer(SFTTrainer):
         args.remove_unused_columns = False
         args.dataset_kwargs = {**(args.dataset_kwargs or {}), "skip_prepare_dataset": True}
 
+        self._teacher_given = teacher_model is not None
         teacher = self._load_teacher(teacher_model, args)
         if processing_class is None:
             processing_class = self._load_processing_class(self._model_id(model), args)
@@ -170,6 +173,9 @@ class GKDTrainer(SFTTrainer):
         self.generation_config = self._build_generation_config(args, tokenizer)
         # Ends of a generated completion: the tokenizer's eos and the student's own end-of-generation tokens.
         self._completion_end_ids = self._eos_token_ids_of(self.model, tokenizer)
+
+    def _ignored_option_facts(self) -> dict[str, Any]:
+        return {**super()._ignored_option_facts(), "teacher_given": self._teacher_given}
 
     # ------------------------------------------------------------------------------------------------------------
     # Construction

@@ -22,6 +22,7 @@ from transformers.trainer_utils import EvalPrediction
 from ...trainer.online_math import completion_mask_from_ids
 from ...trainer.online_metrics import log_completion_rows
 from ...trainer.utils import pad
+from ...trainer.utils.ignored_options import GOLD_IGNORED_OPTIONS
 from ...trainer.utils.sampling import RepeatSampler, repeat_iterable_dataset
 from .._chatml_collator import DataCollatorForChatML, _completion_byte_offsets
 from ..gkd import GKDTrainer
@@ -121,6 +122,7 @@ class GOLDTrainer(GKDTrainer):
     """
 
     _tag_names = ["trl", "gold"]
+    _ignored_options = GOLD_IGNORED_OPTIONS
     _name = "GOLD"
     _config_class = GOLDConfig
     _paper = {

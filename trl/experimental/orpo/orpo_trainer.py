@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from ...trainer.utils.ignored_options import ORPO_IGNORED_OPTIONS
 from ..reference_free_base import _ReferenceFreePreferenceTrainer
 from .orpo_config import ORPOConfig
 
@@ -105,6 +106,7 @@ class ORPOTrainer(_ReferenceFreePreferenceTrainer):
     """
 
     _tag_names = ["trl", "orpo"]
+    _ignored_options = ORPO_IGNORED_OPTIONS
     _name = "ORPO"
     _config_class = ORPOConfig
     _paper = {

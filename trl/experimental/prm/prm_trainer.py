@@ -25,6 +25,7 @@ from transformers.trainer_utils import EvalPrediction
 from ...data_utils import get_dataset_column_names, is_conversational
 from ...trainer.base_trainer import _BaseTrainer
 from ...trainer.utils import disable_dropout_in_model, pad
+from ...trainer.utils.ignored_options import PRM_IGNORED_OPTIONS
 from .prm_config import PRMConfig
 
 
@@ -137,6 +138,7 @@ class PRMTrainer(_BaseTrainer):
     """
 
     _tag_names = ["trl", "prm"]
+    _ignored_options = PRM_IGNORED_OPTIONS
     _name = "PRM"
     _paper = {
         "title": "Solving math word problems with process- and outcome-based feedback",
@@ -382,8 +384,10 @@ class PRMTrainer(_BaseTrainer):
             n_dropped = n_before - len(dataset)
             if n_dropped == n_before:
                 raise ValueError(
-                    f"No {dataset_name} example has a labelled step left after truncation (max_length="
-                    f"{args.max_length}, max_completion_length={args.max_completion_length}). Raise these limits."
+                    f"No {dataset_name} example has a labelled step left: every row has an empty `completions` "
+                    f"list or lost all its steps to truncation (max_length={args.max_length}, "
+                    f"max_completion_length={args.max_completion_length}). Expected at least one step per row; raise "
+                    "these limits if the steps were cut."
                 )
             if n_dropped:
                 logger.warning(
@@ -398,7 +402,11 @@ class PRMTrainer(_BaseTrainer):
 
     @staticmethod
     def _warn_separator_inside_steps(dataset: Dataset, separator: str, dataset_name: str) -> None:
-        rows = sum(any(separator in step for step in steps) for steps in dataset["completions"])
+        # Malformed rows (a step that is not a string) are refused with a clear error when tokenized, just after.
+        rows = sum(
+            isinstance(steps, list) and any(isinstance(step, str) and separator in step for step in steps)
+            for steps in dataset["completions"]
+        )
         if rows:
             logger.warning(
                 "%d of %d %s examples have a step containing the step separator %r. It is kept as ordinary text "
