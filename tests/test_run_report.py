@@ -140,7 +140,9 @@ def test_sft_rows_are_on_disk_as_logged_and_the_report_is_written(tmp_path, mode
     audit = assert_self_contained(tmp_path / "report.html")
     assert {"Overview", "Curves", "All metrics", "Data", "Configuration"} <= set(audit.headings)
     page = (tmp_path / "report.html").read_text()
-    assert 'aria-label="Loss"' in page and 'aria-label="Learning rate"' in page and 'aria-label="Gradient norm"' in page
+    assert (
+        'aria-label="Loss"' in page and 'aria-label="Learning rate"' in page and 'aria-label="Gradient norm"' in page
+    )
     assert "train: input_ids per row" in page  # the length histogram
 
 
