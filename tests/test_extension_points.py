@@ -560,3 +560,14 @@ def test_offline_overridden_hooks_are_called(tmp_path, trainer_name, unpaired):
     for name in hooks:
         assert calls[name] >= 1, name
     assert calls["training_step"] == 2
+
+
+def test_override_of_a_trl_hook_this_trainer_never_calls_is_reported(tmp_path, prompts):
+    """A TRL hook this implementation has no call site for: overriding it warns at construction (never silent)."""
+
+    class ToolLoopPlugin(GRPOTrainer):
+        def _tool_call_loop(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    with pytest.warns(UserWarning, match="_tool_call_loop.*no effect"):
+        _grpo(tmp_path, prompts, ToolLoopPlugin)

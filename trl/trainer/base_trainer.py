@@ -109,6 +109,9 @@ class _BaseTrainer(Trainer):
     _paper: dict[str, str] = {}
     _template_file: str = "lm_model_card.md"
     _ignored_options: tuple[IgnoredOption, ...] = ()
+    # TRL 1.16 hooks this trainer does not call (name -> where TRL calls it): a subclass overriding one is told so at
+    # construction, instead of its override silently never running.
+    _uncalled_trl_hooks: dict[str, str] = {}
     # Logged for a metric none of whose recorded values is defined (all NaN) in the logging window.
     _undefined_metric_value: Any = float("nan")
 
@@ -117,6 +120,19 @@ class _BaseTrainer(Trainer):
         # Every trainer leaves metrics.jsonl and report.html in its output_dir (opt out: save_run_report=False).
         self.add_callback(RunReportCallback(self))
         warn_ignored_options(self.args, self._ignored_option_facts(), self._ignored_options, type(self).__name__)
+        self._warn_uncalled_overrides()
+
+    def _warn_uncalled_overrides(self) -> None:
+        """Warn about each method a subclass defines that TRL 1.16 calls as a hook but this trainer never calls."""
+        for name, where in self._uncalled_trl_hooks.items():
+            if callable(getattr(type(self), name, None)):
+                warnings.warn(
+                    f"{type(self).__name__} overrides {name}, which TRL calls {where}; this implementation never calls "
+                    f"{name}, so the override has no effect. Override the hook that this trainer does call instead "
+                    "(see 'Writing a plugin' in the GRPO docs and docs/architecture.md).",
+                    UserWarning,
+                    stacklevel=3,
+                )
 
     def _ignored_option_facts(self) -> dict[str, Any]:
         """What the conditions of `_ignored_options` read about this run: the format and columns of the training

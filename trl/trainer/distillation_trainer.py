@@ -227,6 +227,11 @@ class DistillationTrainer(_ToolCallingMixin, _OnlineTrainer):
         }
 
     _generate_outputs = ("prompt_ids", "completion_ids", "tool_mask", "images", "tool_images")
+    _uncalled_trl_hooks = {
+        "_get_last_hidden_state": "from _compute_loss for the student's and the teacher's hidden states",
+        "_tool_call_loop": "from _generate for each tool-calling rollout",
+        "_get_tool_suffix_ids": "from _tool_call_loop to tokenize the text around tool results",
+    }
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, has_tool_images=False):
         """TRL's hook: one student completion per row of `prompt_ids` (unpadded ids); returns the completion ids."""

@@ -321,6 +321,9 @@ class DPOTrainer(_PreferenceTrainer):
     _tag_names = ["trl", "dpo"]
     _ignored_options = DPO_IGNORED_OPTIONS
     _name = "DPO"
+    _uncalled_trl_hooks = {
+        "_precompute_ref_logps": "after Trainer.__init__ to add the reference columns when precompute_ref_log_probs"
+    }
     _template_file = "lm_model_card.md"
     _paper = {
         "title": "Direct Preference Optimization: Your Language Model is Secretly a Reward Model",

@@ -372,6 +372,10 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
     _decode_replay = True
     _single_turn_takes_num_generations = True
     liger_grpo_loss = None
+    _uncalled_trl_hooks = {
+        "_tool_call_loop": "from _generate for each tool-calling rollout",
+        "_get_tool_suffix_ids": "from _tool_call_loop to tokenize the text around tool results",
+    }
     _last_world_entropy: float | None = None
     _generate_outputs = (
         "prompt_ids",

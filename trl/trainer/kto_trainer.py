@@ -164,6 +164,10 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
     _tag_names = ["trl", "kto"]
     _ignored_options = KTO_IGNORED_OPTIONS
     _name = "KTO"
+    _uncalled_trl_hooks = {
+        "_precompute_ref_logps": "after Trainer.__init__ to add the reference columns when precompute_ref_log_probs",
+        "_compute_kl_logps": "from _compute_loss for the log-probs of the mismatched KL completions",
+    }
     _keep_raw_columns = True
     _interleave_unpaired = False
     _template_file = "lm_model_card.md"

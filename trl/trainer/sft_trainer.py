@@ -275,6 +275,9 @@ class SFTTrainer(_BaseTrainer):
     _tag_names = ["trl", "sft"]
     _ignored_options = SFT_IGNORED_OPTIONS
     _name = "SFT"
+    _uncalled_trl_hooks = {
+        "_reject_skip_prepare_without_labels": "at construction to check datasets used with skip_prepare_dataset"
+    }
     _template_file = "lm_model_card.md"
 
     def __init__(
