@@ -356,25 +356,7 @@ class SFTTrainer(_BaseTrainer):
             tokenizer = getattr(processing_class, "tokenizer", processing_class)
 
         # ---- MoE router loss -----------------------------------------------------------------------------------
-        self._aux_loss_enabled = False
-        self._aux_loss_coef = 0.0
-        model_config = getattr(model, "config", None)
-        if args.router_aux_loss_coef is not None or getattr(model_config, "output_router_logits", False):
-            is_moe = model_config is not None and hasattr(model_config, "router_aux_loss_coef")
-            if args.router_aux_loss_coef is not None and not is_moe:
-                raise ValueError(
-                    f"router_aux_loss_coef={args.router_aux_loss_coef} was set, but {type(model).__name__} has no "
-                    "mixture-of-experts router. Leave router_aux_loss_coef=None for dense models."
-                )
-            coef = (
-                args.router_aux_loss_coef
-                if args.router_aux_loss_coef is not None
-                else model_config.router_aux_loss_coef
-            )
-            if is_moe and coef:
-                self._aux_loss_enabled = True
-                self._aux_loss_coef = float(coef)
-                model_config.output_router_logits = True
+        self._aux_loss_enabled, self._aux_loss_coef = self._resolve_aux_loss(model, args)
 
         # ---- PEFT (after the selective-checkpointing wrapper, which PEFT's own checkpointing call goes through) ----
         will_be_peft = peft_config is not None or self._is_peft_model(model)
