@@ -67,7 +67,9 @@ def test_rloo_sequence_loss_matches_formula():
     old = torch.tensor([[-1.2, -0.5, -1.0], [-0.1, -0.4, -0.9]], dtype=torch.float64)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
     advantages = torch.tensor([2.0, -1.0], dtype=torch.float64)
-    loss, ratio = rloo_sequence_loss(logps, old, advantages, mask, epsilon_low=0.2, epsilon_high=0.3)
+    loss, ratio = rloo_sequence_loss(
+        logps, (old * mask).sum(dim=1), advantages, mask, epsilon_low=0.2, epsilon_high=0.3
+    )
     expected_loss, expected_ratio = [], []
     for lp, o, m, a in zip(logps.tolist(), old.tolist(), mask.tolist(), advantages.tolist()):
         r = math.exp(sum((x - y) * k for x, y, k in zip(lp, o, m)))
@@ -81,7 +83,7 @@ def test_on_policy_gradient_is_reinforce():
     logps = torch.tensor([[-1.0, -0.5], [-0.2, -0.4]], requires_grad=True)
     mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     advantages = torch.tensor([2.0, -1.0])
-    loss, ratio = rloo_sequence_loss(logps, logps.detach(), advantages, mask)
+    loss, ratio = rloo_sequence_loss(logps, (logps.detach() * mask).sum(dim=1), advantages, mask)
     assert torch.equal(ratio, torch.ones(2))
     loss.sum().backward()
     torch.testing.assert_close(logps.grad, -advantages.unsqueeze(1) * mask)
@@ -213,7 +215,7 @@ def test_num_iterations_uses_stored_old_logps(tmp_path, model_path, prompts):
     trainer = RLOOTrainer(model_path, reward_funcs=low_id_reward, args=args, train_dataset=prompts)
     assert trainer.ref_model is None
     trainer.train()
-    assert "old_per_token_logps" in trainer._buffered_inputs[0]
+    assert "old_logps" in trainer._buffered_inputs[0] and "old_per_token_logps" not in trainer._buffered_inputs[0]
     logs = train_logs(trainer)
     assert logs[0]["clip_ratio/region_mean"] == 0.0 and logs[1]["clip_ratio/region_mean"] > 0.0
     assert "kl" not in logs[-1]

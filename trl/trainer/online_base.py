@@ -155,6 +155,9 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
     # Whether a round is shuffled (one `randperm` on the global RNG) before its split into micro-batches, as TRL's GRPO
     # does; TRL's self-distillation trainers split it in generation order.
     _shuffle_rollout_batch = True
+    # Whether the batch carries `num_items_in_batch`, the loss tokens of the round on all processes (TRL's GRPO and
+    # distillation normalise token-level losses by it).
+    _batch_counts_loss_tokens = True
     # `compute_loss` normalises for gradient accumulation itself; the Trainer must not divide again.
     loss_is_scaled_for_ga = True
     # GRPO and RLOO log each step's wall time (`step_time`) as TRL does; TRL's Online DPO family does not.
@@ -677,7 +680,8 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
         all_advantages = advantages
         batch["advantages"] = advantages[process_slice].to(device)
         batch = self._finish_rollout_batch(batch, rewards_per_func)
-        batch["num_items_in_batch"] = self._global_token_count(self._loss_mask(batch))
+        if self._batch_counts_loss_tokens:
+            batch["num_items_in_batch"] = self._global_token_count(self._loss_mask(batch))
 
         self._record_rollout_metrics(mode, *generated, rewards_per_func)
         if mode == "train":  # a few of this process's completions for the run report (no gathering)

@@ -583,11 +583,12 @@ class _PreferenceTrainer(_BaseTrainer):
     ):
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
-            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-        loss = loss.detach()
+            # As TRL: outputs are asked for only when predictions are (a `compute_loss` override sees the same call).
+            result = self.compute_loss(model, inputs, return_outputs=not prediction_loss_only)
         if prediction_loss_only:
-            return loss, None, None
-        return (loss, *self._prediction_logits_and_labels(model, inputs, outputs, ignore_keys or []))
+            return result.detach(), None, None
+        loss, outputs = result
+        return (loss.detach(), *self._prediction_logits_and_labels(model, inputs, outputs, ignore_keys or []))
 
     def _prediction_logits_and_labels(
         self, model: nn.Module, inputs: dict[str, Any], outputs: dict[str, torch.Tensor], ignore_keys: list[str]

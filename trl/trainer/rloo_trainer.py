@@ -20,7 +20,7 @@ from .rloo_config import RLOOConfig
 
 def rloo_sequence_loss(
     per_token_logps: torch.Tensor,
-    old_per_token_logps: torch.Tensor,
+    old_logps: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     epsilon_low: float = 0.2,
@@ -28,13 +28,13 @@ def rloo_sequence_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped REINFORCE loss with one importance ratio per sequence.
 
-    `r = exp(sum_t (logp - old_logp))` over the completion tokens, and the loss of a sequence is
+    `r = exp(sum_t logp - old_logps)` over the completion tokens, and the loss of a sequence is
     `-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`. On-policy (`r = 1`) its gradient is the plain REINFORCE
     gradient `-A * sum_t grad logp`.
 
     Args:
         per_token_logps: `(B, T)` current log-probabilities (with gradient).
-        old_per_token_logps: `(B, T)` log-probabilities of the sampling policy.
+        old_logps: `(B,)` summed completion log-probabilities under the sampling policy (TRL's `old_logps`).
         advantages: `(B,)` advantages.
         mask: `(B, T)` completion mask.
         epsilon_low, epsilon_high: Clipping bounds.
@@ -42,7 +42,7 @@ def rloo_sequence_loss(
     Returns:
         `(per_sequence_loss, ratio)`, both `(B,)`.
     """
-    log_ratio = ((per_token_logps - old_per_token_logps) * mask).sum(dim=1)
+    log_ratio = (per_token_logps * mask).sum(dim=1) - old_logps
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     return -torch.min(ratio * advantages, clipped * advantages), ratio
@@ -123,6 +123,8 @@ class RLOOTrainer(_OnlineTrainer):
     }
     # As TRL: the Trainer divides RLOO's loss by the gradient accumulation steps (a `compute_loss` override inherits it).
     loss_is_scaled_for_ga = False
+    # TRL's RLOO batch has no `num_items_in_batch` (its loss is a mean over sequences).
+    _batch_counts_loss_tokens = False
     # Rewards after clipping and the KL penalty (what the leave-one-out baseline used), for `frac_reward_zero_std`.
     _shaped_rewards = None
     _config_class = RLOOConfig
@@ -163,7 +165,7 @@ class RLOOTrainer(_OnlineTrainer):
 
     def _loss_compares_with_rollout_logps(self, inputs: dict[str, Any]) -> bool:
         # On-policy, the loss uses the pass's own log-probabilities (the rollout's serve the KL reward only).
-        return "old_per_token_logps" in inputs and not self._is_on_policy()
+        return "old_logps" in inputs and not self._is_on_policy()
 
     # TRL's RLOO always scores the rollout with the policy (`old_logps` in the batch); on-policy without a KL penalty
     # this project skips that pass (the loss pass's detached values are the same), unless a subclass overrides a hook
@@ -185,6 +187,12 @@ class RLOOTrainer(_OnlineTrainer):
         super()._compute_rollout_logps(batch)
         if "old_per_token_logps" in batch:  # TRL's key: each completion's summed log-probability at generation
             batch["old_logps"] = (batch["old_per_token_logps"] * batch["completion_mask"]).sum(dim=1)
+
+    def _finish_rollout_batch(self, batch: dict[str, Any], rewards_per_func: torch.Tensor) -> dict[str, Any]:
+        # The per-token values served the KL penalty in the advantages; the loss reads TRL's `old_logps` only.
+        batch.pop("old_per_token_logps", None)
+        batch.pop("ref_per_token_logps", None)
+        return super()._finish_rollout_batch(batch, rewards_per_func)
 
     def _compute_advantages(self, rewards_per_func: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
         args = self.args
@@ -215,10 +223,10 @@ class RLOOTrainer(_OnlineTrainer):
             logps, entropy, aux_loss = self._completion_logps(model, inputs, compute_entropy=True)
         mask = self._loss_mask(inputs).to(logps.dtype)
         advantages = inputs["advantages"].to(logps.dtype)
-        old = inputs.get("old_per_token_logps")
+        old = inputs.get("old_logps")
         if old is None or self._is_on_policy():
             # The data was sampled by exactly this policy: ratio 1, plain REINFORCE gradient.
-            old = logps.detach()
+            old = (logps.detach() * mask).sum(dim=1)
         per_sequence_loss, ratio = rloo_sequence_loss(
             logps, old, advantages, mask, self.epsilon_low, self.epsilon_high
         )

@@ -117,3 +117,59 @@ register(
     "plugins/grpo/call_counts/num_iterations=2",
     partial(plugin_case, plugin="counts", num_iterations=2, gradient_accumulation_steps=2, **SMALL),
 )
+
+
+def rloo_rewards_plugin_case(ctx) -> dict:
+    """An RLOO subclass shifting the rewards in `_calculate_rewards` and reading `old_logps` in `_compute_loss`."""
+    import trl
+
+    seen: list = []
+
+    class ShiftedRewards(trl.RLOOTrainer):
+        def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+            return super()._calculate_rewards(inputs, prompts, completions, completion_ids_list) * 2.0 - 0.5
+
+        def _compute_loss(self, model, inputs):
+            seen.append(sorted(k for k, v in inputs.items() if v is not None))
+            return super()._compute_loss(model, inputs)
+
+    args = trl.RLOOConfig(output_dir=ctx.tmpdir(), **{**ONLINE_ARGS, "max_steps": 2})
+    RECORDED_COMPLETION_IDS.clear()
+    trainer = ShiftedRewards(
+        model=ctx.model("tiny-Qwen2ForCausalLM"),
+        reward_funcs=toy_reward,
+        args=args,
+        train_dataset=ctx.dataset("standard_prompt_only", "train", 16),
+    )
+    out = run_trainer(trainer, evaluate=False)
+    out["loss_batch_keys"] = seen
+    out["completion_ids"] = list(RECORDED_COMPLETION_IDS)
+    return to_jsonable(out)
+
+
+def dpo_loss_plugin_case(ctx) -> dict:
+    """A DPO subclass adding a term and a metric in `_compute_loss(model, inputs, return_outputs)`."""
+    import trl
+
+    class WithPenalty(trl.DPOTrainer):
+        def _compute_loss(self, model, inputs, return_outputs):
+            loss = super()._compute_loss(model, inputs, return_outputs)
+            penalty = 0.01 * inputs["attention_mask"].float().mean()
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode]["plugin/penalty"].append(float(penalty))
+            return loss + penalty
+
+    from . import COMMON_ARGS
+
+    args = trl.DPOConfig(output_dir=ctx.tmpdir(), **COMMON_ARGS)
+    trainer = WithPenalty(
+        model=ctx.model("tiny-Qwen2ForCausalLM"),
+        args=args,
+        train_dataset=ctx.dataset("standard_preference", "train", 8),
+        eval_dataset=ctx.dataset("standard_preference", "test", 8),
+    )
+    return run_trainer(trainer)
+
+
+register("plugins/rloo/calculate_rewards_and_loss_batch", rloo_rewards_plugin_case)
+register("plugins/dpo/compute_loss_term", dpo_loss_plugin_case)
