@@ -419,6 +419,7 @@ def test_grpo_instance_attributes(tmp_path, prompts):
     assert trainer.ref_model is None and trainer.use_vllm is False
     assert trainer.max_completion_length == 6 and trainer.generation_config.max_new_tokens == 6
     assert not hasattr(trainer, "max_prompt_length")  # plugins probe it with getattr: absent in TRL 1.16
+    assert not hasattr(trainer, "_last_loaded_step") and trainer.vllm_generation is None  # vLLM-only, as in TRL
     assert trainer.epsilon_low == trainer.args.epsilon and trainer.epsilon_high == trainer.args.epsilon  # resolved
     for name in ("beta", "loss_type", "scale_rewards", "importance_sampling_level"):
         assert getattr(trainer, name) == getattr(trainer.args, name), name

@@ -158,6 +158,20 @@ class _OnlineGenerationMixin:
     # ------------------------------------------------------------------------------------------------------------
     # Construction
     # ------------------------------------------------------------------------------------------------------------
+    @property
+    def _last_loaded_step(self) -> Any:
+        """TRL's attribute (with vLLM only): the training step whose weights vLLM holds. A plugin that pushes the
+        weights itself (`vllm_generation.sync_weights()`) sets it, and generation then skips its own push."""
+        if self.vllm_generation is None:
+            raise AttributeError("_last_loaded_step exists only with use_vllm=True")
+        return self.vllm_generation._synced_version
+
+    @_last_loaded_step.setter
+    def _last_loaded_step(self, step: Any) -> None:
+        if self.vllm_generation is None:
+            raise AttributeError("_last_loaded_step exists only with use_vllm=True")
+        self.vllm_generation._synced_version = step
+
     def _check_generation_backend(self, args: Any, rollout_func: Callable | None) -> None:
         if args.use_vllm and rollout_func is None:
             from ..import_utils import is_vllm_available
