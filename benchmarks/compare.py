@@ -473,7 +473,7 @@ def worker(spec: dict) -> None:
         "wall_s": statistics.median(clock.wall[measured]),
         "peak_rss_mb": _harness.peak_rss_mb(ndigits=None),
         "tensor_peak_mb": tensor_peak / 2**20,
-        "final_loss": losses[-1],
+        "final_loss": losses[min(timed_steps, len(losses)) - 1],  # the last timed step's (logged every step)
         "tokens_per_step": tokens_per_step,
         "seq_len": seq_len,
         "items_per_step": batch * 1.0 if job == "grpo" else tokens_per_step,
