@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: test-compat install install-core torch assets deepspeed test test-reliability test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench bench-env bench-compare lint format clean
+.PHONY: test-compat install install-core torch assets deepspeed test test-reliability test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench bench-env bench-compare bench-compare-realistic lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
@@ -196,8 +196,16 @@ BENCH_VENV ?= .venv-bench
 bench-env: install
 	$(call trl_venv,$(BENCH_VENV),-e .,Pillow)
 
+# BENCH_COMPARE_ARGS passes flags on to both targets, e.g. BENCH_COMPARE_ARGS="--jobs sft_padded,dpo --rounds 2".
+BENCH_COMPARE_ARGS ?=
+
 bench-compare: bench-env parity-env
-	$(BENCH_VENV)/bin/python benchmarks/compare.py
+	$(BENCH_VENV)/bin/python benchmarks/compare.py $(BENCH_COMPARE_ARGS)
+
+# The same six jobs at Qwen2.5-0.5B's shape (random weights built once under $$TRL_BENCH_CACHE, default
+# ~/.cache/trl/bench): hours on a 2-core CPU; bf16 + SDPA on a GPU.
+bench-compare-realistic: bench-env parity-env
+	$(BENCH_VENV)/bin/python benchmarks/compare.py --shape qwen2.5-0.5b $(BENCH_COMPARE_ARGS)
 
 lint: install
 	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .

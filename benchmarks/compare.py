@@ -1,27 +1,39 @@
 """Side by side with real TRL 1.16: the same six training jobs, run by this project and by `trl==1.16.0`.
 
 Jobs (same model, data, seed and settings on both sides): SFT with padded batches, SFT packed (`bfd`), DPO, Reward,
-KTO, and GRPO generating with transformers `generate`. The model is the ~28M-parameter `small-Qwen2ForCausalLM`
-(random weights built offline from its config; `--quick`: the tiny one); the reward model is the same backbone with a
-seeded score head, saved once and loaded by both sides.
+KTO, and GRPO generating with transformers `generate`. Two shapes:
 
-Every run is a fresh interpreter (peak RSS is its own) started from an empty temporary directory. The TRL side runs
-the parity environment's interpreter (`--trl_python`, default `$PARITY_VENV/bin/python`) without `PYTHONPATH`, so it
-imports the real `trl`; this project's side runs the interpreter that runs this program, with `PYTHONPATH` set to the
-repository. `make bench-compare` runs it from `.venv-bench`, a venv with only this project's own requirements under
-the parity venv's pins, so that neither side pays for packages the other does not load (a development environment's
-extras, e.g. scipy or boto3, are imported by transformers and accelerate when installed). Runs are interleaved (ours,
-TRL, ours, TRL, ...) so that load on a shared machine hits both sides alike; with `--rounds N` each job runs N times
-per side and the medians are kept.
+- `--shape small` (default): the ~28M-parameter `small-Qwen2ForCausalLM` (`--quick`: the tiny one), batches of 8
+  (DPO 4) at `--max_length`, GRPO 2 prompts of ~70 tokens x 4 completions of 32 tokens. A fast regression guard.
+- `--shape qwen2.5-0.5b`: a model of Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 query / 2 key-value heads,
+  intermediate 4 864, vocabulary 151 936, tied embeddings) with random weights, built offline from a config and saved
+  once under `$TRL_BENCH_CACHE` (default `~/.cache/trl/bench`); the tiny model's tokenizer, whose ids use the low
+  range of the 151 936-row head. SFT padded 2 x 512, SFT packed 1 x 1 024, DPO 1 x 512, Reward 2 x 512, KTO 2 x 512,
+  GRPO 2 prompts of 256 tokens x 4 completions of 32 tokens. `--layers N` keeps the width with fewer layers (a smoke
+  test). fp32 on a CPU; on a GPU, bf16 weights with SDPA attention (either shape).
 
-Reported per job: CPU time per measured step (process time, all threads), peak RSS, tokens/s (GRPO: completions/s)
-from the wall time, MFU (model FLOPs per CPU-second against a `torch.mm` FLOPs per CPU-second measured on the same
-threads), and both final losses (they must agree: speed never buys a different number). Ratios are ours / TRL.
+The reward model is the same backbone with a seeded score head, saved once and loaded by both sides. Every run is a
+fresh interpreter (peak RSS is its own) started from an empty temporary directory. The TRL side runs the parity
+environment's interpreter (`--trl_python`, default `$PARITY_VENV/bin/python`) without `PYTHONPATH`, so it imports the
+real `trl`; this project's side runs the interpreter that runs this program, with `PYTHONPATH` set to the repository.
+`make bench-compare` runs it from `.venv-bench`, a venv with only this project's own requirements under the parity
+venv's pins, so that neither side pays for packages the other does not load. Runs are interleaved (ours, TRL, ours,
+TRL, ...) so that load on a shared machine hits both sides alike; with `--rounds N` each job runs N times per side and
+the medians are kept.
+
+Reported per job: CPU time per measured step (process time, all threads), peak RSS, the peak of live tensor memory
+(on a GPU `torch.cuda.max_memory_allocated`; on a CPU the tensors alive when one extra, untimed step starts plus the
+most the CPU allocator held on top of them during that step, from `torch.profiler`'s memory events), tokens/s (GRPO:
+completions/s) from the wall time, MFU (CPU only: model FLOPs per CPU-second against a `torch.mm` FLOPs per
+CPU-second measured on the same threads), and both final losses (they must agree: speed never buys a different
+number). Ratios are ours / TRL.
 
 Usage:
     make bench-compare                           # .venv-bench/bin/python benchmarks/compare.py
+    make bench-compare-realistic                 # ... benchmarks/compare.py --shape qwen2.5-0.5b
     python benchmarks/compare.py --jobs sft_padded,dpo --steps 6 --rounds 2
     python benchmarks/compare.py --quick         # smoke test: tiny model, 2 steps, every job
+    python benchmarks/compare.py --shape qwen2.5-0.5b --layers 2 --steps 1 --warmup 0   # smoke test of that shape
 
 Only the standard library is imported at module level (the worker sets the thread count and offline flags first).
 """
@@ -31,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -41,8 +52,33 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = ("sft_padded", "sft_packed", "dpo", "reward", "kto", "grpo")
-# Words of the synthetic preference rows; long enough rows that the body of the model, not the overhead, is timed.
-_PROMPT_WORDS, _ANSWER_WORDS = 96, 48
+SHAPES = ("small", "qwen2.5-0.5b")
+# Qwen2.5-0.5B's architecture (its config.json, less the tokenizer's ids, which come from the tiny tokenizer).
+QWEN25_05B = {
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 151936,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+}
+# Per job at the realistic shape: per-device batch size and max_length (GRPO: 8 completions, 2 prompts x 4).
+REALISTIC_JOBS = {
+    "sft_padded": (2, 512),
+    "sft_packed": (1, 1024),
+    "dpo": (1, 512),
+    "reward": (2, 512),
+    "kto": (2, 512),
+    "grpo": (8, 512),
+}
+# Words of the synthetic preference rows per shape: prompt, answer. Long enough that the body of the model, not the
+# overhead, is timed (~1.6 tokens a word); the realistic rows are ~400 tokens, ~300 of them the shared prompt.
+_ROW_WORDS = {"small": (96, 48), "qwen2.5-0.5b": (192, 64)}
+GRPO_PROMPT_TOKENS = 256  # the realistic shape's GRPO prompts (the small shape's: 48 words)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -50,31 +86,85 @@ _PROMPT_WORDS, _ANSWER_WORDS = 96, 48
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def prepare_inputs(workdir: str, quick: bool) -> dict:
-    """Writes the model directories and the datasets (JSON lines) both sides load; returns their paths."""
+def realistic_models(layers: int) -> tuple[str, str]:
+    """Builds (once) the Qwen2.5-0.5B-shaped model and its reward model; returns both directories.
+
+    Random weights (seed 0) from `QWEN25_05B` with `layers` decoder layers, the tiny test model's tokenizer, saved
+    under `$TRL_BENCH_CACHE` (default `~/.cache/trl/bench`) and reused by later runs.
+
+    Args:
+        layers (`int`):
+            Number of decoder layers (24 is the real shape; fewer keep the width for a smoke test).
+
+    Returns:
+        `tuple[str, str]`: the causal LM's directory and the reward model's (the same backbone, a seeded score head).
+    """
+    cache = os.environ.get("TRL_BENCH_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "trl", "bench"))
+    name = "qwen2.5-0.5b" if layers == QWEN25_05B["num_hidden_layers"] else f"qwen2.5-0.5b-{layers}layers"
+    path, reward_path = os.path.join(cache, name), os.path.join(cache, name + "-reward")
+    if os.path.exists(os.path.join(reward_path, "config.json")):
+        return path, reward_path
+    import shutil
+
     import torch
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from trl.assets import get_model_path, load_test_dataset
+    from trl.assets import get_model_path
 
-    model_path = get_model_path("tiny-Qwen2ForCausalLM" if quick else "small-Qwen2ForCausalLM")
-    reward_path = os.path.join(workdir, "reward_model")
-    if not os.path.isdir(reward_path):
+    tokenizer = AutoTokenizer.from_pretrained(get_model_path("tiny-Qwen2ForCausalLM"))
+    ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id, "bos_token_id": None}
+    config = Qwen2Config(**{**QWEN25_05B, "num_hidden_layers": layers}, **ids)
+    for target, build in (
+        (path, lambda: Qwen2ForCausalLM(config)),
+        (reward_path, lambda: AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)),
+    ):
+        partial = target + f".partial-{os.getpid()}"  # renamed into place when complete
         torch.manual_seed(0)
-        reward_model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1)
-        reward_model.save_pretrained(reward_path)
-        from transformers import AutoTokenizer
+        build().save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(partial, target)
+    return path, reward_path
 
-        AutoTokenizer.from_pretrained(model_path).save_pretrained(reward_path)
 
-    texts = load_test_dataset("length_skewed_language_modeling", split="train")["text"]
-    words = [text.split() for text in texts if len(text.split()) >= _PROMPT_WORDS + 2 * _ANSWER_WORDS]
+def prepare_inputs(workdir: str, quick: bool, shape: str = "small", layers: int | None = None) -> dict:
+    """Writes the datasets (JSON lines) both sides load, and the models they need; returns their paths.
+
+    Args:
+        workdir (`str`):
+            Where to write the datasets (and the small shape's reward model).
+        quick (`bool`):
+            The small shape with the tiny model instead.
+        shape (`str`, *optional*, defaults to `"small"`):
+            One of `SHAPES`.
+        layers (`int` or `None`, *optional*, defaults to `None`):
+            Decoder layers of the realistic shape (`None`: its 24).
+    """
+    import _harness
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from trl.assets import get_model_path
+
+    if shape == "small":
+        model_path = get_model_path("tiny-Qwen2ForCausalLM" if quick else "small-Qwen2ForCausalLM")
+        reward_path = os.path.join(workdir, "reward_model")
+        if not os.path.isdir(reward_path):
+            torch.manual_seed(0)
+            AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1).save_pretrained(reward_path)
+            AutoTokenizer.from_pretrained(model_path).save_pretrained(reward_path)
+    else:
+        model_path, reward_path = realistic_models(layers or QWEN25_05B["num_hidden_layers"])
+
+    prompt_words, answer_words = _ROW_WORDS[shape]
+    texts = _harness.skewed_texts()
+    words = [text.split() for text in texts if len(text.split()) >= prompt_words + answer_words]
     pairs = []
     for i, row in enumerate(words):
         other = words[(i + 7) % len(words)]
-        prompt = " ".join(row[:_PROMPT_WORDS])
-        chosen = " " + " ".join(row[_PROMPT_WORDS : _PROMPT_WORDS + _ANSWER_WORDS])
-        rejected = " " + " ".join(other[-_ANSWER_WORDS:])
+        prompt = " ".join(row[:prompt_words])
+        chosen = " " + " ".join(row[prompt_words : prompt_words + answer_words])
+        rejected = " " + " ".join(other[-answer_words:])
         pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     unpaired = []
     for i, pair in enumerate(pairs):
@@ -82,7 +172,11 @@ def prepare_inputs(workdir: str, quick: bool) -> dict:
         unpaired.append(
             {"prompt": pair["prompt"], "completion": pair["chosen" if good else "rejected"], "label": good}
         )
-    prompts = [{"prompt": " ".join(row[:48])} for row in words]
+    if shape == "small":
+        prompts = [{"prompt": " ".join(row[:48])} for row in words]
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        prompts = [{"prompt": p} for p in _harness.build_prompts(tokenizer, GRPO_PROMPT_TOKENS, 64)["prompt"]]
     datasets = {"text": [{"text": t} for t in texts], "preference": pairs, "unpaired": unpaired, "prompts": prompts}
     paths = {"model": model_path, "reward_model": reward_path}
     for name, rows in datasets.items():
@@ -94,6 +188,13 @@ def prepare_inputs(workdir: str, quick: bool) -> dict:
     return paths
 
 
+def job_size(job: str, args: argparse.Namespace) -> tuple[int, int]:
+    """Per-device batch size and `max_length` of `job` at `args.shape`."""
+    if args.shape == "small":
+        return (4 if job == "dpo" else 8), args.max_length
+    return REALISTIC_JOBS[job]
+
+
 def run_worker(side: str, job: str, args: argparse.Namespace, paths: dict, python: str) -> dict:
     """Runs one job in a fresh interpreter of `side` ("ours" or "trl") and returns the JSON line it printed."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
@@ -103,8 +204,9 @@ def run_worker(side: str, job: str, args: argparse.Namespace, paths: dict, pytho
     env["MKL_NUM_THREADS"] = str(args.threads)
     env["HF_HUB_OFFLINE"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"
+    batch, max_length = job_size(job, args)
     spec = {"job": job, "side": side, "steps": args.steps, "warmup": args.warmup, "threads": args.threads}
-    spec.update({"quick": args.quick, "max_length": args.max_length, "paths": paths})
+    spec.update({"quick": args.quick, "batch": batch, "max_length": max_length, "paths": paths})
     with tempfile.TemporaryDirectory(prefix=f"bench-compare-{side}-") as cwd:
         spec["output_dir"] = os.path.join(cwd, "out")
         proc = subprocess.run(
@@ -142,6 +244,7 @@ def measure_matmul_peak(threads: int) -> float:
 
 
 def flops_per_token(model_path: str, seq_len: int) -> float:
+    """Model FLOPs per token (forward, backward, recompute) of the model at `model_path` at `seq_len`."""
     from transformers import AutoConfig
 
     from trl.trainer.utils.flops import compute_flops_per_token
@@ -150,23 +253,39 @@ def flops_per_token(model_path: str, seq_len: int) -> float:
 
 
 def summarise(job: str, ours: list[dict], trl: list[dict], peak: float, paths: dict) -> dict:
+    """One table row from each side's runs of `job`: medians, ratios ours / TRL, and whether the final losses agree.
+
+    Args:
+        job (`str`):
+            The job's name.
+        ours (`list[dict]`), trl (`list[dict]`):
+            The result lines of each side's runs.
+        peak (`float`):
+            The matmul FLOPs per CPU-second that MFU is measured against (MFU is left out on a GPU).
+        paths (`dict`):
+            What `prepare_inputs` returned (the model path, for its FLOPs per token).
+    """
+
     def med(rows: list[dict], key: str) -> float:
         return statistics.median(row[key] for row in rows)
 
-    row = {"job": job}
+    row = {"job": job, "device": trl[-1].get("device", "cpu")}
     # The job's real tokens per step, counted on TRL's side (ours may lay the same tokens out differently).
     tokens, seq_len, items = trl[-1]["tokens_per_step"], trl[-1]["seq_len"], trl[-1]["items_per_step"]
     for side, rows in (("ours", ours), ("trl", trl)):
         row[f"{side}_cpu_s"] = med(rows, "cpu_s")
         row[f"{side}_wall_s"] = med(rows, "wall_s")
         row[f"{side}_rss_mb"] = med(rows, "peak_rss_mb")
+        row[f"{side}_tensor_mb"] = med(rows, "tensor_peak_mb")
         row[f"{side}_loss"] = rows[-1]["final_loss"]
         row[f"{side}_rate"] = items / row[f"{side}_wall_s"]
-        flops = flops_per_token(paths["model"], seq_len) * tokens
-        row[f"{side}_mfu"] = flops / row[f"{side}_cpu_s"] / peak
+        on_cpu = row["device"] == "cpu"
+        row[f"{side}_mfu"] = (
+            flops_per_token(paths["model"], seq_len) * tokens / row[f"{side}_cpu_s"] / peak if on_cpu else None
+        )
     row["unit"] = ours[-1]["unit"]
-    row["cpu_ratio"] = row["ours_cpu_s"] / row["trl_cpu_s"]
-    row["rss_ratio"] = row["ours_rss_mb"] / row["trl_rss_mb"]
+    for key, field in (("cpu_ratio", "cpu_s"), ("rss_ratio", "rss_mb"), ("tensor_ratio", "tensor_mb")):
+        row[key] = row[f"ours_{field}"] / row[f"trl_{field}"]
     row["rate_ratio"] = row["ours_rate"] / row["trl_rate"]
     scale = max(abs(row["trl_loss"]), 1e-3)
     row["loss_agrees"] = abs(row["ours_loss"] - row["trl_loss"]) <= 1e-3 * scale + 1e-5
@@ -174,31 +293,37 @@ def summarise(job: str, ours: list[dict], trl: list[dict], peak: float, paths: d
 
 
 def print_table(rows: list[dict]) -> None:
+    """Prints the rows of `summarise` as a markdown table."""
     head = (
-        "| job | CPU s/step ours / TRL | ratio | peak RSS MB ours / TRL | ratio | rate ours / TRL | ratio "
-        "| MFU ours / TRL | final loss ours / TRL |"
+        "| job | CPU s/step ours / TRL | ratio | peak RSS MB ours / TRL | ratio | peak tensors MB ours / TRL | ratio "
+        "| rate ours / TRL | ratio | MFU ours / TRL | final loss ours / TRL |"
     )
     print(head)
-    print("|" + "---|" * 9)
+    print("|" + "---|" * 11)
     for r in rows:
         loss = f"{r['ours_loss']:.6g} / {r['trl_loss']:.6g}" + ("" if r["loss_agrees"] else " (DIFFER)")
+        mfu = "-" if r["ours_mfu"] is None else f"{100 * r['ours_mfu']:.0f} % / {100 * r['trl_mfu']:.0f} %"
         print(
             f"| {r['job']} | {r['ours_cpu_s']:.3f} / {r['trl_cpu_s']:.3f} | {r['cpu_ratio']:.2f} "
             f"| {r['ours_rss_mb']:.0f} / {r['trl_rss_mb']:.0f} | {r['rss_ratio']:.2f} "
+            f"| {r['ours_tensor_mb']:.0f} / {r['trl_tensor_mb']:.0f} | {r['tensor_ratio']:.2f} "
             f"| {r['ours_rate']:.1f} / {r['trl_rate']:.1f} {r['unit']} | {r['rate_ratio']:.2f} "
-            f"| {100 * r['ours_mfu']:.0f} % / {100 * r['trl_mfu']:.0f} % | {loss} |"
+            f"| {mfu} | {loss} |"
         )
 
 
 def main() -> int:
+    """Runs the comparison the command line asks for (or, with the hidden `--_worker`, one job of one side)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
     parser.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated subset of {', '.join(JOBS)}")
-    parser.add_argument("--steps", type=int, default=12, help="measured steps per run (after the warm-up ones)")
+    parser.add_argument("--shape", default="small", choices=SHAPES, help="model shape and job sizes (see above)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers of the qwen2.5-0.5b shape")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per run (default 12; qwen2.5-0.5b 4)")
     parser.add_argument("--warmup", type=int, default=1, help="steps run before the measured ones")
     parser.add_argument("--rounds", type=int, default=1, help="runs per job and side, interleaved")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max_length", type=int, default=512)
+    parser.add_argument("--max_length", type=int, default=512, help="the small shape's max_length")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps: a smoke test of the program")
     parser.add_argument("--trl_python", default=None, help="interpreter with trl==1.16.0 (default: the parity venv)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
@@ -206,7 +331,11 @@ def main() -> int:
     if args._worker:
         worker(json.loads(args._worker))
         return 0
+    if args.steps is None:
+        args.steps = 12 if args.shape == "small" else 4
     if args.quick:
+        if args.shape != "small":
+            parser.error("--quick runs the tiny model; for a quick realistic-shape run use --layers and --steps")
         args.steps, args.warmup, args.max_length = 2, 1, 256
     jobs = [job.strip() for job in args.jobs.split(",") if job.strip()]
     unknown = sorted(set(jobs) - set(JOBS))
@@ -220,8 +349,9 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-compare-") as workdir:
-        paths = prepare_inputs(workdir, args.quick)
+        paths = prepare_inputs(workdir, args.quick, args.shape, args.layers)
         peak = measure_matmul_peak(args.threads)
+        print(f"shape: {args.shape}, model {paths['model']}", flush=True)
         print(f"matmul peak: {peak / 1e9:.1f} GFLOP per CPU-second ({args.threads} threads)", flush=True)
         print(f"ours: {sys.executable}\ntrl:  {trl_python}", flush=True)
         for job in jobs:
@@ -245,16 +375,16 @@ def main() -> int:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def cheap_reward(completion_ids, **kwargs):
-    """Share of low token ids in the completion: costs next to nothing, so scoring does not dominate GRPO."""
-    return [sum(t < 2048 for t in ids) / max(len(ids), 1) for ids in completion_ids]
-
-
 def worker(spec: dict) -> None:
+    """Trains one job as `spec` describes and prints its result as one JSON line.
+
+    Runs `warmup + steps` timed steps and one more, untimed, over which the live tensor memory is tracked on a CPU.
+    """
     threads = spec["threads"]
     import torch
 
     torch.set_num_threads(threads)
+    import _harness
     from datasets import load_dataset
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
@@ -262,17 +392,22 @@ def worker(spec: dict) -> None:
     import trl
 
     hf_logging.set_verbosity_error()
-    job, paths, max_length = spec["job"], spec["paths"], spec["max_length"]
-    total_steps = spec["warmup"] + spec["steps"]
+    job, paths, batch, max_length = spec["job"], spec["paths"], spec["batch"], spec["max_length"]
+    cuda = torch.cuda.is_available()
+    timed_steps = spec["warmup"] + spec["steps"]
 
     class StepClock(TrainerCallback):
         def __init__(self):
             self.cpu, self.wall = [], []
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
             self._cpu, self._wall = time.process_time(), time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
             self.cpu.append(time.process_time() - self._cpu)
             self.wall.append(time.perf_counter() - self._wall)
 
@@ -281,42 +416,44 @@ def worker(spec: dict) -> None:
 
     common = {
         "output_dir": spec["output_dir"],
-        "max_steps": total_steps,
+        "max_steps": timed_steps + (0 if cuda else 1),
         "logging_steps": 1,
         "report_to": "none",
         "save_strategy": "no",
         "disable_tqdm": True,
         "seed": 0,
-        "bf16": False,  # TRL's configs default to bf16, which a CPU-only machine refuses
+        "per_device_train_batch_size": batch,
+        # TRL's configs default to bf16, which a CPU-only machine refuses; on a GPU, bf16 weights and SDPA.
+        "bf16": cuda,
     }
+    if cuda:
+        common["model_init_kwargs"] = {"dtype": "bfloat16", "attn_implementation": "sdpa"}
     clock = StepClock()
-    batch = 8
+    callbacks = [clock] if cuda else [clock, _tensor_peak_callback(timed_steps)]
     unit = "tokens/s"
     if job in ("sft_padded", "sft_packed"):
         packing = {"packing": True, "packing_strategy": "bfd"} if job == "sft_packed" else {}
-        config = trl.SFTConfig(**common, per_device_train_batch_size=batch, max_length=max_length, **packing)
-        trainer = trl.SFTTrainer(paths["model"], args=config, train_dataset=data("text"), callbacks=[clock])
+        config = trl.SFTConfig(**common, max_length=max_length, **packing)
+        trainer = trl.SFTTrainer(paths["model"], args=config, train_dataset=data("text"), callbacks=callbacks)
     elif job == "dpo":
-        batch = 4
-        config = trl.DPOConfig(**common, per_device_train_batch_size=batch, max_length=max_length)
-        trainer = trl.DPOTrainer(paths["model"], args=config, train_dataset=data("preference"), callbacks=[clock])
+        config = trl.DPOConfig(**common, max_length=max_length)
+        trainer = trl.DPOTrainer(paths["model"], args=config, train_dataset=data("preference"), callbacks=callbacks)
     elif job == "reward":
-        config = trl.RewardConfig(**common, per_device_train_batch_size=batch, max_length=max_length)
+        config = trl.RewardConfig(**common, max_length=max_length)
         dataset = data("preference")
-        trainer = trl.RewardTrainer(paths["reward_model"], args=config, train_dataset=dataset, callbacks=[clock])
+        trainer = trl.RewardTrainer(paths["reward_model"], args=config, train_dataset=dataset, callbacks=callbacks)
     elif job == "kto":
-        config = trl.KTOConfig(**common, per_device_train_batch_size=batch, max_length=max_length)
-        trainer = trl.KTOTrainer(paths["model"], args=config, train_dataset=data("unpaired"), callbacks=[clock])
+        config = trl.KTOConfig(**common, max_length=max_length)
+        trainer = trl.KTOTrainer(paths["model"], args=config, train_dataset=data("unpaired"), callbacks=callbacks)
     elif job == "grpo":
         unit = "completions/s"
-        config = trl.GRPOConfig(
-            **common,
-            per_device_train_batch_size=batch,
-            num_generations=4,
-            max_completion_length=16 if spec["quick"] else 32,
-        )
+        config = trl.GRPOConfig(**common, num_generations=4, max_completion_length=16 if spec["quick"] else 32)
         trainer = trl.GRPOTrainer(
-            paths["model"], reward_funcs=cheap_reward, args=config, train_dataset=data("prompts"), callbacks=[clock]
+            paths["model"],
+            reward_funcs=_harness.cheap_reward,
+            args=config,
+            train_dataset=data("prompts"),
+            callbacks=callbacks,
         )
     else:
         raise ValueError(f"unknown job {job!r}")
@@ -324,22 +461,84 @@ def worker(spec: dict) -> None:
     counter = _TokenCounter(trainer, job)
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
-    measured = slice(spec["warmup"], None)
-    tokens_per_step, seq_len = counter.per_step(spec["warmup"])
+    measured = slice(spec["warmup"], timed_steps)
+    tokens_per_step, seq_len = counter.per_step(spec["warmup"], timed_steps)
+    tensor_peak = torch.cuda.max_memory_allocated() if cuda else callbacks[-1].peak_bytes
     result = {
         "job": job,
         "side": spec["side"],
+        "device": "cuda" if cuda else "cpu",
         "trl_file": os.path.dirname(trl.__file__),
         "cpu_s": statistics.median(clock.cpu[measured]),
         "wall_s": statistics.median(clock.wall[measured]),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "final_loss": losses[-1],
+        "peak_rss_mb": _harness.peak_rss_mb(ndigits=None),
+        "tensor_peak_mb": tensor_peak / 2**20,
+        "final_loss": losses[min(timed_steps, len(losses)) - 1],  # the last timed step's (logged every step)
         "tokens_per_step": tokens_per_step,
         "seq_len": seq_len,
         "items_per_step": batch * 1.0 if job == "grpo" else tokens_per_step,
         "unit": unit,
     }
     print(json.dumps(result), flush=True)
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of the distinct CPU tensor storages that Python objects reach (weights, optimizer state, buffers)."""
+    import gc
+
+    import torch
+
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # tensors without a storage of their own
+                continue
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _tensor_peak_callback(step: int):
+    """A callback measuring the peak of live CPU tensor memory over training step `step` (0-based) into `peak_bytes`.
+
+    The peak is the tensors alive when the step starts plus the most the CPU allocator held on top of them during the
+    step: the running total of the allocations made (and not yet freed) since the step started, from the memory
+    events of `torch.profiler`. Tensors alive at the start and freed during the step still count (an upper bound).
+    """
+    import torch
+    from transformers import TrainerCallback
+
+    class TensorPeak(TrainerCallback):
+        def __init__(self):
+            self.peak_bytes, self._profiler, self._baseline = 0, None, 0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == step:
+                self._baseline = _live_tensor_bytes()
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                self._profiler = torch.profiler.profile(activities=activities, profile_memory=True)
+                self._profiler.__enter__()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self._profiler is None:
+                return
+            self._profiler.__exit__(None, None, None)
+            totals, start = [], None
+            nodes = list(self._profiler.profiler.kineto_results.experimental_event_tree())
+            while nodes:
+                node = nodes.pop()
+                nodes.extend(node.children)
+                fields = node.extra_fields
+                if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+                    totals.append((node.start_time_ns, fields.total_allocated, fields.alloc_size))
+            if totals:
+                totals.sort()
+                start = totals[0][1] - totals[0][2]  # what the allocator's count held before the step
+            self.peak_bytes = self._baseline + (max(total for _, total, _ in totals) - start if totals else 0)
+            self._profiler = None
+
+    return TensorPeak()
 
 
 class _TokenCounter:
@@ -389,8 +588,9 @@ class _TokenCounter:
 
         self.trainer.add_callback(Boundary())
 
-    def per_step(self, warmup: int) -> tuple[float, int]:
-        tokens = self.tokens[warmup:] or self.tokens
+    def per_step(self, warmup: int, end: int) -> tuple[float, int]:
+        """Mean real tokens per step over steps `warmup` to `end` (all steps when none), and the mean row length."""
+        tokens = self.tokens[warmup:end] or self.tokens
         return statistics.mean(tokens), int(statistics.mean(self.lengths)) if self.lengths else 1
 
 

@@ -1,5 +1,6 @@
 """The side-by-side benchmark program (`benchmarks/compare.py`): its table logic, and a smoke run of every job."""
 
+import argparse
 import importlib.util
 import os
 import subprocess
@@ -24,6 +25,7 @@ def _run(side, cpu, rss, loss):
         "cpu_s": cpu,
         "wall_s": cpu / 2,
         "peak_rss_mb": rss,
+        "tensor_peak_mb": rss / 2,
         "final_loss": loss,
         "tokens_per_step": 1000,
         "seq_len": 100,
@@ -41,6 +43,7 @@ def test_summary_ratios_and_loss_check(capsys):
     row = compare.summarise("sft_padded", ours, trl, peak=1e4, paths={"model": None})
     assert row["cpu_ratio"] == pytest.approx(0.5)  # medians: 2.0 / 4.0
     assert row["rss_ratio"] == pytest.approx(0.65)
+    assert row["tensor_ratio"] == pytest.approx(0.65)
     assert row["rate_ratio"] == pytest.approx(2.0)
     assert row["ours_mfu"] == pytest.approx(6.0 * 1000 / 2.0 / 1e4)
     assert row["loss_agrees"]
@@ -48,16 +51,51 @@ def test_summary_ratios_and_loss_check(capsys):
     trl[-1]["final_loss"] = 0.6
     assert not compare.summarise("sft_padded", ours, trl, peak=1e4, paths={"model": None})["loss_agrees"]
     compare.print_table([row])
-    assert "| sft_padded | 2.000 / 4.000 | 0.50 |" in capsys.readouterr().out
+    assert "| sft_padded | 2.000 / 4.000 | 0.50 | 650 / 1000 | 0.65 | 325 / 500 | 0.65 |" in capsys.readouterr().out
+
+    gpu = [dict(run, device="cuda") for run in trl]
+    assert compare.summarise("sft_padded", ours, gpu, peak=1e4, paths={"model": None})["ours_mfu"] is None
+
+
+def test_realistic_job_sizes():
+    """The realistic shape's jobs run at the sizes the table states, whatever `--max_length` says."""
+    compare = _load_compare()
+    args = argparse.Namespace(shape="qwen2.5-0.5b", max_length=64)
+    assert compare.job_size("sft_padded", args) == (2, 512)
+    assert compare.job_size("sft_packed", args) == (1, 1024)
+    assert compare.job_size("dpo", args) == (1, 512)
+    assert compare.job_size("grpo", args)[0] == 8  # 2 prompts x 4 completions
+    assert compare.job_size("dpo", argparse.Namespace(shape="small", max_length=64)) == (4, 64)
+    assert compare.QWEN25_05B["vocab_size"] == 151936 and compare.QWEN25_05B["tie_word_embeddings"]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists(PARITY_PYTHON), reason="needs the TRL 1.16 parity venv (`make parity-env`)")
 def test_quick_run_every_job():
     """`--quick`: every job runs on both sides (tiny model, 2 steps) and the final losses agree (exit code 0)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(COMPARE))
-    proc = subprocess.run([sys.executable, COMPARE, "--quick"], env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    proc = _run_compare("--quick")
     for job in ("sft_padded", "sft_packed", "dpo", "reward", "kto", "grpo"):
         assert f"| {job} |" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(PARITY_PYTHON), reason="needs the TRL 1.16 parity venv (`make parity-env`)")
+def test_realistic_shape_reduced_runs_every_job(tmp_path):
+    """The Qwen2.5-0.5B shape at 2 layers (full width and vocabulary), one measured step: every job, losses agree."""
+    proc = _run_compare(
+        "--shape", "qwen2.5-0.5b", "--layers", "2", "--steps", "1", "--warmup", "0", cache=str(tmp_path)
+    )
+    for job in ("sft_padded", "sft_packed", "dpo", "reward", "kto", "grpo"):
+        assert f"| {job} |" in proc.stdout
+    config = os.path.join(tmp_path, "qwen2.5-0.5b-2layers", "config.json")
+    assert '"vocab_size": 151936' in open(config).read()
+
+
+def _run_compare(*flags: str, cache: str | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(COMPARE))
+    if cache:
+        env["TRL_BENCH_CACHE"] = cache
+    proc = subprocess.run([sys.executable, COMPARE, *flags], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
