@@ -180,7 +180,7 @@ def _sdpo_sampled_alpha(ctx):
 def _sdpo_defaults(ctx):
     from trl.experimental.sdpo import SDPOConfig, SDPOTrainer
 
-    args = SDPOConfig(output_dir=ctx.tmpdir(), scale_rewards=False)
+    args = SDPOConfig(output_dir=ctx.tmpdir(), use_cpu=True, bf16=False, scale_rewards=False)
     return to_jsonable(
         {
             "tags": list(SDPOTrainer._tag_names),

@@ -10,6 +10,17 @@ import torch
 from ...trainer.utils.divergence import generalized_jsd_from_log_probs
 
 
+__all__ = [
+    "add_tail_bucket",
+    "apply_importance_sampling_clipping",
+    "compute_divergence",
+    "compute_full_logit_self_distillation_loss",
+    "compute_sampled_token_self_distillation_loss",
+    "compute_topk_self_distillation_loss",
+    "token_log_probs",
+]
+
+
 def compute_divergence(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, alpha: float) -> torch.Tensor:
     """Divergence of two (log-)distributions over the last dimension, summed over it.
 

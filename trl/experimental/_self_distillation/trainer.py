@@ -99,6 +99,7 @@ class _SelfDistillationTrainer(_OnlineTrainer):
     _undefined_metric_value = None
     _shuffle_rollout_batch = False
     _loss_name: str = ""
+    _log_copies_logs = True
 
     def __init__(self, model, args, train_dataset, eval_dataset, peft_config, reward_funcs=None, **kwargs):
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
@@ -268,6 +269,6 @@ class _SelfDistillationTrainer(_OnlineTrainer):
         metrics = self._metrics[self._mode]
         for key in _NOT_LOGGED:
             metrics.pop(key, None)
-        # As TRL's self-distillation trainers: the caller's dict is left as it is (`train()`'s summary keeps
-        # `total_flos` and gets no `epoch`).
-        super().log(dict(logs), start_time)
+        # As TRL's SDFT: the caller's dict is left as it is (`train()`'s summary keeps `total_flos` and gets no
+        # `epoch`); TRL's SDPO logs it in place.
+        super().log(dict(logs) if self._log_copies_logs else logs, start_time)

@@ -126,15 +126,16 @@ class SuccessfulRolloutTeacherContextBuilder:
                     "`include_environment_feedback=False`, so the teacher does not see it."
                 )
 
-        teacher_prompts, mask, used_feedback = [], [], []
+        teacher_prompts, mask, used_feedback, has_peer = [], [], [], []
         for i, prompt in enumerate(all_prompts):
             start = (i // group) * group
-            demo = None
-            if args.use_successful_as_teacher:
-                for j in range(start, start + group):
-                    if success[j] and not (args.dont_reprompt_on_self_success and j == i):
-                        demo = self._demonstration_text(all_ids[j])
-                        break
+            peers = [
+                j
+                for j in range(start, start + group)
+                if success[j] and not (args.dont_reprompt_on_self_success and j == i)
+            ]
+            has_peer.append(bool(peers))
+            demo = self._demonstration_text(all_ids[peers[0]]) if peers and args.use_successful_as_teacher else None
             feedback = all_feedbacks[i]
             use_feedback = (
                 args.include_environment_feedback
@@ -155,7 +156,8 @@ class SuccessfulRolloutTeacherContextBuilder:
         groups = success.view(-1, group)
         self.last_metrics = {
             "self_distillation/success_group_fraction": groups.any(dim=1).float().mean().item(),
-            "self_distillation/success_sample_fraction": success.float().mean().item(),
+            # Completions that have a successful sibling to learn from (themselves too unless excluded).
+            "self_distillation/success_sample_fraction": sum(has_peer) / len(has_peer),
             "self_distillation/feedback_available_fraction": sum(not _is_blank(f) for f in all_feedbacks)
             / len(all_feedbacks),
             "self_distillation/feedback_used_fraction": sum(used_feedback) / len(used_feedback),
@@ -221,6 +223,7 @@ class SDPOTrainer(_SelfDistillationTrainer):
     }
     _config_class = SDPOConfig
     _loss_name = "sdpo"
+    _log_copies_logs = False
 
     def __init__(
         self,
