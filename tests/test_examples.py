@@ -39,6 +39,8 @@ SCRIPT_ARGS = {
     "reward_modeling.py": ["--max_length", "64"],
     "rloo.py": ONLINE_ARGS,
     "sft.py": ["--max_length", "64"],
+    "sdft.py": ONLINE_ARGS,
+    "sdpo.py": ONLINE_ARGS,
     "sft_vlm.py": ["--freeze_vision_tower", "true"],
     "tpo.py": ["--max_length", "64"],
     "xpo.py": PAIRWISE_ARGS,

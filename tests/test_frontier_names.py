@@ -44,6 +44,8 @@ IMPLEMENTED = {
     "trl.experimental.tpo": ["TPOConfig", "TPOTrainer"],
     "trl.experimental.gmpo": ["GMPOConfig", "GMPOTrainer"],
     "trl.experimental.sdft": ["SDFTConfig", "SDFTTrainer", "loss_utils", "teacher_sync"],
+    "trl.experimental.sdpo": ["SDPOConfig", "SDPOTrainer", "loss_utils", "teacher_sync"],
+    "trl.experimental.sdpo.sdpo_trainer": ["SuccessfulRolloutTeacherContextBuilder", "DistillationLogits"],
     "trl.experimental.tpo.tpo_trainer": ["DataCollatorForTriplePreference"],
     "trl.experimental.harbor": ["AGENTS", "HarborBashEnv", "HarborEnv", "HarborSpec"],
     "trl.experimental.openreward": ["OpenRewardSpec"],
@@ -74,7 +76,6 @@ IMPLEMENTED_ATTRIBUTES = [
 
 PENDING = {
     "trl.experimental.a2po": ["A2POConfig", "A2POTrainer"],
-    "trl.experimental.sdpo": ["SDPOConfig", "SDPOTrainer", "loss_utils", "teacher_sync"],
     "trl.experimental.iw_opd": ["IWOPDConfig", "IWOPDTrainer"],
     "trl.experimental.iw_opd.iw_opd_trainer": ["build_teacher_request_inputs"],
     "trl.experimental.server_distillation": [

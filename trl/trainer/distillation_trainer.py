@@ -20,6 +20,7 @@ from ..kernels.log_softmax import selective_log_softmax_and_entropy
 from .distillation_config import DistillationConfig
 from .online_base import _OnlineTrainer
 from .online_math import masked_mean
+from .online_rewards import _NoRewardsMixin
 from .tool_calling import _ToolCallingMixin
 from .utils import create_model_from_path, disable_dropout_in_model
 from .utils.divergence import per_token_generalized_jsd
@@ -35,7 +36,7 @@ def _vocab_size(model: nn.Module) -> int | None:
     return getattr(text_config, "vocab_size", None)
 
 
-class DistillationTrainer(_ToolCallingMixin, _OnlineTrainer):
+class DistillationTrainer(_NoRewardsMixin, _ToolCallingMixin, _OnlineTrainer):
     r"""Trainer for on-policy knowledge distillation (GKD with on-policy student data).
 
     For each prompt the student generates a completion; the loss of a batch is the generalized JSD between the
@@ -240,17 +241,6 @@ class DistillationTrainer(_ToolCallingMixin, _OnlineTrainer):
     @staticmethod
     def _needs_ref_model(args: Any) -> bool:
         return False  # `beta` here interpolates the divergence; it is not a KL coefficient to a reference
-
-    def _prepare_reward_funcs(self, reward_funcs: Any, reward_processing_classes: Any, args: Any):
-        return [], [], []
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
-        # No reward functions: an empty `(N_global, 0)` score table keeps the core's bookkeeping uniform.
-        num_global = len(prompts) * self.accelerator.num_processes
-        return torch.zeros((num_global, 0), dtype=torch.float32, device=self.accelerator.device)
-
-    def _compute_advantages(self, rewards_per_func: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        return torch.zeros(rewards_per_func.shape[0], dtype=torch.float32, device=rewards_per_func.device)
 
     # ------------------------------------------------------------------------------------------------------------
     # Loss

@@ -332,3 +332,21 @@ class _OnlineRewardsMixin:
 
     def _aggregated_rewards(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
         return aggregate_rewards(rewards_per_func, self.reward_weights.to(rewards_per_func.device))
+
+
+class _NoRewardsMixin:
+    """For online trainers whose signal is not a reward (distillation from a teacher): no reward functions, an empty
+    `(N_global, 0)` score table and zero advantages, so that the online core's bookkeeping stays uniform.
+
+    Placed before `_OnlineTrainer` in the bases so that these overrides win.
+    """
+
+    def _prepare_reward_funcs(self, reward_funcs: Any, reward_processing_classes: Any, args: Any):
+        return [], [], []
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
+        num_global = len(prompts) * self.accelerator.num_processes
+        return torch.zeros((num_global, 0), dtype=torch.float32, device=self.accelerator.device)
+
+    def _compute_advantages(self, rewards_per_func: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        return torch.zeros(rewards_per_func.shape[0], dtype=torch.float32, device=rewards_per_func.device)

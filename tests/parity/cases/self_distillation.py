@@ -1,5 +1,5 @@
-"""Parity cases: TRL 1.16's self-distillation methods (SDFT): the shared `loss_utils` on fixed tensors, the config's
-fields, and short training runs on prompts with privileged context."""
+"""Parity cases: TRL 1.16's self-distillation methods (SDFT, SDPO): the shared `loss_utils` on fixed tensors, the
+configs' fields, and short training runs on prompts with privileged context (SDFT) or scored by a reward (SDPO)."""
 
 from __future__ import annotations
 
@@ -112,4 +112,81 @@ def _sdft_sampled_alpha(ctx):
 
     return expect_error(
         lambda: SDFTConfig(output_dir=ctx.tmpdir(), **{**SDFT_ARGS, "distillation_mode": "sampled_token"})
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SDPO: GRPO-style rollouts scored by a binary reward; successful siblings teach the others
+# ---------------------------------------------------------------------------------------------------------------------
+def hit_reward(completions, completion_ids, **kwargs) -> list[float]:
+    """1 when at least a quarter of the completion's token ids are multiples of 4 (about half the random rollouts)."""
+    return [1.0 if sum(1 for t in row if int(t) % 4 == 0) >= len(row) / 4 else 0.0 for row in completion_ids]
+
+
+@case("dataclasses/SDPOConfig")
+def _sdpo_fields(ctx):
+    from trl.experimental.sdpo import SDPOConfig
+
+    return _fields(SDPOConfig)
+
+
+def sdpo_case(ctx, *, dataset: str = "standard_prompt_only", feedback: bool = False, **config) -> dict:
+    from trl.experimental.sdpo import SDPOConfig, SDPOTrainer
+
+    args = SDPOConfig(output_dir=ctx.tmpdir(), **{**SDFT_ARGS, "max_steps": 2, **config})
+    data = _with_context(ctx, dataset, 8) if feedback else ctx.dataset(dataset, "train", 8)
+    trainer = SDPOTrainer(model=ctx.model(QWEN), reward_funcs=hit_reward, args=args, train_dataset=data)
+    return run_trainer(trainer, evaluate=False)
+
+
+for _name, _kwargs in {
+    "sampled_token": {},
+    "success_reward_threshold=0": dict(success_reward_threshold=0.0),
+    "reprompt_on_self_success": dict(dont_reprompt_on_self_success=False),
+    "distillation_weight=0.5/live": dict(distillation_weight=0.5, teacher_model_kind="live"),
+    "distillation_weight=0/loss_type=grpo": dict(distillation_weight=0.0, loss_type="grpo", num_iterations=2),
+    "distillation_weight=0.5/dr_grpo/sequence": dict(
+        distillation_weight=0.5, loss_type="dr_grpo", importance_sampling_level="sequence", num_iterations=2
+    ),
+    "num_iterations=2": dict(num_iterations=2, max_steps=3),
+    "topk_logits": dict(distillation_mode="topk_logits", distillation_topk=5, distillation_alpha=0.5),
+    "full_logits/base": dict(distillation_mode="full_logits", distillation_alpha=0.0, teacher_model_kind="base"),
+    "feedback": dict(feedback=True, include_environment_feedback=True),
+    "feedback/only_without_solution": dict(
+        feedback=True, include_environment_feedback=True, environment_feedback_only_without_solution=True
+    ),
+    "feedback_ignored": dict(feedback=True),
+    "conversational": dict(dataset="conversational_prompt_only"),
+    "scale_rewards=batch": dict(scale_rewards="batch", distillation_weight=0.5),
+}.items():
+    register(f"sdpo/{_name}", partial(sdpo_case, **_kwargs))
+
+
+@case("sdpo/distillation_weight_range", phrases=("distillation_weight",))
+def _sdpo_weight_range(ctx):
+    from trl.experimental.sdpo import SDPOConfig
+
+    return expect_error(lambda: SDPOConfig(output_dir=ctx.tmpdir(), **{**SDFT_ARGS, "distillation_weight": 1.5}))
+
+
+@case("sdpo/sampled_token_alpha", phrases=("distillation_alpha",))
+def _sdpo_sampled_alpha(ctx):
+    from trl.experimental.sdpo import SDPOConfig
+
+    return expect_error(lambda: SDPOConfig(output_dir=ctx.tmpdir(), **{**SDFT_ARGS, "distillation_alpha": 0.5}))
+
+
+@case("sdpo/defaults")
+def _sdpo_defaults(ctx):
+    from trl.experimental.sdpo import SDPOConfig, SDPOTrainer
+
+    args = SDPOConfig(output_dir=ctx.tmpdir(), use_cpu=True, bf16=False, scale_rewards=False)
+    return to_jsonable(
+        {
+            "tags": list(SDPOTrainer._tag_names),
+            "name": SDPOTrainer._name,
+            "scale_rewards": args.scale_rewards,
+            "epsilon_high": args.epsilon_high,
+            "loss_is_scaled_for_ga": SDPOTrainer.loss_is_scaled_for_ga,
+        }
     )

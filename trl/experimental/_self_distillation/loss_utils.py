@@ -7,8 +7,18 @@ divergence `alpha * KL(p_T || m) + (1 - alpha) * KL(p_S || m)` with the mixture 
 
 import torch
 
-from ...kernels.log_softmax import selective_log_softmax
 from ...trainer.utils.divergence import generalized_jsd_from_log_probs
+
+
+__all__ = [
+    "add_tail_bucket",
+    "apply_importance_sampling_clipping",
+    "compute_divergence",
+    "compute_full_logit_self_distillation_loss",
+    "compute_sampled_token_self_distillation_loss",
+    "compute_topk_self_distillation_loss",
+    "token_log_probs",
+]
 
 
 def compute_divergence(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -49,6 +59,15 @@ def apply_importance_sampling_clipping(
     """
     log_ratio = (student_log_probs.detach() - old_log_probs).clamp(-20.0, 20.0)
     return per_token_loss * torch.exp(log_ratio).clamp(max=clip_coeff)
+
+
+def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """`log softmax(logits)[token]` per position, as the token's logit minus the log-sum-exp of its row.
+
+    Computed in this order (not as a full log-softmax followed by a gather) so that the float rounding is TRL's; the
+    sampled-token loss subtracts two such values, which magnifies any rounding difference.
+    """
+    return logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def _support_log_probs(
@@ -120,6 +139,6 @@ def compute_sampled_token_self_distillation_loss(
             "Only reverse KL (alpha=1.0) is supported for token-level distillation when "
             f"`distillation_mode='sampled_token'`, got alpha={distillation_alpha}"
         )
-    student = selective_log_softmax(student_logits, completion_ids)
-    teacher = selective_log_softmax(teacher_logits, completion_ids)
+    student = token_log_probs(student_logits, completion_ids)
+    teacher = token_log_probs(teacher_logits, completion_ids)
     return (student - teacher).detach() * student

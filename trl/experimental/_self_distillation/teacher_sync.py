@@ -11,6 +11,9 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from ...trainer.callbacks import SyncRefModelCallback
 
 
+__all__ = ["PEFTAdapterEMACallback", "SyncTeacherModelCallback", "is_pure_lora_training"]
+
+
 def _peft_model_class():
     try:
         from peft import PeftModel

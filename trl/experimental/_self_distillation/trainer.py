@@ -13,7 +13,6 @@ import torch
 import torch.nn as nn
 from datasets import IterableDataset
 
-from ...kernels.log_softmax import selective_log_softmax
 from ...models.peft import use_adapter
 from ...trainer.online_base import _OnlineTrainer
 from ...trainer.utils import pad
@@ -22,6 +21,7 @@ from .loss_utils import (
     compute_full_logit_self_distillation_loss,
     compute_sampled_token_self_distillation_loss,
     compute_topk_self_distillation_loss,
+    token_log_probs,
 )
 from .teacher_sync import PEFTAdapterEMACallback, SyncTeacherModelCallback, is_pure_lora_training
 
@@ -89,8 +89,9 @@ def sequence_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torc
 class _SelfDistillationTrainer(_OnlineTrainer):
     """Online trainer whose signal is the model's own distribution given a richer (teacher) prompt.
 
-    Subclasses implement `_teacher_prompts(rows, batch)` (one teacher prompt per local row, or None to reuse the
-    student prompt) and `_compute_loss`, using `_teacher_logits` and `_distillation_loss`.
+    Subclasses add `teacher_prompt_ids` / `teacher_prompt_mask` to the rollout batch (in
+    `_generate_and_score_completions`) and implement `_compute_loss` with `_student_logits`, `_teacher_logits` and
+    `_distillation_loss` / `_distillation_per_token`.
     """
 
     loss_is_scaled_for_ga = True
@@ -98,6 +99,7 @@ class _SelfDistillationTrainer(_OnlineTrainer):
     _undefined_metric_value = None
     _shuffle_rollout_batch = False
     _loss_name: str = ""
+    _log_copies_logs = True
 
     def __init__(self, model, args, train_dataset, eval_dataset, peft_config, reward_funcs=None, **kwargs):
         for name, dataset in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
@@ -201,33 +203,63 @@ class _SelfDistillationTrainer(_OnlineTrainer):
         tensors = [torch.tensor(row, dtype=torch.long, device=device) for row in ids]
         return pad(tensors, self.pad_token_id, "left"), pad([torch.ones_like(t) for t in tensors], 0, "left")
 
-    def _teacher_prompts(self, rows: list[dict[str, Any]], batch: dict[str, Any]) -> list | None:
-        raise NotImplementedError
-
     # ------------------------------------------------------------------------------------------------------------
     # Loss pieces
     # ------------------------------------------------------------------------------------------------------------
+    def _student_logits(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+        """The student's `(B, C, V)` completion logits on its own prompt, divided by the temperature."""
+        return completion_logits(
+            model,
+            inputs["prompt_ids"],
+            inputs["prompt_mask"],
+            inputs["completion_ids"],
+            inputs["completion_mask"],
+            self.args.temperature,
+        )
+
+    def _distillation_per_token(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`(B, C)` self-distillation loss of each completion token, importance-weighted when old log-probs exist.
+
+        The teacher's logits are computed here unless given."""
+        args = self.args
+        completion_ids = inputs["completion_ids"]
+        if teacher_logits is None:
+            teacher_logits = self._teacher_logits(model, inputs)
+        per_token = self_distillation_per_token_loss(student_logits, teacher_logits, completion_ids, args)
+        old = inputs.get("old_per_token_logps")
+        if args.distillation_is_clip is not None and old is not None:
+            student_logps = token_log_probs(student_logits, completion_ids)
+            per_token = apply_importance_sampling_clipping(per_token, student_logps, old, args.distillation_is_clip)
+        return per_token
+
     def _distillation_loss(
         self, model: nn.Module, inputs: dict[str, Any], loss_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The self-distillation loss (sequence mean of the masked token mean) and the student's `(B, C)` logits."""
-        args = self.args
-        completion_ids = inputs["completion_ids"]
-        student_logits = completion_logits(
-            model,
-            inputs["prompt_ids"],
-            inputs["prompt_mask"],
-            completion_ids,
-            inputs["completion_mask"],
-            args.temperature,
-        )
-        teacher_logits = self._teacher_logits(model, inputs)
-        per_token = self_distillation_per_token_loss(student_logits, teacher_logits, completion_ids, args)
-        old = inputs.get("old_per_token_logps")
-        if args.distillation_is_clip is not None and old is not None:
-            student_logps = selective_log_softmax(student_logits, completion_ids)
-            per_token = apply_importance_sampling_clipping(per_token, student_logps, old, args.distillation_is_clip)
+        student_logits = self._student_logits(model, inputs)
+        per_token = self._distillation_per_token(model, inputs, student_logits)
         return sequence_mean_loss(per_token, loss_mask), student_logits
+
+    def _dispatch_self_distillation_callback(self, event_name: str, **payload: Any) -> None:
+        """Call the hook `event_name` of every callback that defines it (TRL's self-distillation events), with the
+        usual `args, state, control, model, processing_class` keywords plus `payload`."""
+        for callback in self.callback_handler.callbacks:
+            hook = getattr(callback, event_name, None)
+            if callable(hook):
+                hook(
+                    args=self.args,
+                    state=self.state,
+                    control=self.control,
+                    model=self.model,
+                    processing_class=self.processing_class,
+                    **payload,
+                )
 
     def _record_distillation_loss(self, value: torch.Tensor) -> None:
         self._record_metric("self_distillation/distillation_loss", value.detach())
@@ -237,6 +269,6 @@ class _SelfDistillationTrainer(_OnlineTrainer):
         metrics = self._metrics[self._mode]
         for key in _NOT_LOGGED:
             metrics.pop(key, None)
-        # As TRL's self-distillation trainers: the caller's dict is left as it is (`train()`'s summary keeps
-        # `total_flos` and gets no `epoch`).
-        super().log(dict(logs), start_time)
+        # As TRL's SDFT: the caller's dict is left as it is (`train()`'s summary keeps `total_flos` and gets no
+        # `epoch`); TRL's SDPO logs it in place.
+        super().log(dict(logs) if self._log_copies_logs else logs, start_time)

@@ -13,6 +13,8 @@ import torch.nn as nn
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 
+from ...trainer.online_rewards import _NoRewardsMixin
+from .._self_distillation.prompts import message_text, with_teacher_text
 from .._self_distillation.trainer import _SelfDistillationTrainer
 from .sdft_config import SDFTConfig
 
@@ -40,16 +42,11 @@ def teacher_prompt(prompt: Any, privileged_context: Any, template: str) -> Any:
     the filled template.
     """
     context = _context_text(privileged_context)
-    if isinstance(prompt, str):
-        return template.format(prompt=prompt, privileged_context=context)
-    last = prompt[-1]
-    text = last["content"]
-    if isinstance(text, list):
-        text = "\n".join(part.get("text", "") for part in text if part.get("type", "text") == "text")
-    return [*prompt[:-1], {"role": "user", "content": template.format(prompt=text, privileged_context=context)}]
+    text = prompt if isinstance(prompt, str) else message_text(prompt[-1]["content"])
+    return with_teacher_text(prompt, template.format(prompt=text, privileged_context=context))
 
 
-class SDFTTrainer(_SelfDistillationTrainer):
+class SDFTTrainer(_NoRewardsMixin, _SelfDistillationTrainer):
     """Self-distillation fine-tuning: the model given privileged context teaches the model without it.
 
     Example:
@@ -117,17 +114,6 @@ class SDFTTrainer(_SelfDistillationTrainer):
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
             self._signature_columns = ["prompt", "privileged_context"]
-
-    # No reward functions: an empty score table and zero advantages keep the online core's bookkeeping uniform.
-    def _prepare_reward_funcs(self, reward_funcs: Any, reward_processing_classes: Any, args: Any):
-        return [], [], []
-
-    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list) -> torch.Tensor:
-        num_global = len(prompts) * self.accelerator.num_processes
-        return torch.zeros((num_global, 0), dtype=torch.float32, device=self.accelerator.device)
-
-    def _compute_advantages(self, rewards_per_func: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
-        return torch.zeros(rewards_per_func.shape[0], dtype=torch.float32, device=rewards_per_func.device)
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         template = self.args.teacher_prompt_template

@@ -1,6 +1,4 @@
-"""EMA teacher updates (shared with SDPO; see `trl.experimental._self_distillation.teacher_sync`)."""
+"""EMA teacher updates (the same module as SDPO's; written once in `trl.experimental._self_distillation.teacher_sync`)."""
 
-from .._self_distillation.teacher_sync import PEFTAdapterEMACallback, SyncTeacherModelCallback, is_pure_lora_training
-
-
-__all__ = ["PEFTAdapterEMACallback", "SyncTeacherModelCallback", "is_pure_lora_training"]
+from .._self_distillation.teacher_sync import *  # noqa: F403
+from .._self_distillation.teacher_sync import __all__  # noqa: F401
