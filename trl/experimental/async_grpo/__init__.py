@@ -3,7 +3,8 @@
 Experimental: the API may change or be removed in any release.
 """
 
+from . import async_grpo_trainer, async_rollout_worker, packing
 from .async_grpo_config import AsyncGRPOConfig
 
 
-__all__ = ["AsyncGRPOConfig"]
+__all__ = ["AsyncGRPOConfig", "async_grpo_trainer", "async_rollout_worker", "packing"]
