@@ -53,6 +53,29 @@ IMPLEMENTED = {
     "trl.experimental.cpo": ["CPOConfig", "CPOTrainer"],
     "trl.experimental.orpo": ["ORPOConfig", "ORPOTrainer"],
     "trl.import_utils": ["is_harbor_available", "is_openreward_available", "is_aiohttp_available"],
+    "trl.experimental.async_grpo": ["AsyncGRPOConfig", "async_grpo_trainer", "async_rollout_worker", "packing"],
+    "trl.experimental.async_grpo.async_grpo_trainer": [
+        "StepIntervalCallback",
+        "FixedCountBatcher",
+        "TokenBudgetBatcher",
+        "RolloutQueueDataset",
+        "DataCollatorForRollout",
+        "log_rollout_traces",
+        "round_lora_rank",
+        "validate_lora_for_vllm_sync",
+        "save_lora_adapter",
+        "select_adapter_sync",
+        "RolloutWorkerProtocol",
+        "WeightTransferProtocol",
+    ],
+    "trl.experimental.async_grpo.async_rollout_worker": [
+        "DriftKind",
+        "TurnRecord",
+        "TrainingSequence",
+        "RolloutGroup",
+        "RolloutSample",
+    ],
+    "trl.experimental.async_grpo.packing": ["TreeRow", "TREE_ATTENTION", "tree_attention", "register_tree_attention"],
 }
 # (object path, attribute) pairs: methods the contract adds to existing classes
 IMPLEMENTED_ATTRIBUTES = [
@@ -83,7 +106,8 @@ PENDING = {
         "ServerDistillationTrainer",
         "build_teacher_request_inputs",
     ],
-    "trl.experimental.async_grpo": ["AsyncGRPOConfig", "AsyncGRPOTrainer"],
+    "trl.experimental.async_grpo": ["AsyncGRPOTrainer", "vllm_client", "weight_transfer", "openenv_harness"],
+    "trl.experimental.async_grpo.async_rollout_worker": ["AsyncRolloutWorker"],
     "trl.experimental.async_distillation": ["AsyncDistillationConfig", "AsyncDistillationTrainer"],
     "trl.distributed": ["DistributedBackend"],
 }

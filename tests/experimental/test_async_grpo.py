@@ -1,0 +1,230 @@
+"""Unit tests of AsyncGRPO's pure pieces: prefix-tree packing and its attention, staleness dropping, planning,
+collation, metric reduction, turn reconciliation, the loss and LoRA adapter export."""
+
+import json
+import math
+import os
+import queue
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+
+from trl.experimental.async_grpo import AsyncGRPOConfig
+from trl.experimental.async_grpo.async_grpo_trainer import (
+    DataCollatorForRollout,
+    FixedCountBatcher,
+    RolloutQueueDataset,
+    StepIntervalCallback,
+    TokenBudgetBatcher,
+    _iter_vllm_named_params,
+    _reduce_metric,
+    clipped_surrogate_loss,
+    round_lora_rank,
+    save_lora_adapter,
+)
+from trl.experimental.async_grpo.async_rollout_worker import RolloutSample, TurnRecord, _chain_to_sequences
+from trl.experimental.async_grpo.packing import TreeRow, tree_attention
+
+
+def sample(ids, mask, group=0, advantage=1.0):
+    return {
+        "input_ids": np.array(ids),
+        "completion_mask": np.array(mask),
+        "old_log_probs": -0.1 * np.arange(len(ids), dtype=np.float32),
+        "advantage": advantage,
+        "group_id": group,
+        "metrics": {"reward": float(group)},
+    }
+
+
+def test_config_defaults_and_batch_dispatch(tmp_path):
+    args = AsyncGRPOConfig(str(tmp_path), use_cpu=True)
+    assert (args.learning_rate, args.max_staleness, args.num_generations, args.token_budget) == (1e-6, 4, 8, None)
+    assert args.accelerator_config.split_batches and args.accelerator_config.dispatch_batches
+
+
+def test_tree_row_shares_prefixes_and_labels_trained_tokens():
+    row = TreeRow()
+    row.add(sample([1, 2, 3, 4, 5], [0, 0, 1, 1, 1]))
+    row.add(sample([1, 2, 3, 7, 8, 9], [0, 0, 1, 1, 1, 1], advantage=-1.0))
+    row.add(sample([1, 2, 6], [0, 0, 1], advantage=0.5))
+    assert row.load == 15 + 18 + 5 and row.trained == 8
+    packed = row.pack()
+    assert packed["input_ids"].tolist() == [1, 2, 3, 4, 5, 3, 7, 8, 9, 2, 6]
+    assert packed["position_ids"].tolist() == [0, 1, 2, 3, 4, 2, 3, 4, 5, 1, 2]
+    assert packed["shift_labels"].tolist() == [-100, 3, 4, 5, -100, 7, 8, 9, -100, 6, -100]
+    assert packed["token_index"].tolist() == [1, 2, 3, 1, 5, 6, 7, 9]
+    assert packed["segment_id"].tolist() == [0, 0, 0, 1, 1, 1, 1, 2]
+    assert packed["tree_cu_seqlens_q"].tolist() == [0, 1, 2, 5, 9, 11]
+    assert packed["tree_kv_index"].tolist() == [0, 0, 1, 0, 1, 2, 3, 4, 0, 1, 5, 6, 7, 8, 0, 9, 10]
+    assert packed["tree_max_seqlens"].tolist() == [4, 6]
+    assert not row.fits(sample([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 0, 1]), 12)
+    assert row.fits(sample([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 0, 1]), 13)
+
+
+def test_tree_attention_equals_causal_attention_per_sample():
+    """Every packed position gets the output a separate causal pass over its own sample would give."""
+    torch.manual_seed(0)
+    samples = [[1, 2, 3, 4, 5], [1, 2, 3, 7, 8, 9], [1, 2, 6]]
+    row = TreeRow()
+    for ids in samples:
+        row.add(sample(ids, [0] + [1] * (len(ids) - 1)))
+    packed = row.pack()
+    embed = torch.randn(10, 2, 4)  # token -> (heads, dim), shared by q/k/v for simplicity
+    position_scale = torch.randn(8, 1, 1)
+
+    def qkv(tokens, positions):
+        x = embed[tokens] * position_scale[positions]
+        return x.permute(1, 0, 2).unsqueeze(0)
+
+    q = qkv(packed["input_ids"], packed["position_ids"])
+    out, _ = tree_attention(
+        None, q, q, q, None,
+        tree_kv_index=packed["tree_kv_index"], tree_cu_seqlens_q=packed["tree_cu_seqlens_q"],
+        tree_cu_seqlens_k=packed["tree_cu_seqlens_k"], tree_max_seqlen_q=4, tree_max_seqlen_k=6,
+    )  # fmt: skip
+    for ids, nodes in zip(samples, row.sample_nodes, strict=True):
+        x = qkv(torch.tensor(ids), torch.arange(len(ids)))
+        expected = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True).transpose(1, 2)[0]
+        positions = _positions(row, nodes)
+        torch.testing.assert_close(out[0, positions], expected)
+
+
+def _positions(row, nodes):
+    order, _, _ = row._layout()
+    where = {node: position for position, node in enumerate(order)}
+    return [where[node] for node in nodes]
+
+
+def _rollout(version, group):
+    return RolloutSample(
+        prompt=[], completion=[], input_ids=np.array([1, 2]), completion_mask=np.array([0, 1]),
+        old_log_probs=np.zeros(2, dtype=np.float32), advantage=1.0, model_version=version, group_id=group, metrics={},
+    )  # fmt: skip
+
+
+def test_stale_samples_are_dropped_and_health_is_checked_when_idle():
+    rollouts = queue.Queue()
+    for group, version in enumerate([0, 3, 5, 1, 4]):
+        rollouts.put(_rollout(version, group))
+    metrics = defaultdict(list)
+    checks = []
+
+    def check(stale_after_s):
+        checks.append(stale_after_s)
+        raise RuntimeError("worker died")
+
+    dataset = RolloutQueueDataset(rollouts, lambda: 5, check, 7.0, metrics, max_staleness=2, poll_interval_s=0.01)
+    kept = []
+    with pytest.raises(RuntimeError, match="worker died"):
+        for item in dataset:
+            kept.append(item["group_id"])
+    assert kept == [1, 2, 4] and checks == [7.0]
+    assert sum(metrics["sample/dropped_stale_total"]) == 2
+    assert metrics["sample/staleness_max"] == [2.0, 0.0, 1.0]
+
+
+def test_token_budget_keeps_groups_together_and_never_emits_empty_rows():
+    stream = [sample([9, g, 1, 2, k], [0, 0, 0, 1, 1], group=g) for g in range(4) for k in range(3)]
+    stream.insert(0, sample(list(range(30)), [1] * 30, group=99))
+    metrics = defaultdict(list)
+    planned = list(TokenBudgetBatcher(stream, 2, 12, metrics))
+    assert metrics["batch/dropped_oversize_total"] == [1.0]
+    for micro_batch in planned:
+        assert len(micro_batch) == 2 and all(row.samples for row in micro_batch)
+        assert all(len(row.tokens) <= 12 for row in micro_batch)
+        assert not (micro_batch[0].groups & micro_batch[1].groups)
+
+
+def test_fixed_count_splits_groups_over_rows():
+    stream = [sample([1, 2, k], [0, 0, 1]) for k in range(3, 8)]
+    (micro_batch,) = FixedCountBatcher(stream, 4, 5)
+    assert [len(row.samples) for row in micro_batch] == [2, 1, 1, 1]
+
+
+def test_collator_pads_rows_and_reports_token_counts():
+    rows = [TreeRow(), TreeRow()]
+    rows[0].add(sample([1, 2, 3], [0, 1, 1], group=0))
+    rows[1].add(sample([4, 5, 6, 7, 8], [0, 0, 1, 1, 1], group=1))
+    collator = DataCollatorForRollout(pad_token_id=0, num_processes=2, token_budget=8)
+    batch = collator([rows])
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert batch["token_index"].tolist() == [[0, 1, -1], [1, 2, 3]]
+    assert batch["global_n_tokens"].tolist() == [5.0, 5.0] and batch["global_n_forward_tokens"].tolist() == [8.0, 8.0]
+    assert collator.groups_trained == {0, 1}
+    assert collator.metrics["batch/pad_frac"] == [(2, 10)] and collator.metrics["batch/row_fill_frac"] == [(8, 16)]
+
+
+def test_reduce_metric_rules():
+    assert _reduce_metric("loss", [1.0, 2.0]) == 1.5
+    assert _reduce_metric("sample/dropped_stale_total", [1.0, 2.0]) == 3.0
+    assert _reduce_metric("sample/staleness_max", [1.0, 3.0]) == 3.0
+    assert _reduce_metric("clip_ratio/low_min", [1.0, 3.0]) == 1.0
+    assert _reduce_metric("batch/pad_frac", [(1, 4), (1, 4)]) == 0.25
+    assert math.isnan(_reduce_metric("x", [(1, 0)]))
+
+
+def test_turn_reconciliation_realigns_small_drift_and_forks_large_drift():
+    turns = [TurnRecord([1, 2, 3], [4, 5], [-0.4, -0.5]), TurnRecord([1, 2, 3, 4, 9, 6], [8], [-0.8])]
+    (row,), stats = _chain_to_sequences(turns, "r", fork_threshold=4)
+    assert row.input_ids == [1, 2, 3, 4, 9, 6, 8] and row.completion_mask == [0, 0, 0, 1, 0, 0, 1]
+    assert stats["realign"] == 1 and stats["drift_tokens"] == 1
+    rows, stats = _chain_to_sequences(turns, "r", fork_threshold=1)
+    assert len(rows) == 2 and stats["fork"] == 1
+
+
+def test_clipped_surrogate_loss_matches_hand_computation():
+    log_probs = torch.tensor([-1.0, -0.5, -2.0], requires_grad=True)
+    old = torch.tensor([-1.0, -1.0, -1.0])
+    advantages = torch.tensor([1.0, 1.0, -1.0])
+    loss, stats = clipped_surrogate_loss(log_probs, old, advantages, num_tokens=3, epsilon_low=0.2, epsilon_high=0.3)
+    ratios = [1.0, math.exp(0.5), math.exp(-1.0)]
+    # A = +1: -min(ρ, clip(ρ)); A = -1: -min(-ρ, -clip(ρ)) = max(ρ, clip(ρ)).
+    terms = [-1.0, -min(ratios[1], 1.3), max(ratios[2], 0.8)]
+    assert loss.item() == pytest.approx(sum(terms) / 3)
+    assert stats["clip_ratio/high_mean"].item() == pytest.approx(1 / 3)
+    assert stats["clip_ratio/low_mean"].item() == pytest.approx(1 / 3)
+    assert stats["kl"].item() == pytest.approx(sum(r - 1 - math.log(r) for r in ratios) / 3)
+    loss.backward()
+    assert log_probs.grad[1] == 0 and log_probs.grad[2] == 0 and log_probs.grad[0] != 0
+
+
+def test_step_interval_callback():
+    calls = []
+    callback = StepIntervalCallback(lambda: calls.append(1), every_n_steps=2)
+
+    class State:
+        global_step = 0
+
+    for step in range(1, 6):
+        State.global_step = step
+        callback.on_step_end(None, State, None)
+    assert len(calls) == 2
+
+
+def test_round_lora_rank():
+    assert [round_lora_rank(r) for r in (1, 2, 16, 300)] == [1, 8, 16, 320]
+    with pytest.raises(ValueError):
+        round_lora_rank(513)
+
+
+def test_lora_adapter_export_and_vllm_names(tmp_path):
+    peft = pytest.importorskip("peft")
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from trl.assets import get_model_path
+
+    base = AutoModelForCausalLM.from_pretrained(get_model_path("tiny-Qwen2ForCausalLM"))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    dest = tmp_path / ".vllm_lora" / "trl-policy-v1"
+    save_lora_adapter(model, Accelerator(cpu=True), "default", str(dest))
+    assert sorted(os.listdir(dest)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((dest / "adapter_config.json").read_text())["r"] == 4
+    assert [p for p in os.listdir(dest.parent) if p.startswith(".")] == []
+    names = [name for name, _ in _iter_vllm_named_params(model)]
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert not any("lora_" in name or "base_layer" in name or name.startswith("base_model") for name in names)
