@@ -10,8 +10,6 @@ OUT_DIR --known`) and edited where the generated line does not explain the cause
 """
 
 KNOWN_DIVERGENCES: dict[str, str] = {
-    "sdft/sampled_token": "losses and logged metrics equal; gradient fingerprints of the second step differ by up to "
-    "5e-4 relative (o_proj projection 0.0079011 vs 0.0078973) from float summation order after the first update",
     "sdft/teacher=ema": "losses and logged metrics equal; second-step gradient fingerprints differ by up to 5e-4 relative "
     "(float summation order after the first update)",
     "sdft/steps_per_generation=2": "losses and logged metrics equal; second-step gradient fingerprints differ by up to "
