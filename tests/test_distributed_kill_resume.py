@@ -1,4 +1,5 @@
-"""Two-rank kill -9 and resume: SFT and DPO in 2 CPU processes (gloo) under DDP, DeepSpeed ZeRO-2 and FSDP2.
+"""Two-rank kill -9 and resume: SFT and DPO in 2 CPU processes (gloo) under DDP, DeepSpeed ZeRO-2 and FSDP2; GRPO
+(sampling on both ranks, rewards gathered across them) under DDP.
 
 Three launches per trainer and engine: an uninterrupted run; a run whose two ranks each SIGKILL themselves right after
 checkpoint 2 is written (the launcher then fails, and the checkpoint must be complete); a run resumed from it with
@@ -26,7 +27,7 @@ def train(out_dir: str, trainer: str = "sft", mode: str = "full", run_dir: str =
     """Worker: `mode` is `full`, `kill` (SIGKILL this rank once checkpoint KILL_STEP is saved) or `resume`."""
     from transformers import TrainerCallback
 
-    from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
     from trl.assets import get_model_path, load_test_dataset
 
     class KillAfterSave(TrainerCallback):
@@ -42,14 +43,22 @@ def train(out_dir: str, trainer: str = "sft", mode: str = "full", run_dir: str =
             {"model_init_kwargs": {"attention_dropout": 0.1}},
         ),
         "dpo": (DPOConfig, DPOTrainer, "standard_preference", {}),
+        "grpo": (
+            GRPOConfig,
+            GRPOTrainer,
+            "standard_prompt_only",
+            {"num_generations": 2, "max_completion_length": 6, "max_length": None},
+        ),
     }[trainer]
+    if trainer == "grpo":
+        options = {**options, "reward_funcs": _low_id_reward}
     args = config_class(
         run_dir,
         use_cpu=True,
         bf16=False,
         max_steps=MAX_STEPS,
         per_device_train_batch_size=2,
-        max_length=32,
+        **({"max_length": 32} if "max_length" not in options else {}),
         learning_rate=1e-2,
         logging_steps=1,
         save_strategy="steps",
@@ -59,18 +68,31 @@ def train(out_dir: str, trainer: str = "sft", mode: str = "full", run_dir: str =
         disable_tqdm=True,
         seed=3,
         data_seed=5,
-        **options,
+        **{key: value for key, value in options.items() if key not in ("reward_funcs", "max_length")},
     )
     callbacks = [KillAfterSave()] if mode == "kill" else []
     model = get_model_path("tiny-Qwen2ForCausalLM")
     data = load_test_dataset(dataset, split="train")
-    instance = trainer_class(model, args=args, train_dataset=data, callbacks=callbacks)
+    extra = {"reward_funcs": options["reward_funcs"]} if "reward_funcs" in options else {}
+    instance = trainer_class(model, args=args, train_dataset=data, callbacks=callbacks, **extra)
     instance.train(resume_from_checkpoint=True if mode == "resume" else None)
     write_report(out_dir, {"process_index": instance.args.process_index, "logs": instance.state.log_history})
 
 
-@pytest.mark.parametrize("engine", engine_params(["ddp", "zero2", "fsdp2"]))
-@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def _low_id_reward(completion_ids, **kwargs):
+    return [sum(1.0 for token in ids if token < 1024) / max(len(ids), 1) for ids in completion_ids]
+
+
+def _cases() -> list:
+    engines = {"sft": ["ddp", "zero2", "fsdp2"], "dpo": ["ddp", "zero2", "fsdp2"], "grpo": ["ddp"]}
+    return [
+        pytest.param(trainer, *param.values, marks=param.marks, id=f"{param.id}-{trainer}")
+        for trainer, names in engines.items()
+        for param in engine_params(names)
+    ]
+
+
+@pytest.mark.parametrize("trainer, engine", _cases())
 def test_two_ranks_killed_after_checkpoint_resume_with_the_same_curve(trainer, engine, tmp_path):
     worker = f"{__file__}:train"
     full = launch(worker, tmp_path / "full", engine, trainer=trainer, mode="full", run_dir=str(tmp_path / "full-run"))
