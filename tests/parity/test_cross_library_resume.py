@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 RUNNER = HERE / "_cross_resume_run.py"
 TRL_PYTHON = Path(os.environ.get("PARITY_VENV", REPO / ".venv-parity")) / "bin" / "python"
-TRAINERS = ["sft", "dpo", "kto", "reward"]
+TRAINERS = ["sft", "dpo", "kto", "reward", "grpo"]
 KILL_STEP = 2
 # The two libraries' weights after the same steps differ by float rounding (AdamW moves every element whose gradient is
 # rounding noise by a whole learning rate), and the continuation inherits that: up to ~1e-3 relative in KTO's logit
@@ -49,7 +49,12 @@ def assets_file(tmp_path_factory):
     paths = {
         f"models/{m}": get_model_path(m) for m in ("tiny-Qwen2ForCausalLM", "tiny-Qwen2ForSequenceClassification")
     }
-    datasets = ("standard_language_modeling", "standard_preference", "standard_unpaired_preference")
+    datasets = (
+        "standard_language_modeling",
+        "standard_preference",
+        "standard_unpaired_preference",
+        "standard_prompt_only",
+    )
     paths.update({f"datasets/{d}": get_dataset_path(d) for d in datasets})
     path = tmp_path_factory.mktemp("cross-resume") / "assets.json"
     path.write_text(json.dumps(paths))
