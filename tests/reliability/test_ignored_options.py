@@ -126,6 +126,33 @@ CASES = [
     ("REWARD", 0, "RewardConfig", dict(dataset_num_proc=2), STREAMED, dict(dataset_num_proc=2), PREFERENCE),
     ("PRM", 0, "PRMConfig", dict(dataset_num_proc=2), STREAMED, dict(dataset_num_proc=2), PREFERENCE),
 ]  # fmt: skip
+# Online trainers: each generation option with a run where it has no effect and one where it is used.
+_VLLM_SERVER = dict(use_vllm=True, vllm_mode="server")
+_VLLM_COLOCATE = dict(use_vllm=True, vllm_mode="colocate")
+CASES += [
+    ("ONLINE", 0, "GRPOConfig", dict(vllm_mode="server"), {}, _VLLM_SERVER, {}),
+    ("ONLINE", 1, "GRPOConfig", dict(vllm_model_impl="transformers"), {},
+     dict(vllm_model_impl="transformers", use_vllm=True), {}),
+    ("ONLINE", 2, "GRPOConfig", dict(vllm_structured_outputs_regex="a+"), {},
+     dict(vllm_structured_outputs_regex="a+", use_vllm=True), {}),
+    *[("ONLINE", i, "GRPOConfig", {**_VLLM_COLOCATE, name: value}, {}, {**_VLLM_SERVER, name: value}, {})
+      for i, (name, value) in enumerate([("vllm_server_base_url", "http://h:1"), ("vllm_server_host", "h"),
+                                         ("vllm_server_port", 9), ("vllm_server_timeout", 9.0),
+                                         ("vllm_group_port", 9)], start=3)],
+    *[("ONLINE", i, "GRPOConfig", {**_VLLM_SERVER, name: value}, {}, {**_VLLM_COLOCATE, name: value}, {})
+      for i, (name, value) in enumerate([("vllm_gpu_memory_utilization", 0.5), ("vllm_tensor_parallel_size", 2),
+                                         ("vllm_enable_sleep_mode", True), ("vllm_max_model_length", 64)], start=8)],
+    ("ONLINE", 12, "GRPOConfig", dict(vllm_importance_sampling_correction=False), {},
+     dict(vllm_importance_sampling_correction=False, use_vllm=True), {}),
+    *[("ONLINE", i, "GRPOConfig", {**_VLLM_SERVER, "vllm_importance_sampling_correction": False, name: value}, {},
+       {**_VLLM_SERVER, name: value}, {})
+      for i, (name, value) in enumerate([("vllm_importance_sampling_mode", "token_mask"),
+                                         ("vllm_importance_sampling_clip_min", 0.5),
+                                         ("vllm_importance_sampling_clip_max", 2.0)], start=13)],
+    ("ONLINE", 16, "GRPOConfig", dict(cache_implementation="static", use_vllm=True), {},
+     dict(cache_implementation="static"), {}),
+    ("ONLINE", 17, "GRPOConfig", dict(num_generations_eval=4), {}, dict(num_generations_eval=4), EVAL),
+]  # fmt: skip
 # GOLD's table is the first rows of GKD's: the same cases with GOLD's config.
 CASES += [("GOLD", index, "GOLDConfig", *rest) for table, index, _, *rest in CASES if table == "GKD" and index < 9]
 

@@ -79,6 +79,7 @@ from .utils import (
     split_tensor_dict,
 )
 from .utils.decode_replay import layers_checkpointed, replay_decoder_layers, replayed_layer_outputs
+from .utils.ignored_options import ONLINE_IGNORED_OPTIONS
 from .utils.prefix_sharing import (
     MIN_SHARED_SAVING,
     SharedPrefixLayout,
@@ -158,6 +159,7 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
     # Whether the batch carries `num_items_in_batch`, the loss tokens of the round on all processes (TRL's GRPO and
     # distillation normalise token-level losses by it).
     _batch_counts_loss_tokens = True
+    _ignored_options = ONLINE_IGNORED_OPTIONS
     # `compute_loss` normalises for gradient accumulation itself; the Trainer must not divide again.
     loss_is_scaled_for_ga = True
     # GRPO and RLOO log each step's wall time (`step_time`) as TRL does; TRL's Online DPO family does not.

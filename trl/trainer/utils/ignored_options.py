@@ -318,3 +318,60 @@ ORPO_IGNORED_OPTIONS: tuple[IgnoredOption, ...] = (_DECODER_ONLY_COMPLETION_LENG
 # Reward and PRM use every option they define in every run; only the streaming case applies.
 REWARD_IGNORED_OPTIONS: tuple[IgnoredOption, ...] = (_ITERABLE,)
 PRM_IGNORED_OPTIONS: tuple[IgnoredOption, ...] = (_ITERABLE,)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Online trainers (GRPO, RLOO, Online DPO and its family, Distillation): generation back-end options
+# ---------------------------------------------------------------------------------------------------------------------
+def _no_vllm(args: Any, facts: Facts) -> bool:
+    return not getattr(args, "use_vllm", False)
+
+
+def _not_server(args: Any, facts: Facts) -> bool:
+    return _no_vllm(args, facts) or getattr(args, "vllm_mode", None) != "server"
+
+
+def _not_colocate(args: Any, facts: Facts) -> bool:
+    return _no_vllm(args, facts) or getattr(args, "vllm_mode", None) != "colocate"
+
+
+def _no_sampling_correction(args: Any, facts: Facts) -> bool:
+    return _no_vllm(args, facts) or not getattr(args, "vllm_importance_sampling_correction", False)
+
+
+_WITHOUT_VLLM = "generation runs with transformers (use_vllm=False); vLLM options apply with use_vllm=True."
+_NOT_SERVER = "it configures the vLLM server client, used only with use_vllm=True and vllm_mode='server'."
+_NOT_COLOCATE = "it configures the in-process vLLM engine, used only with use_vllm=True and vllm_mode='colocate'."
+_NO_CORRECTION = (
+    "it shapes vLLM's importance-sampling correction, applied only with use_vllm=True and "
+    "vllm_importance_sampling_correction=True."
+)
+
+ONLINE_IGNORED_OPTIONS: tuple[IgnoredOption, ...] = (
+    IgnoredOption("vllm_mode", _no_vllm, _WITHOUT_VLLM),
+    IgnoredOption("vllm_model_impl", _no_vllm, _WITHOUT_VLLM),
+    IgnoredOption("vllm_structured_outputs_regex", _no_vllm, _WITHOUT_VLLM),
+    IgnoredOption("vllm_server_base_url", _not_server, _NOT_SERVER),
+    IgnoredOption("vllm_server_host", _not_server, _NOT_SERVER),
+    IgnoredOption("vllm_server_port", _not_server, _NOT_SERVER),
+    IgnoredOption("vllm_server_timeout", _not_server, _NOT_SERVER),
+    IgnoredOption("vllm_group_port", _not_server, _NOT_SERVER),
+    IgnoredOption("vllm_gpu_memory_utilization", _not_colocate, _NOT_COLOCATE),
+    IgnoredOption("vllm_tensor_parallel_size", _not_colocate, _NOT_COLOCATE),
+    IgnoredOption("vllm_enable_sleep_mode", _not_colocate, _NOT_COLOCATE),
+    IgnoredOption("vllm_max_model_length", _not_colocate, _NOT_COLOCATE),
+    IgnoredOption("vllm_importance_sampling_correction", _no_vllm, _WITHOUT_VLLM),
+    IgnoredOption("vllm_importance_sampling_mode", _no_sampling_correction, _NO_CORRECTION),
+    IgnoredOption("vllm_importance_sampling_clip_min", _no_sampling_correction, _NO_CORRECTION),
+    IgnoredOption("vllm_importance_sampling_clip_max", _no_sampling_correction, _NO_CORRECTION),
+    IgnoredOption(
+        "cache_implementation",
+        lambda args, facts: getattr(args, "use_vllm", False),
+        "it selects transformers' generation cache, and generation runs with vLLM (use_vllm=True).",
+    ),
+    IgnoredOption(
+        "num_generations_eval",
+        lambda args, facts: not facts.get("eval_dataset"),
+        "no eval_dataset was given, so nothing is generated for evaluation.",
+    ),
+)
