@@ -303,7 +303,7 @@ def even_first_token(completion_ids, **kwargs):
 PROMPT = [{"role": "user", "content": "Say 0."}]
 
 
-def _trainer(tmp_path, backend, transfer, poll=0.2, reward_funcs=even_first_token, **overrides):
+def _trainer(tmp_path, backend, transfer, poll=0.2, reward_funcs=even_first_token, peft_config=None, **overrides):
     from datasets import Dataset
 
     from trl.assets import get_model_path
@@ -328,6 +328,7 @@ def _trainer(tmp_path, backend, transfer, poll=0.2, reward_funcs=even_first_toke
         args=AsyncGRPOConfig(**config),
         train_dataset=dataset,
         weight_transfer=transfer,
+        peft_config=peft_config,
     )
 
 
@@ -438,3 +439,47 @@ def test_default_server_unreachable_is_a_clear_error(tmp_path):
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Hi"}]]})
     with pytest.raises(ConnectionError, match="vLLM server can't be reached"):
         AsyncGRPOTrainer(get_model_path(TINY), reward_funcs=even_first_token, args=args, train_dataset=dataset)
+
+
+@pytest.mark.timeout(300)
+def test_lora_policy_syncs_merged_weights(tmp_path):
+    peft = pytest.importorskip("peft")
+    from trl.assets import get_model_path
+
+    backend = LocalBackend(get_model_path(TINY))
+    transfer = LocalTransfer(backend)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    trainer = _trainer(tmp_path, backend, transfer, max_steps=2, learning_rate=1e-2, peft_config=lora)
+    trainer.train()
+    model = trainer.model
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    model.merge_adapter()
+    try:
+        merged = {name: param.detach().clone() for name, param in _iter_vllm_named_params(model)}
+    finally:
+        model.unmerge_adapter()
+    served = dict(backend.model.named_parameters())
+    name = "model.layers.0.self_attn.q_proj.weight"
+    # The server holds the merged policy (base + trained adapter), and the trainer's base weights stay unmerged.
+    assert torch.allclose(served[name], merged[name])
+    assert not torch.allclose(served[name], layer.base_layer.weight)
+    assert sum(1 for event in transfer.events if isinstance(event, tuple)) == 3
+
+
+@pytest.mark.timeout(300)
+def test_epoch_budget_stops_training_and_checkpoints_rollout_state(tmp_path):
+    from trl.assets import get_model_path
+
+    backend = LocalBackend(get_model_path(TINY))
+    trainer = _trainer(
+        tmp_path, backend, LocalTransfer(backend), max_steps=-1, num_train_epochs=1, save_strategy="steps",
+        save_steps=1000, token_budget=0, per_device_train_batch_size=8,
+    )  # fmt: skip
+    trainer.train()
+    # 6 prompts, one epoch: training stops once 6 distinct groups were collated (8 samples, 2 groups per step; the
+    # dataloader collates one micro-batch ahead), far below the safety ceiling of max_steps.
+    assert 2 <= trainer.state.global_step <= 3 and trainer.state.max_steps == 96
+    assert len(trainer.data_collator.groups_trained) >= 6
+    state = json.loads((tmp_path / f"checkpoint-{trainer.state.global_step}" / "rollout_state.json").read_text())
+    assert state["model_version"] == trainer.model_version
+    assert state["prompt_index"] >= 1

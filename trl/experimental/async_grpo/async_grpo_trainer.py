@@ -321,15 +321,21 @@ class AsyncGRPOTrainer(Trainer):
         self.vllm_client = None
         self._args_for_worker = args
         self._tokenizer = processing_class
-        # The default backend and transfer connect to the server here: an unreachable server fails before training.
-        self._generation_backend = self._build_generation_backend() if rollout_worker is None else None
-        self.weight_transfer = weight_transfer or VLLMServeWeightTransfer(self._get_vllm_client())
-        self.rollout_worker = rollout_worker
-        self.rollout_queue = rollout_worker.rollout_buffer if rollout_worker is not None else None
+        # Rank 0 owns the server connection, the transfer and the worker. The default backend and transfer connect
+        # to the server here: an unreachable server fails before training.
+        self._is_rollout_owner = PartialState().is_main_process
+        self._generation_backend = None
+        if self._is_rollout_owner and rollout_worker is None:
+            self._generation_backend = self._build_generation_backend()
+        if self._is_rollout_owner and weight_transfer is None:
+            weight_transfer = VLLMServeWeightTransfer(self._get_vllm_client())
+        self.weight_transfer = weight_transfer
+        self.rollout_worker = rollout_worker if self._is_rollout_owner else None
+        self.rollout_queue = self.rollout_worker.rollout_buffer if self.rollout_worker is not None else None
 
         token_budget = args.token_budget
-        if token_budget is None:
-            token_budget = self._server_max_model_len()
+        if token_budget is None:  # other ranks only receive rows; the budget matters where they are planned
+            token_budget = self._server_max_model_len() if self._is_rollout_owner else 0
         self._token_budget = token_budget
         collator = DataCollatorForRollout(
             pad_token_id=processing_class.pad_token_id,
@@ -403,6 +409,9 @@ class AsyncGRPOTrainer(Trainer):
         )
 
     def get_train_dataloader(self) -> DataLoader:
+        if not self._is_rollout_owner:  # rank 0 dispatches every micro-batch
+            loader = DataLoader(_EmptyIterableDataset(), batch_size=1, collate_fn=self.data_collator)
+            return self.accelerator.prepare(loader)
         if self.rollout_worker is None:
             self.rollout_worker = self._build_rollout_worker()
             self.rollout_queue = self.rollout_worker.rollout_buffer
@@ -430,14 +439,17 @@ class AsyncGRPOTrainer(Trainer):
     # -- rollouts and weight sync ------------------------------------------------------------------------------------
 
     def _start_rollouts(self) -> None:
-        self.weight_transfer.init_weight_transfer()
+        if self.weight_transfer is not None:
+            self.weight_transfer.init_weight_transfer()
         self._sync_weight()
-        self.rollout_worker.start()
+        if self.rollout_worker is not None:
+            self.rollout_worker.start()
 
     def _sync_weight(self) -> None:
         """Push the current weights (merged when PEFT) and bump the policy version."""
         start = time.perf_counter()
-        self.weight_transfer.pause()
+        if self.weight_transfer is not None:
+            self.weight_transfer.pause()
         paused = time.perf_counter()
         self.accelerator.wait_for_everyone()
         barrier = time.perf_counter()
@@ -447,7 +459,7 @@ class AsyncGRPOTrainer(Trainer):
             if is_peft:
                 model.merge_adapter()
             named = ((name, param.data) for name, param in _iter_vllm_named_params(model))
-            if self.accelerator.is_main_process:
+            if self.weight_transfer is not None:
                 self.weight_transfer.send_weights(named)
             else:
                 for _ in named:  # other ranks iterate too (the collectives of sharded parameters)
@@ -457,7 +469,8 @@ class AsyncGRPOTrainer(Trainer):
                 model.unmerge_adapter()
         transferred = time.perf_counter()
         self.accelerator.wait_for_everyone()
-        self.weight_transfer.resume()
+        if self.weight_transfer is not None:
+            self.weight_transfer.resume()
         self.model_version += 1
         if self.rollout_worker is not None:
             self.rollout_worker.update_model_version(self.model_version)
@@ -474,7 +487,8 @@ class AsyncGRPOTrainer(Trainer):
             if self.rollout_worker is not None:
                 self.rollout_worker.stop()
         finally:
-            self.weight_transfer.destroy()
+            if self.weight_transfer is not None:
+                self.weight_transfer.destroy()
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """Train; the rollout worker is stopped and the weight transfer closed however training ends."""
