@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from ...models.loading import create_model_from_path
-from ...trainer.online_rewards import _OnlineRewardsMixin
+from ...trainer.online_rewards import _OnlineRewardsMixin, reward_signature_problem
 from ...trainer.utils import prepare_peft_model
 from ._backends import GenerationBackend, VLLMServeBackend, VLLMServeWeightTransfer
 from ._batching import (
@@ -300,6 +300,14 @@ class AsyncGRPOTrainer(Trainer):
         self.reward_funcs, self.reward_processing_classes, self.reward_func_names = (
             _OnlineRewardsMixin._prepare_reward_funcs(self, reward_funcs, None, args)
         )
+        keywords = ["prompts", "completions", "completion_ids"]
+        keywords += [column for column in train_dataset.column_names if column not in ("prompt", "completion")]
+        for func, name in zip(self.reward_funcs, self.reward_func_names, strict=True):
+            problem = None if isinstance(func, nn.Module) else reward_signature_problem(func, keywords)
+            if problem is not None:
+                raise TypeError(
+                    f"Reward function {name!r} cannot be called as the rollout worker calls it: {problem}."
+                )
         num_processes = max(PartialState().num_processes, 1)
         samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * num_processes
         self._target_groups = None
