@@ -106,7 +106,7 @@ def _call_reward(func: Callable, kwargs: dict) -> Any:
     return values
 
 
-def score_group(
+def _score_group(
     reward_funcs: list,
     reward_func_names: list[str],
     reward_processing_classes: list,
@@ -303,7 +303,7 @@ class AsyncRolloutWorker:
         completions = [[{"role": "assistant", "content": text}] for text in texts] if conversational else texts
         columns = {key: [value] * len(outputs) for key, value in row.items() if key not in ("prompt", "completion")}
         score_start = time.perf_counter()
-        per_func, (advantages, rewards) = score_group(
+        per_func, (advantages, rewards) = _score_group(
             reward_funcs, reward_func_names, reward_processing_classes or [None] * len(reward_funcs),
             [prompt] * len(outputs), completions, completion_ids, columns,
         )  # fmt: skip
