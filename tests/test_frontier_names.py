@@ -53,8 +53,15 @@ IMPLEMENTED = {
     "trl.experimental.cpo": ["CPOConfig", "CPOTrainer"],
     "trl.experimental.orpo": ["ORPOConfig", "ORPOTrainer"],
     "trl.import_utils": ["is_harbor_available", "is_openreward_available", "is_aiohttp_available"],
-    "trl.experimental.async_grpo": ["AsyncGRPOConfig", "async_grpo_trainer", "async_rollout_worker", "packing"],
+    "trl.experimental.async_grpo": [
+        "AsyncGRPOConfig",
+        "AsyncGRPOTrainer",
+        "async_grpo_trainer",
+        "async_rollout_worker",
+        "packing",
+    ],
     "trl.experimental.async_grpo.async_grpo_trainer": [
+        "AsyncGRPOTrainer",
         "StepIntervalCallback",
         "FixedCountBatcher",
         "TokenBudgetBatcher",
@@ -69,6 +76,7 @@ IMPLEMENTED = {
         "WeightTransferProtocol",
     ],
     "trl.experimental.async_grpo.async_rollout_worker": [
+        "AsyncRolloutWorker",
         "DriftKind",
         "TurnRecord",
         "TrainingSequence",
@@ -106,8 +114,7 @@ PENDING = {
         "ServerDistillationTrainer",
         "build_teacher_request_inputs",
     ],
-    "trl.experimental.async_grpo": ["AsyncGRPOTrainer", "vllm_client", "weight_transfer", "openenv_harness"],
-    "trl.experimental.async_grpo.async_rollout_worker": ["AsyncRolloutWorker"],
+    "trl.experimental.async_grpo": ["vllm_client", "weight_transfer", "openenv_harness"],
     "trl.experimental.async_distillation": ["AsyncDistillationConfig", "AsyncDistillationTrainer"],
     "trl.distributed": ["DistributedBackend"],
 }

@@ -228,3 +228,258 @@ def test_lora_adapter_export_and_vllm_names(tmp_path):
     names = [name for name, _ in _iter_vllm_named_params(model)]
     assert "model.layers.0.self_attn.q_proj.weight" in names
     assert not any("lora_" in name or "base_layer" in name or name.startswith("base_model") for name in names)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The trainer and the rollout worker, end to end with an in-process generation backend
+# ---------------------------------------------------------------------------------------------------------------------
+TINY = "tiny-Qwen2ForCausalLM"
+
+
+class LocalBackend:
+    """A generation backend on a private copy of the tiny model (`generate`), standing in for a vLLM server."""
+
+    def __init__(self, path, fail_after=None, unreachable=False):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path).eval()
+        self.lock = __import__("threading").Lock()
+        self.calls = 0
+        self.fail_after = fail_after
+        self.unreachable = unreachable
+
+    def check_ready(self, timeout):
+        if self.unreachable:
+            raise ConnectionError("generation server not reachable at http://fake:1")
+
+    def generate(self, prompt_ids, n, sampling):
+        self.calls += 1
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise RuntimeError("backend exploded")
+        with self.lock, torch.no_grad():
+            out = self.model.generate(
+                torch.tensor([prompt_ids] * n), attention_mask=torch.ones(n, len(prompt_ids), dtype=torch.long),
+                do_sample=True, temperature=sampling["temperature"], top_k=sampling["top_k"] or None, top_p=1.0,
+                max_new_tokens=sampling["max_tokens"], output_scores=True, return_dict_in_generate=True,
+                pad_token_id=self.model.config.eos_token_id,
+            )  # fmt: skip
+        tokens = out.sequences[:, len(prompt_ids) :]
+        logps = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
+        sampled = logps.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return [(tokens[i].tolist(), sampled[i].tolist()) for i in range(n)]
+
+
+class LocalTransfer:
+    """Weight transfer into the local backend's model, recording the versions pushed."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.events = []
+
+    def init_weight_transfer(self):
+        self.events.append("init")
+
+    def pause(self):
+        self.events.append("pause")
+
+    def send_weights(self, iterator):
+        state = {name: tensor.detach().clone() for name, tensor in iterator}
+        with self.backend.lock:
+            missing = self.backend.model.load_state_dict(state, strict=False)
+        assert not missing.unexpected_keys
+        self.events.append(("send", len(state)))
+
+    def resume(self):
+        self.events.append("resume")
+
+    def destroy(self):
+        self.events.append("destroy")
+
+
+def even_first_token(completion_ids, **kwargs):
+    return [1.0 if ids and ids[0] % 2 == 0 else 0.0 for ids in completion_ids]
+
+
+PROMPT = [{"role": "user", "content": "Say 0."}]
+
+
+def _trainer(tmp_path, backend, transfer, poll=0.2, reward_funcs=even_first_token, peft_config=None, **overrides):
+    from datasets import Dataset
+
+    from trl.assets import get_model_path
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    class LocalAsyncGRPOTrainer(AsyncGRPOTrainer):
+        _poll_interval_s = poll
+
+        def _build_generation_backend(self):
+            return backend
+
+    config = {
+        "output_dir": str(tmp_path), "use_cpu": True, "max_steps": 3, "per_device_train_batch_size": 4,
+        "num_generations": 4, "max_completion_length": 4, "token_budget": 256, "learning_rate": 0.05,
+        "report_to": "none", "save_strategy": "no", "heartbeat_stale_after_s": 60.0,
+    }  # fmt: skip
+    config.update(overrides)
+    dataset = Dataset.from_dict({"prompt": [PROMPT] * 6})
+    return LocalAsyncGRPOTrainer(
+        get_model_path(TINY),
+        reward_funcs=reward_funcs,
+        args=AsyncGRPOConfig(**config),
+        train_dataset=dataset,
+        weight_transfer=transfer,
+        peft_config=peft_config,
+    )
+
+
+def _first_token_log_probs(model, tokenizer):
+    text = tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+
+
+@pytest.mark.timeout(300)
+def test_trainer_learns_toy_reward_syncs_weights_and_logs(tmp_path):
+    from transformers import AutoTokenizer
+
+    from trl.assets import get_model_path
+
+    backend = LocalBackend(get_model_path(TINY))
+    transfer = LocalTransfer(backend)
+    # Toy task: the tiny model's first-token distribution is nearly flat; sampled at a low temperature it is a choice
+    # between a few tokens. Rewarding the second likeliest one must make it gain on the likeliest.
+    tokenizer = AutoTokenizer.from_pretrained(get_model_path(TINY))
+    first, second = _first_token_log_probs(backend.model, tokenizer).topk(2)[1].tolist()
+
+    def second_choice(completion_ids, **kwargs):
+        return [float(bool(ids) and ids[0] == int(second)) for ids in completion_ids]
+
+    trainer = _trainer(
+        tmp_path, backend, transfer, reward_funcs=second_choice, max_steps=6, temperature=0.02, learning_rate=1e-4
+    )
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    log_probs = _first_token_log_probs(backend.model, tokenizer)
+    gap_before = float(log_probs[second] - log_probs[first]) / 0.02
+    trainer.train()
+    # Parameters moved, and every step pushed them (initial sync + one per step), versions 1..7.
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert trainer.model_version == 7
+    assert transfer.events[0] == "init" and transfer.events[-1] == "destroy"
+    assert sum(1 for e in transfer.events if isinstance(e, tuple)) == 7
+    for name, param in trainer.model.named_parameters():
+        assert torch.equal(dict(backend.model.named_parameters())[name], param.detach())
+    # The toy reward was learned: the rewarded token gained on the other one.
+    log_probs = _first_token_log_probs(backend.model, tokenizer)
+    gap_after = float(log_probs[second] - log_probs[first]) / 0.02
+    assert gap_after > gap_before + 1.0, (gap_before, gap_after)
+    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    assert rewards[-1] > rewards[0], rewards
+    # Clean shutdown: the worker thread ended.
+    assert not trainer.rollout_worker._thread.is_alive()
+    logged = {key for entry in trainer.state.log_history for key in entry}
+    expected = {
+        "loss", "ratio", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+        "clip_ratio/low_min", "clip_ratio/high_max", "reward", "reward_std", "rewards/second_choice",
+        "sample/staleness_mean", "sample/staleness_max", "sample/rollout_queue_size", "sample/time_in_queue_s",
+        "batch/packing_ratio", "batch/row_fill_frac", "perf/step_s", "perf/fwd_bwd_s", "perf/optimizer_s",
+        "perf/rollout_wait_s", "perf/weight_sync_s", "perf/weight_sync_transfer_s", "batch/samples_per_step",
+        "batch/groups_per_step", "batch/trained_tokens_per_step", "rollout/duration_s", "completions/mean_length",
+    }  # fmt: skip
+    assert expected <= logged, expected - logged
+
+
+@pytest.mark.timeout(300)
+def test_stale_samples_are_dropped_and_counted(tmp_path):
+    from trl.assets import get_model_path
+
+    backend = LocalBackend(get_model_path(TINY))
+    # max_staleness=0: samples generated before the latest sync are dropped; a deep queue guarantees some are.
+    trainer = _trainer(tmp_path, backend, LocalTransfer(backend), max_steps=3, max_staleness=0)
+    trainer.train()
+    dropped = sum(entry.get("sample/dropped_stale_total") or 0 for entry in trainer.state.log_history)
+    assert dropped > 0
+
+
+@pytest.mark.timeout(120)
+def test_worker_failure_stops_training_with_its_error(tmp_path):
+    from trl.assets import get_model_path
+
+    backend = LocalBackend(get_model_path(TINY), fail_after=1)
+    trainer = _trainer(tmp_path, backend, LocalTransfer(backend), max_steps=50, per_device_train_batch_size=8)
+    with pytest.raises(RuntimeError, match="rollout worker failed") as info:
+        trainer.train()
+    assert "backend exploded" in repr(info.value.__cause__)
+    assert trainer.rollout_worker._stop.is_set()
+
+
+@pytest.mark.timeout(120)
+def test_unreachable_backend_fails_before_training(tmp_path):
+    from trl.assets import get_model_path
+
+    backend = LocalBackend(get_model_path(TINY), unreachable=True)
+    transfer = LocalTransfer(backend)
+    trainer = _trainer(tmp_path, backend, transfer)
+    with pytest.raises(RuntimeError, match="failed to start") as info:
+        trainer.train()
+    assert isinstance(info.value.__cause__, ConnectionError)
+    assert trainer.state.global_step == 0
+
+
+@pytest.mark.timeout(60)
+def test_default_server_unreachable_is_a_clear_error(tmp_path):
+    from datasets import Dataset
+
+    from trl.assets import get_model_path
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    args = AsyncGRPOConfig(
+        str(tmp_path), use_cpu=True, max_steps=1, vllm_server_base_url="http://127.0.0.1:9", vllm_server_timeout=0.5
+    )
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Hi"}]]})
+    with pytest.raises(ConnectionError, match="vLLM server can't be reached"):
+        AsyncGRPOTrainer(get_model_path(TINY), reward_funcs=even_first_token, args=args, train_dataset=dataset)
+
+
+@pytest.mark.timeout(300)
+def test_lora_policy_syncs_merged_weights(tmp_path):
+    peft = pytest.importorskip("peft")
+    from trl.assets import get_model_path
+
+    backend = LocalBackend(get_model_path(TINY))
+    transfer = LocalTransfer(backend)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    trainer = _trainer(tmp_path, backend, transfer, max_steps=2, learning_rate=1e-2, peft_config=lora)
+    trainer.train()
+    model = trainer.model
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    model.merge_adapter()
+    try:
+        merged = {name: param.detach().clone() for name, param in _iter_vllm_named_params(model)}
+    finally:
+        model.unmerge_adapter()
+    served = dict(backend.model.named_parameters())
+    name = "model.layers.0.self_attn.q_proj.weight"
+    # The server holds the merged policy (base + trained adapter), and the trainer's base weights stay unmerged.
+    assert torch.allclose(served[name], merged[name])
+    assert not torch.allclose(served[name], layer.base_layer.weight)
+    assert sum(1 for event in transfer.events if isinstance(event, tuple)) == 3
+
+
+@pytest.mark.timeout(300)
+def test_epoch_budget_stops_training_and_checkpoints_rollout_state(tmp_path):
+    from trl.assets import get_model_path
+
+    backend = LocalBackend(get_model_path(TINY))
+    trainer = _trainer(
+        tmp_path, backend, LocalTransfer(backend), max_steps=-1, num_train_epochs=1, save_strategy="steps",
+        save_steps=1000, token_budget=0, per_device_train_batch_size=8,
+    )  # fmt: skip
+    trainer.train()
+    # 6 prompts, one epoch: training stops once 6 distinct groups were collated (8 samples, 2 groups per step; the
+    # dataloader collates one micro-batch ahead), far below the safety ceiling of max_steps.
+    assert 2 <= trainer.state.global_step <= 3 and trainer.state.max_steps == 96
+    assert len(trainer.data_collator.groups_trained) >= 6
+    state = json.loads((tmp_path / f"checkpoint-{trainer.state.global_step}" / "rollout_state.json").read_text())
+    assert state["model_version"] == trainer.model_version
+    assert state["prompt_index"] >= 1

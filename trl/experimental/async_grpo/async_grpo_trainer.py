@@ -6,12 +6,27 @@ and re-exports the planning, collation and LoRA-sync helpers under TRL's import 
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import queue
+import time
+import warnings
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from transformers import TrainerCallback
+import torch.nn as nn
+from accelerate import PartialState
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import AutoTokenizer, Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
+from ...models.loading import create_model_from_path
+from ...trainer.online_rewards import _OnlineRewardsMixin, reward_signature_problem
+from ...trainer.utils import prepare_peft_model
+from ._backends import GenerationBackend, VLLMServeBackend, VLLMServeWeightTransfer
 from ._batching import (
     DataCollatorForRollout,
     FixedCountBatcher,
@@ -30,13 +45,18 @@ from ._lora_sync import (
     validate_lora_for_vllm_sync,
 )
 from .async_grpo_config import AsyncGRPOConfig
+from .async_rollout_worker import AsyncRolloutWorker
 from .packing import TREE_ATTENTION, TreeRow, register_tree_attention
 
+
+# Written next to each checkpoint: where the rollouts resume and the policy version.
+ROLLOUT_STATE_NAME = "rollout_state.json"
 
 __all__ = [
     "TREE_ATTENTION",
     "VLLM_LORA_RANKS",
     "AsyncGRPOConfig",
+    "AsyncGRPOTrainer",
     "DataCollatorForRollout",
     "FixedCountBatcher",
     "RolloutQueueDataset",
@@ -138,3 +158,511 @@ def clipped_surrogate_loss(
             "clip_ratio/region_mean": (low | high).float().mean(),
         }
     return loss, stats
+
+
+def _load_init_kwargs(args: AsyncGRPOConfig) -> dict[str, Any]:
+    kwargs = args.model_init_kwargs or {}
+    if isinstance(kwargs, str):
+        kwargs = json.loads(kwargs)
+    kwargs = dict(kwargs)
+    kwargs.setdefault("dtype", args.dtype)
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    return kwargs
+
+
+def _check_model(model: nn.Module, args: AsyncGRPOConfig) -> bool:
+    """Refuse what the tree-packed forward cannot train; returns whether the MoE aux loss is enabled."""
+    config = model.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text_config, "layer_types", None) or []
+    other = sorted({kind for kind in layer_types if "attention" not in str(kind)})
+    if other:
+        raise ValueError(f"AsyncGRPO packs samples as prefix trees, which needs attention layers only; got {other}.")
+    if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
+        raise ValueError("AsyncGRPO's tree attention does not support attention sinks (parameters named `*.sinks`).")
+    is_moe = hasattr(text_config, "output_router_logits")
+    if args.router_aux_loss_coef is not None and not is_moe:
+        raise ValueError("`router_aux_loss_coef` is set but the model is not a mixture-of-experts model.")
+    coef = args.router_aux_loss_coef
+    if coef is None:
+        coef = getattr(text_config, "router_aux_loss_coef", 0.0) or 0.0
+    return bool(is_moe and coef != 0)
+
+
+class _TrainBeginCallback(TrainerCallback):
+    """At train begin: open the weight transfer, push the initial weights (version 1), start the rollout worker."""
+
+    def __init__(self, trainer: AsyncGRPOTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._start_rollouts()
+        return control
+
+
+class _StepMetricsCallback(TrainerCallback):
+    """Times the optimizer step and the whole step, flushes the per-step counters, stops after the epoch budget."""
+
+    def __init__(self, trainer: AsyncGRPOTrainer):
+        self.trainer = trainer
+        self._step_start = self._optimizer_start = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._step_start = time.perf_counter()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._optimizer_start = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._step["perf/optimizer_s"] += time.perf_counter() - self._optimizer_start
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._flush_step(time.perf_counter() - self._step_start)
+        target = self.trainer._target_groups
+        if target is not None and len(self.trainer.data_collator.groups_trained) >= target:
+            control.should_training_stop = True
+            control.should_save = args.save_strategy == "steps"
+        return control
+
+
+class AsyncGRPOTrainer(Trainer):
+    """GRPO with generation running beside training (TRL 1.16's `AsyncGRPOTrainer`).
+
+    A rollout worker samples completions through a generation server, scores them and queues the groups with the
+    policy version they were sampled at; the trainer drops samples more than `max_staleness` versions old, packs the
+    others into prefix-tree rows under `token_budget`, optimizes the clipped surrogate against the sampler's
+    log-probabilities and pushes the new weights (version + 1) to the server every `weight_sync_steps` steps.
+
+    Args:
+        model: Model id or path (AsyncGRPO loads it itself, with the tree attention).
+        reward_funcs: Reward function(s) or reward model id(s); their values are summed.
+        args: [`AsyncGRPOConfig`] (default: `AsyncGRPOConfig(f"{model_name}-AsyncGRPO")`).
+        train_dataset: Rows with a `prompt` column (plus columns passed to the reward functions).
+        processing_class: Tokenizer (default: loaded from `model`).
+        callbacks: Extra callbacks.
+        optimizers: `(optimizer, scheduler)`.
+        peft_config: PEFT config; the merged weights are synced (adapter-only sync is not built yet).
+        tools: Not supported yet (NotImplementedError).
+        environment_factory: Not supported yet (NotImplementedError).
+        rollout_worker: A [`RolloutWorkerProtocol`] replacing the default [`AsyncRolloutWorker`].
+        weight_transfer: A [`WeightTransferProtocol`] replacing the default transfer to `trl vllm-serve`.
+    """
+
+    _tag_names = ["trl", "async-grpo"]
+    _name = "AsyncGRPO"
+    # Seconds of one blocking read of the rollout queue (the worker's health is checked after each empty read).
+    _poll_interval_s = 5.0
+
+    def __init__(
+        self,
+        model: str,
+        reward_funcs=None,
+        args: AsyncGRPOConfig | None = None,
+        train_dataset=None,
+        processing_class=None,
+        callbacks=None,
+        optimizers=(None, None),
+        peft_config=None,
+        tools: list[Callable] | None = None,
+        environment_factory: Callable | dict[str, Callable] | None = None,
+        rollout_worker: RolloutWorkerProtocol | None = None,
+        weight_transfer: WeightTransferProtocol | None = None,
+    ):
+        if not isinstance(model, str):
+            raise ValueError(f"AsyncGRPOTrainer loads the model itself: pass its id or path, got {type(model)}.")
+        if tools or environment_factory is not None:
+            raise NotImplementedError("AsyncGRPOTrainer does not support tools or environments yet in this project.")
+        if args is None:
+            args = AsyncGRPOConfig(f"{model.split('/')[-1]}-AsyncGRPO")
+        if args.use_liger_kernel:
+            raise NotImplementedError("AsyncGRPOTrainer does not support `use_liger_kernel`.")
+        if train_dataset is None or "prompt" not in (train_dataset.column_names or []):
+            raise ValueError("AsyncGRPOTrainer needs a `train_dataset` with a `prompt` column.")
+        if not args.ignore_data_skip:
+            warnings.warn("AsyncGRPO restores its rollout position itself; `ignore_data_skip` is forced to True.")
+            args.ignore_data_skip = True
+
+        register_tree_attention()
+        policy = create_model_from_path(
+            model, device_map=None, attn_implementation=TREE_ATTENTION, **_load_init_kwargs(args)
+        )
+        self._aux_loss_enabled = _check_model(policy, args)
+        if peft_config is not None:
+            targets = getattr(peft_config, "target_modules", None) or []
+            if "lm_head" in (targets if isinstance(targets, (list, set, tuple)) else [targets]):
+                raise ValueError("AsyncGRPO does not train a PEFT adapter on `lm_head`.")
+            policy = prepare_peft_model(policy, peft_config, args)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model, trust_remote_code=args.trust_remote_code)
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+
+        self.reward_funcs, self.reward_processing_classes, self.reward_func_names = (
+            _OnlineRewardsMixin._prepare_reward_funcs(self, reward_funcs, None, args)
+        )
+        keywords = ["prompts", "completions", "completion_ids"]
+        keywords += [column for column in train_dataset.column_names if column not in ("prompt", "completion")]
+        for func, name in zip(self.reward_funcs, self.reward_func_names, strict=True):
+            problem = None if isinstance(func, nn.Module) else reward_signature_problem(func, keywords)
+            if problem is not None:
+                raise TypeError(
+                    f"Reward function {name!r} cannot be called as the rollout worker calls it: {problem}."
+                )
+        num_processes = max(PartialState().num_processes, 1)
+        samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * num_processes
+        self._target_groups = None
+        if args.max_steps <= 0:
+            self._target_groups = math.ceil(args.num_train_epochs * len(train_dataset))
+            turns = (args.max_tool_calling_iterations + 1) if args.max_tool_calling_iterations is not None else 32
+            args.max_steps = math.ceil(self._target_groups * args.num_generations * turns / samples_per_step)
+        if args.max_inflight_tasks < 0:
+            args.max_inflight_tasks = max(args.max_staleness, 1) * samples_per_step
+
+        self.model_version = 0
+        self._metrics: dict[str, list] = defaultdict(list)
+        self._step: dict[str, float] = defaultdict(float)
+        self._step_groups: set[int] = set()
+        self._prompt_dataset = train_dataset
+        self._dataset_start_index = 0
+        self._stopped = False
+        self._adapter_sync = False  # adapter-only sync needs a server with runtime LoRA loading (not built yet)
+        self.vllm_client = None
+        self._args_for_worker = args
+        self._tokenizer = processing_class
+        # Rank 0 owns the server connection, the transfer and the worker. The default backend and transfer connect
+        # to the server here: an unreachable server fails before training.
+        self._is_rollout_owner = PartialState().is_main_process
+        self._generation_backend = None
+        if self._is_rollout_owner and rollout_worker is None:
+            self._generation_backend = self._build_generation_backend()
+        if self._is_rollout_owner and weight_transfer is None:
+            weight_transfer = VLLMServeWeightTransfer(self._get_vllm_client())
+        self.weight_transfer = weight_transfer
+        self.rollout_worker = rollout_worker if self._is_rollout_owner else None
+        self.rollout_queue = self.rollout_worker.rollout_buffer if self.rollout_worker is not None else None
+
+        token_budget = args.token_budget
+        if token_budget is None:  # other ranks only receive rows; the budget matters where they are planned
+            token_budget = self._server_max_model_len() if self._is_rollout_owner else 0
+        self._token_budget = token_budget
+        collator = DataCollatorForRollout(
+            pad_token_id=processing_class.pad_token_id,
+            num_processes=num_processes,
+            metrics=self._metrics,
+            token_budget=max(token_budget, 0),
+        )
+        super().__init__(
+            model=policy,
+            args=args,
+            data_collator=collator,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+        )
+        self.model_accepts_loss_kwargs = False  # the Trainer divides the loss by the accumulation steps
+        self.add_callback(_TrainBeginCallback(self))
+        self.add_callback(StepIntervalCallback(self._sync_weight, args.weight_sync_steps))
+        self.add_callback(_StepMetricsCallback(self))
+
+    # -- setup helpers -----------------------------------------------------------------------------------------------
+
+    def _get_vllm_client(self):
+        """The `trl vllm-serve` client; a clear `ConnectionError` before training when the server is unreachable."""
+        if self.vllm_client is None:
+            from ...generation.vllm_client import VLLMClient
+
+            args = self._args_for_worker
+            self.vllm_client = VLLMClient(
+                base_url=args.vllm_server_base_url, connection_timeout=args.vllm_server_timeout
+            )
+        return self.vllm_client
+
+    def _build_generation_backend(self) -> GenerationBackend:
+        """The backend the default rollout worker generates with (override to use another one)."""
+        return VLLMServeBackend(self._get_vllm_client())
+
+    def _server_max_model_len(self) -> int:
+        for source in (self._generation_backend, self.vllm_client):
+            get = getattr(source, "get_max_model_len", None)
+            if get is not None:
+                return int(get())
+        raise ValueError(
+            "token_budget=None takes the server's max_model_len, which this server does not report; set "
+            "`token_budget` (tokens per packed row) or `token_budget=0` (fixed count per micro-batch)."
+        )
+
+    def _build_rollout_worker(self) -> AsyncRolloutWorker:
+        args = self._args_for_worker
+        return AsyncRolloutWorker(
+            queue_maxsize=args.queue_maxsize,
+            backend=self._generation_backend,
+            dataset=self._prompt_dataset,
+            dataset_start_index=self._dataset_start_index,
+            tokenizer=self._tokenizer,
+            reward_funcs=self.reward_funcs,
+            reward_func_names=self.reward_func_names,
+            reward_processing_classes=self.reward_processing_classes,
+            num_generations=args.num_generations,
+            max_completion_length=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            model_name=getattr(self.model.config, "_name_or_path", ""),
+            chat_template_kwargs=args.chat_template_kwargs,
+            fork_threshold_tokens=args.fork_threshold_tokens,
+            backend_timeout=args.vllm_server_timeout,
+        )
+
+    def get_train_dataloader(self) -> DataLoader:
+        if not self._is_rollout_owner:  # rank 0 dispatches every micro-batch
+            loader = DataLoader(_EmptyIterableDataset(), batch_size=1, collate_fn=self.data_collator)
+            return self.accelerator.prepare(loader)
+        if self.rollout_worker is None:
+            self.rollout_worker = self._build_rollout_worker()
+            self.rollout_queue = self.rollout_worker.rollout_buffer
+        args = self.args
+        dataset = RolloutQueueDataset(
+            self.rollout_queue,
+            model_version_fn=lambda: self.model_version,
+            check_health_fn=self.rollout_worker.check_health,
+            stale_after_s=args.heartbeat_stale_after_s,
+            metrics=self._metrics,
+            max_staleness=args.max_staleness,
+            poll_interval_s=self._poll_interval_s,
+            report_to=args.report_to,
+        )
+        num_processes = self.accelerator.num_processes
+        if self._token_budget > 0:
+            planner = TokenBudgetBatcher(dataset, num_processes, self._token_budget, self._metrics)
+        else:
+            planner = FixedCountBatcher(dataset, num_processes, args.per_device_train_batch_size * num_processes)
+        loader = DataLoader(
+            _TimedPlanner(planner, self._step, self._step_groups), batch_size=1, collate_fn=self.data_collator
+        )
+        return self.accelerator.prepare(loader)
+
+    # -- rollouts and weight sync ------------------------------------------------------------------------------------
+
+    def _start_rollouts(self) -> None:
+        if self.weight_transfer is not None:
+            self.weight_transfer.init_weight_transfer()
+        self._sync_weight()
+        if self.rollout_worker is not None:
+            self.rollout_worker.start()
+
+    def _sync_weight(self) -> None:
+        """Push the current weights (merged when PEFT) and bump the policy version."""
+        start = time.perf_counter()
+        if self.weight_transfer is not None:
+            self.weight_transfer.pause()
+        paused = time.perf_counter()
+        self.accelerator.wait_for_everyone()
+        barrier = time.perf_counter()
+        model = self.accelerator.unwrap_model(self.model)
+        is_peft = hasattr(model, "peft_config")
+        try:
+            if is_peft:
+                model.merge_adapter()
+            named = ((name, param.data) for name, param in _iter_vllm_named_params(model))
+            if self.weight_transfer is not None:
+                self.weight_transfer.send_weights(named)
+            else:
+                for _ in named:  # other ranks iterate too (the collectives of sharded parameters)
+                    pass
+        finally:
+            if is_peft:
+                model.unmerge_adapter()
+        transferred = time.perf_counter()
+        self.accelerator.wait_for_everyone()
+        if self.weight_transfer is not None:
+            self.weight_transfer.resume()
+        self.model_version += 1
+        if self.rollout_worker is not None:
+            self.rollout_worker.update_model_version(self.model_version)
+        self._metrics["perf/weight_sync_s"].append(time.perf_counter() - start)
+        self._metrics["perf/weight_sync_pause_s"].append(paused - start)
+        self._metrics["perf/weight_sync_barrier_s"].append(barrier - paused)
+        self._metrics["perf/weight_sync_transfer_s"].append(transferred - barrier)
+
+    def _shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            if self.rollout_worker is not None:
+                self.rollout_worker.stop()
+        finally:
+            if self.weight_transfer is not None:
+                self.weight_transfer.destroy()
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        """Train; the rollout worker is stopped and the weight transfer closed however training ends."""
+        if resume_from_checkpoint:
+            self._restore_rollout_state(resume_from_checkpoint)
+        self._stopped = False
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+        finally:
+            self._shutdown()
+
+    # -- checkpoints -------------------------------------------------------------------------------------------------
+
+    def _first_untrained_group(self) -> int:
+        trained, group = self.data_collator.groups_trained, 0
+        while group in trained:
+            group += 1
+        return group
+
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if not self.args.should_save:
+            return
+        folder = os.path.join(self.args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        state = {
+            "prompt_index": self._dataset_start_index + self._first_untrained_group(),
+            "model_version": self.model_version,
+        }
+        with open(os.path.join(folder, ROLLOUT_STATE_NAME), "w") as handle:
+            json.dump(state, handle)
+
+    def _restore_rollout_state(self, checkpoint: str | bool) -> None:
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        path = os.path.join(str(checkpoint), ROLLOUT_STATE_NAME)
+        if not os.path.isfile(path):
+            warnings.warn(f"No {ROLLOUT_STATE_NAME} in {checkpoint}; rollouts restart from the first prompt.")
+            return
+        with open(path) as handle:
+            state = json.load(handle)
+        self._dataset_start_index = int(state["prompt_index"])
+        self.model_version = int(state["model_version"])
+
+    # -- loss and metrics --------------------------------------------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._step["perf/fwd_bwd_s"] += time.perf_counter() - start
+        return loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mask = inputs["attention_mask"][0].bool()
+        length = int(mask.sum())
+        cu_q = inputs["tree_cu_seqlens_q"][0]
+        cu_k = inputs["tree_cu_seqlens_k"][0]
+        kv_index = inputs["tree_kv_index"][0]
+        token_index = inputs["token_index"][0]
+        trained = token_index >= 0
+        token_index = token_index[trained]
+        labels = inputs["shift_labels"][0, :length]
+        forward_kwargs = {}
+        if self._aux_loss_enabled:
+            forward_kwargs["output_router_logits"] = True
+        start = time.perf_counter()
+        outputs = model(
+            input_ids=inputs["input_ids"][:, :length],
+            position_ids=inputs["position_ids"][:, :length],
+            tree_kv_index=kv_index[kv_index >= 0],
+            tree_cu_seqlens_q=cu_q[cu_q >= 0].to(torch.int32),
+            tree_cu_seqlens_k=cu_k[cu_k >= 0].to(torch.int32),
+            tree_max_seqlen_q=int(inputs["tree_max_seqlens"][0, 0]),
+            tree_max_seqlen_k=int(inputs["tree_max_seqlens"][0, 1]),
+            use_cache=False,
+            **forward_kwargs,
+        )
+        logits = outputs.logits[0, token_index].float() / self.args.temperature
+        all_log_probs = torch.log_softmax(logits, dim=-1)
+        log_probs = all_log_probs.gather(-1, labels[token_index].unsqueeze(-1)).squeeze(-1)
+        num_tokens = float(inputs["global_n_tokens"][0]) / self.accelerator.num_processes
+        epsilon_high = self.args.epsilon_high if self.args.epsilon_high is not None else self.args.epsilon
+        loss, stats = clipped_surrogate_loss(
+            log_probs,
+            inputs["old_log_probs"][0, trained],
+            inputs["advantages"][0, trained],
+            num_tokens,
+            self.args.epsilon,
+            epsilon_high,
+        )
+        if self._aux_loss_enabled and getattr(outputs, "aux_loss", None) is not None:
+            coef = self.args.router_aux_loss_coef
+            if coef is None:
+                coef = self.model.config.get_text_config().router_aux_loss_coef
+            loss = loss + coef * outputs.aux_loss
+            self._metrics["aux_loss"].append(float(outputs.aux_loss))
+        self._step["perf/fwd_s"] += time.perf_counter() - start
+        with torch.no_grad():
+            entropy = -(all_log_probs.exp() * all_log_probs).sum(-1)
+            stats["entropy"] = entropy.mean() if entropy.numel() else torch.tensor(float("nan"))
+            stats["clip_ratio/low_min"] = stats["clip_ratio/low_mean"]
+            stats["clip_ratio/high_max"] = stats["clip_ratio/high_mean"]
+        for key, value in stats.items():
+            self._metrics[key].append(float(value))
+        self._step["batch/microbatches_per_step"] += 1
+        self._step["batch/forwarded_tokens_per_step"] += float(inputs["global_n_forward_tokens"][0])
+        self._step["batch/trained_tokens_per_step"] += float(inputs["global_n_tokens"][0])
+        return (loss, outputs) if return_outputs else loss
+
+    def _flush_step(self, step_s: float) -> None:
+        """Turn the step's counters into the per-step metrics."""
+        step = self._step
+        self._metrics["perf/step_s"].append(step_s)
+        for key in (
+            "perf/fwd_bwd_s", "perf/fwd_s", "perf/optimizer_s", "perf/rollout_wait_s", "batch/microbatches_per_step",
+            "batch/forwarded_tokens_per_step", "batch/trained_tokens_per_step", "batch/samples_per_step",
+        ):  # fmt: skip
+            self._metrics[key].append(step[key])
+        self._metrics["batch/groups_per_step"].append(float(len(self._step_groups)))
+        if step["perf/fwd_bwd_s"] > 0:
+            self._metrics["perf/forwarded_tok_s_fwd_bwd"].append(
+                step["batch/forwarded_tokens_per_step"] / step["perf/fwd_bwd_s"]
+            )
+        if step_s > 0:
+            self._metrics["perf/forwarded_tok_s_wall_clock"].append(step["batch/forwarded_tokens_per_step"] / step_s)
+            self._metrics["perf/trained_tok_s_wall_clock"].append(step["batch/trained_tokens_per_step"] / step_s)
+        step.clear()
+        self._step_groups.clear()
+
+    def _drain_worker_metrics(self) -> None:
+        if self.rollout_worker is None:
+            return
+        while True:
+            try:
+                metrics = self.rollout_worker.metrics_queue.get_nowait()
+            except queue.Empty:
+                return
+            for key, value in metrics.items():
+                self._metrics[key].append(value)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        self._drain_worker_metrics()
+        for key, values in self._metrics.items():
+            kept = [v for v in values if isinstance(v, tuple) or not math.isnan(v)]
+            logs[key] = _reduce_metric(key, kept) if kept else None
+        self._metrics.clear()
+        super().log(logs, start_time)
+
+
+class _TimedPlanner(IterableDataset):
+    """Wraps the planner: records the time spent waiting for each micro-batch and the step's samples and groups."""
+
+    def __init__(self, planner: IterableDataset, step: dict, groups: set):
+        self.planner = planner
+        self.step = step
+        self.groups = groups
+
+    def __iter__(self):
+        iterator = iter(self.planner)
+        while True:
+            start = time.perf_counter()
+            try:
+                rows = next(iterator)
+            except StopIteration:
+                return
+            self.step["perf/rollout_wait_s"] += time.perf_counter() - start
+            samples = [sample for row in rows for sample in row.samples]
+            self.step["batch/samples_per_step"] += len(samples)
+            self.groups.update(int(sample["group_id"]) for sample in samples)
+            yield rows
