@@ -43,6 +43,7 @@ IMPLEMENTED = {
     "trl.models.selective_activation_checkpointing": ["enable_selective_activation_checkpointing"],
     "trl.experimental.tpo": ["TPOConfig", "TPOTrainer"],
     "trl.experimental.gmpo": ["GMPOConfig", "GMPOTrainer"],
+    "trl.experimental.a2po": ["A2POConfig", "A2POTrainer"],
     "trl.experimental.sdft": ["SDFTConfig", "SDFTTrainer", "loss_utils", "teacher_sync"],
     "trl.experimental.sdpo": ["SDPOConfig", "SDPOTrainer", "loss_utils", "teacher_sync"],
     "trl.experimental.sdpo.sdpo_trainer": ["SuccessfulRolloutTeacherContextBuilder", "DistillationLogits"],
@@ -98,7 +99,6 @@ IMPLEMENTED_ATTRIBUTES = [
 ]
 
 PENDING = {
-    "trl.experimental.a2po": ["A2POConfig", "A2POTrainer"],
     "trl.experimental.iw_opd": ["IWOPDConfig", "IWOPDTrainer"],
     "trl.experimental.iw_opd.iw_opd_trainer": ["build_teacher_request_inputs"],
     "trl.experimental.server_distillation": [
