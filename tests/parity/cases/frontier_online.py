@@ -143,3 +143,55 @@ def _a2po_defaults(ctx):
             "paper": A2POTrainer._paper,
         }
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SSD (TRL 1.12): one sample per prompt, cross-entropy on the model's own completions
+# ---------------------------------------------------------------------------------------------------------------------
+SSD_ARGS = dict(COMMON_ARGS, per_device_train_batch_size=2, per_device_eval_batch_size=2, max_completion_length=8)
+
+
+def ssd_case(ctx, *, rows: int = 8, evaluate: bool = False, dataset: str = "standard_prompt_only", **config) -> dict:
+    import torch
+
+    from trl.experimental.ssd import SSDConfig, SSDTrainer
+
+    args = SSDConfig(output_dir=ctx.tmpdir(), **{**SSD_ARGS, "max_steps": 2, **config})
+    torch.manual_seed(0)
+    trainer = SSDTrainer(
+        model=ctx.model(QWEN),
+        args=args,
+        train_dataset=ctx.dataset(dataset, "train", rows),
+        eval_dataset=ctx.dataset(dataset, "test", 2) if evaluate else None,
+    )
+    return run_trainer(trainer, evaluate=evaluate)
+
+
+for _name, _kwargs in {
+    "defaults": {},
+    "evaluate": dict(evaluate=True),
+    "temperature=0.7/top_k=5": dict(temperature=0.7, top_k=5),
+    "gradient_accumulation_steps=2": dict(gradient_accumulation_steps=2, max_steps=2),
+    "steps_per_generation=2/num_iterations=2": dict(steps_per_generation=2, num_iterations=2, max_steps=3),
+    "max_completion_length=2": dict(max_completion_length=2),
+    "filter_empty=False/max_prompt_length=4": dict(filter_empty=False, max_prompt_length=4, max_completion_length=3),
+    "conversational": dict(dataset="conversational_prompt_only", evaluate=True),
+}.items():
+    register(f"ssd/{_name}", partial(ssd_case, **_kwargs), oracle="1.12")
+
+
+@case("ssd/defaults_config", oracle="1.12")
+def _ssd_defaults(ctx):
+    import dataclasses
+
+    from trl.experimental.ssd import SSDConfig, SSDTrainer
+
+    fields = {
+        f.name: f.default
+        for f in dataclasses.fields(SSDConfig)
+        if f.default is not dataclasses.MISSING and not f.name.startswith("_")
+    }
+    fields.pop("save_run_report", None)  # this project's own run report (not a TRL field)
+    return to_jsonable(
+        {"fields": fields, "tags": list(SSDTrainer._tag_names), "name": SSDTrainer._name, "paper": SSDTrainer._paper}
+    )
