@@ -47,6 +47,7 @@ IMPLEMENTED = {
     "trl.experimental.a2po": ["A2POConfig", "A2POTrainer"],
     # From TRL 1.12 (issue 52 brings them back; oracle trl==1.12.0)
     "trl.experimental.ssd": ["SSDConfig", "SSDTrainer"],
+    "trl.experimental.minillm": ["MiniLLMConfig", "MiniLLMTrainer"],
     "trl.experimental.sdft": ["SDFTConfig", "SDFTTrainer", "loss_utils", "teacher_sync"],
     "trl.experimental.sdpo": ["SDPOConfig", "SDPOTrainer", "loss_utils", "teacher_sync"],
     "trl.experimental.sdpo.sdpo_trainer": ["SuccessfulRolloutTeacherContextBuilder", "DistillationLogits"],
@@ -102,7 +103,6 @@ IMPLEMENTED_ATTRIBUTES = [
 ]
 
 PENDING = {
-    "trl.experimental.minillm": ["MiniLLMConfig", "MiniLLMTrainer"],  # from TRL 1.12
     "trl.experimental.iw_opd": ["IWOPDConfig", "IWOPDTrainer"],
     "trl.experimental.iw_opd.iw_opd_trainer": ["build_teacher_request_inputs"],
     "trl.experimental.server_distillation": [

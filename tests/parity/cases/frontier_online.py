@@ -195,3 +195,57 @@ def _ssd_defaults(ctx):
     return to_jsonable(
         {"fields": fields, "tags": list(SSDTrainer._tag_names), "name": SSDTrainer._name, "paper": SSDTrainer._paper}
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# MiniLLM (TRL 1.12): GRPO rollouts, reverse-KL advantages from a teacher and the single-step KL
+# ---------------------------------------------------------------------------------------------------------------------
+def minillm_case(ctx, *, max_steps: int = 2, with_reward: bool = False, **config) -> dict:
+    from trl.experimental.minillm import MiniLLMConfig, MiniLLMTrainer
+
+    args = MiniLLMConfig(output_dir=ctx.tmpdir(), **{**ONLINE_ARGS, "max_steps": max_steps, **config})
+    RECORDED_COMPLETION_IDS.clear()
+    trainer = MiniLLMTrainer(
+        model=ctx.model(QWEN),
+        teacher_model=ctx.model("small-Qwen2ForCausalLM"),
+        reward_funcs=toy_reward if with_reward else None,
+        args=args,
+        train_dataset=ctx.dataset("standard_prompt_only", "train", 16),
+    )
+    out = run_trainer(trainer, evaluate=False)
+    out["completion_ids"] = list(RECORDED_COMPLETION_IDS)
+    return out
+
+
+for _name, _kwargs in {
+    "defaults": {},
+    "toy_reward": dict(with_reward=True),
+    "gamma=0.5": dict(gamma=0.5),
+    "gamma=0.5/length_normalization=False": dict(gamma=0.5, length_normalization=False),
+    "rkl_advantage=False": dict(rkl_advantage=False, with_reward=True),
+    "single_step_decomposition=False": dict(single_step_decomposition=False),
+    "gradient_accumulation_steps=2": dict(gradient_accumulation_steps=2, per_device_train_batch_size=4),
+    "temperature=0.7": dict(temperature=0.7),
+    "kd_temperature=2.0": dict(kd_temperature=2.0),
+}.items():
+    register(f"minillm/{_name}", partial(minillm_case, **_kwargs), oracle="1.12")
+
+
+@case("minillm/defaults_config", oracle="1.12")
+def _minillm_defaults(ctx):
+    import dataclasses
+
+    from trl.experimental.minillm import MiniLLMConfig, MiniLLMTrainer
+
+    names = (
+        "disable_dropout",
+        "teacher_model_init_kwargs",
+        "rkl_advantage",
+        "single_step_decomposition",
+        "kd_temperature",
+        "gamma",
+        "length_normalization",
+        "learning_rate",
+    )
+    fields = {f.name: f.default for f in dataclasses.fields(MiniLLMConfig) if f.name in names}
+    return to_jsonable({"fields": fields, "tags": list(MiniLLMTrainer._tag_names), "name": MiniLLMTrainer._name})
