@@ -42,6 +42,7 @@ SCRIPT_ARGS = {
     "sdft.py": ONLINE_ARGS,
     "sdpo.py": ONLINE_ARGS,
     "sft_vlm.py": ["--freeze_vision_tower", "true"],
+    "ssd.py": ["--max_completion_length", "8", "--filter_empty", "false"],
     "tpo.py": ["--max_length", "64"],
     "xpo.py": PAIRWISE_ARGS,
 }

@@ -1,4 +1,5 @@
-"""Every public name of `shared/api/frontier.md` (TRL 1.16's newer modules) imports, or is listed as pending.
+"""Every public name of `shared/api/frontier.md` (TRL 1.16's newer modules, plus SSD and MiniLLM from TRL 1.12) imports,
+or is listed as pending.
 
 `IMPLEMENTED` must import. `PENDING` names are not built yet: their test is a strict xfail, so building one turns it
 into an unexpected pass that asks for the name to move to `IMPLEMENTED`.
@@ -43,6 +44,10 @@ IMPLEMENTED = {
     "trl.models.selective_activation_checkpointing": ["enable_selective_activation_checkpointing"],
     "trl.experimental.tpo": ["TPOConfig", "TPOTrainer"],
     "trl.experimental.gmpo": ["GMPOConfig", "GMPOTrainer"],
+    "trl.experimental.a2po": ["A2POConfig", "A2POTrainer"],
+    # From TRL 1.12 (issue 52 brings them back; oracle trl==1.12.0)
+    "trl.experimental.ssd": ["SSDConfig", "SSDTrainer"],
+    "trl.experimental.minillm": ["MiniLLMConfig", "MiniLLMTrainer"],
     "trl.experimental.sdft": ["SDFTConfig", "SDFTTrainer", "loss_utils", "teacher_sync"],
     "trl.experimental.sdpo": ["SDPOConfig", "SDPOTrainer", "loss_utils", "teacher_sync"],
     "trl.experimental.sdpo.sdpo_trainer": ["SuccessfulRolloutTeacherContextBuilder", "DistillationLogits"],
@@ -106,7 +111,6 @@ IMPLEMENTED_ATTRIBUTES = [
 ]
 
 PENDING = {
-    "trl.experimental.a2po": ["A2POConfig", "A2POTrainer"],
     "trl.experimental.iw_opd": ["IWOPDConfig", "IWOPDTrainer"],
     "trl.experimental.iw_opd.iw_opd_trainer": ["build_teacher_request_inputs"],
     "trl.experimental.server_distillation": [

@@ -8,8 +8,9 @@ from ...trainer.online_config import resolve_generation_batch
 
 
 @dataclass
-class _SelfDistillationConfig(_BaseConfig):
-    """Fields and checks SDFT and SDPO share (documented on [`SDFTConfig`]).
+class _SelfSampledRolloutConfig(_BaseConfig):
+    """Fields and checks of the methods that train on the model's own samples: SDFT, SDPO and SSD (documented on
+    [`SDFTConfig`] and [`SSDConfig`]): model loading and rollouts (transformers or vLLM).
 
     The online rollout machinery reads a few settings these methods do not expose; they are fixed as plain class
     attributes (not fields), so they never appear among the config's arguments.
@@ -38,9 +39,6 @@ class _SelfDistillationConfig(_BaseConfig):
     log_multimodal = False
     mask_truncated_completions = False
 
-    remove_unused_columns: bool = field(
-        default=False, metadata={"help": "Keep dataset columns other than `prompt` (the teacher context needs them)."}
-    )
     model_init_kwargs: dict[str, Any] | None = field(
         default=None, metadata={"help": "Keyword arguments for `from_pretrained` when `model` is a string."}
     )
@@ -48,10 +46,6 @@ class _SelfDistillationConfig(_BaseConfig):
     disable_dropout: bool = field(default=True, metadata={"help": "Zero every dropout layer of the student."})
     max_prompt_length: int | None = field(
         default=512, metadata={"help": "Keep at most this many prompt tokens (the last ones)."}
-    )
-    num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt."})
-    num_generations_eval: int | None = field(
-        default=None, metadata={"help": "Completions per prompt in evaluation; None: num_generations."}
     )
     max_completion_length: int | None = field(default=256, metadata={"help": "Maximum generated tokens."})
     ds3_gather_for_generation: bool = field(
@@ -65,9 +59,7 @@ class _SelfDistillationConfig(_BaseConfig):
         default=None,
         metadata={"help": "Micro-steps served by one generation round; None: gradient_accumulation_steps."},
     )
-    temperature: float = field(
-        default=1.0, metadata={"help": "Sampling temperature (also applied to both models' logits in the loss)."}
-    )
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling probability mass."})
     top_k: int = field(default=0, metadata={"help": "Top-k filtering; 0 disables it."})
     min_p: float | None = field(default=None, metadata={"help": "Minimum token probability relative to the top one."})
@@ -80,10 +72,6 @@ class _SelfDistillationConfig(_BaseConfig):
     repetition_penalty: float = field(default=1.0, metadata={"help": "Repetition penalty of generation."})
     cache_implementation: str | None = field(default=None, metadata={"help": "KV cache implementation of generate."})
     use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM."})
-    use_teacher_server: bool = field(
-        default=False,
-        metadata={"help": "Score the teacher with the vLLM generation server (server mode, live teacher)."},
-    )
     vllm_mode: str = field(default="colocate", metadata={"help": "'colocate' or 'server'."})
     vllm_model_impl: str = field(default="vllm", metadata={"help": "'vllm' or 'transformers'."})
     vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "Offload vLLM weights between rounds."})
@@ -99,6 +87,30 @@ class _SelfDistillationConfig(_BaseConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        resolve_generation_batch(self, min_generations=1)
+
+
+@dataclass
+class _SelfDistillationConfig(_SelfSampledRolloutConfig):
+    """Fields and checks SDFT and SDPO share (documented on [`SDFTConfig`])."""
+
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Keep dataset columns other than `prompt` (the teacher context needs them)."}
+    )
+    num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt."})
+    num_generations_eval: int | None = field(
+        default=None, metadata={"help": "Completions per prompt in evaluation; None: num_generations."}
+    )
+    temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature (also applied to both models' logits in the loss)."}
+    )
+    use_teacher_server: bool = field(
+        default=False,
+        metadata={"help": "Score the teacher with the vLLM generation server (server mode, live teacher)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
         if self.distillation_mode not in ("sampled_token", "full_logits", "topk_logits"):
             raise ValueError(
                 "distillation_mode must be 'sampled_token', 'full_logits' or 'topk_logits'; got "
@@ -109,4 +121,3 @@ class _SelfDistillationConfig(_BaseConfig):
                 "`distillation_mode='sampled_token'` only supports reverse KL, so it requires `distillation_alpha=1.0`"
                 f", got {self.distillation_alpha}."
             )
-        resolve_generation_batch(self, min_generations=1)

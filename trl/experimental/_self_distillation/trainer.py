@@ -78,6 +78,13 @@ def self_distillation_per_token_loss(
     )
 
 
+def keep_last_prompt_tokens(prompt_ids: list[list[int]], limit: int | None) -> list[list[int]]:
+    """Each prompt cut to its last `limit` tokens (`None` keeps them all)."""
+    if limit is None:
+        return prompt_ids
+    return [ids[-limit:] if len(ids) > limit else ids for ids in prompt_ids]
+
+
 def sequence_mean_loss(per_token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean over sequences of each sequence's masked token mean; an empty mask gives a zero attached to the graph."""
     mask = mask.to(per_token_loss.dtype)
@@ -189,16 +196,11 @@ class _SelfDistillationTrainer(_OnlineTrainer):
 
     def _tokenize_prompts(self, prompts: list) -> tuple[list[list[int]], list | None, dict[str, Any]]:
         prompt_ids, images, fields = super()._tokenize_prompts(prompts)
-        limit = self.args.max_prompt_length
-        if limit is not None:
-            prompt_ids = [ids[-limit:] if len(ids) > limit else ids for ids in prompt_ids]
-        return prompt_ids, images, fields
+        return keep_last_prompt_tokens(prompt_ids, self.args.max_prompt_length), images, fields
 
     def _padded_prompts(self, prompts: list, max_length: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded ids and mask of prompts rendered like the student's, keeping the last `max_length` tokens."""
-        ids, _, _ = super()._tokenize_prompts(prompts)
-        if max_length is not None:
-            ids = [row[-max_length:] if len(row) > max_length else row for row in ids]
+        ids = keep_last_prompt_tokens(super()._tokenize_prompts(prompts)[0], max_length)
         device = self.accelerator.device
         tensors = [torch.tensor(row, dtype=torch.long, device=device) for row in ids]
         return pad(tensors, self.pad_token_id, "left"), pad([torch.ones_like(t) for t in tensors], 0, "left")
