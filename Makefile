@@ -22,7 +22,7 @@ test: install
 
 # Bad input refused before training, kill -9 and resume, gradient-accumulation invariance (docs/reliability.md).
 test-reliability: install
-	$(PYTHON) -m pytest -m reliability -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests/reliability
+	$(PYTHON) -m pytest -m "reliability and not slow" -n $(PYTEST_WORKERS) --dist loadgroup -q -p no:cacheprovider tests/reliability
 
 test-slow: install
 	$(PYTHON) -m pytest -m "slow" -q tests

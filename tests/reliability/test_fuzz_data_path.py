@@ -79,8 +79,6 @@ def prepare_and_collate(kind, rows):
     args, processing_class = t.args, t.processing_class
     if kind == "sft":
         prepared = t._prepare_dataset(dataset, processing_class, args, False, None, "train")
-    elif kind in ("kto",):
-        prepared = t._prepare_dataset(dataset, processing_class, args, "train", args.per_device_train_batch_size)
     elif kind == "bco":
         prepared = t._prepare_bco_dataset(dataset, processing_class, args, "train")
     elif kind == "prm":
