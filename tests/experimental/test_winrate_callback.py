@@ -229,16 +229,18 @@ def test_completions_table_to_wandb_offline(lm_path, tmp_path, monkeypatch):
     trainer = make_trainer(lm_path, tmp_path / "out", report_to=["wandb"], eval_strategy="steps", eval_steps=2)
     callback = WinRateCallback(ScriptedJudge([1, 0, -1, 1]), trainer, generation_config=GREEDY)
     trainer.add_callback(callback)
+    files_dir = None
     try:
         trainer.train()
     finally:
+        # The run's own directory: an earlier wandb session in this process keeps its settings (WANDB_DIR included),
+        # so the run may live outside tmp_path.
+        files_dir = wandb.run.dir if wandb.run is not None else None
         wandb.finish()
         wandb.teardown()  # wandb caches its settings (WANDB_DIR) per process; the next run must read them anew
 
-    pattern = os.path.join(
-        str(tmp_path), "wandb", "offline-run-*", "files", "media", "table", "win_rate_completions_*"
-    )
-    paths = glob.glob(pattern + ".table.json")
+    assert files_dir is not None
+    paths = glob.glob(os.path.join(files_dir, "media", "table", "win_rate_completions_*.table.json"))
     assert len(paths) == 1  # one evaluation, one table
     with open(paths[0]) as f:
         table = json.load(f)
