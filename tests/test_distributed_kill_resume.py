@@ -85,8 +85,14 @@ def _low_id_reward(completion_ids, **kwargs):
 
 def _cases() -> list:
     engines = {"sft": ["ddp", "zero2", "fsdp2"], "dpo": ["ddp", "zero2", "fsdp2"], "grpo": ["ddp"]}
+    # DDP runs in CI for each trainer; the sharded engines' runs (about 1.5 min each) are `slow` (make test-slow).
     return [
-        pytest.param(trainer, *param.values, marks=param.marks, id=f"{param.id}-{trainer}")
+        pytest.param(
+            trainer,
+            *param.values,
+            marks=[*param.marks, *([pytest.mark.slow] if param.id != "ddp" else [])],
+            id=f"{param.id}-{trainer}",
+        )
         for trainer, names in engines.items()
         for param in engine_params(names)
     ]

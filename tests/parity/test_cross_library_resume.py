@@ -85,7 +85,10 @@ def _run(side, assets, trainer, output_dir, mode, log_file, scratch):
     return step_logs(logs["logs"])
 
 
-@pytest.mark.parametrize("trainer", TRAINERS)
+# SFT and GRPO run in CI; DPO, KTO and Reward (the same checkpoint files, about a minute each) are `slow`.
+@pytest.mark.parametrize(
+    "trainer", [name if name in ("sft", "grpo") else pytest.param(name, marks=pytest.mark.slow) for name in TRAINERS]
+)
 @pytest.mark.parametrize("writer,resumer", [("trl", "ours"), ("ours", "trl")], ids=["trl-to-ours", "ours-to-trl"])
 def test_checkpoint_of_one_library_resumes_under_the_other(trainer, writer, resumer, assets_file, tmp_path):
     killed = tmp_path / "killed"
