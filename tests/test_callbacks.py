@@ -513,9 +513,10 @@ def test_log_completions_conversational_prompts_use_chat_template(lm_path, tmp_p
     assert completion == greedy_completion(trainer.model, tokenizer, text, add_special_tokens=False)
 
 
-def read_offline_wandb_tables(wandb_dir, key: str) -> list[dict]:
-    """Table files written by an offline wandb run (`files/media/table/<key>_<step>_<hash>.table.json`)."""
-    pattern = os.path.join(wandb_dir, "wandb", "offline-run-*", "files", "media", "table", f"{key}_*.table.json")
+def read_offline_wandb_tables(files_dir, key: str) -> list[dict]:
+    """Table files written by an offline wandb run, from its files directory (`wandb.run.dir`):
+    `media/table/<key>_<step>_<hash>.table.json`."""
+    pattern = os.path.join(files_dir, "media", "table", f"{key}_*.table.json")
     tables = []
     for path in glob.glob(pattern):
         with open(path) as f:
@@ -530,16 +531,23 @@ def test_log_completions_to_wandb_offline(lm_path, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_PROJECT", "trl-callbacks-test")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    if wandb.run is not None:  # a run an earlier test left open (transformers 4.x reports to wandb by default)
+        wandb.finish()
     eval_dataset = load_test_dataset("standard_prompt_only", "test")
     trainer = lm_trainer(lm_path, tmp_path / "out", eval_dataset, max_steps=4, report_to=["wandb"])
     trainer.add_callback(LogCompletionsCallback(trainer, generation_config=GREEDY, num_prompts=3, freq=2))
+    files_dir = None
     try:
         trainer.train()
     finally:
+        # The run's own directory: an earlier wandb session in this process (transformers 4.x reports to wandb by
+        # default) keeps its settings, WANDB_DIR included, so the run may live outside tmp_path.
+        files_dir = wandb.run.dir if wandb.run is not None else None
         wandb.finish()
         wandb.teardown()  # wandb caches its settings (WANDB_DIR) per process; the next run must read them anew
 
-    tables = read_offline_wandb_tables(tmp_path, "completions")
+    assert files_dir is not None
+    tables = read_offline_wandb_tables(files_dir, "completions")
     assert [len(table["data"]) for table in tables] == [3, 6]  # the table is cumulative
     last = tables[-1]
     assert last["columns"] == ["step", "prompt", "completion"]
