@@ -51,8 +51,9 @@ def kto_trainer_class():
     from trl import KTOTrainer
 
     class FixedKLChunks(KTOTrainer):
-        def _prepare_dataset(self, dataset, processing_class, args, dataset_name, kl_chunk_size):
-            return super()._prepare_dataset(dataset, processing_class, args, dataset_name, PER_DEVICE_BATCH)
+        @staticmethod
+        def _kl_chunk_size(args, dataset_name):
+            return PER_DEVICE_BATCH
 
     return recording(FixedKLChunks)
 
