@@ -16,12 +16,12 @@ training_step(model, rows)                                  [here; counts `_step
    │  │  ├─ _tokenize_prompts(prompts)                      [online_generation.py]
    │  │  └─ _generate_single_turn(ids, images, fields, G)   [grpo_trainer.py → online_generation._sample_completions]
    │  ├─ _calculate_rewards(rows, prompts, completions, completion_ids_list)    [online_rewards.py]
-   │  ├─ _get_per_token_logps_and_entropies(...)  old / reference log-probs, when needed        [here]
+   │  ├─ _get_per_token_logps_and_entropies(...)  old / reference log-probs, when needed  [online_logprobs.py]
    │  ├─ _compute_advantages(rewards, batch)                [grpo_trainer.py / rloo_trainer.py]
    │  └─ returns the batch dict (prompt/completion ids and masks, advantages, num_items_in_batch, ...)
    │  then one randperm shuffle and a split into steps_per_generation micro-batches
    └─ compute_loss(model, batch) → _compute_loss(model, batch)                   [grpo_trainer.py]
-      └─ _get_per_token_logps_and_entropies(model, ids, mask, C, compute_entropy=True, ...)   [here]
+      └─ _get_per_token_logps_and_entropies(model, ids, mask, C, compute_entropy=True, ...)   [online_logprobs.py]
 ```
 
 Subclasses implement `_compute_advantages(rewards_per_func, batch)` and `_compute_loss(model, inputs)`; TRL's
@@ -39,11 +39,12 @@ Where each concern lives (this module is the front: it defines the trainer and r
 - `online_rewards.py`: `_OnlineRewardsMixin` (`_prepare_reward_funcs`, `_calculate_rewards`, reward models) and the
   `RewardFunc` type;
 - `online_metrics.py`: `_OnlineMetricsMixin` (rollout metrics, completions table, `log`);
-- here: construction, data loading, the round itself (`_prepare_inputs`, `_generate_and_score_completions`),
-  log-probabilities and the loss plumbing.
+- `online_logprobs.py`: `_OnlineLogprobsMixin` (`_get_per_token_logps_and_entropies` and the shared-prefix / decode
+  replay passes behind it, `_compute_rollout_logps`);
+- here: construction, data loading, the round itself (`_prepare_inputs`, `_generate_and_score_completions`) and the
+  loss plumbing.
 """
 
-import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -56,6 +57,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixi
 
 from .base_trainer import _BaseTrainer
 from .online_generation import _OnlineGenerationMixin, _router_logits_off, generate_with_shared_prompts
+from .online_logprobs import _OnlineLogprobsMixin
 from .online_math import (
     ADVANTAGE_EPS,
     aggregate_rewards,
@@ -70,7 +72,6 @@ from .online_rewards import RewardFunc, _accepts_keyword, _OnlineRewardsMixin, _
 from .run_report.callback import keep_samples_for_report
 from .utils import (
     RepeatSampler,
-    compute_token_logps,
     disable_dropout_in_model,
     identity,
     pad,
@@ -78,22 +79,10 @@ from .utils import (
     shuffle_sequence_dict,
     split_tensor_dict,
 )
-from .utils.decode_replay import layers_checkpointed, replay_decoder_layers, replayed_layer_outputs
 from .utils.ignored_options import ONLINE_IGNORED_OPTIONS
-from .utils.prefix_sharing import (
-    MIN_SHARED_SAVING,
-    SharedPrefixLayout,
-    contiguous_rows,
-    same_prompt_groups,
-    share_prefixes,
-    shared_prefix_token_logps,
-    sharing_possible_now,
-    supports_prefix_sharing,
-)
 from .utils.vision import (
     check_image_columns,
     check_vision_processing_class,
-    collate_vision_rows,
     is_vision_example,
     prompt_with_images,
 )
@@ -145,7 +134,9 @@ class _OnlineStateCallback(TrainerCallback):
 # ---------------------------------------------------------------------------------------------------------------------
 # The trainer core
 # ---------------------------------------------------------------------------------------------------------------------
-class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetricsMixin, _BaseTrainer):
+class _OnlineTrainer(
+    _OnlineLogprobsMixin, _OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetricsMixin, _BaseTrainer
+):
     """Base class of online RL trainers: prompt sampling, generation, rewards, advantages, metrics and logging.
 
     Subclasses set `_config_class` and `_name`, and implement `_compute_advantages` and `_compute_loss`.
@@ -713,251 +704,6 @@ class _OnlineTrainer(_OnlineGenerationMixin, _OnlineRewardsMixin, _OnlineMetrics
 
     def _group_size(self) -> int:
         return self.num_generations if self._mode == "train" else self.num_generations_eval
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Log-probabilities
-    # ------------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _sequence_inputs(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`(input_ids, attention_mask, position_ids)` of prompt + completion, each `(B, P + C)`.
-
-        Completion tokens outside `completion_mask` (padding, masked truncated rows) are not attended to; they are
-        never scored. Positions are counted from each prompt's first real token, as during generation.
-        """
-        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"].long()], dim=1)
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        return input_ids, attention_mask, position_ids
-
-    @staticmethod
-    def _multimodal_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
-        """The image inputs of a batch as keyword arguments of `_get_per_token_logps_and_entropies` (`{}` for
-        text)."""
-        if inputs.get("vision_rows") is None:
-            return {}
-        width = inputs["prompt_ids"].shape[1]
-        total = width + inputs["completion_ids"].shape[1]
-        device = inputs["prompt_ids"].device
-        collated = collate_vision_rows(inputs["vision_rows"], width, total)
-        return {key: value.to(device) for key, value in collated.items()}
-
-    def _get_per_token_logps_and_entropies(
-        self,
-        model,
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        batch_size=None,
-        compute_entropy=False,
-        compute_aux_loss=False,
-        pixel_values=None,
-        image_grid_thw=None,
-        num_images=None,
-        pixel_attention_mask=None,
-        spatial_shapes=None,
-        num_tiles=None,
-        image_sizes=None,
-        token_type_ids=None,
-        mm_token_type_ids=None,
-        image_position_ids=None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """TRL's hook: log-probabilities (and entropies) of the last `logits_to_keep` tokens of each row.
-
-        `input_ids` / `attention_mask` are `(B, L)`: prompt then completion. The model runs on chunks of
-        `batch_size` rows (all rows when None; rows with images run together), with the logits divided by the
-        sampling temperature; the LM head runs only on the attended completion positions.
-
-        Returns:
-            `(logps, entropies, aux_loss)`: `(B, logits_to_keep)` float log-probabilities (0 where
-            `attention_mask` is 0); the entropies alike when `compute_entropy`, else None; the mean router
-            load-balancing loss of the chunks when `compute_aux_loss`, else None.
-        """
-        image_inputs = {
-            key: value
-            for key, value in (
-                ("pixel_values", pixel_values),
-                ("image_grid_thw", image_grid_thw),
-                ("pixel_attention_mask", pixel_attention_mask),
-                ("spatial_shapes", spatial_shapes),
-                ("image_sizes", image_sizes),
-                ("token_type_ids", token_type_ids),
-                ("mm_token_type_ids", mm_token_type_ids),
-                ("image_position_ids", image_position_ids),
-            )
-            if value is not None
-        }
-        rows = input_ids.shape[0]
-        size = rows if (batch_size is None or image_inputs) else max(1, int(batch_size))
-        logps, entropies, aux_losses = [], [], []
-        for start in range(0, rows, size):
-            chunk = slice(start, start + size)
-            chunk_logps, chunk_entropy, outputs = self._token_logps_pass(
-                model, input_ids[chunk], attention_mask[chunk], logits_to_keep, compute_entropy, image_inputs
-            )
-            logps.append(chunk_logps)
-            if compute_entropy:
-                entropies.append(chunk_entropy)
-            aux = getattr(outputs, "aux_loss", None) if compute_aux_loss else None
-            if aux is not None:
-                aux_losses.append(aux)
-        return (
-            torch.cat(logps, dim=0),
-            torch.cat(entropies, dim=0) if compute_entropy else None,
-            torch.stack(aux_losses).mean() if aux_losses else None,
-        )
-
-    def _token_logps_pass(
-        self,
-        model: nn.Module,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        logits_to_keep: int,
-        compute_entropy: bool,
-        image_inputs: dict[str, Any],
-    ) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
-        """One forward pass of `_get_per_token_logps_and_entropies`: `(logps, entropy, outputs)` of the completion.
-
-        Completions of one prompt run that prompt once when the model takes the shared-prefix layout
-        (`_shared_prompt_layout`); a gradient-checkpointed on-policy loss pass may replay the rollout decode's layer
-        outputs (`_replayed_layer_outputs`).
-        """
-        prompt_length = input_ids.shape[1] - logits_to_keep
-        target_mask = torch.zeros(
-            input_ids.shape[0], input_ids.shape[1] - 1, dtype=torch.bool, device=input_ids.device
-        )
-        target_mask[:, prompt_length - 1 :] = attention_mask[:, prompt_length:].bool()
-        position_ids = None if image_inputs else (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        layout = None
-        if not image_inputs:  # the model derives its own (possibly multi-dimensional) positions around image tokens
-            layout = self._shared_prompt_layout(model, input_ids, attention_mask, prompt_length)
-        if layout is not None:
-            replayed = None
-            if self.__dict__.get("_decode_replay_allowed", False):
-                replayed = self._replayed_layer_outputs(model, input_ids, attention_mask, layout)
-            with contextlib.nullcontext() if replayed is None else replay_decoder_layers(model, replayed):
-                result = shared_prefix_token_logps(
-                    model,
-                    input_ids,
-                    layout,
-                    target_mask,
-                    compute_entropy=compute_entropy,
-                    temperature=self._logprob_temperature(),
-                )
-        else:
-            result = compute_token_logps(
-                model,
-                input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                **image_inputs,
-                target_mask=target_mask,
-                temperature=self._logprob_temperature(),
-                compute_entropy=compute_entropy,
-            )
-        logps = result.logps[:, prompt_length - 1 :]
-        entropy = result.entropy[:, prompt_length - 1 :] if result.entropy is not None else None
-        return logps, entropy, result.outputs
-
-    def _completion_logps(
-        self, model: nn.Module, inputs: dict[str, Any], compute_entropy: bool = False, batch_size: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """`_get_per_token_logps_and_entropies` on a rollout batch dict (TRL's call: prompt + completion ids, their
-        mask, the completion width, the image inputs)."""
-        input_ids, attention_mask, _ = self._sequence_inputs(inputs)
-        return self._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            inputs["completion_ids"].shape[1],
-            batch_size,
-            compute_entropy=compute_entropy,
-            compute_aux_loss=self._aux_loss_enabled,
-            **self._multimodal_inputs(inputs),
-        )
-
-    @contextlib.contextmanager
-    def _decode_replay_for(self, inputs: dict[str, Any]):
-        """Within this block a loss pass on `inputs` may replay the rollout decode's layer outputs: only on-policy
-        passes do (see `_loss_compares_with_rollout_logps`)."""
-        self._decode_replay_allowed = not self._loss_compares_with_rollout_logps(inputs)
-        try:
-            yield
-        finally:
-            self._decode_replay_allowed = False
-
-    def _shared_prompt_layout(
-        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
-    ) -> SharedPrefixLayout | None:
-        """The shared-prefix layout of rows whose completions of one prompt run that prompt once
-        ([`~trl.trainer.utils.prefix_sharing.share_prefixes`]), or None to run whole rows.
-
-        Whole rows run when the model cannot take the layout ([`supports_prefix_sharing`], checked once per model),
-        when an auxiliary router loss reads the forward's outputs, when attended tokens are not contiguous
-        (multi-turn tool results), or when sharing saves too few tokens to pay."""
-        if not self._share_prefix or self._aux_loss_enabled:
-            return None
-        cache = self.__dict__.setdefault("_prefix_sharing_support", {})
-        if id(model) not in cache:
-            cache[id(model)] = supports_prefix_sharing(model)
-        if not cache[id(model)] or not sharing_possible_now(model):
-            return None
-        groups = same_prompt_groups(input_ids[:, :prompt_length], attention_mask[:, :prompt_length])
-        if len(groups) == input_ids.shape[0] or not contiguous_rows(attention_mask):
-            return None
-        layout = share_prefixes(input_ids, attention_mask, groups, pad_token_id=self.pad_token_id)
-        if layout.saved_share < MIN_SHARED_SAVING:
-            return None
-        self._shared_prefix_passes += 1
-        return layout
-
-    def _replays_decode_outputs(self) -> bool:
-        return self._decode_replay and self._share_prefix and not self._aux_loss_enabled
-
-    def _loss_compares_with_rollout_logps(self, inputs: dict[str, Any]) -> bool:
-        """Hook: whether the loss on `inputs` compares the pass's log-probabilities with the rollout's old ones (off
-        policy); on-policy, the loss uses the pass's own, detached."""
-        return "old_per_token_logps" in inputs
-
-    def _replayed_layer_outputs(
-        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: SharedPrefixLayout
-    ) -> list[torch.Tensor] | None:
-        """The rollout decode's decoder-layer outputs laid out for this gradient-checkpointed loss pass (see
-        `utils/decode_replay.py`), or None to run the layers: when nothing was recorded, the pass keeps no graph or
-        runs without checkpointing or under autocast, the parameters changed since the decode (an optimizer step,
-        or any in-place change), or a token was not decoded by this rollout.
-
-        Only on-policy passes replay (the caller checks, `_loss_compares_with_rollout_logps`): their old
-        log-probabilities are the pass's own, detached, so the importance ratio stays exactly 1. Off-policy ones are
-        compared with log-probabilities that a pass of the layers computed, and must be computed the same way."""
-        recorded = self.__dict__.get("_rollout_layer_outputs")
-        if recorded is None or not torch.is_grad_enabled() or not model.training:
-            return None
-        if not layers_checkpointed(model) or torch.is_autocast_enabled(input_ids.device.type):
-            return None
-        if recorded.stamp != self._parameters_stamp(model):
-            return None
-        replayed = replayed_layer_outputs(
-            recorded, input_ids, attention_mask, layout.token_index, tuple(layout.input_ids.shape)
-        )
-        if replayed is not None:
-            self._decode_replays += 1
-        return replayed
-
-    @torch.no_grad()
-    def _batched_logps(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        """Log-probabilities of a whole rollout batch without gradients, in micro-batch-sized pieces."""
-        size = self.args.per_device_train_batch_size if self._mode == "train" else self.args.per_device_eval_batch_size
-        return self._completion_logps(model, batch, batch_size=size)[0]
-
-    def _compute_rollout_logps(self, batch: dict[str, Any]) -> None:
-        """Add `old_per_token_logps` (when the data will be off-policy) and `ref_per_token_logps` (when `beta != 0`)
-        to a rollout batch. On-policy, the loss pass's detached log-probabilities are the old ones (a trainer that
-        compares them with an external sampler's, like GRPO, does so in its loss)."""
-        if self._needs_rollout_logps():
-            batch["old_per_token_logps"] = self._batched_logps(self.model, batch)
-        if self._needs_ref_model(self.args):
-            with self._reference_context(self.model, self.ref_model) as reference:
-                batch["ref_per_token_logps"] = self._batched_logps(reference, batch)
 
     # ------------------------------------------------------------------------------------------------------------
     # Loss plumbing
