@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_utils import requires_transformers_5_for_vision
+from trainer_utils import requires_qwen2_vl_processor
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
@@ -449,7 +449,7 @@ class TestCache:
         with pytest.raises(ValueError, match=f"Unknown {kind} 'nope'. Expected one of"):
             getter("nope")
 
-    @requires_transformers_5_for_vision  # build_all builds the tiny vision-language models too
+    @requires_qwen2_vl_processor  # build_all builds the tiny Qwen2-VL model too
     def test_build_all_and_main(self):
         paths = build_all()
         assert len(paths) == len(assets.TOKENIZER_NAMES) + len(assets.MODEL_NAMES) + len(assets.DATASET_NAMES)

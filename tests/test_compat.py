@@ -257,3 +257,47 @@ def test_tools_without_a_response_parser_fail_before_training(tmp_path, model_pa
             train_dataset=prompts,
             tools=[multiply],
         )
+
+
+def test_saved_weight_renamer_applies_a_4x_conversion_mapping(monkeypatch):
+    try:  # transformers 5; 4.x has no weight conversions to revert and takes this branch anyway
+        import transformers.core_model_loading as core_model_loading
+
+        monkeypatch.delattr(core_model_loading, "revert_weight_conversion", raising=False)
+    except ImportError:
+        pass
+    model = torch.nn.Module()
+    model._checkpoint_conversion_mapping = {
+        "^language_model.model": "model.language_model",
+        "^language_model.lm_head": "lm_head",
+    }
+    rename = _compat.saved_weight_renamer(model)
+    assert (
+        rename("language_model.model.layers.0.mlp.up_proj.weight")
+        == "model.language_model.layers.0.mlp.up_proj.weight"
+    )
+    assert rename("language_model.lm_head.weight") == "lm_head.weight"
+    assert rename("vision_tower.weight") == "vision_tower.weight"
+    model._checkpoint_conversion_mapping = {}
+    assert _compat.saved_weight_renamer(model) is None
+
+
+def test_text_only_chat_on_a_processor_that_cannot_tokenize_string_content(monkeypatch):
+    from transformers import AutoProcessor
+
+    from trl.assets import get_model_path
+
+    processor = AutoProcessor.from_pretrained(get_model_path("tiny-LlavaForConditionalGeneration"))
+    messages = [{"role": "user", "content": "What colour is the sky?"}, {"role": "assistant", "content": "Blue."}]
+    native, native_kwargs = _compat.processor_chat_template_target(processor, messages)
+    # List content always goes to the processor.
+    listed = [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    assert _compat.processor_chat_template_target(processor, listed) == (processor, {})
+    monkeypatch.setitem(_compat._STRING_CONTENT_SUPPORT, type(processor), False)
+    target, kwargs = _compat.processor_chat_template_target(processor, messages)
+    assert target is processor.tokenizer and kwargs == {"chat_template": processor.chat_template}
+    ids = target.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"]
+    if native is processor:  # this transformers tokenizes string content itself: the detour gives the same ids
+        expected = native.apply_chat_template(messages, tokenize=True, return_dict=True, **native_kwargs)["input_ids"]
+        expected = expected[0] if expected and isinstance(expected[0], list) else expected
+        assert list(ids) == list(expected)

@@ -11,9 +11,10 @@ from trainer_utils import (
     assert_saved_model_reloads,
     changed_params,
     recording_image_reward,
-    requires_transformers_5_for_vision,
+    requires_qwen2_vl_processor,
     snapshot,
     train_and_check_metrics,
+    vlm_layouts,
 )
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -24,12 +25,10 @@ from trl.trainer.kto_trainer import DataCollatorForVisionUnpairedPreference
 from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
 
 
-pytestmark = requires_transformers_5_for_vision
-
 PIL = pytest.importorskip("PIL")
 pytest.importorskip("PIL.Image")
 
-LAYOUTS = (
+LAYOUTS = vlm_layouts(
     "tiny-Qwen2VLForConditionalGeneration",
     "tiny-LlavaForConditionalGeneration",
     "tiny-Idefics3ForConditionalGeneration",
@@ -101,6 +100,7 @@ def test_completion_only_labels_mask_exactly_image_and_prompt_tokens(name):
         assert labels[prompt_len:n_real].tolist() == completion_ids
 
 
+@requires_qwen2_vl_processor
 def test_sft_assistant_only_loss_on_messages(tmp_path):
     data = load_test_dataset("vision_conversational_language_modeling")
     trainer = SFTTrainer(
@@ -116,6 +116,7 @@ def test_sft_assistant_only_loss_on_messages(tmp_path):
     assert_saved_model_reloads(trainer, tmp_path / "saved", AutoModelForImageTextToText)
 
 
+@requires_qwen2_vl_processor
 def test_truncation_never_cuts_image_tokens():
     processor = AutoProcessor.from_pretrained(get_model_path("tiny-Qwen2VLForConditionalGeneration"))
     rows = [load_test_dataset("vision_conversational_prompt_completion", "train")[0]]
@@ -129,7 +130,9 @@ def test_truncation_never_cuts_image_tokens():
         )
 
 
-@pytest.mark.parametrize("name", ["tiny-Qwen2VLForConditionalGeneration", "tiny-Idefics3ForConditionalGeneration"])
+@pytest.mark.parametrize(
+    "name", vlm_layouts("tiny-Qwen2VLForConditionalGeneration", "tiny-Idefics3ForConditionalGeneration")
+)
 def test_dpo_with_images_logs_metrics(name, tmp_path):
     data = load_test_dataset("vision_conversational_preference")
     trainer = DPOTrainer(
@@ -156,6 +159,7 @@ def test_kto_with_images_logs_metrics(tmp_path):
     train_and_check_metrics(trainer, ["loss", "kl", "rewards/chosen", "logps/chosen"])
 
 
+@requires_qwen2_vl_processor
 def test_images_with_text_only_tokenizer_fail_clearly(tmp_path):
     path = get_model_path("tiny-Qwen2VLForConditionalGeneration")
     tokenizer = AutoProcessor.from_pretrained(path).tokenizer
@@ -167,6 +171,7 @@ def test_images_with_text_only_tokenizer_fail_clearly(tmp_path):
         DPOTrainer(model=path, args=dpo_args(tmp_path), train_dataset=pref, processing_class=tokenizer)
 
 
+@requires_qwen2_vl_processor
 def test_image_placeholders_without_images_fail_clearly(tmp_path):
     path = get_model_path("tiny-Qwen2VLForConditionalGeneration")
     data = load_test_dataset("vision_conversational_prompt_completion", "train").remove_columns("images")
@@ -267,6 +272,7 @@ def test_online_trainers_generate_per_image_and_rewards_see_images(trainer_name,
     assert "rewards/image_reward/mean" in logs[-1] and logs[-1]["num_tokens"] > 0
 
 
+@requires_qwen2_vl_processor
 def test_vision_rows_round_trip_grid_batch():
     from trl.trainer.utils.vision import collate_vision_rows, vision_rows_from_batch
 

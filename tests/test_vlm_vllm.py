@@ -13,7 +13,7 @@ from trainer_utils import (
     assert_rewards_saw_group_images,
     changed_params,
     recording_image_reward,
-    requires_transformers_5_for_vision,
+    requires_qwen2_vl_processor,
     snapshot,
     train_logs,
 )
@@ -21,8 +21,6 @@ from vllm_utils import free_port, online_args, requires_vllm, running_server
 
 from trl.assets import get_model_path, load_test_dataset
 
-
-pytestmark = requires_transformers_5_for_vision
 
 pytest.importorskip("PIL")
 
@@ -73,6 +71,7 @@ def _trainer_with_stand_in(tmp_path, seen, drop_prompt_tokens=0):
     return trainer
 
 
+@requires_qwen2_vl_processor
 def test_vllm_receives_unexpanded_placeholders_and_images_per_row(tmp_path):
     seen = []
     trainer = _trainer_with_stand_in(tmp_path, seen)
@@ -89,6 +88,7 @@ def test_vllm_receives_unexpanded_placeholders_and_images_per_row(tmp_path):
     assert log["completions/mean_length"] == 3
 
 
+@requires_qwen2_vl_processor
 def test_vllm_prompt_expanded_differently_fails_clearly(tmp_path):
     trainer = _trainer_with_stand_in(tmp_path, [], drop_prompt_tokens=1)
     with pytest.raises(RuntimeError, match="vLLM expanded the image placeholders"):

@@ -391,12 +391,34 @@ def _transformers_major() -> int:
 # transformers 4.x rounds the logged training loss to 4 decimals; 5.x logs it as computed.
 LOGGED_LOSS_TOLERANCE = 5e-5 if _transformers_major() < 5 else 0.0
 
-# Vision-language training is proven on transformers 5 only: on 4.x the tiny Qwen2-VL test processor cannot be built
-# (no `PaddleOCRVLProcessor`) and the 4.x processors differ in chat-template content and parameter names
-# (docs/compatibility.md, "Known gaps").
-requires_transformers_5_for_vision = pytest.mark.skipif(
-    _transformers_major() < 5, reason="vision-language training is not yet proven on transformers 4.x"
+
+def _can_build_tiny_qwen2_vl_processor() -> bool:
+    import importlib.util
+
+    import transformers
+
+    # transformers 5.4+ builds it without a video processor; before, Qwen2VLProcessor requires one, which needs a
+    # working torchvision.
+    if hasattr(transformers, "PaddleOCRVLProcessor"):
+        return True
+    try:
+        return importlib.util.find_spec("torchvision") is not None and bool(__import__("torchvision"))
+    except Exception:
+        return False
+
+
+# The tiny Qwen2-VL processor needs transformers >= 5.4, or torchvision on older releases (its video processor).
+requires_qwen2_vl_processor = pytest.mark.skipif(
+    not _can_build_tiny_qwen2_vl_processor(),
+    reason="the Qwen2-VL processor of transformers < 5.4 needs torchvision, which is not installed (or not loadable)",
 )
+QWEN2_VL = "tiny-Qwen2VLForConditionalGeneration"
+
+
+def vlm_layouts(*names: str) -> list:
+    """Model names as pytest params; the Qwen2-VL one carries `requires_qwen2_vl_processor`."""
+    return [pytest.param(n, marks=requires_qwen2_vl_processor) if n == QWEN2_VL else n for n in names]
+
 
 # The example YAMLs (examples/cli_configs) point at `.trl-assets/v1`, the tiny assets as transformers 5 saves them;
 # transformers 4.x cannot read those and builds its own copy (`v1-transformers4`, see `trl._compat.saved_files_suffix`).

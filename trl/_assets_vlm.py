@@ -20,7 +20,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from ._compat import pil_image_processor, require_transformers_attribute
+from ._compat import pil_image_processor
 
 
 _TEXT_DECODER = {
@@ -56,8 +56,12 @@ def _tokenizer(name: str, base_tokenizer_dir: str):
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
-    extra = {"image_token": "<|image_pad|>"} if name == "tiny-Qwen2VLForConditionalGeneration" else {}
-    tokenizer = AutoTokenizer.from_pretrained(base_tokenizer_dir, extra_special_tokens=extra)
+    if name == "tiny-Qwen2VLForConditionalGeneration":
+        tokenizer = _qwen2_tokenizer_class().from_pretrained(
+            base_tokenizer_dir, extra_special_tokens={"image_token": "<|image_pad|>"}
+        )
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(base_tokenizer_dir)
     tokenizer.add_tokens(
         [AddedToken(t, special=True, normalized=False) for t in _IMAGE_TOKENS[name]], special_tokens=True
     )
@@ -66,16 +70,39 @@ def _tokenizer(name: str, base_tokenizer_dir: str):
     return tokenizer
 
 
+def _qwen2_tokenizer_class() -> type:
+    """The tokenizer class the tiny Qwen2-VL processor accepts.
+
+    Before 5.4 the processor is a Qwen2VLProcessor, whose constructor checks for a Qwen2 tokenizer class.
+    """
+    import transformers
+
+    return (
+        transformers.AutoTokenizer
+        if hasattr(transformers, "PaddleOCRVLProcessor")
+        else transformers.Qwen2TokenizerFast
+    )
+
+
 def _processor(name: str, tokenizer, template: str):
     if name == "tiny-Qwen2VLForConditionalGeneration":
-        PaddleOCRVLProcessor = require_transformers_attribute(
-            "PaddleOCRVLProcessor", "The tiny Qwen2-VL test processor", since="5.4.0"
-        )
+        import transformers
+
         # 56x56 to 112x112 pixels: 4 to 16 patch groups of 2x2 patches, i.e. 4 to 16 image tokens per image.
         image_processor = pil_image_processor("qwen2_vl", "Qwen2VL")(min_pixels=56 * 56, max_pixels=112 * 112)
-        # Qwen2VLProcessor also requires a video processor, which needs torchvision; PaddleOCRVLProcessor expands
-        # `<|image_pad|>` exactly as Qwen2VLProcessor does (one token per merged 2x2 patch group) without one.
-        return PaddleOCRVLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=template)
+        if hasattr(transformers, "PaddleOCRVLProcessor"):
+            # Qwen2VLProcessor requires a video processor, which needs torchvision; PaddleOCRVLProcessor (5.4+)
+            # expands `<|image_pad|>` exactly as Qwen2VLProcessor does (one token per merged 2x2 patch group)
+            # without one.
+            return transformers.PaddleOCRVLProcessor(
+                image_processor=image_processor, tokenizer=tokenizer, chat_template=template
+            )
+        return transformers.Qwen2VLProcessor(
+            image_processor=image_processor,
+            tokenizer=tokenizer,
+            video_processor=_qwen2_vl_video_processor(),
+            chat_template=template,
+        )
     if name == "tiny-LlavaForConditionalGeneration":
         from transformers import LlavaProcessor
 
@@ -99,6 +126,20 @@ def _processor(name: str, tokenizer, template: str):
     return Idefics3Processor(
         image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=template
     )
+
+
+def _qwen2_vl_video_processor():
+    """The Qwen2-VL video processor transformers < 5.4 requires in every Qwen2VLProcessor (it needs torchvision)."""
+    try:
+        import torchvision  # noqa: F401
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    except Exception as error:
+        raise ImportError(
+            "The tiny Qwen2-VL test processor needs torchvision on transformers < 5.4 (its Qwen2VLProcessor requires "
+            f"a video processor): importing it failed with {error!r}. Install a torchvision build matching your "
+            "torch, or upgrade with `pip install 'transformers>=5.4'`."
+        ) from error
+    return Qwen2VLVideoProcessor()
 
 
 def _config(name: str, tokenizer):

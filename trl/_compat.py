@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -305,3 +306,76 @@ def pil_image_processor(model_type: str, class_prefix: str) -> type:
     except (ImportError, AttributeError):
         module = importlib.import_module(f"{models}.image_processing_{model_type}")
         return getattr(module, f"{class_prefix}ImageProcessor")
+
+
+def _has_string_content(messages: list[dict]) -> bool:
+    return any(isinstance(message.get("content"), str) for message in messages)
+
+
+_TEXT_CONTENT_PROBE = [{"role": "user", "content": "probe"}]
+
+
+_STRING_CONTENT_SUPPORT: dict[type, bool] = {}
+
+
+def _processor_tokenizes_string_content(processor: Any) -> bool:
+    # transformers < 5 collects a message's images by iterating its content, so string content fails once
+    # `tokenize=True`; 5.x renders it as the template sees it. Probed once per class with a template that only
+    # echoes the content.
+    if type(processor) not in _STRING_CONTENT_SUPPORT:
+        try:
+            processor.apply_chat_template(
+                _TEXT_CONTENT_PROBE, tokenize=True, return_dict=True, chat_template="{{ messages[0]['content'] }}"
+            )
+            _STRING_CONTENT_SUPPORT[type(processor)] = True
+        except (TypeError, KeyError, AttributeError):
+            _STRING_CONTENT_SUPPORT[type(processor)] = False
+    return _STRING_CONTENT_SUPPORT[type(processor)]
+
+
+def processor_chat_template_target(processing_class: Any, messages: list[dict]) -> tuple[Any, dict[str, Any]]:
+    """Who tokenizes `messages` with the chat template, and the extra keywords it needs.
+
+    A processor tokenizes its own conversations, except text-only ones (string content) on releases whose processors
+    cannot (transformers < 5): those go to the processor's tokenizer with the processor's chat template, which renders
+    the same text.
+    """
+    tokenizer = getattr(processing_class, "tokenizer", None)
+    if tokenizer is None or tokenizer is processing_class or not _has_string_content(messages):
+        return processing_class, {}
+    if _processor_tokenizes_string_content(processing_class):
+        return processing_class, {}
+    return tokenizer, {"chat_template": processing_class.chat_template}
+
+
+def saved_weight_renamer(model: Any) -> Callable[[str], str] | None:
+    """Maps a weight name `save_pretrained` wrote back to `model`'s own name; None when no weight is renamed.
+
+    Models with a conversion mapping (vision-language models) are saved under their original checkpoint names.
+    transformers 5 reverts its weight conversions (`revert_weight_conversion`), matched here by tensor identity so
+    that pure renames are undone exactly; 4.x rewrites names with the model's `_checkpoint_conversion_mapping`
+    (saved-name regex to model name, the first matching pattern wins), which is applied here as `from_pretrained`
+    applies it.
+    """
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        mapping = getattr(model, "_checkpoint_conversion_mapping", None) or {}
+        if not mapping:
+            return None
+
+        def model_name_of(saved_name: str) -> str:
+            for pattern, replacement in mapping.items():
+                renamed, count = re.subn(pattern, replacement, saved_name)
+                if count:
+                    return renamed
+            return saved_name
+
+        return model_name_of
+    current = dict(model.state_dict())
+    saved = revert_weight_conversion(model, dict(current))
+    name_of = {id(tensor): name for name, tensor in current.items()}
+    renames = {
+        saved_name: name_of[id(t)] for saved_name, t in saved.items() if name_of.get(id(t), saved_name) != saved_name
+    }
+    return (lambda saved_name: renames.get(saved_name, saved_name)) if renames else None

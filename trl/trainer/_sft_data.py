@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from datasets import Dataset
 
+from .._compat import processor_chat_template_target
 from ..data_utils import common_prefix_length
 from .utils.dataset_rows import parse_tools_column
 
@@ -54,10 +55,12 @@ class _Tokenizer:
     def _chat(self, messages, example, **kwargs) -> dict[str, list[int]]:
         tools = parse_tools_column(example.get("tools"))
         template_kwargs = dict(example.get("chat_template_kwargs") or {})
+        target, target_kwargs = processor_chat_template_target(self.processing_class, messages)
+        template_kwargs = {**target_kwargs, **template_kwargs}
         if self.chat_template is not None:
             template_kwargs["chat_template"] = self.chat_template
         try:
-            out = self.processing_class.apply_chat_template(
+            out = target.apply_chat_template(
                 messages, tools=tools, tokenize=True, return_dict=True, **kwargs, **template_kwargs
             )
         except Exception as error:  # surface template errors with the offending example

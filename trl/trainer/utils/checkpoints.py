@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..._compat import rotate_checkpoints
+from ..._compat import rotate_checkpoints, saved_weight_renamer
 
 
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -141,8 +141,8 @@ def load_renamed_weights(model: Any, checkpoint_dir: str) -> Any:
     `save_pretrained` writes the weights of models with a transformers conversion mapping (vision-language models,
     e.g. `model.language_model.layers.*` saved as `model.layers.*`) under their original checkpoint names, and
     `from_pretrained` converts them back; transformers' `Trainer` reloads a checkpoint with a plain `load_state_dict`,
-    which misses every renamed weight. Here the names are mapped through the model's own reverse conversion (the one
-    `save_pretrained` applied), matched by tensor identity, so pure renames are undone exactly.
+    which misses every renamed weight. Here the names are mapped back as the installed transformers wrote them
+    (`trl._compat.saved_weight_renamer`).
 
     Args:
         model (`transformers.PreTrainedModel`): The bare (unwrapped, non-PEFT) model to load into.
@@ -157,17 +157,8 @@ def load_renamed_weights(model: Any, checkpoint_dir: str) -> Any:
     from safetensors.torch import load_file
     from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # transformers without conversion mappings saves under the model's own names
-        return None
-    current = dict(model.state_dict())
-    saved = revert_weight_conversion(model, dict(current))
-    name_of = {id(tensor): name for name, tensor in current.items()}
-    renames = {
-        saved_name: name_of[id(t)] for saved_name, t in saved.items() if name_of.get(id(t), saved_name) != saved_name
-    }
-    if not renames:
+    model_name_of = saved_weight_renamer(model)
+    if model_name_of is None:
         return None
     single = os.path.join(checkpoint_dir, SAFE_WEIGHTS_NAME)
     index = os.path.join(checkpoint_dir, SAFE_WEIGHTS_INDEX_NAME)
@@ -180,5 +171,5 @@ def load_renamed_weights(model: Any, checkpoint_dir: str) -> Any:
         return None
     state = {}
     for file in files:
-        state.update({renames.get(name, name): tensor for name, tensor in load_file(file, device="cpu").items()})
+        state.update({model_name_of(name): tensor for name, tensor in load_file(file, device="cpu").items()})
     return model.load_state_dict(state, strict=False)
