@@ -260,3 +260,19 @@ def test_get_reward_refuses_ids_outside_the_embeddings():
     assert get_reward(model, ids, pad, context_length=1)[1].shape == (1,)
     with pytest.raises(ValueError, match=f"Token id {rows} is out of range"):
         get_reward(model, torch.tensor([[5, 6, rows, pad]]), pad, context_length=1)
+
+
+@pytest.mark.parametrize(
+    ("config", "clips"), [({}, False), ({"max_grad_norm": 1.0}, True), ({"max_grad_norm": 0.0}, False)]
+)
+def test_gradients_are_clipped_only_at_a_max_grad_norm_the_user_sets(tmp_path, ppo_tokenizer, prompts, config, clips):
+    # TRL's PPO never clips: a default run must not either; a value set on purpose (1.0 included) is honoured.
+    args = make_args(tmp_path, **config)
+    assert args.max_grad_norm == config.get("max_grad_norm", 1.0)
+    trainer = make_trainer(args, ppo_tokenizer, prompts)
+    calls = []
+    clip = trainer.accelerator.clip_grad_norm_
+    trainer.accelerator.clip_grad_norm_ = lambda params, norm: calls.append(norm) or clip(params, norm)
+    trainer.train()
+    # Two rollout batches of two mini-batches: one optimizer step (and clip) each.
+    assert calls == ([1.0] * 4 if clips else [])

@@ -40,7 +40,7 @@ DELIBERATE_DEVIATIONS: dict[str, str] = {
     "without uld_use_hybrid_loss=True raise a ValueError (TRL ignores them silently)",
     "deviations/bf16_default_on_cpu": "bf16=None without use_cpu resolves to fp32 on a CPU-only machine (TRL: "
     "ValueError, 'Your setup doesn't support bf16/gpu')",
-    "ppo/max_grad_norm_default": "PPO gradients are clipped at max_grad_norm (default 1.0); TRL 1.12's PPO ignores the "
-    "field, so updates whose norm exceeds 1 differ (loss/value_avg 0.038326 vs 0.03692 at step 1); with "
-    "max_grad_norm=0.0 every PPO case matches (issue 23)",
+    "ppo/max_grad_norm_set": "a max_grad_norm the user sets clips PPO's gradients; TRL 1.12's PPO ignores the field, "
+    "so updates whose norm exceeds it differ (loss/value_avg 0.038326 vs 0.03692 at step 1). Left unset, neither "
+    "clips and every PPO case matches",
 }

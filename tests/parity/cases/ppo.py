@@ -4,8 +4,8 @@ Trainer cases: the tiny Qwen2 policy, the tiny sequence-classification model as 
 prompts (left-padded), responses of 8 tokens, `total_episodes=8` with 4 prompts a step (two updates). TRL's PPO has
 no `evaluate()` of its own (the plain transformers one fails on prompt-only rows) and calls no optimizer-step
 callbacks, so the cases record the log history and the update. `eps` (episodes per second) is a timing and is
-dropped. `max_grad_norm=0.0` everywhere but in `ppo/max_grad_norm_default`: TRL ignores the field (never clips),
-this project clips at `max_grad_norm` like every trainer (a deliberate deviation).
+dropped. `max_grad_norm` is left at its default in every case but `ppo/max_grad_norm_set`: TRL ignores the field (never
+clips); here an unset `max_grad_norm` does not clip either, and one the user sets clips (a deliberate deviation).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ PPO_ARGS = {
     "response_length": 8,
     "num_ppo_epochs": 2,
     "num_mini_batches": 2,
-    "max_grad_norm": 0.0,
 }
 
 
@@ -99,7 +98,7 @@ register(
     partial(ppo_case, cliprange=0.05, cliprange_value=0.05, vf_coef=1.0, num_ppo_epochs=3),
     oracle="1.12",
 )
-register("ppo/max_grad_norm_default", partial(ppo_case, max_grad_norm=1.0), oracle="1.12")
+register("ppo/max_grad_norm_set", partial(ppo_case, max_grad_norm=1.0), oracle="1.12")
 
 
 def _same_model_as_ref(ctx) -> dict:

@@ -6,6 +6,25 @@ from typing import Literal
 from ...trainer.base_config import _BaseConfig
 
 
+class _DefaultMaxGradNorm(float):
+    """`TrainingArguments`' default `max_grad_norm` (1.0), marked as not chosen by the user.
+
+    TRL's PPO never clips gradients, so a run that leaves `max_grad_norm` at its default must not clip either (it
+    would learn several times less than under TRL); a value the user sets, even 1.0, is a plain float and clips.
+    """
+
+    def __repr__(self) -> str:
+        return repr(float(self))
+
+    def __reduce__(self):
+        return (_DefaultMaxGradNorm, (float(self),))
+
+
+def clips_gradients(max_grad_norm: float | None) -> bool:
+    """Whether a PPO run clips gradients: only at a positive `max_grad_norm` the user set."""
+    return bool(max_grad_norm) and max_grad_norm > 0 and not isinstance(max_grad_norm, _DefaultMaxGradNorm)
+
+
 @dataclass
 class PPOConfig(_BaseConfig):
     r"""Configuration for [`experimental.ppo.PPOTrainer`]: PPO with a value model, a reward model and a per-token KL
@@ -17,6 +36,9 @@ class PPOConfig(_BaseConfig):
     Args:
         learning_rate (`float`, defaults to `3e-6`):
             Initial learning rate for AdamW (the parent default is `5e-5`).
+        max_grad_norm (`float`, defaults to `1.0`):
+            Gradient clipping norm, applied only when set explicitly (any positive value, 1.0 included). Left at its
+            default, gradients are not clipped, as in TRL's PPO.
         dataset_num_proc (`int` or `None`, defaults to `None`):
             Processes used by `Dataset.map`.
         num_mini_batches (`int`, defaults to `1`):
@@ -76,6 +98,10 @@ class PPOConfig(_BaseConfig):
     """
 
     learning_rate: float = field(default=3e-6, metadata={"help": "Initial learning rate for AdamW."})
+    max_grad_norm: float = field(
+        default=_DefaultMaxGradNorm(1.0),
+        metadata={"help": "Gradient clipping norm, applied only when set explicitly (unset: no clipping, as in TRL)."},
+    )
     dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used for dataset preparation."})
     num_mini_batches: int = field(default=1, metadata={"help": "Mini-batches per rollout batch."})
     total_episodes: int | None = field(

@@ -40,7 +40,7 @@ from ...trainer.utils import print_prompt_completions_sample
 from ...trainer.utils.logprobs import compute_token_logps
 from ..utils import create_reference_model, first_true_indices, get_reward, truncate_right
 from .modeling_value_head import PreTrainedModelWrapper
-from .ppo_config import PPOConfig
+from .ppo_config import PPOConfig, clips_gradients
 from .ppo_math import (
     INVALID_LOGPROB,
     clipped_policy_loss,
@@ -611,7 +611,7 @@ class PPOTrainer(_BaseTrainer):
                         )
                         loss = policy.loss + args.vf_coef * vf_loss
                         self.accelerator.backward(loss)
-                        if self.accelerator.sync_gradients and args.max_grad_norm and args.max_grad_norm > 0:
+                        if self.accelerator.sync_gradients and clips_gradients(args.max_grad_norm):
                             self.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                         self.optimizer.step()
                         self.optimizer.zero_grad()
