@@ -137,3 +137,73 @@ register("server_distillation/build_teacher_request_inputs", _request_inputs)
 _register_dataclass_case(
     "ServerDistillationConfig", "trl.experimental.server_distillation", "ServerDistillationConfig"
 )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# IW-OPD configuration (same sparse-support option family)
+# ---------------------------------------------------------------------------------------------------------------------
+def _iw_opd_config(ctx, **config) -> dict:
+    import warnings
+
+    from trl.experimental.iw_opd import IWOPDConfig
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = expect_error(lambda: IWOPDConfig(output_dir=ctx.tmpdir(), use_cpu=True, bf16=False, **config))
+    if out.get("raised", "x") is None:
+        args = IWOPDConfig(output_dir=ctx.tmpdir(), use_cpu=True, bf16=False, **config)
+        out["derived"] = [args.max_prompt_length, args.generation_batch_size]
+    out["warned"] = sorted(
+        {w.category.__name__ for w in caught if "argmax" in str(w.message) or "copies" in str(w.message)}
+    )
+    return out
+
+
+for _name, _kwargs, _phrases in (
+    ("default", {}, ()),
+    ("lmbda", dict(lmbda=1.5), ("lmbda must be in [0.0, 1.0], got 1.5.",)),
+    ("beta", dict(beta=-1.0), ("beta must be in [0.0, 1.0], got -1.0.",)),
+    ("objective", dict(distillation_objective="x"), ("distillation_objective must be one of: 'jsd', 'iw_opd'",)),
+    ("gamma", dict(iw_opd_gamma=-1.0), ("iw_opd_gamma must be non-negative, got -1.0.",)),
+    ("epsilon", dict(iw_opd_epsilon=0.0), ("iw_opd_epsilon must be positive, got 0.0.",)),
+    ("mode", dict(reverse_kl_top_1_mode="x"), ("reverse_kl_top_1_mode must be one of: 'sampled', 'argmax'",)),
+    ("lengths", dict(max_completion_length=2000), ("max_completion_length (2000) must be smaller",)),
+    ("num_generations", dict(num_generations=0), ("num_generations must be at least 1, got 0.",)),
+    ("generation_batch", dict(per_device_train_batch_size=3, num_generations=2), ("Got 1 * 2 != 3 * 1.",)),
+    ("generation_batch_size=3", dict(generation_batch_size=3), ("Got 3 * 1 != 8 * 1.",)),
+    ("iw_opd_lmbda", dict(lmbda=0.5), ("requires lmbda=1.0",)),
+    ("iw_opd_argmax", dict(reverse_kl_top_1_mode="argmax"), ("requires reverse_kl_top_1_mode='sampled'",)),
+    ("iw_opd_vllm_sync", dict(use_vllm=True, vllm_sync_frequency=2), ("requires vllm_sync_frequency=1",)),
+    ("server_url", dict(use_teacher_server=True), ("teacher_model_server_url must be set",)),
+    (
+        "server_top_k=0",
+        dict(
+            use_teacher_server=True, teacher_model_server_url="u", distillation_objective="jsd", beta=0.0, loss_top_k=0
+        ),
+        ("loss_top_k must be positive",),
+    ),
+    (
+        "server_argmax",
+        dict(
+            use_teacher_server=True,
+            teacher_model_server_url="u",
+            distillation_objective="jsd",
+            reverse_kl_top_1_mode="argmax",
+        ),
+        ("reverse_kl_top_1_mode='argmax' is not supported with use_teacher_server=True",),
+    ),
+    (
+        "server_top_k=2",
+        dict(use_teacher_server=True, teacher_model_server_url="u", distillation_objective="jsd", loss_top_k=2),
+        ("loss_top_k must be 1 when using use_teacher_server=True with beta>0 (got loss_top_k=2)",),
+    ),
+    ("jsd_argmax_beta=0", dict(distillation_objective="jsd", reverse_kl_top_1_mode="argmax", beta=0.0), ()),
+    ("jsd_argmax_beta=0.5", dict(distillation_objective="jsd", reverse_kl_top_1_mode="argmax", beta=0.5), ()),
+    (
+        "jsd_mixed_generations",
+        dict(distillation_objective="jsd", lmbda=0.5, num_generations=2, per_device_train_batch_size=2),
+        (),
+    ),
+):
+    register(f"iw_opd/config/{_name}", partial(_iw_opd_config, **_kwargs), phrases=_phrases)
+_register_dataclass_case("IWOPDConfig", "trl.experimental.iw_opd", "IWOPDConfig")
