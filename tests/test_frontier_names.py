@@ -89,6 +89,14 @@ IMPLEMENTED = {
         "RolloutSample",
     ],
     "trl.experimental.async_grpo.packing": ["TreeRow", "TREE_ATTENTION", "tree_attention", "register_tree_attention"],
+    "trl.experimental.server_distillation": [
+        "ServerDistillationConfig",
+        "ServerDistillationTrainer",
+        "build_teacher_request_inputs",
+    ],
+    "trl.distributed": ["DistributedBackend"],
+    "trl.experimental.iw_opd": ["IWOPDConfig", "iw_opd_trainer"],
+    "trl.experimental.iw_opd.iw_opd_trainer": ["build_teacher_request_inputs"],
 }
 # (object path, attribute) pairs: methods the contract adds to existing classes
 IMPLEMENTED_ATTRIBUTES = [
@@ -108,24 +116,16 @@ IMPLEMENTED_ATTRIBUTES = [
     ("trl.experimental.cpo.CPOTrainer", "cpo_loss"),
     ("trl.experimental.orpo.ORPOTrainer", "odds_ratio_loss"),
     ("trl.GRPOTrainer", "get_gamma_weights"),
-]
-
-PENDING = {
-    "trl.experimental.iw_opd": ["IWOPDConfig", "IWOPDTrainer"],
-    "trl.experimental.iw_opd.iw_opd_trainer": ["build_teacher_request_inputs"],
-    "trl.experimental.server_distillation": [
-        "ServerDistillationConfig",
-        "ServerDistillationTrainer",
-        "build_teacher_request_inputs",
-    ],
-    "trl.experimental.async_grpo": ["vllm_client", "weight_transfer", "openenv_harness"],
-    "trl.experimental.async_distillation": ["AsyncDistillationConfig", "AsyncDistillationTrainer"],
-    "trl.distributed": ["DistributedBackend"],
-}
-PENDING_ATTRIBUTES = [
     ("trl.generation.vllm_client.VLLMClient", "get_server_info"),
     ("trl.generation.vllm_client.VLLMClient", "image_features"),
 ]
+
+PENDING = {
+    "trl.experimental.iw_opd": ["IWOPDTrainer"],
+    "trl.experimental.async_grpo": ["vllm_client", "weight_transfer", "openenv_harness"],
+    "trl.experimental.async_distillation": ["AsyncDistillationConfig", "AsyncDistillationTrainer"],
+}
+PENDING_ATTRIBUTES = []
 
 
 def _cases(table):

@@ -50,6 +50,11 @@ def pil_to_base64(image: Any) -> str:
     return base64.b64encode(buffer.getvalue()).decode("utf-8")
 
 
+def _data_url(image: Any) -> str:
+    """A PIL image as an OpenAI-style `data:image/png;base64,...` URL."""
+    return f"data:image/png;base64,{pil_to_base64(image)}"
+
+
 def _is_pil_image(value: Any) -> bool:
     try:
         from PIL import Image
@@ -272,6 +277,71 @@ class VLLMClient:
             time.sleep(min(retry_interval, max(total_timeout - elapsed, 0.0)))
 
     # -- generation --------------------------------------------------------------------------------------------------
+
+    def get_server_info(self) -> dict:
+        """The server's configuration tree: GET `/server_info?config_format=json`, its `vllm_config`.
+
+        Returns:
+            `dict`: vLLM's configuration (`model_config`, `parallel_config`, `lora_config`, ...).
+
+        Raises:
+            RuntimeError: When the server has no such endpoint (a plain `vllm serve` exposes it only with
+                `VLLM_SERVER_DEV_MODE=1`).
+            Exception: On any other non-200 answer.
+        """
+        response = self.session.get(f"{self.base_url}/server_info", params={"config_format": "json"})
+        if response.status_code == 404:
+            raise RuntimeError(
+                f"The vLLM server at {self.base_url} has no /server_info endpoint. Restart it with "
+                "VLLM_SERVER_DEV_MODE=1 (vllm serve), or use `trl vllm-serve`."
+            )
+        if response.status_code != 200:
+            raise Exception(f"Request /server_info failed: {response.status_code}, {response.text}")
+        return response.json()["vllm_config"]
+
+    def image_features(self, images: list[list | None], max_concurrent_requests: int = 64) -> list[dict | None]:
+        """Multimodal features of each prompt's images, rendered by the server (`/v1/chat/completions/render`).
+
+        One request per prompt (at most `max_concurrent_requests` at once): a single user message holding one image
+        block per image. Features depend on the images only, so they can be reused for any prompt text.
+
+        Args:
+            images (`list[list | None]`):
+                Per prompt, its images (PIL images or base64 data URLs), or `None` for a text-only prompt.
+            max_concurrent_requests (`int`, *optional*, defaults to `64`):
+                Requests in flight at once.
+
+        Returns:
+            `list[dict | None]`: The server's `features` per prompt, `None` where the prompt has no images.
+
+        Raises:
+            RuntimeError: When the server has no render endpoint (vLLM >= 0.30 needs `--enable-scale-out`).
+        """
+        model = self.get_server_info().get("model_config", {}).get("model") if images else None
+
+        def render(prompt_images):
+            if not prompt_images:
+                return None
+            content = [
+                {"type": "image_url", "image_url": {"url": image if isinstance(image, str) else _data_url(image)}}
+                for image in prompt_images
+            ]
+            payload = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 1}
+            response = self.session.post(f"{self.base_url}/v1/chat/completions/render", json=payload)
+            if response.status_code == 404:
+                raise RuntimeError(
+                    f"The vLLM server at {self.base_url} has no /v1/chat/completions/render endpoint (vLLM >= 0.30 "
+                    "serves it with --enable-scale-out)."
+                )
+            if response.status_code != 200:
+                raise RuntimeError(
+                    f"Request /v1/chat/completions/render failed: {response.status_code}, {response.text}"
+                )
+            return response.json().get("features")
+
+        workers = max(1, min(max_concurrent_requests, len(images)))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(render, images))
 
     def get_world_size(self) -> int:
         """Number of vLLM workers behind the server (tensor parallel size times data parallel size)."""

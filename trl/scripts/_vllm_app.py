@@ -156,6 +156,27 @@ def create_app(script_args: "ScriptArguments", engines: _Engines):
     def health() -> dict:
         return {"status": "ok"}
 
+    @app.get("/server_info")
+    @app.get("/server_info/")
+    def server_info(config_format: str = "json") -> dict:
+        # The subset of vLLM's `/server_info` configuration tree that trainers read, from the server's own settings.
+        return {
+            "vllm_config": {
+                "model_config": {
+                    "model": script_args.model,
+                    "dtype": script_args.dtype,
+                    "max_model_len": script_args.max_model_len,
+                    "logprobs_mode": "raw_logprobs",
+                },
+                "parallel_config": {
+                    "tensor_parallel_size": script_args.tensor_parallel_size,
+                    "data_parallel_size": script_args.data_parallel_size,
+                },
+                "lora_config": None,
+                "weight_transfer_config": None,
+            }
+        }
+
     @app.get("/get_world_size/")
     def get_world_size() -> dict:
         return {"world_size": world_size}

@@ -259,5 +259,6 @@ from . import (  # noqa: E402, F401
     plugins,
     ppo,
     self_distillation,
+    server_distillation,
     vlm,
 )

@@ -8,6 +8,7 @@ divergence `alpha * KL(p_T || m) + (1 - alpha) * KL(p_S || m)` with the mixture 
 import torch
 
 from ...trainer.utils.divergence import generalized_jsd_from_log_probs
+from ...trainer.utils.sparse_divergence import add_tail_bucket
 
 
 __all__ = [
@@ -33,21 +34,6 @@ def compute_divergence(student_log_probs: torch.Tensor, teacher_log_probs: torch
         `(...)` divergences.
     """
     return generalized_jsd_from_log_probs(student_log_probs, teacher_log_probs, alpha).sum(dim=-1)
-
-
-def add_tail_bucket(log_probs: torch.Tensor) -> torch.Tensor:
-    """Append the log of the probability mass outside a support: `log(1 - sum_v p_v)` as one more last-dim slot.
-
-    The log of the support's mass is clamped at `-1e-7` so that the tail stays finite when the support holds it all.
-
-    Args:
-        log_probs: `(..., K)` true log-probabilities on a support (their probabilities sum to at most 1).
-
-    Returns:
-        `(..., K + 1)` log-probabilities summing to one.
-    """
-    log_mass = torch.logsumexp(log_probs, dim=-1, keepdim=True).clamp(max=-1e-7)
-    return torch.cat([log_probs, torch.log(-torch.expm1(log_mass))], dim=-1)
 
 
 def apply_importance_sampling_clipping(
