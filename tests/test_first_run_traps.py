@@ -177,5 +177,57 @@ def test_cli_run_ends_with_where_things_went(tmp_path):
     assert closing.startswith("Training finished at step 2; last logged loss ")
     assert f"model saved to {output_dir}" in closing and f"run report: {output_dir / 'report.html'}" in closing
     assert (output_dir / "metrics.jsonl").is_file() and (output_dir / "report.html").is_file()
+    # The printed rows show numbers as numbers ({'loss': 7.843}, not transformers 5's {'loss': '7.843'}).
+    printed = [line for line in result.stdout.splitlines() if line.startswith("{'loss': ")]
+    assert printed and all(not line.startswith("{'loss': '") for line in printed), result.stdout[-2000:]
     # Logged metrics are numbers in the history file.
     assert trl_main(["report", str(output_dir)]) == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `accelerate launch --num_processes 2` on a machine without GPUs
+# ---------------------------------------------------------------------------------------------------------------------
+def test_accelerate_launch_that_starts_one_of_two_processes_warns(tmp_path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(trl.__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env.update(OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
+    script = os.path.join(root, "examples", "scripts", "sft.py")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", script]
+    command += ["--output_dir", str(tmp_path), "--max_steps", "1", "--report_to", "none", "--save_strategy", "no"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "`accelerate launch --num_processes 2` started this run as 1 process" in result.stderr
+    assert "accelerate launch --multi_gpu --use_cpu --num_processes 2" in result.stderr
+
+
+def test_launch_check_reads_the_launching_command(monkeypatch):
+    from trl.trainer.utils.console_logs import processes_asked_of_accelerate_launch
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")
+    launch = ["python", "accelerate", "launch"]
+    assert processes_asked_of_accelerate_launch([*launch, "--num_processes", "2", "x.py"]) == 2
+    assert processes_asked_of_accelerate_launch([*launch, "--num_processes=4", "x.py"]) == 4
+    assert processes_asked_of_accelerate_launch([*launch, "x.py"]) is None
+    assert processes_asked_of_accelerate_launch(["python", "x.py", "--num_processes", "2"]) is None
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a real multi-process launch
+    assert processes_asked_of_accelerate_launch([*launch, "--num_processes", "2", "x.py"]) is None
+
+
+def test_printed_rows_keep_numbers_as_numbers(tmp_path, capsys):
+    from trl import SFTTrainer
+    from trl.assets import load_test_dataset
+    from trl.trainer.utils.console_logs import NumericPrinterCallback, printable_logs
+
+    assert printable_logs({"loss": 7.84321, "total_flos": 1.0, "epoch": 1, "lr": float("nan")}) == {
+        "loss": 7.843,
+        "epoch": 1,
+        "lr": pytest.approx(float("nan"), nan_ok=True),
+    }
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, logging_steps=1, report_to="none", disable_tqdm=True)
+    data = load_test_dataset("standard_language_modeling", "train")
+    trainer = SFTTrainer(model=get_model_path("tiny-Qwen2ForCausalLM"), args=args, train_dataset=data)
+    assert any(type(c) is NumericPrinterCallback for c in trainer.callback_handler.callbacks)
+    trainer.train()
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{'loss': ")]
+    assert printed and printed[0][len("{'loss': ")].isdigit(), printed

@@ -45,6 +45,7 @@ from .utils.checkpoints import (
     save_reference_model,
     save_trainer_state,
 )
+from .utils.console_logs import use_numeric_log_printers, warn_if_launch_dropped_processes
 from .utils.contiguous_state import (
     contiguous_training_state,
     finish_contiguous_micro_batch,
@@ -119,6 +120,8 @@ class _BaseTrainer(Trainer):
         super().__init__(*args, **kwargs)
         # Every trainer leaves metrics.jsonl and report.html in its output_dir (opt out: save_run_report=False).
         self.add_callback(RunReportCallback(self))
+        use_numeric_log_printers(self)
+        warn_if_launch_dropped_processes(self.accelerator.num_processes)
         warn_ignored_options(self.args, self._ignored_option_facts(), self._ignored_options, type(self).__name__)
         self._warn_uncalled_overrides()
 
