@@ -92,6 +92,11 @@ def test_alignprop_trains_logs_and_resumes(tmp_path):
     assert [step for step, _ in tracker.images] == [1, 2]
     assert tracker.images[0][1]["images"].shape == (2, 32, 32, 3)
     assert sorted(os.listdir(tmp_path / "logs" / "checkpoints")) == ["checkpoint_0", "checkpoint_1"]
+    from trl.trainer.run_report import load_run
+
+    history = load_run(str(tmp_path / "logs"))  # the run report: both steps' metrics, checkpoints, the page
+    assert history.status == "finished" and [row["step"] for row in history.logs] == [0, 1]
+    assert len(history.checkpoints) == 2 and (tmp_path / "logs" / "report.html").is_file()
 
     hook_calls = []
     resumed = AlignPropTrainer(

@@ -177,6 +177,17 @@ def test_ddpo_trains_logs_checkpoints_and_resumes(tmp_path):
     assert checkpoints == ["checkpoint_0", "checkpoint_1"]
     assert "pytorch_lora_weights.safetensors" in os.listdir(tmp_path / "logs" / "checkpoints" / "checkpoint_1")
 
+    # The run report: every scalar logged (the per-sample reward array left out), checkpoints, curves.
+    from trl.trainer.run_report import load_run
+
+    history = load_run(str(tmp_path / "logs"))
+    assert history.status == "finished" and history.run["trainer"] == "DDPOTrainer"
+    assert [row["step"] for row in history.logs if "loss" in row] == [0, 1, 2, 3]
+    assert "reward_mean" in history.metric_names() and "reward" not in history.metric_names()
+    assert len(history.checkpoints) == 2
+    page = (tmp_path / "logs" / "report.html").read_text()
+    assert "<svg" in page and "reward_mean" in page
+
     # Resume from the first checkpoint: the adapter is the one saved after epoch 0, the run continues at epoch 1.
     resumed_pipeline = tiny_pipeline()
     resumed = DDPOTrainer(

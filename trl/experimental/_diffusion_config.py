@@ -72,6 +72,10 @@ class _DiffusionRLConfig:
     push_to_hub: bool = field(
         default=False, metadata={"help": "Read by the example scripts: push the trained weights after training."}
     )
+    save_run_report: bool = field(
+        default=True,
+        metadata={"help": "Write `metrics.jsonl` and `report.html` (curves, config) into `logdir` (not a TRL field)."},
+    )
 
     def __post_init__(self):
         for name in ("num_epochs", "save_freq", "num_checkpoint_limit", "sample_num_steps", "train_batch_size"):

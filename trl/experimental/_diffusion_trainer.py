@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..trainer.run_report.standalone import StandaloneRunReport
+
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +150,9 @@ class _DiffusionRLTrainer:
             self.trainable_layers = list(trainable)
             self.optimizer = self.accelerator.prepare(self.optimizer)
 
+        self._run_report = StandaloneRunReport(
+            config.logdir, bool(getattr(config, "save_run_report", True)) and self.accelerator.is_main_process
+        )
         self.first_epoch, self.global_step = 0, 0
         if resume_dir is not None:
             logger.info("Resuming from %s", resume_dir)
@@ -296,6 +301,7 @@ class _DiffusionRLTrainer:
             directory = os.path.join(self.accelerator.project_dir, "checkpoints", f"checkpoint_{iteration}")
             with open(os.path.join(directory, _STATE_FILE), "w") as f:
                 json.dump({"epoch": epoch, "global_step": global_step}, f)
+            self._run_report.checkpoint(global_step, os.path.abspath(directory))
 
     # -- public API ---------------------------------------------------------------------------------------------------
 
@@ -311,12 +317,20 @@ class _DiffusionRLTrainer:
         """Run epochs `first_epoch .. epochs - 1` (`epochs` defaults to `config.num_epochs`)."""
         global_step = self.global_step
         epochs = self.config.num_epochs if epochs is None else epochs
+        model = getattr(self.sd_pipeline, "pretrained_model", None)
+        self._run_report.start(global_step, type(self).__name__, model, self.config)
         for epoch in range(self.first_epoch, epochs):
             global_step = self.step(epoch, global_step)
             self._maybe_save_checkpoint(epoch, global_step)
         self.global_step = global_step
         self.first_epoch = max(self.first_epoch, epochs)
+        self._run_report.end(global_step)
         self.accelerator.end_training()
+
+    def _log(self, logs: dict[str, Any], step: int) -> None:
+        """Send `logs` to the trackers (`log_with`) and to the run report."""
+        self.accelerator.log(logs, step=step)
+        self._run_report.log(step, logs)
 
     def save_pretrained(self, save_directory: str) -> None:
         """Write the trained weights (the pipeline's `save_pretrained`) and a model card to `save_directory`."""

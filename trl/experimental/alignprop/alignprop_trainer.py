@@ -112,7 +112,7 @@ class AlignPropTrainer(_DiffusionRLTrainer):
         }
         logs = {key: value.item() for key, value in self.accelerator.reduce(logs, reduction="mean").items()}
         logs["epoch"] = epoch
-        self.accelerator.log(logs, step=global_step)
+        self._log(logs, step=global_step)
         global_step += 1
         if self.config.log_image_freq > 0 and global_step % self.config.log_image_freq == 0:
             self._log_images(prompt_image_pairs, global_step)

@@ -145,7 +145,7 @@ class DDPOTrainer(_DiffusionRLTrainer):
         samples = {key: torch.cat([s[key] for s in samples]) for key in samples[0]}
         local_rewards = torch.cat([r for r, _ in rewards_and_metadata]).float()
         rewards = self.accelerator.gather(local_rewards).cpu().numpy()
-        self.accelerator.log(
+        self._log(
             {"reward": rewards, "epoch": epoch, "reward_mean": rewards.mean(), "reward_std": rewards.std()},
             step=global_step,
         )
@@ -231,7 +231,7 @@ class DDPOTrainer(_DiffusionRLTrainer):
                 logs = self.accelerator.reduce(logs, reduction="mean")
                 logs = {key: value.item() for key, value in logs.items()}
                 logs.update({"epoch": epoch, "inner_epoch": inner_epoch})
-                self.accelerator.log(logs, step=global_step)
+                self._log(logs, step=global_step)
                 global_step += 1
                 info = defaultdict(list)
         return global_step
