@@ -41,20 +41,16 @@ def completion_logits(
 ) -> torch.Tensor:
     """`(B, C, V)` logits predicting each completion token after `prompt`, divided by `temperature`.
 
-    Only the last `C + 1` positions go through the LM head. Positions count from each prompt's first real token.
+    As TRL's self-distillation trainers: one forward over the whole left-padded sequence with the model's default
+    positions (no `position_ids`, every position through the LM head), then the completion positions are sliced. RoPE
+    makes the attention invariant to the padding offset, so this equals the padding-aware positions up to float
+    rounding, and running TRL's exact computation keeps the gradients equal to its own to the last bits.
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     width = completion_ids.shape[1]
-    outputs = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=width + 1,
-    )
-    return outputs.logits[:, -(width + 1) : -1] / temperature
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    return logits[:, -(width + 1) : -1] / temperature
 
 
 def self_distillation_per_token_loss(
