@@ -288,6 +288,19 @@ class _SelfDistillationTrainer(_OnlineTrainer):
             "on_generation_prompts_selected", generation_prompts=prompts, generation_prompt_text=None
         )
 
+    def _announce_batch_prepared(self, batch: dict[str, Any], **extra: Any) -> None:
+        """TRL's `on_self_distillation_batch_prepared` event for a built round (SDPO adds its distillation mask)."""
+        teacher_input_ids, teacher_attention_mask = self._teacher_inputs(batch)
+        self._dispatch_self_distillation_callback(
+            "on_self_distillation_batch_prepared",
+            old_per_token_logps=batch.get("old_per_token_logps"),
+            prompt_ids=batch["prompt_ids"],
+            completion_ids=batch["completion_ids"],
+            teacher_input_ids=teacher_input_ids,
+            teacher_attention_mask=teacher_attention_mask,
+            **extra,
+        )
+
     @staticmethod
     def _teacher_inputs(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's whole input (its prompt, then the completion) and attention mask, as TRL's hooks get it."""

@@ -133,15 +133,7 @@ class SDFTTrainer(_NoRewardsMixin, _SelfDistillationTrainer):
         batch["teacher_prompt_ids"], batch["teacher_prompt_mask"] = self._padded_prompts(
             teacher_prompts, self.args.max_prompt_length
         )
-        teacher_input_ids, teacher_attention_mask = self._teacher_inputs(batch)
-        self._dispatch_self_distillation_callback(
-            "on_self_distillation_batch_prepared",
-            old_per_token_logps=batch.get("old_per_token_logps"),
-            prompt_ids=batch["prompt_ids"],
-            completion_ids=batch["completion_ids"],
-            teacher_input_ids=teacher_input_ids,
-            teacher_attention_mask=teacher_attention_mask,
-        )
+        self._announce_batch_prepared(batch)
         return batch
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:

@@ -329,15 +329,7 @@ class SDPOTrainer(_SelfDistillationTrainer):
             completion_mask=batch["completion_mask"],
             self_distillation_mask=context["self_distillation_mask"],
         )
-        self._dispatch_self_distillation_callback(
-            "on_self_distillation_batch_prepared",
-            old_per_token_logps=batch.get("old_per_token_logps"),
-            prompt_ids=batch["prompt_ids"],
-            completion_ids=batch["completion_ids"],
-            teacher_input_ids=teacher_input_ids,
-            teacher_attention_mask=teacher_attention_mask,
-            self_distillation_mask=context["self_distillation_mask"],
-        )
+        self._announce_batch_prepared(batch, self_distillation_mask=context["self_distillation_mask"])
         return batch
 
     # ------------------------------------------------------------------------------------------------------------
