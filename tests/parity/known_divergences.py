@@ -10,10 +10,6 @@ OUT_DIR --known`) and edited where the generated line does not explain the cause
 """
 
 KNOWN_DIVERGENCES: dict[str, str] = {
-    "sdft/teacher=ema": "losses and logged metrics equal; second-step gradient fingerprints differ by up to 5e-4 relative "
-    "(float summation order after the first update)",
-    "sdft/steps_per_generation=2": "losses and logged metrics equal; second-step gradient fingerprints differ by up to "
-    "5e-4 relative (float summation order after the first update)",
     "chat_template_utils/get_training_chat_template/qwen2_5": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
     "chat_template_utils/get_training_chat_template/llama3": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
     "chat_template_utils/add_response_schema": "TRL raises ValueError on the tiny tokenizers (their templates are not the hub's byte for byte, see docs/parity.md); here the template is recognised (issue 18)",
@@ -22,9 +18,6 @@ KNOWN_DIVERGENCES: dict[str, str] = {
     "token and sequence give the same gap against TRL 1.12 with beta=0.04 and num_iterations=2 (and without beta "
     "GSPO-token matches); the GRPO base's KL term under num_iterations=2 differs from 1.12's (against 1.16 both the loss "
     "and the logged kl match: parity grpo/num_iterations=2/beta=0.04) (issue 24)",
-    "sdpo/topk_logits": "one gradient statistic of the second optimizer step differs by 5e-4 of its size (grads[1] o_proj proj); every logged value and the first step's gradients match (float noise through the first AdamW step, cause not pinned down)",
-    "sdpo/feedback": "one gradient statistic of the second optimizer step differs by 2e-4 of its size (grads[1] up_proj proj); every logged value and the first step's gradients match (float noise through the first AdamW step, cause not pinned down)",
-    "sdpo/feedback/only_without_solution": "one gradient statistic of the second optimizer step differs by 8e-4 of its size (grads[1] down_proj sum); every logged value and the first step's gradients match (float noise through the first AdamW step, cause not pinned down)",
 }
 
 # Differences kept on purpose (reason in docs/parity.md); also strict xfail, so a change of mind shows up.

@@ -190,3 +190,101 @@ def _sdpo_defaults(ctx):
             "loss_is_scaled_for_ga": SDPOTrainer.loss_is_scaled_for_ga,
         }
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Both: TRL's self-distillation callback events, and the settings the generation-server teacher refuses
+# ---------------------------------------------------------------------------------------------------------------------
+def _event_recorder():
+    import torch
+    from transformers import TrainerCallback
+
+    def describe(value):
+        if torch.is_tensor(value):
+            return {"shape": list(value.shape), "sum": float(value.double().sum())}
+        return value
+
+    class Recorder(TrainerCallback):
+        def __init__(self):
+            self.events = []
+
+        def __getattr__(self, name):
+            if not name.startswith("on_"):
+                raise AttributeError(name)
+
+            def hook(**kwargs):
+                skip = ("args", "state", "control", "model", "processing_class")
+                payload = {key: describe(value) for key, value in kwargs.items() if key not in skip}
+                self.events.append({"event": name, "step": kwargs["state"].global_step, **payload})
+
+            return hook
+
+    return Recorder()
+
+
+def self_distillation_events_case(ctx, *, method: str, **config) -> dict:
+    recorder = _event_recorder()
+    if method == "sdft":
+        from trl.experimental.sdft import SDFTConfig, SDFTTrainer
+
+        args = SDFTConfig(output_dir=ctx.tmpdir(), **{**SDFT_ARGS, "max_steps": 2, **config})
+        trainer = SDFTTrainer(
+            model=ctx.model(QWEN), args=args, train_dataset=_with_context(ctx, "standard_prompt_only", 8)
+        )
+    else:
+        from trl.experimental.sdpo import SDPOConfig, SDPOTrainer
+
+        args = SDPOConfig(output_dir=ctx.tmpdir(), **{**SDFT_ARGS, "max_steps": 2, **config})
+        data = ctx.dataset("standard_prompt_only", "train", 8)
+        trainer = SDPOTrainer(model=ctx.model(QWEN), reward_funcs=hit_reward, args=args, train_dataset=data)
+    trainer.add_callback(recorder)
+    trainer.train()
+    return to_jsonable({"events": recorder.events})
+
+
+for _name, _kwargs in {
+    "sdft/callback_events": dict(method="sdft"),
+    "sdft/callback_events/generate_from_teacher": dict(
+        method="sdft", generate_from_teacher=True, steps_per_generation=2
+    ),
+    "sdpo/callback_events": dict(method="sdpo"),
+}.items():
+    register(_name, partial(self_distillation_events_case, **_kwargs))
+
+
+def teacher_server_error_case(ctx, *, method: str, **config) -> dict:
+    if method == "sdft":
+        from trl.experimental.sdft import SDFTConfig as config_class
+        from trl.experimental.sdft import SDFTTrainer as trainer_class
+
+        data, extra = _with_context(ctx, "standard_prompt_only", 8), {}
+    else:
+        from trl.experimental.sdpo import SDPOConfig as config_class
+        from trl.experimental.sdpo import SDPOTrainer as trainer_class
+
+        data, extra = ctx.dataset("standard_prompt_only", "train", 8), {"reward_funcs": hit_reward}
+    args = config_class(output_dir=ctx.tmpdir(), **{**SDFT_ARGS, "max_steps": 1, "use_teacher_server": True, **config})
+    return expect_error(lambda: trainer_class(model=ctx.model(QWEN), args=args, train_dataset=data, **extra))
+
+
+_SERVER = dict(use_vllm=True, vllm_mode="server", teacher_model_kind="live")
+for _name, _kwargs, _phrases in (
+    ("sdft/teacher_server/needs_vllm_server", dict(method="sdft"), ("use_vllm=True", "vllm_mode='server'")),
+    (
+        "sdft/teacher_server/needs_live",
+        dict(method="sdft", use_vllm=True, vllm_mode="server"),
+        ("teacher_model_kind",),
+    ),
+    (
+        "sdft/teacher_server/full_logits",
+        dict(method="sdft", **_SERVER, distillation_mode="full_logits"),
+        ("full_logits", "top-k"),
+    ),
+    ("sdpo/teacher_server/needs_vllm_server", dict(method="sdpo"), ("use_vllm=True", "vllm_mode='server'")),
+    (
+        "sdpo/teacher_server/distillation_weight",
+        dict(method="sdpo", **_SERVER, distillation_weight=0.5),
+        ("distillation_weight=1.0",),
+    ),
+):
+    register(_name, partial(teacher_server_error_case, **_kwargs), phrases=_phrases)

@@ -6,6 +6,7 @@ divergence `alpha * KL(p_T || m) + (1 - alpha) * KL(p_S || m)` with the mixture 
 """
 
 import torch
+import torch.nn.functional as F
 
 from ...trainer.utils.divergence import generalized_jsd_from_log_probs
 from ...trainer.utils.sparse_divergence import add_tail_bucket
@@ -33,7 +34,16 @@ def compute_divergence(student_log_probs: torch.Tensor, teacher_log_probs: torch
     Returns:
         `(...)` divergences.
     """
-    return generalized_jsd_from_log_probs(student_log_probs, teacher_log_probs, alpha).sum(dim=-1)
+    if alpha in (0.0, 1.0):
+        return generalized_jsd_from_log_probs(student_log_probs, teacher_log_probs, alpha).sum(dim=-1)
+    # The mixture and the interpolation of the two KL terms are computed in this order (float32 log-weights,
+    # log-sum-exp of the stacked weighted log-probabilities, per-entry `lerp`) because it rounds exactly as TRL does.
+    log_weights = torch.tensor([1.0 - alpha, alpha], device=student_log_probs.device).log()
+    weighted = torch.stack([student_log_probs + log_weights[0], teacher_log_probs + log_weights[1]])
+    log_mixture = torch.logsumexp(weighted, dim=0)
+    kl_teacher = F.kl_div(log_mixture, teacher_log_probs, reduction="none", log_target=True)
+    kl_student = F.kl_div(log_mixture, student_log_probs, reduction="none", log_target=True)
+    return torch.lerp(kl_student, kl_teacher, alpha).sum(dim=-1)
 
 
 def apply_importance_sampling_clipping(
@@ -62,7 +72,12 @@ def _support_log_probs(
     """The two distributions restricted to a support: with a tail bucket for the rest, or renormalised on it."""
     if add_tail:
         return add_tail_bucket(student_log_probs), add_tail_bucket(teacher_log_probs)
-    return student_log_probs.log_softmax(dim=-1), teacher_log_probs.log_softmax(dim=-1)
+    return _renormalised(student_log_probs), _renormalised(teacher_log_probs)
+
+
+def _renormalised(log_probs: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities renormalised over the last dimension, as `x - logsumexp(x)` (TRL's rounding)."""
+    return log_probs - torch.logsumexp(log_probs, dim=-1, keepdim=True)
 
 
 def compute_topk_self_distillation_loss(
@@ -88,11 +103,12 @@ def compute_topk_self_distillation_loss(
     Returns:
         `(B, T)` per-token losses.
     """
-    student_log_probs = student_logits.log_softmax(dim=-1)
-    teacher_log_probs = teacher_logits.log_softmax(dim=-1)
     support = student_logits.detach().topk(distillation_topk, dim=-1).indices
+    # A gathered logit minus its row's log-sum-exp (not a gathered log-softmax): TRL's rounding.
     student_on, teacher_on = _support_log_probs(
-        student_log_probs.gather(-1, support), teacher_log_probs.gather(-1, support), distillation_add_tail
+        student_logits.gather(-1, support) - torch.logsumexp(student_logits, dim=-1, keepdim=True),
+        teacher_logits.gather(-1, support) - torch.logsumexp(teacher_logits, dim=-1, keepdim=True),
+        distillation_add_tail,
     )
     return compute_divergence(student_on, teacher_on, distillation_alpha)
 

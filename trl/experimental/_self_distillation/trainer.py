@@ -23,6 +23,7 @@ from .loss_utils import (
     compute_topk_self_distillation_loss,
     token_log_probs,
 )
+from .teacher_server import check_teacher_server_args, score_on_server, server_self_distillation_per_token
 from .teacher_sync import PEFTAdapterEMACallback, SyncTeacherModelCallback, is_pure_lora_training
 
 
@@ -41,20 +42,16 @@ def completion_logits(
 ) -> torch.Tensor:
     """`(B, C, V)` logits predicting each completion token after `prompt`, divided by `temperature`.
 
-    Only the last `C + 1` positions go through the LM head. Positions count from each prompt's first real token.
+    As TRL's self-distillation trainers: one forward over the whole left-padded sequence with the model's default
+    positions (no `position_ids`, every position through the LM head), then the completion positions are sliced. RoPE
+    makes the attention invariant to the padding offset, so this equals the padding-aware positions up to float
+    rounding, and running TRL's exact computation keeps the gradients equal to its own to the last bits.
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     width = completion_ids.shape[1]
-    outputs = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=width + 1,
-    )
-    return outputs.logits[:, -(width + 1) : -1] / temperature
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    return logits[:, -(width + 1) : -1] / temperature
 
 
 def self_distillation_per_token_loss(
@@ -114,6 +111,8 @@ class _SelfDistillationTrainer(_OnlineTrainer):
                 raise NotImplementedError(f"{type(self).__name__} does not support an IterableDataset {name}.")
         if train_dataset is None:
             raise ValueError(f"{type(self).__name__} needs a train_dataset (rows with a `prompt` column).")
+        if args.use_teacher_server:
+            check_teacher_server_args(args, getattr(args, "distillation_weight", None))
         super().__init__(
             model=model,
             reward_funcs=reward_funcs,
@@ -228,12 +227,19 @@ class _SelfDistillationTrainer(_OnlineTrainer):
     ) -> torch.Tensor:
         """`(B, C)` self-distillation loss of each completion token, importance-weighted when old log-probs exist.
 
-        The teacher's logits are computed here unless given."""
+        The teacher's logits are computed here unless given; with `use_teacher_server` the generation server scores
+        the completions instead ([`teacher_server`])."""
         args = self.args
         completion_ids = inputs["completion_ids"]
-        if teacher_logits is None:
-            teacher_logits = self._teacher_logits(model, inputs)
-        per_token = self_distillation_per_token_loss(student_logits, teacher_logits, completion_ids, args)
+        if args.use_teacher_server:
+            per_token, abs_diff = server_self_distillation_per_token(
+                student_logits, completion_ids, inputs["completion_mask"], score_on_server(self, inputs), args
+            )
+            self._record_metric("self_distillation/server_logprob_abs_diff", abs_diff.detach())
+        else:
+            if teacher_logits is None:
+                teacher_logits = self._teacher_logits(model, inputs)
+            per_token = self_distillation_per_token_loss(student_logits, teacher_logits, completion_ids, args)
         old = inputs.get("old_per_token_logps")
         if args.distillation_is_clip is not None and old is not None:
             student_logps = token_log_probs(student_logits, completion_ids)
@@ -262,6 +268,45 @@ class _SelfDistillationTrainer(_OnlineTrainer):
                     processing_class=self.processing_class,
                     **payload,
                 )
+
+    def _prepare_inputs(self, generation_batch: Any) -> dict[str, Any]:
+        """The online core's micro-batch; after a new generation round TRL's `on_generation_batch_built` event."""
+        previous = self._buffered_inputs
+        inputs = super()._prepare_inputs(generation_batch)
+        if self._mode == "train" and self._buffered_inputs is not previous:
+            steps = self.args.steps_per_generation
+            self._dispatch_self_distillation_callback(
+                "on_generation_batch_built",
+                generate_every=steps * self.args.num_iterations,
+                steps_per_generation=steps,
+            )
+        return inputs
+
+    def _announce_generation_prompts(self, prompts: list) -> None:
+        """TRL's `on_generation_prompts_selected` event: the prompts (dataset values) about to be sampled from."""
+        self._dispatch_self_distillation_callback(
+            "on_generation_prompts_selected", generation_prompts=prompts, generation_prompt_text=None
+        )
+
+    def _announce_batch_prepared(self, batch: dict[str, Any], **extra: Any) -> None:
+        """TRL's `on_self_distillation_batch_prepared` event for a built round (SDPO adds its distillation mask)."""
+        teacher_input_ids, teacher_attention_mask = self._teacher_inputs(batch)
+        self._dispatch_self_distillation_callback(
+            "on_self_distillation_batch_prepared",
+            old_per_token_logps=batch.get("old_per_token_logps"),
+            prompt_ids=batch["prompt_ids"],
+            completion_ids=batch["completion_ids"],
+            teacher_input_ids=teacher_input_ids,
+            teacher_attention_mask=teacher_attention_mask,
+            **extra,
+        )
+
+    @staticmethod
+    def _teacher_inputs(batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The teacher's whole input (its prompt, then the completion) and attention mask, as TRL's hooks get it."""
+        ids = torch.cat([batch["teacher_prompt_ids"], batch["completion_ids"]], dim=1)
+        mask = torch.cat([batch["teacher_prompt_mask"], batch["completion_mask"].long()], dim=1)
+        return ids, mask
 
     def _record_distillation_loss(self, value: torch.Tensor) -> None:
         self._record_metric("self_distillation/distillation_loss", value.detach())

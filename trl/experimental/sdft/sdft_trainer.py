@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixi
 
 from ...trainer.online_rewards import _NoRewardsMixin
 from .._self_distillation.prompts import message_text, with_teacher_text
+from .._self_distillation.teacher_server import build_teacher_request_inputs  # noqa: F401 (TRL module name)
 from .._self_distillation.trainer import _SelfDistillationTrainer
 from .sdft_config import SDFTConfig
 
@@ -119,6 +120,7 @@ class SDFTTrainer(_NoRewardsMixin, _SelfDistillationTrainer):
         template = self.args.teacher_prompt_template
         teacher_prompts = [teacher_prompt(row["prompt"], row.get("privileged_context"), template) for row in inputs]
         if self.args.generate_from_teacher:
+            self._announce_generation_prompts(teacher_prompts)
             batch = super()._generate_and_score_completions(
                 [{**row, "prompt": prompt} for row, prompt in zip(inputs, teacher_prompts)]
             )
@@ -126,10 +128,12 @@ class SDFTTrainer(_NoRewardsMixin, _SelfDistillationTrainer):
                 [row["prompt"] for row in inputs], self.args.max_prompt_length
             )
         else:
+            self._announce_generation_prompts([row["prompt"] for row in inputs])
             batch = super()._generate_and_score_completions(inputs)
         batch["teacher_prompt_ids"], batch["teacher_prompt_mask"] = self._padded_prompts(
             teacher_prompts, self.args.max_prompt_length
         )
+        self._announce_batch_prepared(batch)
         return batch
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:

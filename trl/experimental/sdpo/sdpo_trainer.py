@@ -21,6 +21,7 @@ from transformers.utils import logging
 from ...trainer.online_math import ADVANTAGE_EPS, aggregate_rewards, group_advantages
 from .._self_distillation.loss_utils import token_log_probs
 from .._self_distillation.prompts import last_user_text, with_teacher_text
+from .._self_distillation.teacher_server import build_teacher_request_inputs  # noqa: F401 (TRL module name)
 from .._self_distillation.trainer import _SelfDistillationTrainer
 from .sdpo_config import _LOSS_TYPES, SDPOConfig
 
@@ -51,7 +52,7 @@ class DistillationLogits:
     completion_mask: torch.Tensor
     loss_mask: torch.Tensor
     student_logits: torch.Tensor
-    teacher_logits: torch.Tensor
+    teacher_logits: torch.Tensor | None
 
 
 def _is_blank(feedback: Any) -> bool:
@@ -304,14 +305,14 @@ class SDPOTrainer(_SelfDistillationTrainer):
             logger.warning(f"{message} Consecutive degenerate rounds: {count}.")
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        batch = super()._generate_and_score_completions(inputs)
         prompts = [row["prompt"] for row in inputs]
+        self._announce_generation_prompts(prompts)
+        batch = super()._generate_and_score_completions(inputs)
         feedbacks = [row.get("privileged_context") for row in inputs]
         context = self.teacher_context_builder.build(batch, prompts, self._round_rewards, feedbacks)
         batch.update(context)
         # The hooks get the teacher's whole input (its prompt, then the completion), as TRL's do.
-        teacher_input_ids = torch.cat([context["teacher_prompt_ids"], batch["completion_ids"]], dim=1)
-        teacher_attention_mask = torch.cat([context["teacher_prompt_mask"], batch["completion_mask"]], dim=1)
+        teacher_input_ids, teacher_attention_mask = self._teacher_inputs(batch)
         metrics = self.teacher_context_builder.last_metrics
         for key, value in metrics.items():
             self._metrics[self._mode][key].append(value)
@@ -328,15 +329,7 @@ class SDPOTrainer(_SelfDistillationTrainer):
             completion_mask=batch["completion_mask"],
             self_distillation_mask=context["self_distillation_mask"],
         )
-        self._dispatch_self_distillation_callback(
-            "on_self_distillation_batch_prepared",
-            old_per_token_logps=batch.get("old_per_token_logps"),
-            prompt_ids=batch["prompt_ids"],
-            completion_ids=batch["completion_ids"],
-            teacher_input_ids=teacher_input_ids,
-            teacher_attention_mask=teacher_attention_mask,
-            self_distillation_mask=context["self_distillation_mask"],
-        )
+        self._announce_batch_prepared(batch, self_distillation_mask=context["self_distillation_mask"])
         return batch
 
     # ------------------------------------------------------------------------------------------------------------
@@ -401,7 +394,8 @@ class SDPOTrainer(_SelfDistillationTrainer):
                 completion_mask=completion_mask,
                 loss_mask=completion_mask * sd_mask,
                 student_logits=student_logits,
-                teacher_logits=self._teacher_logits(model, inputs),
+                # The server teacher (`use_teacher_server`) returns log-probabilities, scored in the loss itself.
+                teacher_logits=None if self.args.use_teacher_server else self._teacher_logits(model, inputs),
             )
             distillation = self._compute_self_distillation_loss(model, inputs, logits)
             loss = distillation if loss is None else loss + weight * distillation
