@@ -132,7 +132,7 @@ def test_build_teacher_request_inputs():
         build_teacher_request_inputs(ids, mask)
     with pytest.raises(ValueError, match="same shape"):
         build_teacher_request_inputs(ids, mask[:, :3], labels=labels)
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(ValueError, match="Invalid prompt length"):
         build_teacher_request_inputs(ids, mask, labels=torch.full_like(labels, 5))
 
 

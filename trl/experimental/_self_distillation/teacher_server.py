@@ -11,7 +11,27 @@ from typing import Any
 
 import torch
 
+from ...trainer.utils import sparse_divergence
 from .loss_utils import _support_log_probs, compute_divergence, token_log_probs
+
+
+def build_teacher_request_inputs(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_attention_mask: torch.Tensor
+) -> tuple[list[list[int]], list[int], list[int]]:
+    """The server request of a padded batch (TRL's SDFT/SDPO signature: the prompt mask is required); see
+    [`~trl.trainer.utils.sparse_divergence.build_teacher_request_inputs`].
+
+    Args:
+        input_ids: `(B, L)` teacher prompt followed by the completion, padded anywhere.
+        attention_mask: `(B, L)` 1 on real tokens.
+        prompt_attention_mask: `(B, L)` 1 on the real prompt tokens (0 over the completion).
+
+    Returns:
+        `(sequences, prompt_lengths, completion_lengths)`, one entry per row.
+    """
+    return sparse_divergence.build_teacher_request_inputs(
+        input_ids, attention_mask, prompt_attention_mask=prompt_attention_mask
+    )
 
 
 def check_teacher_server_args(args: Any, distillation_weight: float | None = None) -> None:
@@ -54,37 +74,6 @@ def check_teacher_server_args(args: Any, distillation_weight: float | None = Non
             "`use_teacher_server=True` with `distillation_mode='topk_logits'` needs `distillation_topk` (the number "
             "of teacher log-probabilities the server returns per token); got None. Set e.g. `distillation_topk=100`."
         )
-
-
-def build_teacher_request_inputs(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_attention_mask: torch.Tensor
-) -> tuple[list[list[int]], list[int], list[int]]:
-    """The server request of a padded batch: each row's tokens without padding, its prompt and completion lengths.
-
-    Args:
-        input_ids: `(B, L)` teacher prompt followed by the completion, padded anywhere.
-        attention_mask: `(B, L)` 1 on real tokens.
-        prompt_attention_mask: `(B, L)` 1 on the real prompt tokens (0 over the completion).
-
-    Returns:
-        `(sequences, prompt_lengths, completion_lengths)`, one entry per row.
-
-    Raises:
-        ValueError: When the shapes differ or a prompt is longer than its row.
-    """
-    for name, mask in (("attention_mask", attention_mask), ("prompt_attention_mask", prompt_attention_mask)):
-        if mask.shape != input_ids.shape:
-            raise ValueError(f"input_ids and {name} must have the same shape, got {input_ids.shape} and {mask.shape}.")
-    sequences, prompt_lengths, completion_lengths = [], [], []
-    for ids, mask, prompt_mask in zip(input_ids.tolist(), attention_mask.tolist(), prompt_attention_mask.tolist()):
-        tokens = [token for token, keep in zip(ids, mask) if keep]
-        prompt_length = int(sum(prompt_mask))
-        if not 0 <= prompt_length <= len(tokens):
-            raise ValueError(f"Invalid prompt length {prompt_length} for trimmed sequence of length {len(tokens)}.")
-        sequences.append(tokens)
-        prompt_lengths.append(prompt_length)
-        completion_lengths.append(len(tokens) - prompt_length)
-    return sequences, prompt_lengths, completion_lengths
 
 
 def score_on_server(trainer: Any, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -178,8 +178,7 @@ def build_teacher_request_inputs(
     """
     if input_ids.shape != attention_mask.shape:
         raise ValueError(
-            f"input_ids and attention_mask must have the same shape, got {tuple(input_ids.shape)} and "
-            f"{tuple(attention_mask.shape)}."
+            f"input_ids and attention_mask must have the same shape, got {input_ids.shape} and {attention_mask.shape}."
         )
     if prompt_attention_mask is not None:
         if prompt_attention_mask.shape[0] != input_ids.shape[0]:
@@ -190,11 +189,12 @@ def build_teacher_request_inputs(
         prompt_lengths = prompt_attention_mask.sum(dim=-1).tolist()
     else:
         if labels is None:
-            raise ValueError("Pass labels (-100 outside the completion) or prompt_attention_mask to find the prompts.")
-        if labels.shape != input_ids.shape:
             raise ValueError(
-                f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got {tuple(labels.shape)}."
+                "labels are required when prompt_attention_mask is not provided. Pass labels (-100 outside the "
+                "completion) or prompt_attention_mask to locate the prompts."
             )
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels must match input_ids shape, got {labels.shape} and {input_ids.shape}.")
         prompt_lengths = (attention_mask.sum(dim=-1) - (labels != -100).sum(dim=-1)).tolist()
     sequences, completion_lengths = [], []
     for row, (ids, mask) in enumerate(zip(input_ids.tolist(), attention_mask.bool().tolist(), strict=True)):
@@ -202,7 +202,8 @@ def build_teacher_request_inputs(
         prompt_length = int(prompt_lengths[row])
         if not 0 <= prompt_length <= len(tokens):
             raise ValueError(
-                f"Row {row}: prompt length {prompt_length} is outside [0, {len(tokens)}] (its number of real tokens)."
+                f"Invalid prompt length {prompt_length} for trimmed sequence of length {len(tokens)}. (Row {row}: a "
+                "prompt cannot be longer than the row's real tokens; check the prompt mask or labels.)"
             )
         sequences.append(tokens)
         completion_lengths.append(len(tokens) - prompt_length)
