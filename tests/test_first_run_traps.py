@@ -231,3 +231,20 @@ def test_printed_rows_keep_numbers_as_numbers(tmp_path, capsys):
     trainer.train()
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{'loss': ")]
     assert printed and printed[0][len("{'loss': ")].isdigit(), printed
+
+
+def test_training_a_tiny_offline_model_says_so_once(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    from trl.trainer.utils import console_logs
+
+    monkeypatch.setattr(console_logs, "_NOTED_TEST_MODELS", set())
+    tiny = SimpleNamespace(config=SimpleNamespace(_name_or_path=get_model_path("tiny-Qwen2ForCausalLM")))
+    with caplog.at_level(logging.WARNING, logger=console_logs.__name__):
+        console_logs.note_offline_test_model(tiny)
+        console_logs.note_offline_test_model(tiny)
+        console_logs.note_offline_test_model(
+            SimpleNamespace(config=SimpleNamespace(_name_or_path="/not/a/test/model"))
+        )
+    notes = [r.getMessage() for r in caplog.records if "tiny test model with random weights" in r.getMessage()]
+    assert len(notes) == 1 and notes[0].startswith("Training tiny-Qwen2ForCausalLM")

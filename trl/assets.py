@@ -100,6 +100,18 @@ def _cache_root() -> Path:
     return root / f"{ASSETS_VERSION}{saved_files_suffix()}"
 
 
+def offline_model_name(path: str | None) -> str | None:
+    """The asset name (`tiny-Qwen2ForCausalLM`, ...) when `path` is one of the offline test models, else None."""
+    if not path or not os.path.isdir(path):
+        return None
+    resolved = Path(path).resolve()
+    # Wherever the cache lives (`$TRL_ASSETS_CACHE`, the repository's `.trl-assets`): `<root>/models/<name>`,
+    # completed with the marker `_ensure_built` writes.
+    if resolved.parent.name == "models" and (resolved / ".complete").is_file() and resolved.name in MODEL_NAMES:
+        return resolved.name
+    return None
+
+
 def _ensure_built(kind: str, name: str, builder: Callable[[Path], None]) -> str:
     """Return the cached directory of an asset, building it first (once, across processes) when missing."""
     final = _cache_root() / kind / name

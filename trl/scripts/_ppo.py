@@ -5,12 +5,15 @@ Loads the policy and reference from `sft_model_path` (or `--model_name_or_path`)
 dataset given, the tiny offline assets are used, so the scripts run anywhere.
 """
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
 from .utils import ScriptArguments
 
+
+logger = logging.getLogger(__name__)
 
 # PPOConfig's defaults for both model paths: left at this value, the offline tiny models are used instead.
 _DEFAULT_MODEL_PATH = "EleutherAI/pythia-160m"
@@ -21,8 +24,15 @@ def _resolve_offline_defaults(script_args: ScriptArguments, training_args: Any, 
 
     if model_args.model_name_or_path is None and training_args.sft_model_path == _DEFAULT_MODEL_PATH:
         training_args.sft_model_path = get_model_path("tiny-Qwen2ForCausalLM")
+        replaced = "sft_model_path"
         if training_args.reward_model_path == _DEFAULT_MODEL_PATH:
             training_args.reward_model_path = get_model_path("tiny-Qwen2ForSequenceClassification")
+            replaced += " and reward_model_path"
+        logger.warning(
+            f"No --sft_model_path or --model_name_or_path given: PPOConfig's default {replaced} "
+            f"({_DEFAULT_MODEL_PATH!r}) is replaced by trl's tiny offline test models so that the script runs "
+            f"anywhere. Pass --sft_model_path {_DEFAULT_MODEL_PATH} (and --reward_model_path) to train TRL's default."
+        )
     if script_args.dataset_name is None:
         script_args.dataset_name = get_dataset_path("standard_prompt_only")
 

@@ -45,7 +45,7 @@ from .utils.checkpoints import (
     save_reference_model,
     save_trainer_state,
 )
-from .utils.console_logs import use_numeric_log_printers, warn_if_launch_dropped_processes
+from .utils.console_logs import note_offline_test_model, use_numeric_log_printers, warn_if_launch_dropped_processes
 from .utils.contiguous_state import (
     contiguous_training_state,
     finish_contiguous_micro_batch,
@@ -122,6 +122,8 @@ class _BaseTrainer(Trainer):
         self.add_callback(RunReportCallback(self))
         use_numeric_log_printers(self)
         warn_if_launch_dropped_processes(self.accelerator.num_processes)
+        if self.is_world_process_zero():
+            note_offline_test_model(self.model)
         warn_ignored_options(self.args, self._ignored_option_facts(), self._ignored_options, type(self).__name__)
         self._warn_uncalled_overrides()
 

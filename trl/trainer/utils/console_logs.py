@@ -1,12 +1,16 @@
-"""What a run prints to the console besides its progress bar: the logged metrics as numbers, and a warning when
-`accelerate launch` started fewer processes than asked for."""
+"""What a run prints to the console besides its progress bar: the logged metrics as numbers, a warning when
+`accelerate launch` started fewer processes than asked for, and a note when the model is a tiny offline test model."""
 
+import logging
 import math
 import os
 import warnings
 from typing import Any
 
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+
+logger = logging.getLogger(__name__)
 
 
 def printable_logs(logs: dict[str, Any], max_str_len: int = 100) -> dict[str, Any]:
@@ -101,4 +105,24 @@ def warn_if_launch_dropped_processes(num_processes: int) -> None:
         f"{asked} <script> ...`, or `trl <command> ... --num_processes {asked}`.",
         UserWarning,
         stacklevel=3,
+    )
+
+
+_NOTED_TEST_MODELS: set[str] = set()
+
+
+def note_offline_test_model(model: Any) -> None:
+    """Say once per process when the model being trained is one of trl's tiny offline test models (random weights):
+    the example scripts fall back to them when no model is given, and their flat losses are otherwise a puzzle."""
+    from ...assets import offline_model_name
+
+    config = getattr(model, "config", None)
+    name = offline_model_name(getattr(config, "_name_or_path", None))
+    if name is None or name in _NOTED_TEST_MODELS:
+        return
+    _NOTED_TEST_MODELS.add(name)
+    logger.warning(
+        f"Training {name}, a tiny test model with random weights from trl's offline assets (the example scripts "
+        "use it when no model is given): its losses barely move and its completions are noise. Pass "
+        "--model_name_or_path (or your model) to train a real one."
     )
