@@ -107,6 +107,24 @@ class _ReadHistoryAtEachStep(TrainerCallback):
         self.seen.append((state.global_step, steps))
 
 
+def test_data_summary_counts_the_rows_truncated_in_preparation(tmp_path, model_path, language_modeling):
+    from trl.trainer.run_report.data_summary import describe_trainer_data
+    from trl.trainer.run_report.page import _data_section
+
+    args = make_sft_args(tmp_path, max_length=8)
+    trainer = SFTTrainer(
+        model_path, args=args, train_dataset=language_modeling["train"], eval_dataset=language_modeling["test"]
+    )
+    tokenizer = trainer.processing_class
+    # SFT appends EOS to each text; a row longer than max_length is cut.
+    expected = sum(len(tokenizer(text)["input_ids"]) + 1 > 8 for text in language_modeling["train"]["text"])
+    splits = describe_trainer_data(trainer)
+    assert splits["train"]["truncated_rows"] == expected > 0
+    assert splits["eval"]["truncated_rows"] > 0
+    run = type("Run", (), {"name": "run", "data": splits})()
+    assert f"{expected:,} rows truncated</b> to max_length" in _data_section([run])
+
+
 def test_sft_rows_are_on_disk_as_logged_and_the_report_is_written(tmp_path, model_path, language_modeling):
     reader = _ReadHistoryAtEachStep(str(tmp_path))
     args = make_sft_args(tmp_path, eval_strategy="steps", eval_steps=2)
@@ -135,6 +153,7 @@ def test_sft_rows_are_on_disk_as_logged_and_the_report_is_written(tmp_path, mode
     data = rows_of(tmp_path, "data")[0]
     assert data["train"]["raw_format"] == "language_modeling" and data["train"]["rows"] == 64
     assert data["train"]["token_lengths"]["input_ids"]["max_length"] == 32
+    assert data["train"]["truncated_rows"] == 0 and data["train"]["rows_without_trainable_token"] == 0
 
     # save_strategy="no": no checkpoint, yet the page is written when training ends.
     audit = assert_self_contained(tmp_path / "report.html")

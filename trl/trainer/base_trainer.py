@@ -13,6 +13,8 @@ import copy
 import os
 import warnings
 from collections import defaultdict
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -105,6 +107,9 @@ class _BaseTrainer(Trainer):
     ref_model = None
     current_gradient_accumulation_steps: int | None = None
     _total_train_tokens = 0
+    # Per dataset name ("train", "eval", ...): counts the data preparation knows exactly (rows truncated, rows dropped
+    # and why), shown in the run report's data summary. Replaced (never mutated) by a trainer that records some.
+    _preparation_counts: Mapping[str, dict[str, int]] = MappingProxyType({})
     _shared_prefix_passes = 0
     _policy_is_reference = False
     _paper: dict[str, str] = {}

@@ -590,6 +590,7 @@ class SFTTrainer(_BaseTrainer):
         if not is_iterable:
             lengths = tokenized["input_ids"]
             n_before = len(tokenized)
+            n_long = 0
             if max_length is not None and not packing:
                 n_long = sum(len(ids) > max_length for ids in lengths)
                 if n_long:
@@ -605,6 +606,9 @@ class SFTTrainer(_BaseTrainer):
             tokenized = tokenized.map(truncate, **_desc(map_kwargs, "Truncating"))
             keep_mask = [any(label != -100 for label in labels[1:]) for labels in tokenized["labels"]]
             n_empty = keep_mask.count(False)
+            # For the run report's data summary: exact counts instead of "rows reaching max_length".
+            counts = {"truncated_rows": n_long, "rows_without_trainable_token": n_empty}
+            self._preparation_counts = {**self._preparation_counts, dataset_name: counts}
             if n_empty == n_before:
                 shortest_prompt = _shortest_prompt(tokenized)
                 detail = (

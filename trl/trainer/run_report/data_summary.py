@@ -182,6 +182,8 @@ def describe_trainer_data(trainer: Any) -> dict[str, Any]:
     max_length = getattr(args, "max_length", None)
     max_length = max_length if isinstance(max_length, int) and max_length > 0 else None
     splits: dict[str, Any] = {}
+    # Exact counts a TRL trainer's data preparation recorded (a plain `Trainer` has none).
+    counts = getattr(trainer, "_preparation_counts", None) or {}
     if trainer.train_dataset is not None:
         train = describe_prepared_dataset(trainer.train_dataset, max_length)
         train.update(getattr(trainer, "_given_train_data", None) or {})
@@ -197,11 +199,18 @@ def describe_trainer_data(trainer: Any) -> dict[str, Any]:
                 prompt_stats = None
             if prompt_stats is not None:
                 train["token_lengths"] = {"prompt": prompt_stats}
+        train.update(counts.get("train", {}))
         splits["train"] = {key: value for key, value in train.items() if value is not None}
     eval_dataset = trainer.eval_dataset
     if isinstance(eval_dataset, dict):
         for name, dataset in eval_dataset.items():
-            splits[f"eval_{name}"] = describe_prepared_dataset(dataset, max_length)
+            splits[f"eval_{name}"] = {
+                **describe_prepared_dataset(dataset, max_length),
+                **counts.get(name, {}),
+            }
     elif eval_dataset is not None:
-        splits["eval"] = describe_prepared_dataset(eval_dataset, max_length)
+        splits["eval"] = {
+            **describe_prepared_dataset(eval_dataset, max_length),
+            **counts.get("eval", {}),
+        }
     return splits

@@ -221,6 +221,12 @@ def _data_section(runs: list[RunHistory]) -> str:
             dropped = summary.get("dropped_rows")
             if is_number(dropped) and dropped > 0:
                 facts.append(f"<b>{dropped:,} rows dropped</b> in preparation (filtered, e.g. empty or over-long)")
+            truncated = summary.get("truncated_rows")
+            if is_number(truncated) and truncated > 0:
+                facts.append(f"<b>{truncated:,} rows truncated</b> to max_length")
+            untrainable = summary.get("rows_without_trainable_token")
+            if is_number(untrainable) and untrainable > 0:
+                facts.append(f"<b>{untrainable:,} rows dropped</b> with no token left to train on")
             if summary.get("streaming"):
                 facts.append("streamed (rows unknown)")
             if summary.get("columns"):
