@@ -48,11 +48,6 @@ from .utils.checkpoints import (
     save_trainer_state,
 )
 from .utils.console_logs import note_offline_test_model, use_numeric_log_printers, warn_if_launch_dropped_processes
-from .utils.contiguous_state import (
-    contiguous_training_state,
-    finish_contiguous_micro_batch,
-    prepare_contiguous_gradients,
-)
 from .utils.cpu_allocator import keep_activation_memory
 from .utils.distributed import guard_gloo_exit, uses_sharding_engine
 from .utils.ignored_options import IgnoredOption, warn_ignored_options
@@ -699,7 +694,7 @@ class _BaseTrainer(Trainer):
         # On the CPU, freed activation memory stays in the heap for the next step instead of being faulted in anew.
         parameter = next(self.model.parameters(), None)
         keep_activation_memory(parameter.device.type if parameter is not None else self.args.device.type)
-        with self._training_kernels(), contiguous_training_state(self):
+        with self._training_kernels():
             try:
                 return super().train(resume_from_checkpoint, *args, **kwargs)
             finally:
@@ -729,21 +724,16 @@ class _BaseTrainer(Trainer):
         return stack
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        # Gradients (and Adam's moments) in buffers allocated once, outside glibc's heap (see `contiguous_state`).
-        prepare_contiguous_gradients(self)
-        if trainer_divides_scaled_loss(self):
-            # transformers 4.x divides the loss by the accumulation steps unless `compute_loss_func` is set, and only
-            # reads it there (this trainer's `compute_loss` never calls it): set for the step, the loss stays as
-            # `compute_loss` scaled it, as transformers 5 leaves it given `loss_is_scaled_for_ga`.
-            previous, self.compute_loss_func = self.compute_loss_func, _loss_already_scaled
-            try:
-                loss = super().training_step(model, inputs, num_items_in_batch)
-            finally:
-                self.compute_loss_func = previous
-        else:
-            loss = super().training_step(model, inputs, num_items_in_batch)
-        finish_contiguous_micro_batch(self)
-        return loss
+        if not trainer_divides_scaled_loss(self):
+            return super().training_step(model, inputs, num_items_in_batch)
+        # transformers 4.x divides the loss by the accumulation steps unless `compute_loss_func` is set, and only
+        # reads it there (this trainer's `compute_loss` never calls it): set for the step, the loss stays as
+        # `compute_loss` scaled it, as transformers 5 leaves it given `loss_is_scaled_for_ga`.
+        previous, self.compute_loss_func = self.compute_loss_func, _loss_already_scaled
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self.compute_loss_func = previous
 
     def create_model_card(
         self,
