@@ -7,8 +7,8 @@ with the vLLM environment's interpreter (`make vllm-env` builds `.venv-vllm`; pa
 - `hf`: `model.generate` on left-padded batches;
 - `hf-groups` / `loop-forward` / `loop`: the online trainers' transformers path without `use_vllm`: each group of
   `--n` rows shares one prompt prefill, then `generate` (`hf-groups`, `generate_with_shared_prompts`) or the rollout
-  decode loop (`trl/trainer/utils/rollout_decode.py`, the same tokens) stepping through the transformers forward
-  (`loop-forward`) or through the lean decode step (`loop`, `trl/trainer/utils/lean_decode.py`, bitwise the same
+  decode loop (`trl/trainer/fast_paths/rollout_decode.py`, the same tokens) stepping through the transformers forward
+  (`loop-forward`) or through the lean decode step (`loop`, `trl/trainer/fast_paths/lean_decode.py`, bitwise the same
   logits); no end token, so every row runs to the end;
 - `vllm`: an in-process `vllm.LLM` (what colocate mode runs);
 - `vllm-serve` (with `--server`): `trl vllm-serve` queried through `VLLMClient` (server mode), start-up excluded.
@@ -102,8 +102,8 @@ def run_rollouts(
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    from trl.trainer.fast_paths import rollout_decode
     from trl.trainer.online_generation import generate_with_shared_prompts
-    from trl.trainer.utils import rollout_decode
 
     if not lean:  # the loop steps through the transformers forward, as before the lean step
         rollout_decode.lean_decode_fallback_reason = lambda model: "switched off by the benchmark"

@@ -19,7 +19,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from trl import GRPOConfig, GRPOTrainer, _compat
 from trl.assets import get_tokenizer_path
-from trl.trainer.utils import rollout_decode
+from trl.trainer.fast_paths import rollout_decode
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -167,7 +167,7 @@ def test_repetition_penalty_padding_probe_matches_generate(model_path):
     `make test-compat` runs at transformers 4.56 and 5.x)."""
     from transformers import GenerationConfig
 
-    from trl.trainer.utils.rollout_decode import _SamplingProcessors
+    from trl.trainer.fast_paths.rollout_decode import _SamplingProcessors
 
     config = GenerationConfig(repetition_penalty=1e6, do_sample=False, pad_token_id=0, max_new_tokens=1)
     sequences = torch.tensor([[0, 0, 7, 8], [5, 6, 7, 8]])

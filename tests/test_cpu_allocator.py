@@ -1,4 +1,4 @@
-"""glibc's malloc thresholds for CPU training (`trl/trainer/utils/cpu_allocator.py`): freed activation memory stays
+"""glibc's malloc thresholds for CPU training (`trl/trainer/fast_paths/cpu_allocator.py`): freed activation memory stays
 in the heap between steps, and the user's own allocator settings are never overridden."""
 
 import os
@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from trl.trainer.utils.cpu_allocator import ENV_SWITCH, activation_memory_fallback_reason
+from trl.trainer.fast_paths.cpu_allocator import ENV_SWITCH, activation_memory_fallback_reason
 
 
 PROBE = """
 import ctypes, sys, torch
-from trl.trainer.utils.cpu_allocator import keep_activation_memory
+from trl.trainer.fast_paths.cpu_allocator import keep_activation_memory
 
 
 class MallInfo2(ctypes.Structure):

@@ -15,9 +15,9 @@ from trl import SFTConfig, SFTTrainer
 from trl.assets import get_model_path
 from trl.kernels import linear_selective_log_softmax, selective_log_softmax
 from trl.kernels.decoder_layers import rms_norm, swiglu_mlp
+from trl.trainer.fast_paths.rollout_decode import decode_rollouts
 from trl.trainer.online_generation import generate_with_shared_prompts
 from trl.trainer.utils.flops import get_peak_flops
-from trl.trainer.utils.rollout_decode import decode_rollouts
 
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

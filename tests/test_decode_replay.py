@@ -1,5 +1,5 @@
 """The rollout decode's layer outputs replayed as the gradient checkpoints of the loss pass
-(`trl/trainer/utils/decode_replay.py`): the recorded outputs are the forward's, the replayed pass gives the
+(`trl/trainer/fast_paths/decode_replay.py`): the recorded outputs are the forward's, the replayed pass gives the
 checkpointed pass's loss and gradients, and the trainers replay only while the parameters are the decoding ones."""
 
 import pytest
@@ -10,15 +10,15 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from trl._compat import enable_activation_checkpointing
 from trl.assets import get_model_path
-from trl.trainer.utils.decode_replay import (
+from trl.trainer.fast_paths.decode_replay import (
     DecodeLayerOutputs,
     layer_outputs_fallback_reason,
     recording_layer_outputs,
     replay_decoder_layers,
     replayed_layer_outputs,
 )
-from trl.trainer.utils.prefix_sharing import same_prompt_groups, share_prefixes, shared_prefix_token_logps
-from trl.trainer.utils.rollout_decode import decode_rollouts
+from trl.trainer.fast_paths.prefix_sharing import same_prompt_groups, share_prefixes, shared_prefix_token_logps
+from trl.trainer.fast_paths.rollout_decode import decode_rollouts
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -236,7 +236,7 @@ def test_parameters_changed_in_place_are_not_replayed(tmp_path, model_path, prom
 @pytest.mark.parametrize("bias", [True, False])
 def test_gradient_only_linear_back_propagates_as_the_linear(bias):
     """The recompute's down projection skips its product but gives the linear's gradients (written out by hand)."""
-    from trl.trainer.utils.layer_checkpoints import _GradientOnlyLinear
+    from trl.trainer.fast_paths.layer_checkpoints import _GradientOnlyLinear
 
     generator = torch.Generator().manual_seed(0)
     inputs = torch.randn(2, 5, 6, generator=generator, requires_grad=True)

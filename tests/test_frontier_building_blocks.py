@@ -16,6 +16,7 @@ from trl.assets import get_model_path, load_test_dataset
 from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 from trl.models import enable_selective_activation_checkpointing
 from trl.trainer import add_fused_lm_head
+from trl.trainer.fast_paths.fused_lm_head import resolve_logit_scale
 from trl.trainer.utils import (
     FusedCausalLMOutput,
     global_then_local_main_first,
@@ -24,7 +25,6 @@ from trl.trainer.utils import (
     shutdown_event_loop_in_daemon,
     start_event_loop_in_daemon,
 )
-from trl.trainer.utils.fused_lm_head import resolve_logit_scale
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")

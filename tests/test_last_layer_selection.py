@@ -1,4 +1,4 @@
-"""The last decoder layer on selected positions (`trl/trainer/utils/last_layer_selection.py`) against the full layer:
+"""The last decoder layer on selected positions (`trl/trainer/fast_paths/last_layer_selection.py`) against the full layer:
 equal hidden states at the selected positions and matching gradients for every supported family, mask kind,
 attention implementation and gradient checkpointing; the fallback for what it does not handle."""
 
@@ -8,8 +8,8 @@ from trainer_utils import LLAMA_STYLE_FAMILIES, llama_style_decoder
 from transformers import AutoModelForSequenceClassification
 
 from trl.assets import get_model_path
-from trl.trainer.utils import last_layer_selection
-from trl.trainer.utils.last_layer_selection import last_layer_at, last_layer_selection_fallback_reason
+from trl.trainer.fast_paths import last_layer_selection
+from trl.trainer.fast_paths.last_layer_selection import last_layer_at, last_layer_selection_fallback_reason
 from trl.trainer.utils.packing import packed_sdpa_attention
 
 

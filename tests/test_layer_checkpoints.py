@@ -1,4 +1,4 @@
-"""Checkpointed decoder layers with their kept outputs outside the heap (`trl/trainer/utils/layer_checkpoints.py`):
+"""Checkpointed decoder layers with their kept outputs outside the heap (`trl/trainer/fast_paths/layer_checkpoints.py`):
 the values and gradients of torch's checkpoint, the arena reused step after step, and transformers' checkpoint kept
 wherever the layer or the settings do not qualify."""
 
@@ -8,8 +8,8 @@ from trainer_utils import LLAMA_STYLE_FAMILIES, args_builder, llama_style_decode
 
 from trl import SFTConfig, SFTTrainer
 from trl._compat import enable_activation_checkpointing
-from trl.trainer.utils import layer_checkpoints
-from trl.trainer.utils.layer_checkpoints import (
+from trl.trainer.fast_paths import layer_checkpoints
+from trl.trainer.fast_paths.layer_checkpoints import (
     CheckpointArena,
     layer_checkpoint_fallback_reason,
     lean_layer_checkpoints,

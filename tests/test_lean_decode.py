@@ -1,4 +1,4 @@
-"""The lean decode step (`trl/trainer/utils/lean_decode.py`) against the transformers forward: bitwise equal logits
+"""The lean decode step (`trl/trainer/fast_paths/lean_decode.py`) against the transformers forward: bitwise equal logits
 for every supported family, the same rollouts as `generate`, and the fallback for everything it does not reproduce."""
 
 import functools
@@ -17,12 +17,12 @@ from transformers import (
 
 from trl._compat import cache_kwargs
 from trl.assets import get_model_path
+from trl.trainer.fast_paths import lean_decode, rollout_decode
+from trl.trainer.fast_paths.lean_decode import LeanDecoder, lean_decode_fallback_reason
+from trl.trainer.fast_paths.lean_modules import lean_modules
+from trl.trainer.fast_paths.rollout_decode import decode_rollouts
 from trl.trainer.online_generation import generate_with_shared_prompts
-from trl.trainer.utils import lean_decode, rollout_decode
-from trl.trainer.utils.lean_decode import LeanDecoder, lean_decode_fallback_reason
-from trl.trainer.utils.lean_modules import lean_modules
 from trl.trainer.utils.packing import packed_sdpa_attention
-from trl.trainer.utils.rollout_decode import decode_rollouts
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")

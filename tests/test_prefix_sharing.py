@@ -1,4 +1,4 @@
-"""Shared-prefix forward passes (trl/trainer/utils/prefix_sharing.py): the layout and its mask, per-row log-probs,
+"""Shared-prefix forward passes (trl/trainer/fast_paths/prefix_sharing.py): the layout and its mask, per-row log-probs,
 pooled scores and their gradients equal to separate rows, and the trainers that use them (DPO, Reward, KTO)."""
 
 import copy
@@ -11,9 +11,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from trl._compat import enable_activation_checkpointing
 from trl.kernels.packed_attention import capture_keys_values
-from trl.trainer.utils import compute_sequence_token_logps
-from trl.trainer.utils.packing import packed_sdpa_attention
-from trl.trainer.utils.prefix_sharing import (
+from trl.trainer.fast_paths.prefix_sharing import (
     MIN_SHARED_SAVING,
     continuation_starts,
     keys_values_capturable,
@@ -27,6 +25,8 @@ from trl.trainer.utils.prefix_sharing import (
     sharing_possible_now,
     supports_prefix_sharing,
 )
+from trl.trainer.utils import compute_sequence_token_logps
+from trl.trainer.utils.packing import packed_sdpa_attention
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -10,7 +10,7 @@ from trainer_utils import PREFERENCE_ARGS, args_builder
 
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 from trl.assets import get_model_path, load_test_dataset
-from trl.trainer.utils.reference_cache import (
+from trl.trainer.fast_paths.reference_cache import (
     ReferenceCache,
     reference_is_deterministic,
     row_digests,

@@ -1,4 +1,4 @@
-"""The rollout decode loop (`trl/trainer/utils/rollout_decode.py`) against transformers `generate`: same tokens, same
+"""The rollout decode loop (`trl/trainer/fast_paths/rollout_decode.py`) against transformers `generate`: same tokens, same
 random stream, and `generate` whenever the loop cannot reproduce it."""
 
 import pytest
@@ -9,9 +9,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, Generation
 from trl import GRPOConfig, GRPOTrainer
 from trl._compat import cache_kwargs
 from trl.assets import get_model_path
+from trl.trainer.fast_paths import rollout_decode
+from trl.trainer.fast_paths.rollout_decode import decode_rollouts, rollout_decode_fallback_reason
 from trl.trainer.online_generation import generate_with_shared_prompts
-from trl.trainer.utils import rollout_decode
-from trl.trainer.utils.rollout_decode import decode_rollouts, rollout_decode_fallback_reason
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")

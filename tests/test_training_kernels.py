@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
 from trl.kernels.decoder_layers import rms_norm, swiglu_mlp
 from trl.kernels.packed_attention import PACKED_SDPA
+from trl.trainer.fast_paths.lean_modules import lean_module_kernel, lean_modules
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
-from trl.trainer.utils.lean_modules import lean_module_kernel, lean_modules
 from trl.trainer.utils.packing import packed_sdpa_applicable, packed_sdpa_attention, plain_sdpa_attention
 
 
@@ -485,7 +485,7 @@ def test_swiglu_without_gradients_holds_two_intermediate_tensors():
 def test_mlps_without_grad_switches_plain_unhooked_mlps_and_restores_them(tiny_qwen_path):
     """Reference passes run the model's MLPs through the in-place kernel: the same logits, a hooked MLP keeps its own
     forward (and its hook runs), and every forward is the class's again afterwards."""
-    from trl.trainer.utils.lean_modules import mlps_without_grad
+    from trl.trainer.fast_paths.lean_modules import mlps_without_grad
 
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path).eval()
     ids = torch.randint(0, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))

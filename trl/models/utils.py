@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from .._compat import disable_activation_checkpointing, enable_activation_checkpointing, is_activation_checkpointing
-from ..import_utils import is_deepspeed_available
+from ..import_utils import is_deepspeed_available, is_peft_available
 
 
 # Where decoder layers live in common architectures; `{layer}` is replaced by the layer number.
@@ -384,3 +384,14 @@ def hash_module(module: nn.Module) -> str:
             tensor = tensor.float()
         digest.update(tensor.numpy().tobytes())
     return digest.hexdigest()
+
+
+def _base_transformers_model(model: nn.Module) -> nn.Module:
+    """The underlying transformers model of a (DDP-, accelerate- or PEFT-) wrapped model."""
+    target = getattr(model, "module", model)
+    if is_peft_available():
+        from peft import PeftModel
+
+        if isinstance(target, PeftModel):
+            target = target.get_base_model()
+    return target

@@ -28,6 +28,9 @@ from ..chat_template_utils import clone_chat_template
 from ..models.activation_offloading import get_act_offloading_ctx_manager
 from ..models.utils import _create_reference_model, prepare_deepspeed, prepare_fsdp
 from .callbacks import SyncRefModelCallback
+from .fast_paths.cpu_allocator import keep_activation_memory
+from .fast_paths.layer_checkpoints import CheckpointArena, lean_layer_checkpoints
+from .fast_paths.lean_modules import lean_modules, mlps_without_grad
 from .run_report.callback import RunReportCallback
 from .run_report.data_summary import describe_given_dataset
 from .utils import (
@@ -48,11 +51,8 @@ from .utils.checkpoints import (
     save_trainer_state,
 )
 from .utils.console_logs import note_offline_test_model, use_numeric_log_printers, warn_if_launch_dropped_processes
-from .utils.cpu_allocator import keep_activation_memory
 from .utils.distributed import guard_gloo_exit, uses_sharding_engine
 from .utils.ignored_options import IgnoredOption, warn_ignored_options
-from .utils.layer_checkpoints import CheckpointArena, lean_layer_checkpoints
-from .utils.lean_modules import lean_modules, mlps_without_grad
 from .utils.packing import packed_sdpa_attention
 
 
@@ -569,7 +569,7 @@ class _BaseTrainer(Trainer):
         """Faster, leaner stand-ins for parts of the model, in place while training or evaluating and removed
         afterwards (the model given and the ones saved keep their own): per-sequence causal attention on padding-free
         batches ([`~trl.trainer.utils.packing.packed_sdpa_attention`]) and the MLPs and RMSNorms that keep fewer
-        activations ([`~trl.trainer.utils.lean_modules.lean_modules`])."""
+        activations ([`~trl.trainer.fast_paths.lean_modules.lean_modules`])."""
 
         stack = contextlib.ExitStack()
         stack.enter_context(packed_sdpa_attention(self.model))
@@ -703,7 +703,7 @@ class _BaseTrainer(Trainer):
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
         """transformers' context around `compute_loss` (autocast), plus, when training on the CPU in one process with
         gradient checkpointing, checkpointed decoder layers whose kept outputs live outside the C heap
-        ([`~trl.trainer.utils.layer_checkpoints.lean_layer_checkpoints`])."""
+        ([`~trl.trainer.fast_paths.layer_checkpoints.lean_layer_checkpoints`])."""
 
         stack = super().compute_loss_context_manager()
         args = self.args

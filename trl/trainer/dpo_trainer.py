@@ -27,6 +27,7 @@ from transformers.trainer_utils import EvalPrediction
 
 from ..data_utils import is_conversational, maybe_extract_prompt
 from .dpo_config import DPOConfig
+from .fast_paths.prefix_sharing import paired_groups, supports_prefix_sharing
 from .preference_base import _PreferenceTrainer
 from .utils import (
     PromptCompletionTokenizer,
@@ -36,7 +37,6 @@ from .utils import (
     scored_completion_tokens,
 )
 from .utils.ignored_options import DPO_IGNORED_OPTIONS
-from .utils.prefix_sharing import paired_groups, supports_prefix_sharing
 from .vision_collators import DataCollatorForVisionPreference  # noqa: F401  (public here, as in TRL)
 
 

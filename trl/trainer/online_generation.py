@@ -8,7 +8,7 @@ round: TRL's hooks `_tokenize_prompts(prompts)` (chat template, per-row tools an
 - transformers `generate` on the whole batch for prompts with images (`_generate_with_images`);
 - transformers continuous batching when `use_transformers_continuous_batching=True`;
 - otherwise transformers `generate`, prefilling each distinct prompt once ([`generate_with_shared_prompts`]), through
-  the rollout decode loop (`utils/rollout_decode.py`: the same tokens, less work per token) whenever
+  the rollout decode loop (`fast_paths/rollout_decode.py`: the same tokens, less work per token) whenever
   `rollout_decode_fallback_reason` finds nothing it cannot reproduce.
 
 A user `rollout_func(prompts, trainer)` replaces both hooks. `_rollout` is the method multi-turn rollouts (tool
@@ -33,16 +33,16 @@ from .._compat import (
 )
 from ..data_utils import apply_chat_template, is_conversational
 from ..models.utils import unwrap_model_for_generation
-from .online_math import completion_mask_from_ids
-from .utils import pad
-from .utils.decode_replay import parameters_stamp
-from .utils.packing import plain_sdpa_attention
-from .utils.rollout_decode import (
+from .fast_paths.decode_replay import parameters_stamp
+from .fast_paths.rollout_decode import (
     decode_rollouts,
     prefill_shared_prompts,
     rollout_decode_fallback_reason,
     shares_prompt_prefill,
 )
+from .online_math import completion_mask_from_ids
+from .utils import pad
+from .utils.packing import plain_sdpa_attention
 from .utils.vision import vision_forward_inputs, vision_rows_from_batch
 
 
@@ -77,10 +77,10 @@ def generate_with_shared_prompts(
         share_prompt_cache: Prefill once per prompt. Falls back to plain `generate` when False, when a prompt has
             fewer than 2 tokens, when no prompt is repeated, with a non-default `cache_implementation`, or with beam
             search / `num_return_sequences > 1`.
-        rollout_decode: Run the rollout decode loop (`utils/rollout_decode.py`, the same tokens with less work per
+        rollout_decode: Run the rollout decode loop (`fast_paths/rollout_decode.py`, the same tokens with less work per
             token) instead of `generate` when it supports the model and settings.
         on_layer_outputs: Called with the decode loop's recorded decoder-layer outputs
-            ([`~trl.trainer.utils.decode_replay.DecodeLayerOutputs`]) when the loop ran and could record them.
+            ([`~trl.trainer.fast_paths.decode_replay.DecodeLayerOutputs`]) when the loop ran and could record them.
         **generate_kwargs: Extra arguments for `generate`.
 
     Returns:

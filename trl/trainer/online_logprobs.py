@@ -2,8 +2,8 @@
 
 [`_OnlineLogprobsMixin`] is inherited by `_OnlineTrainer` (see `online_base.py`). The hook computes the completion
 tokens' log-probabilities (and entropies) of prompt + completion rows; behind it, the completions of one prompt run
-that prompt once (`_shared_prompt_layout`, `utils/prefix_sharing.py`) and an on-policy, gradient-checkpointed loss
-pass may replay the rollout decode's layer outputs (`_replayed_layer_outputs`, `utils/decode_replay.py`). A subclass
+that prompt once (`_shared_prompt_layout`, `fast_paths/prefix_sharing.py`) and an on-policy, gradient-checkpointed loss
+pass may replay the rollout decode's layer outputs (`_replayed_layer_outputs`, `fast_paths/decode_replay.py`). A subclass
 overriding the hook replaces both. `_compute_rollout_logps` adds the old-policy and reference log-probabilities to a
 rollout batch.
 """
@@ -14,9 +14,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .utils import compute_token_logps
-from .utils.decode_replay import layers_checkpointed, replay_decoder_layers, replayed_layer_outputs
-from .utils.prefix_sharing import (
+from .fast_paths.decode_replay import layers_checkpointed, replay_decoder_layers, replayed_layer_outputs
+from .fast_paths.prefix_sharing import (
     MIN_SHARED_SAVING,
     SharedPrefixLayout,
     contiguous_rows,
@@ -26,6 +25,7 @@ from .utils.prefix_sharing import (
     sharing_possible_now,
     supports_prefix_sharing,
 )
+from .utils import compute_token_logps
 from .utils.vision import collate_vision_rows
 
 
@@ -209,7 +209,7 @@ class _OnlineLogprobsMixin:
         self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
     ) -> SharedPrefixLayout | None:
         """The shared-prefix layout of rows whose completions of one prompt run that prompt once
-        ([`~trl.trainer.utils.prefix_sharing.share_prefixes`]), or None to run whole rows.
+        ([`~trl.trainer.fast_paths.prefix_sharing.share_prefixes`]), or None to run whole rows.
 
         Whole rows run when the model cannot take the layout ([`supports_prefix_sharing`], checked once per model),
         when an auxiliary router loss reads the forward's outputs, when attended tokens are not contiguous
@@ -242,7 +242,7 @@ class _OnlineLogprobsMixin:
         self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: SharedPrefixLayout
     ) -> list[torch.Tensor] | None:
         """The rollout decode's decoder-layer outputs laid out for this gradient-checkpointed loss pass (see
-        `utils/decode_replay.py`), or None to run the layers: when nothing was recorded, the pass keeps no graph or
+        `fast_paths/decode_replay.py`), or None to run the layers: when nothing was recorded, the pass keeps no graph or
         runs without checkpointing or under autocast, the parameters changed since the decode (an optimizer step,
         or any in-place change), or a token was not decoded by this rollout.
 

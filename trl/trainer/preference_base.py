@@ -19,6 +19,18 @@ from transformers import TrainingArguments
 
 from ..data_utils import get_dataset_column_names
 from .base_trainer import _BaseTrainer
+from .fast_paths.prefix_sharing import (
+    MIN_SHARED_SAVING,
+    share_prefixes,
+    shared_prefix_token_logps,
+    sharing_possible_now,
+)
+from .fast_paths.reference_cache import (
+    ReferenceCache,
+    reference_is_deterministic,
+    row_digests,
+    training_revisits_examples,
+)
 from .utils import (
     compute_sequence_token_logps,
     disable_dropout_in_model,
@@ -28,13 +40,6 @@ from .utils import (
     uses_sharding_engine,
 )
 from .utils.packing import packed_sdpa_applicable, packed_sdpa_attention
-from .utils.prefix_sharing import MIN_SHARED_SAVING, share_prefixes, shared_prefix_token_logps, sharing_possible_now
-from .utils.reference_cache import (
-    ReferenceCache,
-    reference_is_deterministic,
-    row_digests,
-    training_revisits_examples,
-)
 from .utils.vision import check_image_columns, check_vision_processing_class, is_vision_example, vision_forward_inputs
 
 
@@ -259,7 +264,7 @@ class _PreferenceTrainer(_BaseTrainer):
     def train(self, resume_from_checkpoint: "str | bool | None" = None, *args: Any, **kwargs: Any):
         """Train as [`~transformers.Trainer.train`] does. When the run sees examples again (several epochs) against a
         reference that stays fixed, each example's reference values are computed once and reused
-        ([`~trl.trainer.utils.reference_cache.ReferenceCache`])."""
+        ([`~trl.trainer.fast_paths.reference_cache.ReferenceCache`])."""
         self._reference_cache = ReferenceCache() if self._reference_cache_applies() else None
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
@@ -294,7 +299,7 @@ class _PreferenceTrainer(_BaseTrainer):
             model: The policy (the reference itself when it is a PEFT model with adapters disabled).
             compute: Computes `{column: (num_examples,) tensor}` for the batch.
             parts: The batch's `(input_ids, attention_mask, completion_mask)` row groups (see
-                [`~trl.trainer.utils.reference_cache.row_digests`]).
+                [`~trl.trainer.fast_paths.reference_cache.row_digests`]).
             num_examples: Examples in the batch.
         """
         cache = self.__dict__.get("_reference_cache")

@@ -22,10 +22,7 @@ from transformers.trainer_utils import EvalPrediction
 
 from ..data_utils import get_dataset_column_names, is_conversational
 from .base_trainer import _BaseTrainer
-from .reward_config import RewardConfig
-from .utils import disable_dropout_in_model, model_accepts_argument, pad, sequence_scores_without_padding
-from .utils.ignored_options import REWARD_IGNORED_OPTIONS
-from .utils.prefix_sharing import (
+from .fast_paths.prefix_sharing import (
     MIN_SHARED_SAVING,
     paired_groups,
     pooled_scores_share_safely,
@@ -34,6 +31,9 @@ from .utils.prefix_sharing import (
     sharing_possible_now,
     supports_prefix_sharing,
 )
+from .reward_config import RewardConfig
+from .utils import disable_dropout_in_model, model_accepts_argument, pad, sequence_scores_without_padding
+from .utils.ignored_options import REWARD_IGNORED_OPTIONS
 
 
 logger = logging.getLogger(__name__)
@@ -417,7 +417,7 @@ class RewardTrainer(_BaseTrainer):
         self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> torch.Tensor | None:
         """Rewards of the batch with each pair's common prefix run once, or None when that does not apply or saves
-        too few tokens (see `trl.trainer.utils.prefix_sharing`)."""
+        too few tokens (see `trl.trainer.fast_paths.prefix_sharing`)."""
         if not self._share_prefix or not sharing_possible_now(model, causal_lm=False):  # DDP / FSDP / ZeRO-3
             return None
         if not pooled_scores_share_safely(model, input_ids, attention_mask):

@@ -172,8 +172,9 @@ def _stack_rows(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor])
 def _keys_values_capturable_once_switched(model: nn.Module) -> bool:
     """Whether `model` will attend through the key/value-recording attention function while training (it attends
     with SDPA, or already with that function) over full-attention layers, with a head the fused LM head replaces."""
-    from .utils.packing import _base_transformers_model, packed_sdpa_applicable
-    from .utils.prefix_sharing import PACKED_SDPA, supports_prefix_sharing
+    from ..models.utils import _base_transformers_model
+    from .fast_paths.prefix_sharing import PACKED_SDPA, supports_prefix_sharing
+    from .utils.packing import packed_sdpa_applicable
 
     implementation = getattr(getattr(_base_transformers_model(model), "config", None), "_attn_implementation", None)
     switchable = packed_sdpa_applicable(model) or implementation == PACKED_SDPA
@@ -535,7 +536,7 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         self, inputs: dict[str, torch.Tensor], main: dict[str, torch.Tensor], kl_rows: dict[str, torch.Tensor]
     ) -> str | None:
         """Why this batch's KL rows run as whole rows instead (see `_kl_from_cached_prefix`), or None."""
-        from .utils.prefix_sharing import (
+        from .fast_paths.prefix_sharing import (
             MIN_SHARED_SAVING,
             keys_values_capturable,
             prefix_cached_saving,
@@ -575,7 +576,7 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
     ):
         """Main rows' token log-probs (forward pass in `layout`) and the KL rows' (detached), continued from the main
         rows' recorded prompt keys/values."""
-        from .utils.prefix_sharing import prefix_cached_token_logps
+        from .fast_paths.prefix_sharing import prefix_cached_token_logps
 
         self._shared_prefix_passes = self._shared_prefix_passes + 1
         return prefix_cached_token_logps(

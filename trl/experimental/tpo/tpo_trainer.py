@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallba
 from transformers.trainer_utils import EvalPrediction
 
 from ...data_utils import extract_prompt, is_conversational
+from ...trainer.fast_paths.prefix_sharing import supports_prefix_sharing
 from ...trainer.preference_base import _PreferenceTrainer
 from ...trainer.utils import (
     PromptCompletionTokenizer,
@@ -23,7 +24,6 @@ from ...trainer.utils import (
     map_kwargs_with_desc,
     scored_completion_tokens,
 )
-from ...trainer.utils.prefix_sharing import supports_prefix_sharing
 from ..cpo.cpo_trainer import cpo_loss
 from .tpo_config import TPOConfig
 

@@ -39,6 +39,7 @@ from ...models.peft import (
     use_adapter,
 )
 from ...models.utils import disable_dropout_in_model, hash_module
+from ..fast_paths.fused_lm_head import FusedCausalLMOutput, add_fused_lm_head, maybe_gather_lm_head_ctx
 from .callables import (
     get_callable_name,
     identity,
@@ -58,7 +59,6 @@ from .dataset_rows import (
 from .distributed import ensure_master_addr_port, global_then_local_main_first, uses_sharding_engine
 from .divergence import generalized_jsd_loss, per_token_generalized_jsd
 from .flops import adjusted_mfu, compute_flops_per_token, compute_mfu, get_peak_flops, get_peak_flops_per_device
-from .fused_lm_head import FusedCausalLMOutput, add_fused_lm_head, maybe_gather_lm_head_ctx
 from .logprobs import (
     TokenLogps,
     compute_token_logps,

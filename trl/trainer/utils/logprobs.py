@@ -211,7 +211,7 @@ def compute_token_logps(
 def _last_layer_on_targets(model: nn.Module, target_mask: torch.Tensor | None, kwargs: dict[str, Any]) -> Any:
     """The last decoder layer computed only at the scored positions (their hidden states are all the fused head
     reads), unless the caller also asked for other outputs of the layers."""
-    from .last_layer_selection import last_layer_at
+    from ..fast_paths.last_layer_selection import last_layer_at
 
     if target_mask is None or any(kwargs.get(name) for name in ("output_hidden_states", "output_attentions")):
         return contextlib.nullcontext(False)

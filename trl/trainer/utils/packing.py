@@ -15,8 +15,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn as nn
 
-from ...import_utils import is_peft_available, is_rich_available
+from ...import_utils import is_rich_available
 from ...kernels.packed_attention import PACKED_SDPA, register_packed_sdpa
+from ...models.utils import _base_transformers_model
 from .logprobs import compute_token_logps, model_accepts_argument
 
 
@@ -28,17 +29,6 @@ from .logprobs import compute_token_logps, model_accepts_argument
 _VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention", PACKED_SDPA)
 _MASKED_ATTENTION = ("eager", "sdpa")
 _PACKABLE_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
-
-
-def _base_transformers_model(model: nn.Module) -> nn.Module:
-    """The underlying transformers model of a (DDP-, accelerate- or PEFT-) wrapped model."""
-    target = getattr(model, "module", model)
-    if is_peft_available():
-        from peft import PeftModel
-
-        if isinstance(target, PeftModel):
-            target = target.get_base_model()
-    return target
 
 
 def packed_attention_kind(model: nn.Module) -> str | None:

@@ -28,8 +28,8 @@ import torch.nn as nn
 
 from ..._compat import CACHE_KEYWORDS, attention_interface, layer_call_is_checkpointed
 from ...kernels.packed_attention import PACKED_SDPA
-from .distributed import parameters_sharded
-from .packing import _base_transformers_model
+from ...models.utils import _base_transformers_model
+from ..utils.distributed import parameters_sharded
 
 
 # Decoder layers whose forward is the Llama one (pre-norm attention with rotary embeddings, pre-norm MLP); Qwen3 adds

@@ -31,10 +31,10 @@ import torch.nn as nn
 from transformers.cache_utils import DynamicLayer
 
 from ..._compat import accepts_cache, cache_kwargs, repetition_penalty_skips_prompt_padding
+from ..utils.distributed import parameters_sharded
+from ..utils.logprobs import model_accepts_argument
 from .decode_replay import DecodeLayerOutputs, layer_outputs_fallback_reason, recording_layer_outputs
-from .distributed import parameters_sharded
 from .lean_decode import LeanDecoder, lean_decode_fallback_reason
-from .logprobs import model_accepts_argument
 
 
 # Generation settings the loop reproduces; every other setting must keep its neutral value (see `_neutral_settings`).

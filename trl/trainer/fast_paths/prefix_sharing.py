@@ -17,16 +17,16 @@ import torch.nn as nn
 
 from ...kernels.linear_log_softmax import linear_selective_log_softmax
 from ...kernels.packed_attention import PACKED_SDPA, attend_after_prefixes, capture_keys_values
-from .distributed import parameters_sharded
-from .last_layer_selection import last_layer_at
-from .logprobs import capture_lm_head_inputs, fusable_lm_head, model_accepts_argument
-from .packing import (
+from ...models.utils import _base_transformers_model
+from ..utils.distributed import parameters_sharded
+from ..utils.logprobs import capture_lm_head_inputs, fusable_lm_head, model_accepts_argument
+from ..utils.packing import (
     SequenceTokenLogps,
-    _base_transformers_model,
     _layout_capacity,
     compute_sequence_token_logps,
     pack_padded_sequences,
 )
+from .last_layer_selection import last_layer_at
 
 
 # Sharing pays only when it removes at least this share of the tokens the unshared (padding-free) pass computes:

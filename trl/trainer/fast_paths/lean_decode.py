@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..._compat import CACHE_KEYWORD, attention_interface, cache_keyword
 from ...kernels.packed_attention import PACKED_SDPA
-from .distributed import parameters_sharded
+from ..utils.distributed import parameters_sharded
 
 
 # Model classes whose decoder layer is the standard Llama one (pre-norm attention with rotary embeddings, pre-norm

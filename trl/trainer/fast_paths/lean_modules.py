@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from ...kernels.decoder_layers import rms_norm, swiglu_mlp
-from .distributed import uses_sharding_engine
+from ..utils.distributed import uses_sharding_engine
 
 
 # Classes whose forward is exactly `down_proj(act_fn(gate_proj(x)) * up_proj(x))`, resp. the standard RMSNorm formula
