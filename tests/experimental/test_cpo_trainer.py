@@ -75,7 +75,7 @@ def test_alphapo_is_stored_as_simpo_without_nll():
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        ({"loss_type": "robust"}, "loss_type must be one of"),
+        ({"loss_type": "robust"}, "Unknown loss type: robust. Should be one of"),
         ({"label_smoothing": 0.7}, r"label_smoothing .* \[0, 0.5\]"),
         ({"beta": 0.0}, "beta must be > 0"),
         ({"max_length": 1}, "max_length must be at least 2"),

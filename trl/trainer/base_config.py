@@ -47,8 +47,8 @@ def _values(value: Any) -> list:
 
 # Options shared by several configs, each checked wherever a config has it: (name, lowest legal value, whether the
 # bound itself is legal, what the option does). transformers' TrainingArguments accepts all of these out of range and
-# fails later (`gradient_accumulation_steps=0` with a ZeroDivisionError in the first step) or trains silently wrong (a
-# negative `beta` turns the preference or KL term around).
+# fails later (`gradient_accumulation_steps=0` with a ZeroDivisionError in the first step). A negative `beta` is the
+# exception: TRL trains with it (the preference or KL term turned around), so it only warns (`_WARN_ONLY`).
 _LOWER_BOUNDS = (
     ("gradient_accumulation_steps", 1, True, "the number of micro-batches summed before each optimizer step"),
     ("per_device_train_batch_size", 1, True, "the number of training examples per device and micro-batch"),
@@ -58,6 +58,7 @@ _LOWER_BOUNDS = (
     ("beta", 0.0, True, "the strength of the reference (KL) term"),
     ("repetition_penalty", 0.0, False, "the divisor of already generated tokens' logits (1.0 disables it)"),
 )
+_WARN_ONLY = ("beta",)
 
 
 def _check_common_ranges(config: Any) -> None:
@@ -72,6 +73,14 @@ def _check_common_ranges(config: Any) -> None:
         for number in _values(value):
             if isinstance(number, (int, float)) and (number < bound or (number == bound and not inclusive)):
                 relation = ">=" if inclusive else ">"
+                if name in _WARN_ONLY:
+                    warnings.warn(
+                        f"{name}={value} is below {bound}: it is {meaning}, and a negative value turns that term "
+                        f"around. Training goes on as in TRL; set {name} {relation} {bound} unless this is intended.",
+                        UserWarning,
+                        stacklevel=4,
+                    )
+                    break
                 raise ValueError(
                     f"{name} must be {relation} {bound}; got {value}. It is {meaning}; set it to a value "
                     f"{relation} {bound}."

@@ -1,5 +1,6 @@
 """Configuration of the KTO trainer."""
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,9 +165,12 @@ class KTOConfig(_BaseConfig):
                 f"{self.max_length}."
             )
         if self.desirable_weight < 0 or self.undesirable_weight < 0:
-            raise ValueError(
-                f"desirable_weight and undesirable_weight must be >= 0; got {self.desirable_weight} and "
-                f"{self.undesirable_weight}."
+            warnings.warn(
+                f"desirable_weight={self.desirable_weight} / undesirable_weight={self.undesirable_weight}: a negative "
+                "weight turns that part of the loss around (the model is pushed away from what the label asks). "
+                "Training goes on as in TRL; use weights >= 0 unless this is intended.",
+                UserWarning,
+                stacklevel=3,
             )
         if self.precompute_ref_batch_size is not None and self.precompute_ref_batch_size < 1:
             raise ValueError(

@@ -109,9 +109,12 @@ class RewardConfig(_BaseConfig):
         if self.max_length is not None and self.max_length <= 0:
             raise ValueError(f"max_length must be a positive integer or None; got {self.max_length}.")
         if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
-            raise ValueError(
-                f"center_rewards_coefficient must be >= 0 or None; got {self.center_rewards_coefficient}. A negative "
-                "weight would reward large rewards instead of centring them."
+            warnings.warn(
+                f"center_rewards_coefficient={self.center_rewards_coefficient} is negative: it would reward large "
+                "rewards instead of centring them. Training goes on as in TRL; use a value >= 0 or None unless this is "
+                "intended.",
+                UserWarning,
+                stacklevel=3,
             )
         if self.pad_token is not None:
             warnings.warn(

@@ -249,6 +249,7 @@ from . import (  # noqa: E402, F401
     distillation_online,
     dpo_losses,
     errors,
+    errors_trl,
     experimental,
     frontier,
     frontier_online,

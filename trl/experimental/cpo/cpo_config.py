@@ -104,8 +104,8 @@ class CPOConfig(_BaseConfig):
     def __post_init__(self):
         if self.loss_type not in _CPO_LOSS_TYPES:
             raise ValueError(
-                f"loss_type must be one of {list(_CPO_LOSS_TYPES)}; got {self.loss_type!r}. For the DPO losses use "
-                "trl.DPOTrainer."
+                f"Unknown loss type: {self.loss_type}. Should be one of {list(_CPO_LOSS_TYPES)}. For the DPO losses "
+                "use trl.DPOTrainer."
             )
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(

@@ -1,5 +1,6 @@
 """Configuration of the Odds Ratio Preference Optimization (ORPO) trainer."""
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,5 +87,10 @@ class ORPOConfig(_BaseConfig):
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ValueError(f"max_completion_length must be positive or None; got {self.max_completion_length}.")
         if self.beta < 0:
-            raise ValueError(f"beta weighs the odds-ratio term and must be >= 0; got {self.beta}.")
+            warnings.warn(
+                f"beta={self.beta} is negative: beta weighs the odds-ratio term, which a negative value turns around. "
+                "Training goes on as in TRL; set beta >= 0 unless this is intended.",
+                UserWarning,
+                stacklevel=3,
+            )
         super().__post_init__()
