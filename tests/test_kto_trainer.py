@@ -1,7 +1,6 @@
 """KTOTrainer: data preparation (unpairing, KL completions), losses, reference handling, metrics, saving, resuming."""
 
 import math
-import os
 import warnings
 
 import pytest

@@ -285,7 +285,9 @@ UNUSUAL_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("name,kwargs,phrase", UNUSUAL_CONFIGS, ids=[f"{n}-{next(iter(k))}" for n, k, _ in UNUSUAL_CONFIGS])
+@pytest.mark.parametrize(
+    "name,kwargs,phrase", UNUSUAL_CONFIGS, ids=[f"{n}-{next(iter(k))}" for n, k, _ in UNUSUAL_CONFIGS]
+)
 def test_values_trl_trains_with_warn_instead_of_failing(tmp_path, name, kwargs, phrase):
     with pytest.warns(UserWarning, match=re.escape(phrase)):
         config = _config(name, str(tmp_path), **kwargs)
