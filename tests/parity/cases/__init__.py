@@ -238,6 +238,7 @@ def tokenizer(ctx, name: str = QWEN):
 # Importing the group modules registers their cases (they import the helpers above, so this comes last).
 from . import (  # noqa: E402, F401
     async_grpo,
+    callbacks,
     chat_templates,
     collators,
     cpo_orpo,
