@@ -79,19 +79,36 @@ def trainer(
     return build
 
 
-SFT = ("trl.SFTTrainer", "trl.SFTConfig")
-DPO = ("trl.DPOTrainer", "trl.DPOConfig")
-KTO = ("trl.KTOTrainer", "trl.KTOConfig")
-REWARD = ("trl.RewardTrainer", "trl.RewardConfig")
-GRPO = ("trl.GRPOTrainer", "trl.GRPOConfig")
-RLOO = ("trl.RLOOTrainer", "trl.RLOOConfig")
-CPO = ("trl.experimental.cpo.CPOTrainer", "trl.experimental.cpo.CPOConfig")
-ORPO = ("trl.experimental.orpo.ORPOTrainer", "trl.experimental.orpo.ORPOConfig")
-ONLINE_DPO = ("trl.experimental.online_dpo.OnlineDPOTrainer", "trl.experimental.online_dpo.OnlineDPOConfig")
-BCO = ("trl.experimental.bco.BCOTrainer", "trl.experimental.bco.BCOConfig")
-PRM = ("trl.experimental.prm.PRMTrainer", "trl.experimental.prm.PRMConfig")
-XPO = ("trl.experimental.xpo.XPOTrainer", "trl.experimental.xpo.XPOConfig")
-NASH_MD = ("trl.experimental.nash_md.NashMDTrainer", "trl.experimental.nash_md.NashMDConfig")
+def online(pair: tuple[str, str], *, train: bool = False, extra: dict | None = None, **args: Any) -> Callable:
+    """`trainer()` for GRPO/RLOO on prompt-only data with a length reward and two generations of four tokens; `args`
+    go to the config, `extra` to the trainer."""
+    return trainer(
+        *pair,
+        data="standard_prompt_only",
+        reward_funcs=_length_reward,
+        args=dict(_ONLINE, **args),
+        train=train,
+        **(extra or {}),
+    )
+
+
+def _pair(module: str, name: str) -> tuple[str, str]:
+    return f"{module}.{name}Trainer", f"{module}.{name}Config"
+
+
+SFT, DPO, KTO, REWARD, GRPO, RLOO = (_pair("trl", name) for name in ("SFT", "DPO", "KTO", "Reward", "GRPO", "RLOO"))
+CPO, ORPO, ONLINE_DPO, BCO, PRM, XPO, NASH_MD = (
+    _pair(f"trl.experimental.{module}", name)
+    for module, name in (
+        ("cpo", "CPO"),
+        ("orpo", "ORPO"),
+        ("online_dpo", "OnlineDPO"),
+        ("bco", "BCO"),
+        ("prm", "PRM"),
+        ("xpo", "XPO"),
+        ("nash_md", "NashMD"),
+    )
+)
 
 _GROUP_SIZES = dict(per_device_train_batch_size=4, num_generations=2)
 _REQUIRED = "`train_dataset` is required"
@@ -335,12 +352,7 @@ TABLE: list[tuple] = [
         (
             f"{name}/reward_weights_length",
             "Number of reward weights (2) must match number of reward functions (1)",
-            trainer(
-                *pair,
-                data="standard_prompt_only",
-                reward_funcs=_length_reward,
-                args=dict(_ONLINE, reward_weights=[1.0, 2.0]),
-            ),
+            online(pair, reward_weights=[1.0, 2.0]),
         )
         for name, pair in (("grpo", GRPO), ("rloo", RLOO))
     ],
@@ -348,13 +360,7 @@ TABLE: list[tuple] = [
         (
             f"{name}/reward_processing_classes_length",
             _RPC,
-            trainer(
-                *pair,
-                data="standard_prompt_only",
-                reward_funcs=_length_reward,
-                reward_processing_classes=lambda ctx: [_tokenizer(ctx), _tokenizer(ctx)],
-                args=_ONLINE,
-            ),
+            online(pair, extra=dict(reward_processing_classes=lambda ctx: [_tokenizer(ctx), _tokenizer(ctx)])),
         )
         for name, pair in (("grpo", GRPO), ("rloo", RLOO))
     ],
@@ -362,9 +368,7 @@ TABLE: list[tuple] = [
         (
             f"{name}/use_vllm_without_vllm",
             _VLLM,
-            trainer(
-                *pair, data="standard_prompt_only", reward_funcs=_length_reward, args=dict(_ONLINE, use_vllm=True)
-            ),
+            online(pair, use_vllm=True),
         )
         for name, pair in (("grpo", GRPO), ("rloo", RLOO))
     ],
@@ -372,48 +376,24 @@ TABLE: list[tuple] = [
         (
             f"{name}/temperature=0",
             _TEMPERATURE,
-            trainer(
-                *pair,
-                data="standard_prompt_only",
-                reward_funcs=_length_reward,
-                args=dict(_ONLINE, temperature=0.0),
-                train=True,
-            ),
+            online(pair, temperature=0.0, train=True),
         )
         for name, pair in (("grpo", GRPO), ("rloo", RLOO))
     ],
     (
         "grpo/loss_type_unknown",
         "Unknown loss type: foo",
-        trainer(
-            *GRPO,
-            data="standard_prompt_only",
-            reward_funcs=_length_reward,
-            args=dict(_ONLINE, loss_type="foo"),
-            train=True,
-        ),
+        online(GRPO, loss_type="foo", train=True),
     ),
     (
         "grpo/scale_rewards_unknown",
         "Invalid value for scale_rewards: foo. Must be one of 'batch', 'group', or 'none'.",
-        trainer(
-            *GRPO,
-            data="standard_prompt_only",
-            reward_funcs=_length_reward,
-            args=dict(_ONLINE, scale_rewards="foo"),
-            train=True,
-        ),
+        online(GRPO, scale_rewards="foo", train=True),
     ),
     (
         "grpo/importance_sampling_level_unknown",
         "Unknown importance sampling level: foo. Possible values are 'token' and 'sequence'.",
-        trainer(
-            *GRPO,
-            data="standard_prompt_only",
-            reward_funcs=_length_reward,
-            args=dict(_ONLINE, importance_sampling_level="foo"),
-            train=True,
-        ),
+        online(GRPO, importance_sampling_level="foo", train=True),
     ),
     (
         "cpo/loss_type_unknown",
