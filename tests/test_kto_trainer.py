@@ -69,8 +69,8 @@ def test_config_defaults_match_contract():
     assert KTOConfig("out", model_init_kwargs='{"dtype": "float32"}').model_init_kwargs == {"dtype": "float32"}
     with pytest.raises(ValueError, match="loss_type must be one of"):
         KTOConfig("out", loss_type="sigmoid")
-    with pytest.raises(ValueError, match="must be >= 0"):
-        KTOConfig("out", undesirable_weight=-1.0)
+    with pytest.warns(UserWarning, match="negative weight turns that part of the loss around"):  # TRL trains with it
+        assert KTOConfig("out", undesirable_weight=-1.0).undesirable_weight == -1.0
 
 
 def test_experimental_aliases_warn(tmp_path):
