@@ -119,8 +119,19 @@ class CPOConfig(_BaseConfig):
                 f"label_smoothing is the probability of a flipped label and must be in [0, 0.5]; got "
                 f"{self.label_smoothing}."
             )
-        if self.beta <= 0:
-            raise ValueError(f"beta must be > 0 (the losses divide by it or scale rewards with it); got {self.beta}.")
+        if self.beta == 0 and self.loss_type in ("ipo", "simpo", "alphapo"):
+            raise ValueError(
+                f"beta must not be 0 with loss_type={self.loss_type!r}: the loss divides by it (TRL fails with "
+                "ZeroDivisionError). Set beta > 0."
+            )
+        if self.beta == 0:
+            # TRL trains with it (a negative beta warns in the shared range checks).
+            warnings.warn(
+                f"beta=0 with loss_type={self.loss_type!r} switches the preference term off (its gradient is 0): only "
+                "the NLL term trains. Training goes on as in TRL; set beta > 0 unless this is intended.",
+                UserWarning,
+                stacklevel=3,
+            )
         if self.loss_type == "alphapo":
             # AlphaPO is SimPO with shaped rewards and no behaviour-cloning term (TRL stores it this way).
             if self.cpo_alpha not in (0.0, 1.0):
