@@ -81,8 +81,8 @@ def test_config_rejects_bad_values():
         DPOConfig("out", loss_type=["sigmoid", "sft"], loss_weights=[1.0])
     with pytest.raises(ValueError, match="Unknown loss type: "):
         DPOConfig("out", loss_type="kto_pair")
-    with pytest.raises(ValueError, match="ld_alpha"):
-        DPOConfig("out", ld_alpha=1.5)
+    with pytest.warns(UserWarning, match="ld_alpha=1.5 is outside"):  # TRL trains with it: a warning only
+        assert DPOConfig("out", ld_alpha=1.5).ld_alpha == 1.5
 
 
 # ---------------------------------------------------------------------------------------------------------------------

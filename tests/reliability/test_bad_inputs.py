@@ -208,13 +208,12 @@ CASES = [
     (lambda d: _config("XPOConfig", d, alpha=-1e-5), ValueError, ["alpha", ">= 0"]),
     (lambda d: _config("DPOConfig", d, loss_type=["sigmoid", "sft"], loss_weights=[1.0]), ValueError, ["loss_weights"]),
     (lambda d: _config("DPOConfig", d, sync_ref_model=True, ref_model_sync_steps=0), ValueError, ["ref_model_sync_steps"]),
-    (lambda d: _config("KTOConfig", d, sync_ref_model=True, ref_model_mixup_alpha=1.5), ValueError, ["ref_model_mixup_alpha", "[0, 1]"]),
     (lambda d: _config("GRPOConfig", d, per_device_train_batch_size=3, num_generations=2), ValueError, ["divisible by num_generations"]),
     (lambda d: _config("GRPOConfig", d, num_generations=1), ValueError, ["num_generations", "at least 2"]),
-    (lambda d: _config("GRPOConfig", d, min_p=1.5), ValueError, ["min_p must be in [0, 1]"]),
+    (lambda d: _config("GRPOConfig", d, min_p=1.5), ValueError, ["`min_p` has to be a float in the [0, 1] interval", "1.5"]),
     (lambda d: _config("GRPOConfig", d, temperature=0.0), ValueError, ["temperature must be > 0"]),
     (lambda d: _config("GRPOConfig", d, repetition_penalty=0.0), ValueError, ["repetition_penalty must be > 0"]),
-    (lambda d: _config("GRPOConfig", d, top_p=1.5), ValueError, ["top_p must be in (0, 1]"]),
+    (lambda d: _config("GRPOConfig", d, top_p=0.0), ValueError, ["top_p must be in (0, 1]"]),
     # Trainers added after the first pass: GFPO, GRPO with replay buffer, PPO, GKD / GOLD / Distillation, BEMA
     (lambda d: _experimental("gfpo", "GFPOConfig", d, num_generations=2, per_device_train_batch_size=2, num_remains_in_group=2), ValueError, ["num_remains_in_group", "less than num_generations", "2"]),
     (lambda d: _experimental("gfpo", "GFPOConfig", d, num_generations=4, per_device_train_batch_size=4, num_remains_in_group=1), ValueError, ["num_remains_in_group must be at least 2", "got 1"]),
@@ -282,6 +281,13 @@ UNUSUAL_CONFIGS = [
     ("OnlineDPOConfig", dict(beta=[0.1, -0.1]), "beta=[0.1, -0.1] is below 0.0"),
     ("KTOConfig", dict(desirable_weight=-1.0), "a negative weight turns that part of the loss around"),
     ("RewardConfig", dict(center_rewards_coefficient=-0.1), "center_rewards_coefficient=-0.1 is negative"),
+    ("KTOConfig", dict(sync_ref_model=True, ref_model_mixup_alpha=1.5), "ref_model_mixup_alpha=1.5 is outside [0, 1]"),
+    ("DPOConfig", dict(ld_alpha=2.0), "ld_alpha=2.0 is outside [0, 1]"),
+    ("GRPOConfig", dict(top_p=1.5, num_generations=2), "top_p=1.5 is above 1"),
+    ("GRPOConfig", dict(delta=0.5, num_generations=2), "delta=0.5 caps the importance ratio"),
+    ("GRPOConfig", dict(epsilon=-0.1, num_generations=2), "a negative clipping range"),
+    ("GRPOConfig", dict(num_completions_to_print=-1, num_generations=2), "num_completions_to_print=-1 is negative"),
+    ("RLOOConfig", dict(reward_clip_range=(1.0, -1.0), num_generations=2), "has min > max"),
 ]
 
 

@@ -4,7 +4,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base_config import _BaseConfig
+from .base_config import _BaseConfig, warn_trl_trains_anyway
 
 
 # Every loss the trainer implements, in the order of the documentation table.
@@ -292,7 +292,12 @@ class DPOConfig(_BaseConfig):
                 f"{self.max_length}."
             )
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
-            raise ValueError(f"ld_alpha must be in [0, 1] or None; got {self.ld_alpha}.")
+            warn_trl_trains_anyway(
+                f"ld_alpha={self.ld_alpha} is outside [0, 1]: the weight of the log-probabilities past the shared "
+                "length extrapolates instead of interpolating.",
+                "use a value in [0, 1] or None unless this is intended.",
+                stacklevel=3,
+            )
         if self.precompute_ref_batch_size is not None and self.precompute_ref_batch_size < 1:
             raise ValueError(
                 f"precompute_ref_batch_size must be a positive integer or None; got {self.precompute_ref_batch_size}."

@@ -3,6 +3,7 @@
 import warnings
 from dataclasses import dataclass, field
 
+from .base_config import warn_trl_trains_anyway
 from .online_config import _check_choice, _OnlineConfig
 
 
@@ -361,7 +362,12 @@ class GRPOConfig(_OnlineConfig):
         if not 0.0 < self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in (0, 1]; got {self.top_entropy_quantile}.")
         if self.delta is not None and self.delta <= 1.0:
-            raise ValueError(f"delta caps the importance ratio and must be > 1; got {self.delta}.")
+            warn_trl_trains_anyway(
+                f"delta={self.delta} caps the importance ratio at or below 1, so the upper clip can cut even an "
+                "unchanged policy's ratio.",
+                "set delta > 1 (e.g. 2.0) or None unless this is intended.",
+                stacklevel=3,
+            )
         if self.entropy_coef_min > self.entropy_coef_max:
             raise ValueError(
                 f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})."

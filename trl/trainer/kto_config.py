@@ -1,10 +1,9 @@
 """Configuration of the KTO trainer."""
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base_config import _BaseConfig
+from .base_config import _BaseConfig, warn_trl_trains_anyway
 
 
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
@@ -165,11 +164,10 @@ class KTOConfig(_BaseConfig):
                 f"{self.max_length}."
             )
         if self.desirable_weight < 0 or self.undesirable_weight < 0:
-            warnings.warn(
+            warn_trl_trains_anyway(
                 f"desirable_weight={self.desirable_weight} / undesirable_weight={self.undesirable_weight}: a negative "
-                "weight turns that part of the loss around (the model is pushed away from what the label asks). "
-                "Training goes on as in TRL; use weights >= 0 unless this is intended.",
-                UserWarning,
+                "weight turns that part of the loss around (the model is pushed away from what the label asks).",
+                "use weights >= 0 unless this is intended.",
                 stacklevel=3,
             )
         if self.precompute_ref_batch_size is not None and self.precompute_ref_batch_size < 1:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._compat import CONTINUOUS_BATCHING_REQUIREMENT, require_transformers_attribute
-from .base_config import _BaseConfig
+from .base_config import _BaseConfig, warn_trl_trains_anyway
 
 
 _VLLM_MODES = ("colocate", "server")
@@ -252,18 +252,33 @@ class _RolloutFields:
         _check_choice("vllm_mode", self.vllm_mode, _VLLM_MODES)
         _check_choice("vllm_model_impl", self.vllm_model_impl, _VLLM_MODEL_IMPLS)
         if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be a positive integer; got {self.max_completion_length}.")
+            raise ValueError(
+                f"`max_new_tokens` must be greater than 0, but is {self.max_completion_length}. "
+                "max_completion_length (the number of new tokens generated per completion) must be a positive integer."
+            )
         check_sampling_temperature(self.temperature)
-        if not 0.0 < self.top_p <= 1.0:
+        if self.top_p <= 0.0:
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}.")
+        if self.top_p > 1.0:
+            warn_trl_trains_anyway(
+                f"top_p={self.top_p} is above 1, which keeps every token, as top_p=1.0 does.",
+                "use a value in (0, 1] unless this is intended.",
+            )
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it); got {self.top_k}.")
+            raise ValueError(
+                f"`top_k` has to be a strictly positive integer, but is {self.top_k}. Set top_k >= 1, or 0 to disable "
+                "top-k filtering."
+            )
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
             raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1]; got {self.vllm_gpu_memory_utilization}.")
         if self.vllm_tensor_parallel_size < 1:
             raise ValueError(f"vllm_tensor_parallel_size must be >= 1; got {self.vllm_tensor_parallel_size}.")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 0:
-            raise ValueError(f"num_completions_to_print must be >= 0 or None; got {self.num_completions_to_print}.")
+            warn_trl_trains_anyway(
+                f"num_completions_to_print={self.num_completions_to_print} is negative: the completions table printed "
+                "with log_completions drops that many rows from the end instead of showing a number of them.",
+                "use a value >= 0 or None (all) unless this is intended.",
+            )
 
     def _reject_context_parallelism(self) -> None:
         """Generation needs whole sequences on every process: context/sequence parallelism is refused."""
@@ -367,6 +382,11 @@ class _OnlineConfig(_RolloutFields, _BaseConfig):
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be a positive integer; got {self.num_iterations}.")
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
-            raise ValueError(f"epsilon/epsilon_high must be >= 0; got {self.epsilon} and {self.epsilon_high}.")
+            warn_trl_trains_anyway(
+                f"epsilon={self.epsilon} / epsilon_high={self.epsilon_high}: a negative clipping range puts the lower "
+                "clip bound of the importance ratio above the upper one.",
+                "use values >= 0 unless this is intended.",
+                stacklevel=3,
+            )
         if self.reward_weights is not None:
             self.reward_weights = [float(w) for w in self.reward_weights]

@@ -381,6 +381,21 @@ TABLE: list[tuple] = [
         for name, pair in (("grpo", GRPO), ("rloo", RLOO))
     ],
     (
+        "grpo/top_k=-1",
+        "`top_k` has to be a strictly positive integer, but is -1",
+        online(GRPO, top_k=-1, train=True),
+    ),
+    (
+        "grpo/min_p=2",
+        "`min_p` has to be a float in the [0, 1] interval, but is 2.0",
+        online(GRPO, min_p=2.0, train=True),
+    ),
+    (
+        "grpo/max_completion_length=0",
+        "`max_new_tokens` must be greater than 0, but is 0.",
+        online(GRPO, max_completion_length=0, train=True),
+    ),
+    (
         "grpo/loss_type_unknown",
         "Unknown loss type: foo",
         online(GRPO, loss_type="foo", train=True),

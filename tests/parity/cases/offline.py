@@ -326,6 +326,15 @@ register_offline("kto/only_desirable_examples", "kto", n_train=16, train_label=T
 register_offline("kto/only_undesirable_examples", "kto", n_train=16, train_label=False)
 register_offline("kto/desirable_weight=-1.0", "kto", desirable_weight=-1.0)
 register_offline("dpo/beta=-0.1", "dpo", beta=-0.1)
+register_offline("dpo/ld_alpha=2.0", "dpo", ld_alpha=2.0)
+register_offline(
+    "dpo/sync_ref_model/ref_model_mixup_alpha=2.0",
+    "dpo",
+    max_steps=2,
+    sync_ref_model=True,
+    ref_model_sync_steps=1,
+    ref_model_mixup_alpha=2.0,
+)
 register_offline("reward/center_rewards_coefficient=-0.1", "reward", center_rewards_coefficient=-0.1)
 
 # evaluate() on what the user passes, and keeping the best checkpoint (issue 18, sections 1 and 2)

@@ -4,7 +4,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...trainer.base_config import _BaseConfig
+from ...trainer.base_config import _BaseConfig, warn_trl_trains_anyway
 
 
 _CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")
@@ -126,10 +126,10 @@ class CPOConfig(_BaseConfig):
             )
         if self.beta == 0:
             # TRL trains with it (a negative beta warns in the shared range checks).
-            warnings.warn(
+            warn_trl_trains_anyway(
                 f"beta=0 with loss_type={self.loss_type!r} switches the preference term off (its gradient is 0): only "
-                "the NLL term trains. Training goes on as in TRL; set beta > 0 unless this is intended.",
-                UserWarning,
+                "the NLL term trains.",
+                "set beta > 0 unless this is intended.",
                 stacklevel=3,
             )
         if self.loss_type == "alphapo":
