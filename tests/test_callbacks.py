@@ -753,8 +753,8 @@ def test_rich_progress_replaces_tqdm_and_renders_grouped_metrics(tmp_path):
     trainer.train()
 
     text = callback.console.export_text()
-    assert "Training" in text and "3/3" in text
-    assert "Step 2" in text and "Step 3" in text
+    assert "Training" in text and "100%" in text and "Evaluation" in text
+    assert "Step 2" in text and "Step 3" in text and "Metric" in text and "Value" in text
     # `rewards/...` and `eval/...` keys form their own titled tables, with 3 decimals.
     assert "rewards" in text and "chosen" in text and "1.500" in text and "-0.250" in text
     assert "score" in text and "2.000" in text
@@ -778,10 +778,10 @@ def test_rich_progress_added_after_init_removes_tqdm(tmp_path):
     trainer.add_callback(callback)
     trainer.train()
     assert not any(isinstance(cb, ProgressCallback) for cb in trainer.callback_handler.callbacks)
-    assert "2/2" in callback.console.export_text()
+    assert "100%" in callback.console.export_text()
 
 
-def test_rich_progress_falls_back_to_static_output_off_terminal(tmp_path):
+def test_rich_progress_prints_the_final_panel_once_off_terminal(tmp_path):
     from rich.console import Console
 
     callback = RichProgressCallback()
@@ -798,11 +798,10 @@ def test_rich_progress_falls_back_to_static_output_off_terminal(tmp_path):
 
     text = output.getvalue()
     assert "\x1b[" not in text  # no cursor movement or colours
-    # Each log is printed once, as static tables: steps 1 and 3 (training logs), step 2 (the extra metrics,
-    # which take the place of that step's training log) and the final summary at step 3.
-    assert [text.count(f"Step {n}") for n in (1, 2, 3)] == [1, 1, 2]
-    assert "rewards" in text and "1.500" in text
-    assert text.rstrip().endswith("Training finished at step 3/3.")
+    # As in TRL, nothing is redrawn off a terminal: the panel is printed once, in its final state (the training
+    # summary logged at step 3).
+    assert [text.count(f"Step {n}") for n in (1, 2, 3)] == [0, 0, 1]
+    assert text.count("Training") == 1 and "100%" in text and "train_loss" in text
     assert callback.rich_live is None
 
 
@@ -822,6 +821,87 @@ def test_rich_progress_prints_logs_outside_training(tmp_path):
     metrics = trainer.evaluate()
     assert "Step 0" in output.getvalue() and "eval_runtime" in output.getvalue()
     assert f"{metrics['eval_runtime']:.3f}" in output.getvalue()
+
+
+# TRL 1.16's panel for these events (spinner frame and times replaced by `*` and `T`), recorded from its output.
+TRL_RICH_PANEL = """\
+╭──────────────────────────────────────────────────────────────────────────────────────────────────╮
+│ Training   ━━━━━━━━━━━━━                             33% T                                 │
+│ * ╭────────────────────────────────────────── Step 1 ──────────────────────────────────────────╮ │
+│   │ ╭──────────────────────────────────────────────╮ ╭───────────────────────────────────────╮ │ │
+│   │ │  Metric          Value                       │ │       rewards                         │ │ │
+│   │ │  loss            1.234                       │ │  Metric       Value                   │ │ │
+│   │ │  grad_norm       0.500                       │ │  accuracy     0.750                   │ │ │
+│   │ │  learning_rate   0.000                       │ │  format/mean  0.250                   │ │ │
+│   │ │  num_tokens     27.000                       │ ╰───────────────────────────────────────╯ │ │
+│   │ │  epoch           0.500                       │                                           │ │
+│   │ ╰──────────────────────────────────────────────╯                                           │ │
+│   ╰────────────────────────────────────────────────────────────────────────────────────────────╯ │
+╰──────────────────────────────────────────────────────────────────────────────────────────────────╯
+"""
+
+
+def _normalised_panel(text: str) -> str:
+    import re
+
+    return re.sub(r"\d+:\d\d:\d\d|-:--:--", "T", re.sub("[⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏]", "*", text))
+
+
+def _drive_rich_progress(callback, tmp_path, logs):
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    state, control = TrainerState(max_steps=3), TrainerControl()
+    callback.on_train_begin(args, state, control)
+    state.global_step = 1
+    callback.on_step_end(args, state, control)
+    callback.on_log(args, state, control, logs=logs)
+    callback.on_train_end(args, state, control)
+
+
+def test_rich_progress_renders_trls_layout(tmp_path):
+    from rich.console import Console
+
+    callback = RichProgressCallback()
+    callback.console = Console(file=io.StringIO(), force_terminal=False, width=100, color_system=None, record=True)
+    logs = {"loss": 1.2345, "grad_norm": 0.5, "learning_rate": 2e-5, "rewards/accuracy": 0.75}
+    logs.update({"rewards/format/mean": 0.25, "num_tokens": 27.0, "epoch": 0.5})
+    _drive_rich_progress(callback, tmp_path, logs)
+    assert _normalised_panel(callback.console.export_text()).rstrip("\n") == TRL_RICH_PANEL.rstrip("\n")
+
+
+def test_rich_progress_formats_values_like_trl():
+    from trl.trainer.progress_callback import _format_metric
+
+    assert [_format_metric(v) for v in (3, True, 1.5e-7, -2.25, None, "abc")] == [
+        "3.000",
+        "1.000",
+        "0.000",
+        "-2.250",
+        "None",
+        "abc",
+    ]
+
+
+def test_rich_progress_works_without_ipython(tmp_path):
+    # IPython made unimportable before anything is imported: the callback must not need it.
+    script = f"""
+import io, sys
+sys.modules["IPython"] = None
+from rich.console import Console
+from transformers import TrainerControl, TrainerState, TrainingArguments
+from trl import RichProgressCallback
+callback = RichProgressCallback()
+callback.console = Console(file=io.StringIO(), force_terminal=False, width=100)
+args = TrainingArguments(output_dir={str(tmp_path)!r}, report_to="none", use_cpu=True)
+state = TrainerState(max_steps=1)
+callback.on_train_begin(args, state, TrainerControl())
+callback.on_log(args, state, TrainerControl(), logs={{"loss": 1.0}})
+callback.on_train_end(args, state, TrainerControl())
+assert "Step 0" in callback.console.file.getvalue()
+"""
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=os.environ)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_regression_helpers_are_deterministic():

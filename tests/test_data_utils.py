@@ -698,7 +698,9 @@ def test_pack_dataset_dict():
 
 def test_pack_invalid_inputs():
     dataset = Dataset.from_dict(EXAMPLES)
-    with pytest.raises(ValueError, match=r"Invalid packing strategy 'ffd'.*\['bfd', 'bfd_split', 'wrapped'\]"):
+    with pytest.raises(
+        ValueError, match=r"Invalid packing strategy 'ffd', must be one of \('bfd', 'bfd_split', 'wrapped'\)"
+    ):
         pack_dataset(dataset, 4, "ffd")
     with pytest.raises(ValueError, match="positive integer"):
         pack_dataset(dataset, 0)

@@ -241,7 +241,10 @@ def test_sft_selective_switch_wraps_and_trains(tmp_path):
 @pytest.mark.parametrize(
     "config, match",
     [
-        (dict(gradient_checkpointing=False, gradient_checkpointing_kwargs={"selective": True}), "is False"),
+        (
+            dict(gradient_checkpointing=False, gradient_checkpointing_kwargs={"selective": True}),
+            "requires `gradient_checkpointing=True`",
+        ),
         (
             dict(
                 gradient_checkpointing=True, gradient_checkpointing_kwargs={"selective": True, "use_reentrant": True}

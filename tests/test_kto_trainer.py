@@ -1,7 +1,6 @@
 """KTOTrainer: data preparation (unpairing, KL completions), losses, reference handling, metrics, saving, resuming."""
 
 import math
-import os
 import warnings
 
 import pytest
@@ -70,8 +69,8 @@ def test_config_defaults_match_contract():
     assert KTOConfig("out", model_init_kwargs='{"dtype": "float32"}').model_init_kwargs == {"dtype": "float32"}
     with pytest.raises(ValueError, match="loss_type must be one of"):
         KTOConfig("out", loss_type="sigmoid")
-    with pytest.raises(ValueError, match="must be >= 0"):
-        KTOConfig("out", undesirable_weight=-1.0)
+    with pytest.warns(UserWarning, match="negative weight turns that part of the loss around"):  # TRL trains with it
+        assert KTOConfig("out", undesirable_weight=-1.0).undesirable_weight == -1.0
 
 
 def test_experimental_aliases_warn(tmp_path):
@@ -286,7 +285,7 @@ def test_unbalanced_data_warns_with_suggested_weights():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _UnpairedPreferenceTrainer._warn_if_unbalanced(data, 1.0, 2.5)  # 30 : 25 = 1.2, inside [1, 4/3]
-    with pytest.raises(ValueError, match="only desirable examples"):  # one label only: the loss pushes one way
+    with pytest.warns(UserWarning, match="only desirable examples"):  # one label only: TRL trains, a warning here
         _UnpairedPreferenceTrainer._warn_if_unbalanced(Dataset.from_dict({"label": [True] * 5}), 1.0, 1.0)
     with pytest.warns(UserWarning, match=r"desirable_weight between 2\.000 and 2\.667"):
         _UnpairedPreferenceTrainer._warn_if_unbalanced(Dataset.from_dict({"label": [True] * 5 + [False] * 10}), 1, 1)
@@ -411,12 +410,18 @@ def test_total_flos_count_the_main_sequences_only(tmp_path, model_path, unpaired
     assert trainer.floating_point_ops(batch) == expected
 
 
-def test_only_desirable_examples_are_refused(tmp_path, model_path, unpaired):
-    # One label only: the loss can push in one direction alone, so the data is refused before training (issue 26).
-    desirable = unpaired["train"].filter(lambda ex: ex["label"])
-    with pytest.raises(ValueError, match="only desirable examples"):
-        KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=desirable)
-    assert os.listdir(tmp_path) == []
+@pytest.mark.parametrize("label", [True, False])
+def test_single_label_data_warns_and_trains(tmp_path, model_path, unpaired, label):
+    # One label only: the loss can push in one direction alone. TRL trains on such data, so it is a warning here.
+    data = unpaired["train"].filter(lambda ex: ex["label"] == label)
+    name = "desirable" if label else "undesirable"
+    with pytest.warns(UserWarning, match=f"only {name} examples"):
+        trainer = KTOTrainer(model_path, args=make_args(tmp_path, max_steps=1), train_dataset=data)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert math.isfinite(logged["loss"]) and math.isfinite(logged["kl"])
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
 
 
 def test_apo_zero_unpaired_streaming_and_gradient_accumulation(tmp_path, model_path, unpaired):
@@ -529,7 +534,7 @@ def test_bad_inputs(tmp_path, model_path, unpaired):
     rows = [{"prompt": "word " * 30, "completion": " a", "label": True}] * 2
     with pytest.raises(ValueError, match=r"shortest prompt is \d+ tokens, expected fewer than max_length"):
         KTOTrainer(model_path, args=make_args(tmp_path, max_length=8), train_dataset=Dataset.from_list(rows))
-    with pytest.raises(ValueError, match="Use one of the two"):
+    with pytest.raises(ValueError, match="cannot use `sync_ref_model=True` together with"):
         KTOTrainer(model_path, args=make_args(tmp_path, sync_ref_model=True, precompute_ref_log_probs=True),
                    train_dataset=train)  # fmt: skip
     model = AutoModelForCausalLM.from_pretrained(model_path)

@@ -110,8 +110,8 @@ def test_config_options():
     assert RewardConfig("out", model_init_kwargs='{"dtype": "float32"}').model_init_kwargs == {"dtype": "float32"}
     with pytest.warns(FutureWarning, match="pad_token"):
         RewardConfig("out", pad_token="<|endoftext|>")
-    with pytest.raises(ValueError, match="center_rewards_coefficient"):
-        RewardConfig("out", center_rewards_coefficient=-1.0)
+    with pytest.warns(UserWarning, match="center_rewards_coefficient"):  # TRL trains with it: a warning only
+        assert RewardConfig("out", center_rewards_coefficient=-1.0).center_rewards_coefficient == -1.0
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -282,6 +282,8 @@ def test_bad_inputs(tmp_path, model_path, prompts):
     with pytest.raises(ValueError, match=r"generation_batch_size \(3\) must be divisible by num_generations \(2\)"):
         RLOOConfig(str(tmp_path), per_device_train_batch_size=3)
     with pytest.raises(ValueError, match="reward_clip_range must be a \\(min, max\\) pair"):
+        RLOOConfig(str(tmp_path), reward_clip_range=(1.0, -1.0, 2.0))
+    with pytest.warns(UserWarning, match="has min > max"):  # TRL trains with it: every reward clipped to max
         RLOOConfig(str(tmp_path), reward_clip_range=(1.0, -1.0))
 
 

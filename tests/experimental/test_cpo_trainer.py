@@ -75,15 +75,21 @@ def test_alphapo_is_stored_as_simpo_without_nll():
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        ({"loss_type": "robust"}, "loss_type must be one of"),
+        ({"loss_type": "robust"}, "Unknown loss type: robust. Should be one of"),
         ({"label_smoothing": 0.7}, r"label_smoothing .* \[0, 0.5\]"),
-        ({"beta": 0.0}, "beta must be > 0"),
+        ({"beta": 0.0, "loss_type": "simpo"}, "beta must not be 0 with loss_type='simpo'"),
         ({"max_length": 1}, "max_length must be at least 2"),
     ],
 )
 def test_config_rejects_bad_values(overrides, match):
     with pytest.raises(ValueError, match=match):
         CPOConfig("out", **overrides)
+
+
+def test_beta_zero_without_division_warns_and_is_kept():
+    # TRL trains the sigmoid and hinge losses with beta=0 (only the NLL term learns): a warning, not an error.
+    with pytest.warns(UserWarning, match="switches the preference term off"):
+        assert CPOConfig("out", beta=0.0).beta == 0.0
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -54,8 +54,8 @@ def test_config_defaults_match_contract():
     assert args.beta == 0.1 and args.padding_value is None and args.disable_dropout is True
     assert args.generate_during_eval is False and args.is_encoder_decoder is None and args.model_init_kwargs is None
     assert args.trust_remote_code is False and args.dataset_num_proc is None
-    with pytest.raises(ValueError, match="beta weighs the odds-ratio term"):
-        ORPOConfig("out", beta=-1.0)
+    with pytest.warns(UserWarning, match="beta weighs the odds-ratio term"):  # TRL trains with it: a warning only
+        assert ORPOConfig("out", beta=-1.0).beta == -1.0
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -91,7 +91,7 @@ def test_resume_from_checkpoint(tmp_path, model_path, prompts):
 
 
 def test_bad_input_is_refused_before_training(tmp_path, model_path, prompts):
-    with pytest.raises(ValueError, match="cannot both be set"):
+    with pytest.raises(ValueError, match="can not be both configured at the same time"):
         make_args(tmp_path, generation_batch_size=4, steps_per_generation=2)
     with pytest.raises(TypeError, match="SSDConfig"):
         SSDTrainer(model=model_path, args=object(), train_dataset=prompts)

@@ -31,6 +31,8 @@ DELIBERATE_DEVIATIONS: dict[str, str] = {
     "evaluation after it differ (eval_logps/chosen -28.762 vs -28.808); the evaluation before it matches (issue 19)",
     "gold/errors/hybrid_weights_without_hybrid": "uld_hybrid_matched_weight / uld_hybrid_unmatched_weight set "
     "without uld_use_hybrid_loss=True raise a ValueError (TRL ignores them silently)",
+    "errors/kto_loss_type_unknown": "KTOConfig(loss_type='sigmoid') raises ValueError naming the accepted loss types; "
+    "TRL accepts it and crashes in the loss (UnboundLocalError: 'chosen_losses')",
     "deviations/bf16_default_on_cpu": "bf16=None without use_cpu resolves to fp32 on a CPU-only machine (TRL: "
     "ValueError, 'Your setup doesn't support bf16/gpu')",
     "ppo/max_grad_norm_set": "a max_grad_norm the user sets clips PPO's gradients; TRL 1.12's PPO ignores the field, "

@@ -131,7 +131,7 @@ def apply_chat_template(
     if keys not in _CHAT_TEMPLATE_KEY_SETS:
         expected = " or ".join(str(sorted(key_set)) for key_set in _CHAT_TEMPLATE_KEY_SETS)
         raise KeyError(
-            f"Invalid keys in the example: {sorted(keys)}. Expected one of these key sets: {expected}. Rename your "
+            f"Invalid keys in the example: {keys}. Expected one of these key sets: {expected}. Rename your "
             "columns (e.g. `dataset.rename_column(old, new)`) or remove the extra ones."
         )
     _check_has_chat_template(processing_class)

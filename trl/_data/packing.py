@@ -20,6 +20,23 @@ from .formats import DatasetType, _filter_map_kwargs
 PACKING_STRATEGIES = ("bfd", "bfd_split", "wrapped")
 
 
+def check_packing_strategy(strategy: str) -> None:
+    """Raise TRL's error for a packing strategy other than those in `PACKING_STRATEGIES`.
+
+    Args:
+        strategy: The requested strategy.
+
+    Raises:
+        ValueError: For an unknown strategy (TRL's sentence first, then what each strategy does).
+    """
+    if strategy not in PACKING_STRATEGIES:
+        raise ValueError(
+            f"Invalid packing strategy '{strategy}', must be one of {PACKING_STRATEGIES}. 'bfd' packs whole "
+            "sequences best-fit decreasing (truncating overlong ones), 'bfd_split' splits overlong ones instead, "
+            "'wrapped' concatenates everything and cuts it into rows."
+        )
+
+
 def _is_list_type(data_type: pa.DataType) -> bool:
     return pa.types.is_list(data_type) or pa.types.is_large_list(data_type)
 
@@ -265,8 +282,7 @@ def pack_dataset(
     {'input_ids': [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]]}
     ```
     """
-    if strategy not in PACKING_STRATEGIES:
-        raise ValueError(f"Invalid packing strategy {strategy!r}; expected one of {list(PACKING_STRATEGIES)}.")
+    check_packing_strategy(strategy)
     if not isinstance(seq_length, int) or isinstance(seq_length, bool) or seq_length < 1:
         raise ValueError(f"`seq_length` must be a positive integer, found {seq_length!r}.")
     if strategy == "wrapped":

@@ -109,13 +109,13 @@ def apply_selective_checkpointing_option(model: nn.Module, args: Any, is_peft: b
         return
     if not args.gradient_checkpointing:
         raise ValueError(
-            "gradient_checkpointing_kwargs={'selective': True} makes gradient checkpointing selective, but "
-            "gradient_checkpointing is False. Set gradient_checkpointing=True or drop the 'selective' key."
+            "`gradient_checkpointing_kwargs={'selective': True}` requires `gradient_checkpointing=True`. Set "
+            "gradient_checkpointing=True or drop the 'selective' key."
         )
     if kwargs.get("use_reentrant"):
         raise ValueError(
-            "Selective activation checkpointing needs the non-reentrant checkpoint implementation; remove "
-            "use_reentrant=True from gradient_checkpointing_kwargs."
+            "`gradient_checkpointing_kwargs={'selective': True}` requires non-reentrant gradient checkpointing. Set "
+            "`use_reentrant` to `False`, or leave it unset."
         )
     from transformers.integrations import is_deepspeed_zero3_enabled
 

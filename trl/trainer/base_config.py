@@ -40,6 +40,18 @@ def _has_any_accelerator() -> bool:
     return bool(mps is not None and mps.is_available())
 
 
+def warn_trl_trains_anyway(what: str, advice: str, stacklevel: int = 4) -> None:
+    """Warn about a setting TRL accepts and trains with although it is probably a mistake (a check stricter than TRL
+    warns instead of refusing). The message says what the setting does, that training goes on as in TRL, and `advice`.
+
+    Args:
+        what: What the setting does, as a sentence.
+        advice: How to get the usual behaviour.
+        stacklevel: Passed to `warnings.warn` (the default points at the config's construction).
+    """
+    warnings.warn(f"{what} Training goes on as in TRL; {advice}", UserWarning, stacklevel=stacklevel)
+
+
 def _values(value: Any) -> list:
     """The numbers of a scalar-or-list option (per-epoch schedules such as Online DPO's `beta` are lists)."""
     return list(value) if isinstance(value, (list, tuple)) else [value]
@@ -47,8 +59,8 @@ def _values(value: Any) -> list:
 
 # Options shared by several configs, each checked wherever a config has it: (name, lowest legal value, whether the
 # bound itself is legal, what the option does). transformers' TrainingArguments accepts all of these out of range and
-# fails later (`gradient_accumulation_steps=0` with a ZeroDivisionError in the first step) or trains silently wrong (a
-# negative `beta` turns the preference or KL term around).
+# fails later (`gradient_accumulation_steps=0` with a ZeroDivisionError in the first step). A negative `beta` is the
+# exception: TRL trains with it (the preference or KL term turned around), so it only warns (`_WARN_ONLY`).
 _LOWER_BOUNDS = (
     ("gradient_accumulation_steps", 1, True, "the number of micro-batches summed before each optimizer step"),
     ("per_device_train_batch_size", 1, True, "the number of training examples per device and micro-batch"),
@@ -58,6 +70,7 @@ _LOWER_BOUNDS = (
     ("beta", 0.0, True, "the strength of the reference (KL) term"),
     ("repetition_penalty", 0.0, False, "the divisor of already generated tokens' logits (1.0 disables it)"),
 )
+_WARN_ONLY = ("beta",)
 
 
 def _check_common_ranges(config: Any) -> None:
@@ -72,6 +85,14 @@ def _check_common_ranges(config: Any) -> None:
         for number in _values(value):
             if isinstance(number, (int, float)) and (number < bound or (number == bound and not inclusive)):
                 relation = ">=" if inclusive else ">"
+                if name in _WARN_ONLY:
+                    warn_trl_trains_anyway(
+                        f"{name}={value} is below {bound}: it is {meaning}, and a negative value turns that term "
+                        "around.",
+                        f"set {name} {relation} {bound} unless this is intended.",
+                        stacklevel=5,
+                    )
+                    break
                 raise ValueError(
                     f"{name} must be {relation} {bound}; got {value}. It is {meaning}; set it to a value "
                     f"{relation} {bound}."
@@ -88,13 +109,17 @@ def _check_common_ranges(config: Any) -> None:
         )
     min_p = getattr(config, "min_p", None)
     if min_p is not None and not 0.0 <= min_p <= 1.0:
-        raise ValueError(f"min_p must be in [0, 1] or None (a share of the top token's probability); got {min_p}.")
+        raise ValueError(
+            f"`min_p` has to be a float in the [0, 1] interval, but is {min_p}. min_p is a share of the top token's "
+            "probability; set it in [0, 1] or None."
+        )
     if getattr(config, "sync_ref_model", False):
         alpha, steps = config.ref_model_mixup_alpha, config.ref_model_sync_steps
         if not 0.0 <= alpha <= 1.0:
-            raise ValueError(
-                f"ref_model_mixup_alpha must be in [0, 1] with sync_ref_model=True (the policy's share in the "
-                f"reference update); got {alpha}."
+            warn_trl_trains_anyway(
+                f"ref_model_mixup_alpha={alpha} is outside [0, 1]: each reference update extrapolates past the policy "
+                "or the old reference instead of blending them.",
+                "use a value in [0, 1] (the policy's share in the reference update) unless this is intended.",
             )
         if steps < 1:
             raise ValueError(

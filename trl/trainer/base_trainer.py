@@ -314,8 +314,10 @@ class _BaseTrainer(Trainer):
 
     def _check_train_dataset(self, train_dataset: Any, trainer_name: str) -> None:
         if train_dataset is None:
+            unless = " unless an `environment_factory` is provided" if trainer_name == "GRPOTrainer" else ""
             raise ValueError(
-                f"{trainer_name} needs a `train_dataset`; got None. Pass a datasets.Dataset or IterableDataset."
+                f"`train_dataset` is required{unless}. {trainer_name} needs a `train_dataset`; got None. Pass a "
+                "datasets.Dataset or IterableDataset."
             )
 
         check_single_format(train_dataset, "train")
@@ -383,8 +385,9 @@ class _BaseTrainer(Trainer):
         """
         if ref_model is not None and ref_model is policy:
             raise ValueError(
-                "`ref_model` is the same object as `model`. Pass a separate copy as ref_model, or leave it None to "
-                "let the trainer create a frozen copy (or use the adapter-disabled model with PEFT)."
+                "`model` and `ref_model` cannot be the same object. In most cases you should omit `ref_model` and "
+                "we'll initialize it to a copy of `model` for you. (`ref_model` is the same object as `model`: pass a "
+                "separate copy as ref_model, or leave it None; with PEFT the adapter-disabled model is the reference.)"
             )
         if isinstance(ref_model, str):
             ref_model = cls._load_model(ref_model, args, seed_initialisations=False)

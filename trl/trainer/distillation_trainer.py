@@ -194,10 +194,10 @@ class DistillationTrainer(_NoRewardsMixin, _ToolCallingMixin, _OnlineTrainer):
         if student_size is not None and teacher_size is not None and student_size != teacher_size:
             raise ValueError(
                 f"The student model has vocab_size {student_size} but the teacher model has vocab_size "
-                f"{teacher_size}. Distillation compares the teacher's full next-token distribution with the "
-                "student's, which requires a shared vocabulary. Use a teacher with the same tokenizer and vocab_size "
-                "(or resize one model's embeddings to match), or GOLD (trl.experimental.gold) for cross-tokenizer "
-                "distillation."
+                f"{teacher_size}. Distillation compares the teacher's full next-token distribution, which requires a "
+                "shared vocabulary. Use a teacher with the same vocab_size, or GOLD for cross-tokenizer distillation. "
+                "(The teacher should also share the student's tokenizer, or resize one model's embeddings to match; "
+                "GOLD lives in trl.experimental.gold.)"
             )
 
     def _require_teacher(self) -> None:

@@ -4,7 +4,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base_config import _BaseConfig
+from .base_config import _BaseConfig, warn_trl_trains_anyway
 
 
 # Every loss the trainer implements, in the order of the documentation table.
@@ -258,21 +258,27 @@ class DPOConfig(_BaseConfig):
             raise ValueError(f"loss_type must name at least one loss out of {list(DPO_LOSS_TYPES)}; got [].")
         unknown = [name for name in self.loss_type if name not in DPO_LOSS_TYPES]
         if unknown:
-            raise ValueError(f"Unknown loss_type {unknown}; each entry must be one of {list(DPO_LOSS_TYPES)}.")
+            raise ValueError(
+                f"Unknown loss type: {unknown[0]}. Should be one of {list(DPO_LOSS_TYPES)} (unknown loss_type "
+                f"entries: {unknown})."
+            )
         if self.loss_weights is not None:
             self.loss_weights = [float(weight) for weight in self.loss_weights]
             if len(self.loss_weights) != len(self.loss_type):
                 raise ValueError(
-                    f"loss_weights needs one weight per loss_type entry: loss_type={self.loss_type} has "
-                    f"{len(self.loss_type)} entries but loss_weights={self.loss_weights} has {len(self.loss_weights)}. "
-                    "Give as many weights as losses, or leave loss_weights=None for equal weights."
+                    "`loss_weights` must have the same length as `loss_type` when combining multiple losses. Got "
+                    f"{len(self.loss_weights)} weights for {len(self.loss_type)} loss types. loss_type={self.loss_type}, "
+                    f"loss_weights={self.loss_weights}: give one weight per loss, or leave loss_weights=None for "
+                    "equal weights."
                 )
         if self.f_divergence_type not in F_DIVERGENCE_TYPES:
             raise ValueError(
-                f"f_divergence_type must be one of {list(F_DIVERGENCE_TYPES)}; got {self.f_divergence_type!r}."
+                f"Unknown f_divergence_type: {self.f_divergence_type}. f_divergence_type must be one of "
+                f"{list(F_DIVERGENCE_TYPES)}."
             )
-        if self.truncation_mode not in ("keep_start", "keep_end"):
-            raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end'; got {self.truncation_mode!r}.")
+        from .utils.dataset_rows import check_truncation_mode
+
+        check_truncation_mode(self.truncation_mode)
         if self.truncation_mode == "keep_end":
             warnings.warn(
                 "truncation_mode='keep_end' is deprecated and will be removed in TRL 2.0; it can cut the start of a "
@@ -286,7 +292,12 @@ class DPOConfig(_BaseConfig):
                 f"{self.max_length}."
             )
         if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
-            raise ValueError(f"ld_alpha must be in [0, 1] or None; got {self.ld_alpha}.")
+            warn_trl_trains_anyway(
+                f"ld_alpha={self.ld_alpha} is outside [0, 1]: the weight of the log-probabilities past the shared "
+                "length extrapolates instead of interpolating.",
+                "use a value in [0, 1] or None unless this is intended.",
+                stacklevel=3,
+            )
         if self.precompute_ref_batch_size is not None and self.precompute_ref_batch_size < 1:
             raise ValueError(
                 f"precompute_ref_batch_size must be a positive integer or None; got {self.precompute_ref_batch_size}."

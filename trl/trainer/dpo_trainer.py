@@ -462,8 +462,9 @@ class DPOTrainer(_PreferenceTrainer):
             unsupported = [loss for loss in losses if loss not in _F_DIVERGENCE_LOSSES]
             if unsupported:
                 raise ValueError(
-                    f"f_divergence_type={args.f_divergence_type!r} only applies to the losses {_F_DIVERGENCE_LOSSES}, "
-                    f"but loss_type contains {unsupported}. Use f_divergence_type='reverse_kl' with those losses."
+                    f"`f_divergence_type={args.f_divergence_type!r}` is only supported for the following loss types: "
+                    f"{sorted(_F_DIVERGENCE_LOSSES)}. You provided {unsupported}. Use the default "
+                    "`f_divergence_type='reverse_kl'` with these losses."
                 )
         if args.use_weighting and any(loss in ("aot", "aot_unpaired") for loss in losses):
             raise ValueError(
@@ -477,8 +478,8 @@ class DPOTrainer(_PreferenceTrainer):
             )
         if "exo_pair" in losses and not 0.0 < args.label_smoothing < 1.0:
             raise ValueError(
-                f"loss_type='exo_pair' needs label_smoothing in (0, 1) (its epsilon; 1e-3 is a common value); got "
-                f"{args.label_smoothing}."
+                "Label smoothing must be greater than 0.0 when using 'exo_pair' loss. The EXO paper recommends a value "
+                f"of 1e-3. loss_type='exo_pair' needs label_smoothing in (0, 1) (its epsilon); got {args.label_smoothing}."
             )
         if not 0.0 <= args.label_smoothing < 1.0 and not set(losses) <= {"sft"}:
             raise ValueError(f"label_smoothing must be in [0, 1); got {args.label_smoothing}.")

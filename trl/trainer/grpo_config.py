@@ -3,6 +3,7 @@
 import warnings
 from dataclasses import dataclass, field
 
+from .base_config import warn_trl_trains_anyway
 from .online_config import _check_choice, _OnlineConfig
 
 
@@ -319,15 +320,26 @@ class GRPOConfig(_OnlineConfig):
             self.scale_rewards = "group" if self.scale_rewards else "none"
         elif isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
             self.scale_rewards = "group" if self.scale_rewards.lower() == "true" else "none"
-        _check_choice("scale_rewards", self.scale_rewards, _SCALE_REWARDS)
-        _check_choice("loss_type", self.loss_type, _LOSS_TYPES)
-        _check_choice("importance_sampling_level", self.importance_sampling_level, _IS_LEVELS)
+        _check_choice(
+            "scale_rewards",
+            self.scale_rewards,
+            _SCALE_REWARDS,
+            f"Invalid value for scale_rewards: {self.scale_rewards}. Must be one of 'batch', 'group', or 'none'.",
+        )
+        _check_choice("loss_type", self.loss_type, _LOSS_TYPES, f"Unknown loss type: {self.loss_type}.")
+        _check_choice(
+            "importance_sampling_level",
+            self.importance_sampling_level,
+            _IS_LEVELS,
+            f"Unknown importance sampling level: {self.importance_sampling_level}. Possible values are 'token' and "
+            "'sequence'. ('sequence_token' is GSPO-token's, with trl.experimental.gspo_token.GRPOTrainer.)",
+        )
         _check_choice("multi_objective_aggregation", self.multi_objective_aggregation, _AGGREGATIONS)
         _check_choice("vllm_importance_sampling_mode", self.vllm_importance_sampling_mode, _VLLM_IS_MODES)
         if self.log_completions_hub_repo is not None and not self.log_completions:
             raise ValueError(
-                "log_completions_hub_repo is set but log_completions=False, so there is nothing to upload. Set "
-                "log_completions=True or drop log_completions_hub_repo."
+                "log_completions_hub_repo is set, but log_completions is False. Enable log_completions to upload "
+                "completions to the Hub, or unset log_completions_hub_repo."
             )
         if self.vllm_importance_sampling_cap is not None:
             warnings.warn(
@@ -339,7 +351,7 @@ class GRPOConfig(_OnlineConfig):
         clip_min, clip_max = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         if clip_min is not None and clip_max is not None and clip_min >= clip_max:
             raise ValueError(
-                f"vllm_importance_sampling_clip_min ({clip_min}) must be smaller than "
+                f"vllm_importance_sampling_clip_min ({clip_min}) must be less than "
                 f"vllm_importance_sampling_clip_max ({clip_max})."
             )
         if self.vllm_importance_sampling_mode.endswith("_truncate") and clip_min is None and clip_max is None:
@@ -350,7 +362,12 @@ class GRPOConfig(_OnlineConfig):
         if not 0.0 < self.top_entropy_quantile <= 1.0:
             raise ValueError(f"top_entropy_quantile must be in (0, 1]; got {self.top_entropy_quantile}.")
         if self.delta is not None and self.delta <= 1.0:
-            raise ValueError(f"delta caps the importance ratio and must be > 1; got {self.delta}.")
+            warn_trl_trains_anyway(
+                f"delta={self.delta} caps the importance ratio at or below 1, so the upper clip can cut even an "
+                "unchanged policy's ratio.",
+                "set delta > 1 (e.g. 2.0) or None unless this is intended.",
+                stacklevel=3,
+            )
         if self.entropy_coef_min > self.entropy_coef_max:
             raise ValueError(
                 f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})."

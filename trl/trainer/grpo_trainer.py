@@ -168,14 +168,16 @@ def grpo_per_token_loss(
     if log_weights is None:
         log_weights = importance_log_weights(per_token_logps, old_per_token_logps, mask, importance_sampling_level)
     ratio = torch.exp(log_weights)
+    clipped_objective = loss_type in ("grpo", "dapo", "dr_grpo", "bnpo", "luspo")
+    # TRL counts clipping on the delta-capped ratio (the same as on the ratio itself unless delta < 1 + epsilon_high).
+    capped = torch.clamp(ratio, max=delta) if delta is not None and clipped_objective else ratio
     stats = {
-        "low_clipped": (ratio < 1 - epsilon_low) & (adv < 0),
-        "high_clipped": (ratio > 1 + epsilon_high) & (adv > 0),
+        "low_clipped": (capped < 1 - epsilon_low) & (adv < 0),
+        "high_clipped": (capped > 1 + epsilon_high) & (adv > 0),
     }
-    if loss_type in ("grpo", "dapo", "dr_grpo", "bnpo", "luspo"):
+    if clipped_objective:
         clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
-        unclipped = torch.clamp(ratio, max=delta) if delta is not None else ratio
-        per_token_loss = -torch.min(unclipped * adv, clipped * adv)
+        per_token_loss = -torch.min(capped * adv, clipped * adv)
     elif loss_type == "cispo":
         weight = torch.clamp(ratio, max=epsilon_high).detach()
         # Counted where the cap binds on a positive advantage (TRL's `cispo_clip_ratio`).

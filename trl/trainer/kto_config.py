@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base_config import _BaseConfig
+from .base_config import _BaseConfig, warn_trl_trains_anyway
 
 
 KTO_LOSS_TYPES = ("kto", "apo_zero_unpaired")
@@ -164,9 +164,11 @@ class KTOConfig(_BaseConfig):
                 f"{self.max_length}."
             )
         if self.desirable_weight < 0 or self.undesirable_weight < 0:
-            raise ValueError(
-                f"desirable_weight and undesirable_weight must be >= 0; got {self.desirable_weight} and "
-                f"{self.undesirable_weight}."
+            warn_trl_trains_anyway(
+                f"desirable_weight={self.desirable_weight} / undesirable_weight={self.undesirable_weight}: a negative "
+                "weight turns that part of the loss around (the model is pushed away from what the label asks).",
+                "use weights >= 0 unless this is intended.",
+                stacklevel=3,
             )
         if self.precompute_ref_batch_size is not None and self.precompute_ref_batch_size < 1:
             raise ValueError(

@@ -210,10 +210,11 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         self._check_train_dataset(train_dataset, "KTOTrainer")
         if args.loss_type == "kto" and args.per_device_train_batch_size < 2:
             raise ValueError(
-                f"per_device_train_batch_size={args.per_device_train_batch_size}: KTO estimates its KL reference point "
-                "from mismatched prompt/completion pairs within a batch, so the actual (not effective) batch size must "
-                "be > 1; with a single example the KL term would be its own implied reward. Use "
-                "per_device_train_batch_size >= 2 (4 or more recommended), or loss_type='apo_zero_unpaired'."
+                "Actual (not effective) batch size must be > 1. KTO will not work properly because the KL term will "
+                f"be equivalent to the implied reward. Got per_device_train_batch_size="
+                f"{args.per_device_train_batch_size}: KTO estimates its KL reference point from mismatched "
+                "prompt/completion pairs within a batch. Use per_device_train_batch_size >= 2 (4 or more "
+                "recommended), or loss_type='apo_zero_unpaired'."
             )
         self._prepare_iterable_args(args, train_dataset)
         self._check_reference_options(args, "KTOTrainer")

@@ -253,8 +253,9 @@ class _OnlineTrainer(
         if args.reward_weights is not None:
             if len(args.reward_weights) != num_funcs:
                 raise ValueError(
-                    f"reward_weights has {len(args.reward_weights)} values but there are {num_funcs} reward "
-                    f"functions ({self.reward_func_names}); give exactly one weight per reward function."
+                    f"Number of reward weights ({len(args.reward_weights)}) must match number of reward functions "
+                    f"({num_funcs}): reward_weights has {len(args.reward_weights)} values but there are {num_funcs} "
+                    f"reward functions ({self.reward_func_names}); give exactly one weight per reward function."
                 )
             self.reward_weights = torch.tensor(args.reward_weights, dtype=torch.float32)
         else:

@@ -5,21 +5,49 @@ reward functions and logging completions. Method-specific fields (`beta`, loss o
 The generation-batch arithmetic is in [`resolve_generation_batch`] so that other online configs can reuse it.
 """
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from .._compat import CONTINUOUS_BATCHING_REQUIREMENT, require_transformers_attribute
-from .base_config import _BaseConfig
+from .base_config import _BaseConfig, warn_trl_trains_anyway
 
 
 _VLLM_MODES = ("colocate", "server")
 _VLLM_MODEL_IMPLS = ("vllm", "transformers")
 
 
-def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+def _check_choice(name: str, value: Any, allowed: tuple, trl_message: str = "") -> None:
+    """Raise a ValueError when `value` is not in `allowed`; `trl_message` (TRL's sentence for it) comes first."""
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}; got {value!r}.")
+        prefix = f"{trl_message} " if trl_message else ""
+        raise ValueError(f"{prefix}{name} must be one of {list(allowed)}; got {value!r}.")
+
+
+def _method_name(args: Any) -> str:
+    """The method a config belongs to as TRL's messages name it ("GRPO" for `GRPOConfig` and its subclasses)."""
+    for cls in type(args).__mro__:
+        if cls.__name__ in ("GRPOConfig", "RLOOConfig"):
+            return cls.__name__.removesuffix("Config")
+    return type(args).__name__.removesuffix("Config")
+
+
+def check_sampling_temperature(temperature: float) -> None:
+    """Refuse a sampling temperature <= 0 with the message transformers' generation gives (TRL's text for it).
+
+    Args:
+        temperature: The configured sampling temperature.
+
+    Raises:
+        ValueError: When `temperature <= 0` (the logits are divided by it).
+    """
+    if temperature <= 0:
+        raise ValueError(
+            f"`temperature` (={temperature}) has to be a strictly positive float, otherwise your next token scores "
+            "will be invalid. If you're looking for greedy decoding strategies, set `do_sample=False`. The trainer "
+            f"always samples, so temperature must be > 0; got {temperature}."
+        )
 
 
 def resolve_generation_batch(args: Any, min_generations: int = 2) -> None:
@@ -44,9 +72,9 @@ def resolve_generation_batch(args: Any, min_generations: int = 2) -> None:
     elif args.generation_batch_size is not None and args.steps_per_generation is None:
         if args.generation_batch_size % global_micro_batch != 0:
             raise ValueError(
-                f"generation_batch_size ({args.generation_batch_size}) must be divisible by the global micro-batch "
-                f"size per_device_train_batch_size * num_processes = {args.per_device_train_batch_size} * "
-                f"{num_processes} = {global_micro_batch}. Pick a multiple of {global_micro_batch}."
+                f"generation_batch_size ({args.generation_batch_size}) must be divisible by the global batch size "
+                f"({global_micro_batch}). The global batch size is per_device_train_batch_size * num_processes = "
+                f"{args.per_device_train_batch_size} * {num_processes}; pick a multiple of {global_micro_batch}."
             )
         args.steps_per_generation = args.generation_batch_size // global_micro_batch
     elif args.generation_batch_size is None and args.steps_per_generation is not None:
@@ -55,20 +83,21 @@ def resolve_generation_batch(args: Any, min_generations: int = 2) -> None:
         args.generation_batch_size = global_micro_batch * args.steps_per_generation
     else:
         raise ValueError(
-            "generation_batch_size and steps_per_generation cannot both be set (one is derived from the other); got "
-            f"generation_batch_size={args.generation_batch_size} and steps_per_generation={args.steps_per_generation}."
-            " Set only one of them."
+            "'generation_batch_size' and 'steps_per_generation' can not be both configured at the same time (one is "
+            f"derived from the other); got generation_batch_size={args.generation_batch_size} and "
+            f"steps_per_generation={args.steps_per_generation}. Set only one of them."
         )
 
     if args.num_generations is None or args.num_generations < min_generations:
         raise ValueError(
-            f"num_generations must be at least {min_generations} (advantages compare completions of the same "
-            f"prompt); got {args.num_generations}."
+            f"{_method_name(args)} requires at least {min_generations} generations per prompt to calculate the "
+            f"advantages. You provided {args.num_generations}, which is less than the minimum required. Set "
+            f"num_generations >= {min_generations} (advantages compare completions of the same prompt)."
         )
     if args.generation_batch_size % args.num_generations != 0:
         raise ValueError(
             f"generation_batch_size ({args.generation_batch_size}) must be divisible by num_generations "
-            f"({args.num_generations}) so that every prompt gets a full group of completions. Set "
+            f"({args.num_generations}). Every prompt needs a full group of completions: set "
             "generation_batch_size (or per_device_train_batch_size * num_processes * steps_per_generation) to a "
             f"multiple of {args.num_generations}, or change num_generations."
         )
@@ -79,9 +108,9 @@ def resolve_generation_batch(args: Any, min_generations: int = 2) -> None:
         global_eval_batch = args.per_device_eval_batch_size * num_processes
         if global_eval_batch % eval_group != 0:
             raise ValueError(
-                f"The global eval batch size per_device_eval_batch_size * num_processes = "
-                f"{args.per_device_eval_batch_size} * {num_processes} = {global_eval_batch} must be divisible by the "
-                f"number of completions per eval prompt ({eval_group}). Change per_device_eval_batch_size or "
+                f"The global eval batch size ({args.per_device_eval_batch_size} * {num_processes}) must be divisible "
+                f"by the number of generations used for evaluation ({eval_group}). The global eval batch size is "
+                "per_device_eval_batch_size * num_processes; change per_device_eval_batch_size or "
                 "num_generations_eval."
             )
 
@@ -195,34 +224,61 @@ class _RolloutFields:
     )
 
     def _prepare_rollout_fields(self) -> None:
-        """Resolve `pad_to_multiple_of` and refuse `auto_find_batch_size` (called first in `__post_init__`)."""
+        """Resolve `pad_to_multiple_of` and check `auto_find_batch_size` (called first in `__post_init__`)."""
         from .sft_config import _resolve_pad_to_multiple_of
 
         self.pad_to_multiple_of = _resolve_pad_to_multiple_of(self.pad_to_multiple_of)
-        if getattr(self, "auto_find_batch_size", False):
+        if not getattr(self, "auto_find_batch_size", False):
+            return
+        if "num_generations" in {f.name for f in dataclasses.fields(self)}:
             raise ValueError(
-                f"auto_find_batch_size=True is not supported by {type(self).__name__}: a generation round is sampled "
-                "for a whole batch and cannot be shrunk automatically. Set per_device_train_batch_size yourself."
+                f"auto_find_batch_size is not supported by {_method_name(self)}, because the generation batch must "
+                "contain full prompt groups of num_generations completions, and reducing the batch size on "
+                "out-of-memory breaks this invariant. Set auto_find_batch_size=False and lower "
+                "per_device_train_batch_size instead."
             )
+        # TRL accepts it here (no prompt groups to keep whole): warn, since a retry after out-of-memory restarts the
+        # run with a smaller batch, which changes what one optimizer step sees.
+        warnings.warn(
+            f"auto_find_batch_size=True with {type(self).__name__}: on out-of-memory the run restarts with half the "
+            "per_device_train_batch_size, so each optimizer step then sees fewer generated samples. Set "
+            "per_device_train_batch_size yourself for reproducible runs.",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def _check_generation_fields(self) -> None:
         """Value checks of the fields above (called from `__post_init__`)."""
         _check_choice("vllm_mode", self.vllm_mode, _VLLM_MODES)
         _check_choice("vllm_model_impl", self.vllm_model_impl, _VLLM_MODEL_IMPLS)
         if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise ValueError(f"max_completion_length must be a positive integer; got {self.max_completion_length}.")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0; got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(
+                f"`max_new_tokens` must be greater than 0, but is {self.max_completion_length}. "
+                "max_completion_length (the number of new tokens generated per completion) must be a positive integer."
+            )
+        check_sampling_temperature(self.temperature)
+        if self.top_p <= 0.0:
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}.")
+        if self.top_p > 1.0:
+            warn_trl_trains_anyway(
+                f"top_p={self.top_p} is above 1, which keeps every token, as top_p=1.0 does.",
+                "use a value in (0, 1] unless this is intended.",
+            )
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it); got {self.top_k}.")
+            raise ValueError(
+                f"`top_k` has to be a strictly positive integer, but is {self.top_k}. Set top_k >= 1, or 0 to disable "
+                "top-k filtering."
+            )
         if not 0.0 < self.vllm_gpu_memory_utilization <= 1.0:
             raise ValueError(f"vllm_gpu_memory_utilization must be in (0, 1]; got {self.vllm_gpu_memory_utilization}.")
         if self.vllm_tensor_parallel_size < 1:
             raise ValueError(f"vllm_tensor_parallel_size must be >= 1; got {self.vllm_tensor_parallel_size}.")
         if self.num_completions_to_print is not None and self.num_completions_to_print < 0:
-            raise ValueError(f"num_completions_to_print must be >= 0 or None; got {self.num_completions_to_print}.")
+            warn_trl_trains_anyway(
+                f"num_completions_to_print={self.num_completions_to_print} is negative: the completions table printed "
+                "with log_completions drops that many rows from the end instead of showing a number of them.",
+                "use a value >= 0 or None (all) unless this is intended.",
+            )
 
     def _reject_context_parallelism(self) -> None:
         """Generation needs whole sequences on every process: context/sequence parallelism is refused."""
@@ -326,6 +382,11 @@ class _OnlineConfig(_RolloutFields, _BaseConfig):
         if self.num_iterations < 1:
             raise ValueError(f"num_iterations must be a positive integer; got {self.num_iterations}.")
         if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
-            raise ValueError(f"epsilon/epsilon_high must be >= 0; got {self.epsilon} and {self.epsilon_high}.")
+            warn_trl_trains_anyway(
+                f"epsilon={self.epsilon} / epsilon_high={self.epsilon_high}: a negative clipping range puts the lower "
+                "clip bound of the importance ratio above the upper one.",
+                "use values >= 0 unless this is intended.",
+                stacklevel=3,
+            )
         if self.reward_weights is not None:
             self.reward_weights = [float(w) for w in self.reward_weights]

@@ -178,8 +178,8 @@ class _OnlineGenerationMixin:
 
             if not is_vllm_available():
                 raise ImportError(
-                    "use_vllm=True needs vLLM, which is not installed. Install it with `pip install trl[vllm]`, or "
-                    "set use_vllm=False to generate with transformers."
+                    "vLLM is not available and `use_vllm` is set to True. Please install vLLM with `pip install "
+                    "trl[vllm]` to use it. Alternatively, set use_vllm=False to generate with transformers."
                 )
 
     @staticmethod

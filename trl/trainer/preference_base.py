@@ -69,8 +69,10 @@ class _PreferenceTrainer(_BaseTrainer):
         """Reject options that cannot be combined, before anything is loaded."""
         if getattr(args, "sync_ref_model", False) and getattr(args, "precompute_ref_log_probs", False):
             raise ValueError(
-                "sync_ref_model=True updates the reference model during training, but precompute_ref_log_probs=True "
-                "fixes the reference log-probs before training (and drops the reference model). Use one of the two."
+                "You cannot use `sync_ref_model=True` together with `precompute_ref_log_probs=True`. "
+                "`precompute_ref_log_probs=True` assumes a fixed reference model, but with `sync_ref_model=True` the "
+                "reference model is periodically updated during training, making any precomputed reference log-probs "
+                "stale. Set `precompute_ref_log_probs=False` or disable `sync_ref_model`."
             )
         if args.n_gpu > 1:
             raise ValueError(
@@ -94,10 +96,12 @@ class _PreferenceTrainer(_BaseTrainer):
         self._reject_peft_model_with_config(model, peft_config)
         will_be_peft = self._is_peft_model(model) or peft_config is not None
         if getattr(args, "sync_ref_model", False) and will_be_peft and ref_model is None:
-            raise ValueError(
-                "sync_ref_model=True needs a separate reference model, but with PEFT and ref_model=None the reference "
-                "is the model with its adapters disabled, which cannot be blended. Pass a ref_model or set "
-                "sync_ref_model=False."
+            raise NotImplementedError(
+                "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported. With "
+                f"PEFT, {type(self).__name__} does not keep a separate reference model in memory; instead, it recovers "
+                "reference behavior by temporarily disabling the adapter. As a result, there is no standalone "
+                "`ref_model` instance to synchronize. Use `sync_ref_model=False`, or opt for full fine-tuning if you "
+                "need a synced reference model. (Passing a separate `ref_model` also works.)"
             )
 
     def _load_policy(

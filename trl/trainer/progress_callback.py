@@ -15,8 +15,7 @@ from ..import_utils import is_rich_available
 
 
 def _format_metric(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value)
+    """Numbers (booleans included) with three decimals, anything else as `str()` (TRL's cell format)."""
     if isinstance(value, (int, float)):
         return f"{value:.3f}"
     return str(value)
@@ -33,14 +32,29 @@ def _group_metrics(logs: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return groups
 
 
+def _progress_columns() -> tuple:
+    """The columns of the training and evaluation bars: description (wide enough for "Evaluation", so both bars
+    line up), bar, percentage, time remaining."""
+    from rich.progress import BarColumn, TaskProgressColumn, TextColumn, TimeRemainingColumn
+    from rich.table import Column
+
+    return (
+        TextColumn("[progress.description]{task.description}", table_column=Column(min_width=len("Evaluation"))),
+        BarColumn(),
+        TaskProgressColumn(),
+        TimeRemainingColumn(),
+    )
+
+
 class RichProgressCallback(TrainerCallback):
     """Show training/evaluation progress with [rich](https://github.com/Textualize/rich) instead of tqdm.
 
-    On the main process, a live panel shows a training bar (up to `max_steps`), an evaluation bar while evaluation
-    runs, and the latest logged metrics, one table per prefix (`train/...`, `eval/...`, `rewards/...`; keys without
-    a prefix form their own table), under the title `Step N`. When the console is not a terminal (logs redirected to
-    a file, CI), nothing is redrawn: each logged set of metrics is printed once as static tables and a summary line
-    closes training.
+    On the main process, a live panel (TRL's layout) shows a training bar (up to `max_steps`), an evaluation bar
+    while evaluation runs, and, next to a spinner, the latest logged metrics under the title `Step N`: one
+    `Metric`/`Value` table per prefix (`rewards/accuracy` goes to a table titled `rewards`; keys without a `/` form
+    the untitled first table), side by side, numbers with three decimals. When the console is not a terminal (logs
+    redirected to a file, CI), the panel is printed once, in its final state, when training ends. Metrics logged
+    outside training (`trainer.evaluate()` alone) are printed as a static `Step N` panel.
 
     Adding this callback to a trainer removes the trainer's default tqdm progress callback, so progress is not
     shown twice. Output goes to `self.console`, a `rich.console.Console` created when training starts unless one was
@@ -129,70 +143,48 @@ class RichProgressCallback(TrainerCallback):
     def _is_live(self) -> bool:
         return self.rich_live is not None
 
-    def _render_metrics(self, step: int, logs: dict[str, Any]):
-        from rich.console import Group
+    @staticmethod
+    def _render_metrics(step: int, logs: dict[str, Any]):
+        """The `Step N` panel: one bordered `Metric`/`Value` table per key prefix, side by side."""
+        from rich.columns import Columns
         from rich.panel import Panel
         from rich.table import Table
 
         tables = []
         for group, metrics in _group_metrics(logs).items():
-            table = Table(title=group or None, show_header=True, header_style="bold", title_style="bold cyan")
-            table.add_column("metric")
-            table.add_column("value", justify="right")
+            table = Table(title=group or None, box=None, header_style="bold")
+            table.add_column("Metric")
+            table.add_column("Value", justify="right")
             for name, value in metrics.items():
                 table.add_row(name, _format_metric(value))
-            tables.append(table)
-        return Panel(Group(*tables), title=f"Step {step}", expand=False)
+            tables.append(Panel(table))
+        return Panel(Columns(tables, expand=True), title=f"Step {step}")
 
     def _refresh(self) -> None:
-        from rich.console import Group
-        from rich.panel import Panel
-
-        if self.rich_live is None:
-            return
-        parts = [Panel(Group(self.training_bar, self.prediction_bar, self.training_status), title="Training")]
-        if self.metrics_view is not None:
-            parts.append(self.metrics_view)
-        self.rich_group = Group(*parts)
-        self.rich_live.update(self.rich_group, refresh=True)
+        if self.rich_live is not None:
+            self.rich_live.update(self.rich_group, refresh=True)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         self._remove_default_progress_callbacks()
         if not state.is_world_process_zero:
             return
-        from rich.console import Console
+        from rich.console import Console, Group
         from rich.live import Live
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-        from rich.text import Text
+        from rich.panel import Panel
+        from rich.progress import Progress
+        from rich.spinner import Spinner
 
         if self.console is None:
             self.console = Console()
         self.current_step = 0
         self.metrics_view = None
-        if not self.console.is_terminal:
-            # No cursor control: print static output only (see on_log / on_train_end).
-            return
-
-        columns = (
-            TextColumn("[progress.description]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-        )
-        self.training_bar = Progress(*columns, console=self.console)
-        self.prediction_bar = Progress(*columns, console=self.console)
-        self.training_status = Text("")
+        # Off a terminal, Live draws nothing until it stops and then prints the final panel once.
+        self.training_bar = Progress(*_progress_columns(), console=self.console)
+        self.prediction_bar = Progress(*_progress_columns(), console=self.console)
+        self.training_status = Spinner("dots", text="Nothing to log yet ...")
         self.training_task_id = self.training_bar.add_task("[blue]Training", total=state.max_steps)
-        self.rich_live = Live(console=self.console, refresh_per_second=4, transient=False)
-        self._refresh()
+        self.rich_group = Panel(Group(self.training_bar, self.prediction_bar, self.training_status))
+        self.rich_live = Live(self.rich_group, console=self.console, refresh_per_second=4, transient=False)
         self.rich_live.start()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
@@ -212,7 +204,7 @@ class RichProgressCallback(TrainerCallback):
                 total = len(eval_dataloader)
             except TypeError:
                 total = None
-            self.prediction_task_id = self.prediction_bar.add_task("[cyan]Evaluating", total=total)
+            self.prediction_task_id = self.prediction_bar.add_task("[blue]Evaluation", total=total)
         self.prediction_bar.advance(self.prediction_task_id, 1)
 
     def _end_prediction(self, state: TrainerState) -> None:
@@ -234,10 +226,9 @@ class RichProgressCallback(TrainerCallback):
             from rich.console import Console
 
             self.console = Console()
-        logs = {key: value for key, value in logs.items() if key != "total_flos"}
         self.metrics_view = self._render_metrics(state.global_step, logs)
         if self._is_live:
-            self.training_status.plain = f"step {state.global_step}/{state.max_steps}"
+            self.training_status.update(text=self.metrics_view)
             self._refresh()
         else:
             self.console.print(self.metrics_view)
@@ -248,6 +239,4 @@ class RichProgressCallback(TrainerCallback):
         if self._is_live:
             self._refresh()
             self.rich_live.stop()
-        elif self.console is not None and self.current_step is not None:
-            self.console.print(f"Training finished at step {state.global_step}/{state.max_steps}.")
         self._reset_display()

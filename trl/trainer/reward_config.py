@@ -4,7 +4,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .base_config import _BaseConfig
+from .base_config import _BaseConfig, warn_trl_trains_anyway
 from .sft_config import _resolve_pad_to_multiple_of
 
 
@@ -109,9 +109,11 @@ class RewardConfig(_BaseConfig):
         if self.max_length is not None and self.max_length <= 0:
             raise ValueError(f"max_length must be a positive integer or None; got {self.max_length}.")
         if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
-            raise ValueError(
-                f"center_rewards_coefficient must be >= 0 or None; got {self.center_rewards_coefficient}. A negative "
-                "weight would reward large rewards instead of centring them."
+            warn_trl_trains_anyway(
+                f"center_rewards_coefficient={self.center_rewards_coefficient} is negative: it would reward large "
+                "rewards instead of centring them.",
+                "use a value >= 0 or None unless this is intended.",
+                stacklevel=3,
             )
         if self.pad_token is not None:
             warnings.warn(

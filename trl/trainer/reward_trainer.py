@@ -195,9 +195,10 @@ class RewardTrainer(_BaseTrainer):
         model_num_labels = getattr(getattr(model, "config", None), "num_labels", None)
         if model_num_labels != 1:
             raise ValueError(
-                f"A reward model must output one scalar per sequence (config.num_labels == 1), but the model has "
-                f"num_labels={model_num_labels}. Load it with AutoModelForSequenceClassification.from_pretrained(..., "
-                "num_labels=1), or pass the model path as a string and let the trainer load it."
+                f"The model has `num_labels={model_num_labels}`, but reward models require `num_labels=1` to output a "
+                "single scalar reward per sequence. Please instantiate your model with `num_labels=1` or pass a model "
+                "name as a string to have it configured automatically. For example: "
+                "AutoModelForSequenceClassification.from_pretrained(..., num_labels=1)."
             )
 
         # ---- Tokenizer -----------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 
+from .base_config import warn_trl_trains_anyway
 from .grpo_config import ONLINE_FIELDS_DOC
 from .online_config import _OnlineConfig
 
@@ -50,9 +51,13 @@ class RLOOConfig(_OnlineConfig):
     def __post_init__(self):
         if self.reward_clip_range is not None:
             values = list(self.reward_clip_range)
-            if len(values) != 2 or float(values[0]) > float(values[1]):
-                raise ValueError(
-                    f"reward_clip_range must be a (min, max) pair with min <= max; got {self.reward_clip_range!r}."
+            if len(values) != 2:
+                raise ValueError(f"reward_clip_range must be a (min, max) pair; got {self.reward_clip_range!r}.")
+            if float(values[0]) > float(values[1]):
+                warn_trl_trains_anyway(
+                    f"reward_clip_range={self.reward_clip_range!r} has min > max: every reward is clipped to max.",
+                    "give (min, max) with min <= max unless this is intended.",
+                    stacklevel=3,
                 )
             self.reward_clip_range = (float(values[0]), float(values[1]))
         super().__post_init__()

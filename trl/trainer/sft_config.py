@@ -163,7 +163,10 @@ class SFTConfig(_BaseConfig):
             )
             self.loss_type = "nll"
         if self.loss_type not in ("nll", "dft"):
-            raise ValueError(f"loss_type must be one of 'nll', 'dft'; got {self.loss_type!r}.")
+            raise ValueError(
+                f"Invalid `loss_type` {self.loss_type} passed. Supported values are 'nll' and 'dft'. Set "
+                "loss_type='nll' (cross-entropy) or 'dft' (dynamic fine-tuning)."
+            )
 
         if self.packing_strategy == "bfd-requeue":
             warnings.warn(
@@ -172,12 +175,12 @@ class SFTConfig(_BaseConfig):
                 stacklevel=3,
             )
             self.packing_strategy = "bfd_split"
-        if self.packing_strategy not in ("bfd", "bfd_split", "wrapped"):
-            raise ValueError(
-                f"packing_strategy must be one of 'bfd', 'bfd_split', 'wrapped'; got {self.packing_strategy!r}."
-            )
-        if self.truncation_mode not in ("keep_start", "keep_end"):
-            raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end'; got {self.truncation_mode!r}.")
+        from .._data.packing import check_packing_strategy
+
+        check_packing_strategy(self.packing_strategy)
+        from .utils.dataset_rows import check_truncation_mode
+
+        check_truncation_mode(self.truncation_mode)
         if self.truncation_mode == "keep_end":
             warnings.warn(
                 "truncation_mode='keep_end' is deprecated and will be removed in TRL 2.0; it can cut the start of a "
@@ -213,4 +216,7 @@ def _resolve_pad_to_multiple_of(value: int | str | None) -> int | None:
             return None
     if text.isdigit():
         return int(text)
-    raise ValueError(f"pad_to_multiple_of must be an int, 'auto', 'none' or None; got {value!r}.")
+    raise ValueError(
+        f"invalid literal for int() with base 10: {value!r}. pad_to_multiple_of must be an int, 'auto', 'none' or "
+        "None."
+    )

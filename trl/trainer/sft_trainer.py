@@ -314,8 +314,9 @@ class SFTTrainer(_BaseTrainer):
 
             if not is_liger_kernel_available():
                 raise ImportError(
-                    "use_liger_kernel=True needs liger-kernel (>= 0.8.2), which is not installed. Install it with "
-                    "`pip install trl[liger]`, or set use_liger_kernel=False."
+                    "You have set `use_liger_kernel` to `True` but liger-kernel >= 0.3.0 is not available. Please "
+                    "install it with `pip install liger-kernel`. (SFTTrainer's Liger path needs liger-kernel >= "
+                    "0.8.2: `pip install trl[liger]`; or set use_liger_kernel=False.)"
                 )
         if getattr(train_dataset, "_format_type", None) == "custom":
             raise ValueError(
@@ -390,9 +391,9 @@ class SFTTrainer(_BaseTrainer):
             )
         if args.padding_free and not args.packing and args.max_length is not None:
             raise ValueError(
-                "When `padding_free=True` without packing, `max_length` is not enforced (padding-free batches hold "
-                f"whole sequences), but max_length={args.max_length} was set. Either enable packing (e.g. "
-                "`packing=True, packing_strategy='bfd'`), provide already truncated inputs, or set `max_length=None`."
+                "When `padding_free=True` without packing, `max_length` is not enforced. Either enable packing (e.g., "
+                "`packing=True, packing_strategy='bfd'`), provide already truncated inputs, or set `max_length=None`. "
+                f"(Padding-free batches hold whole sequences; max_length={args.max_length} is set.)"
             )
         if self.padding_free and not args.padding_free:
             logger.info("packing_strategy=%r implies padding_free=True.", args.packing_strategy)
@@ -518,9 +519,9 @@ class SFTTrainer(_BaseTrainer):
             )
         if args.assistant_only_loss and not is_conversational(first):
             raise ValueError(
-                f"You set `assistant_only_loss=True`, but the {dataset_name} dataset is not conversational (columns "
-                f"{columns}). assistant_only_loss needs conversational data: a `messages` column or conversational "
-                "prompt/completion."
+                "You set `assistant_only_loss=True`, but the dataset is not conversational. This option is only "
+                f"supported for conversational datasets. The {dataset_name} dataset has columns {columns}; "
+                "assistant_only_loss needs a `messages` column or conversational prompt/completion."
             )
 
         if "input_ids" in columns:
@@ -689,8 +690,10 @@ class SFTTrainer(_BaseTrainer):
                 os.path.dirname(chat_template_utils.__file__), "chat_templates", test_templates[template]
             )
             raise ValueError(
-                f"{prefix} The chat template is not training-compatible: it is the template of TRL's offline test "
-                f"tokenizers, which has no markers. A training variant ships with TRL: set chat_template_path={path!r}."
+                "The chat template is not training-compatible (missing prefix-preservation or `{% generation %}` "
+                "markers) and patching is not supported for this template. Please manually modify the chat template "
+                f"for training. {prefix} This is the template of TRL's offline test tokenizers, which has no markers; "
+                f"a training variant ships with TRL: set chat_template_path={path!r}."
             )
         return template
 
@@ -721,10 +724,11 @@ class SFTTrainer(_BaseTrainer):
             columns = list(first) if first is not None else None
         if columns is not None and "input_ids" not in columns:
             raise ValueError(
-                f"The {name} dataset has no `input_ids` column (columns: {columns}). With dataset_kwargs="
-                "{'skip_prepare_dataset': True} SFTTrainer uses the dataset as given, so it must already be tokenized: "
-                "`input_ids` and optionally `labels` (-100 where no loss is wanted) and `seq_lengths`. No columns in "
-                "the dataset match the model's forward method signature: (input_ids, labels, seq_lengths). Tokenize "
+                "No columns in the dataset match the model's forward method signature: (input_ids, labels, "
+                f"seq_lengths). The following columns have been ignored: [{', '.join(columns)}]. Please check the "
+                f"dataset and model. The {name} dataset has no `input_ids` column: with dataset_kwargs="
+                "{'skip_prepare_dataset': True} SFTTrainer uses the dataset as given, so it must already be tokenized "
+                "(`input_ids` and optionally `labels`, -100 where no loss is wanted, and `seq_lengths`). Tokenize "
                 "the data first or drop skip_prepare_dataset."
             )
 

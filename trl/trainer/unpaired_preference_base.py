@@ -353,8 +353,8 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
 
     @staticmethod
     def _warn_if_unbalanced(dataset: Any, desirable_weight: float, undesirable_weight: float) -> None:
-        """Refuse data with a single label; warn when the weighted desirable:undesirable ratio leaves the [1, 4/3] band,
-        suggesting weights."""
+        """Warn about data with a single label (TRL trains on it) and when the weighted desirable:undesirable ratio
+        leaves the [1, 4/3] band, suggesting weights."""
         if not isinstance(dataset, Dataset):
             return
         labels = dataset["label"]
@@ -362,12 +362,15 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         num_undesirable = len(labels) - num_desirable
         if num_desirable == 0 or num_undesirable == 0:
             present, missing = ("desirable", "undesirable") if num_undesirable == 0 else ("undesirable", "desirable")
-            raise ValueError(
+            warnings.warn(
                 f"The training dataset holds only {present} examples ({len(labels)} with label="
-                f"{num_undesirable == 0}) and no {missing} one, so the loss can only push in one direction. Add "
-                f"{missing} examples (label={num_undesirable != 0}), or pass paired preference data "
-                "(prompt/chosen/rejected), which gives one example of each label per pair."
+                f"{num_undesirable == 0}) and no {missing} one, so the loss can only push in one direction. Training "
+                f"goes on as in TRL; add {missing} examples (label={num_undesirable != 0}), or pass paired preference "
+                "data (prompt/chosen/rejected), which gives one example of each label per pair.",
+                UserWarning,
+                stacklevel=3,
             )
+            return
         if num_desirable == num_undesirable:
             return
         ratio = desirable_weight * num_desirable / (undesirable_weight * num_undesirable)

@@ -238,6 +238,7 @@ def tokenizer(ctx, name: str = QWEN):
 # Importing the group modules registers their cases (they import the helpers above, so this comes last).
 from . import (  # noqa: E402, F401
     async_grpo,
+    callbacks,
     chat_templates,
     collators,
     cpo_orpo,
@@ -249,6 +250,7 @@ from . import (  # noqa: E402, F401
     distillation_online,
     dpo_losses,
     errors,
+    errors_trl,
     experimental,
     frontier,
     frontier_online,

@@ -140,14 +140,14 @@ def gkd_collator(ctx) -> dict:
     return out
 
 
-@case("gkd/errors/lmbda", phrases=("lmbda",))
+@case("gkd/errors/lmbda", phrases=("lmbda must be in the range [0.0, 1.0].",))
 def gkd_bad_lmbda(ctx) -> dict:
     from trl.experimental.gkd import GKDConfig
 
     return expect_error(lambda: GKDConfig(output_dir=ctx.tmpdir(), use_cpu=True, bf16=False, lmbda=1.5))
 
 
-@case("gkd/errors/beta", phrases=("beta",))
+@case("gkd/errors/beta", phrases=("beta must be in the range [0.0, 1.0].",))
 def gkd_bad_beta(ctx) -> dict:
     from trl.experimental.gkd import GKDConfig
 
@@ -368,7 +368,14 @@ def gold_bad_merge_strategy(ctx) -> dict:
     return expect_error(lambda: _gold_config(ctx, use_uld_loss=True, uld_token_merge_strategy="mean"))
 
 
-@case("gold/errors/generation_batch_size", phrases=("generation_batch_size",))
+@case(
+    "gold/errors/generation_batch_size",
+    phrases=(
+        "generation_batch_size and num_generations must exactly partition the local optimizer-step batch. Expected "
+        "generation_batch_size * num_generations == per_device_train_batch_size * gradient_accumulation_steps, got "
+        "3 * 1 != 8 * 1.",
+    ),
+)
 def gold_bad_generation_batch_size(ctx) -> dict:
     return expect_error(lambda: _gold_config(ctx, generation_batch_size=3))
 

@@ -115,5 +115,13 @@ def _vocabulary_mismatch(ctx) -> dict:
 
 
 register("errors/distillation_beta_out_of_range", _beta_out_of_range, phrases=("beta must be in [0.0, 1.0]",))
-register("errors/distillation_vocab_mismatch", _vocabulary_mismatch, phrases=("vocab_size 4096", "vocab_size 5000"))
+register(
+    "errors/distillation_vocab_mismatch",
+    _vocabulary_mismatch,
+    phrases=(
+        "The student model has vocab_size 4096 but the teacher model has vocab_size 5000. Distillation compares the "
+        "teacher's full next-token distribution, which requires a shared vocabulary. Use a teacher with the same "
+        "vocab_size, or GOLD for cross-tokenizer distillation.",
+    ),
+)
 _register_dataclass_case("DistillationConfig", "trl", "DistillationConfig")

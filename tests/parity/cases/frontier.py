@@ -296,14 +296,23 @@ def _sft_selective_false(ctx):
     return {"kwargs_after": to_jsonable(trainer.args.gradient_checkpointing_kwargs)}
 
 
-@case("errors/sft_selective_without_gradient_checkpointing", phrases=("gradient_checkpointing",))
+@case(
+    "errors/sft_selective_without_gradient_checkpointing",
+    phrases=("`gradient_checkpointing_kwargs={'selective': True}` requires `gradient_checkpointing=True`.",),
+)
 def _sft_selective_no_gc(ctx):
     return expect_error(
         lambda: _sft_selective(ctx, gradient_checkpointing=False, gradient_checkpointing_kwargs={"selective": True})
     )
 
 
-@case("errors/sft_selective_reentrant", phrases=("use_reentrant",))
+@case(
+    "errors/sft_selective_reentrant",
+    phrases=(
+        "`gradient_checkpointing_kwargs={'selective': True}` requires non-reentrant gradient checkpointing. Set "
+        "`use_reentrant` to `False`, or leave it unset.",
+    ),
+)
 def _sft_selective_reentrant(ctx):
     return expect_error(
         lambda: _sft_selective(

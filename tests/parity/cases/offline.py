@@ -33,15 +33,27 @@ TINY_LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", 
 
 
 def build_offline(
-    ctx, kind: str, dataset=None, model=None, n_train=8, peft=False, margin=False, rename=None, **config
+    ctx,
+    kind: str,
+    dataset=None,
+    model=None,
+    n_train=8,
+    peft=False,
+    margin=False,
+    rename=None,
+    train_label=None,
+    **config,
 ):
-    """The trainer of `kind` on 8 training rows (n_train) and 8 test rows; returns (trainer, raw test split)."""
+    """The trainer of `kind` on 8 training rows (n_train) and 8 test rows; returns (trainer, raw test split).
+    `train_label` keeps only the training rows with that (unpaired) label."""
     import trl
 
     prefix, default_dataset, default_model = OFFLINE_TRAINERS[kind]
     dataset = dataset or default_dataset
     args = getattr(trl, f"{prefix}Config")(output_dir=ctx.tmpdir(), **{**COMMON_ARGS, **config})
     train, test = ctx.dataset(dataset, "train", n_train), ctx.dataset(dataset, "test", 8)
+    if train_label is not None:
+        train = train.filter(lambda row: row["label"] == train_label)
     if rename:
         train, test = train.rename_columns(rename), test.rename_columns(rename)
     if margin:
@@ -308,6 +320,22 @@ register_offline("kto/beta=0.5", "kto", beta=0.5, n_train=16)
 register_offline("kto/paired_conversational_preference", "kto", dataset="conversational_preference")
 register_offline("kto/peft_lora", "kto", peft=True)
 register_offline("kto/two_epochs", "kto", max_steps=4)
+
+# Settings TRL trains with although they are unusual: accepted with a warning here, and trained to TRL's numbers
+register_offline("kto/only_desirable_examples", "kto", n_train=16, train_label=True)
+register_offline("kto/only_undesirable_examples", "kto", n_train=16, train_label=False)
+register_offline("kto/desirable_weight=-1.0", "kto", desirable_weight=-1.0)
+register_offline("dpo/beta=-0.1", "dpo", beta=-0.1)
+register_offline("dpo/ld_alpha=2.0", "dpo", ld_alpha=2.0)
+register_offline(
+    "dpo/sync_ref_model/ref_model_mixup_alpha=2.0",
+    "dpo",
+    max_steps=2,
+    sync_ref_model=True,
+    ref_model_sync_steps=1,
+    ref_model_mixup_alpha=2.0,
+)
+register_offline("reward/center_rewards_coefficient=-0.1", "reward", center_rewards_coefficient=-0.1)
 
 # evaluate() on what the user passes, and keeping the best checkpoint (issue 18, sections 1 and 2)
 for _kind in OFFLINE_TRAINERS:

@@ -149,6 +149,19 @@ for _loss in ["cispo", "sapo", "vespo"]:
 EOS_BIAS = {"sequence_bias": [[[4091], 6.0]]}
 register("grpo/eos_bias", partial(online_case, trainer_name="GRPO", max_steps=2, generation_kwargs=EOS_BIAS))
 register("rloo/eos_bias", partial(online_case, trainer_name="RLOO", generation_kwargs=EOS_BIAS))
+# Settings TRL trains with although they are unusual: accepted with a warning here, and trained to TRL's numbers
+_TWO_ITERATIONS = dict(max_steps=2, num_iterations=2)  # a second pass on the same rollouts: the ratio moves off 1
+register("grpo/delta=0.5", partial(online_case, trainer_name="GRPO", delta=0.5, **_TWO_ITERATIONS))
+register("grpo/epsilon=-0.1", partial(online_case, trainer_name="GRPO", epsilon=-0.1, **_TWO_ITERATIONS))
+register("grpo/top_p=1.5", partial(online_case, trainer_name="GRPO", max_steps=1, top_p=1.5))
+register(
+    "grpo/use_adaptive_entropy", partial(online_case, trainer_name="GRPO", max_steps=2, use_adaptive_entropy=True)
+)
+register(
+    "grpo/num_completions_to_print=-1",
+    partial(online_case, trainer_name="GRPO", max_steps=1, log_completions=True, num_completions_to_print=-1),
+)
+register("rloo/reward_clip_range_reversed", partial(online_case, trainer_name="RLOO", reward_clip_range=(1.0, -1.0)))
 for _name in ["GRPO", "RLOO"]:
     register(
         f"{_name.lower()}/eos_bias/num_iterations=2",

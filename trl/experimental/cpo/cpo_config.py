@@ -4,7 +4,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...trainer.base_config import _BaseConfig
+from ...trainer.base_config import _BaseConfig, warn_trl_trains_anyway
 
 
 _CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo", "alphapo")
@@ -104,8 +104,8 @@ class CPOConfig(_BaseConfig):
     def __post_init__(self):
         if self.loss_type not in _CPO_LOSS_TYPES:
             raise ValueError(
-                f"loss_type must be one of {list(_CPO_LOSS_TYPES)}; got {self.loss_type!r}. For the DPO losses use "
-                "trl.DPOTrainer."
+                f"Unknown loss type: {self.loss_type}. Should be one of {list(_CPO_LOSS_TYPES)}. For the DPO losses "
+                "use trl.DPOTrainer."
             )
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(
@@ -119,8 +119,19 @@ class CPOConfig(_BaseConfig):
                 f"label_smoothing is the probability of a flipped label and must be in [0, 0.5]; got "
                 f"{self.label_smoothing}."
             )
-        if self.beta <= 0:
-            raise ValueError(f"beta must be > 0 (the losses divide by it or scale rewards with it); got {self.beta}.")
+        if self.beta == 0 and self.loss_type in ("ipo", "simpo", "alphapo"):
+            raise ValueError(
+                f"beta must not be 0 with loss_type={self.loss_type!r}: the loss divides by it (TRL fails with "
+                "ZeroDivisionError). Set beta > 0."
+            )
+        if self.beta == 0:
+            # TRL trains with it (a negative beta warns in the shared range checks).
+            warn_trl_trains_anyway(
+                f"beta=0 with loss_type={self.loss_type!r} switches the preference term off (its gradient is 0): only "
+                "the NLL term trains.",
+                "set beta > 0 unless this is intended.",
+                stacklevel=3,
+            )
         if self.loss_type == "alphapo":
             # AlphaPO is SimPO with shaped rewards and no behaviour-cloning term (TRL stores it this way).
             if self.cpo_alpha not in (0.0, 1.0):

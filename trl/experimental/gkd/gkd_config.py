@@ -69,9 +69,9 @@ class GKDConfig(SFTConfig):
 def check_distillation_ranges(lmbda: float, beta: float, temperature: float, length_name: str, length: int) -> None:
     """Range checks shared by the GKD and GOLD configs."""
     if not 0.0 <= lmbda <= 1.0:
-        raise ValueError(f"lmbda must be in the range [0.0, 1.0], got {lmbda}.")
+        raise ValueError(f"lmbda must be in the range [0.0, 1.0]. Got {lmbda}.")
     if not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be in the range [0.0, 1.0], got {beta}.")
+        raise ValueError(f"beta must be in the range [0.0, 1.0]. Got {beta}.")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 (it divides the logits), got {temperature}.")
     if length < 1:

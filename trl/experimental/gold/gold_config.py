@@ -211,5 +211,5 @@ class GOLDConfig(SFTConfig):
                 "generation_batch_size and num_generations must exactly partition the local optimizer-step batch. "
                 "Expected generation_batch_size * num_generations == per_device_train_batch_size * "
                 f"gradient_accumulation_steps, got {self.generation_batch_size} * {self.num_generations} != "
-                f"{local_batch}."
+                f"{self.per_device_train_batch_size} * {self.gradient_accumulation_steps}."
             )

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...trainer.base_config import _BaseConfig
+from ...trainer.online_config import check_sampling_temperature
 
 
 _LOSS_TYPES = ("sigmoid", "ipo")
@@ -229,8 +230,7 @@ class OnlineDPOConfig(_BaseConfig):
             raise ValueError(
                 f"max_length must be at least 2 (a prompt token and a completion token); got {self.max_length}."
             )
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0; got {self.temperature}.")
+        check_sampling_temperature(self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}.")
         if self.top_k < 0:

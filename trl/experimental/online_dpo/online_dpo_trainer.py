@@ -328,7 +328,8 @@ class OnlineDPOTrainer(_OnlineTrainer):
         if reward_funcs is None:
             if args.reward_model_path is None:
                 raise ValueError(
-                    f"{type(self).__name__} needs a way to rank the two completions of each prompt: pass "
+                    f"`reward_funcs` must be provided. {type(self).__name__} needs a way to rank the two completions "
+                    "of each prompt: pass "
                     "reward_funcs=<reward model or callable, or a list of them>, judge=<BasePairwiseJudge>, or set "
                     "args.reward_model_path."
                 )

@@ -3,7 +3,7 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...trainer.base_config import _BaseConfig
+from ...trainer.base_config import _BaseConfig, warn_trl_trains_anyway
 
 
 @dataclass
@@ -86,5 +86,9 @@ class ORPOConfig(_BaseConfig):
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ValueError(f"max_completion_length must be positive or None; got {self.max_completion_length}.")
         if self.beta < 0:
-            raise ValueError(f"beta weighs the odds-ratio term and must be >= 0; got {self.beta}.")
+            warn_trl_trains_anyway(
+                f"beta={self.beta} is negative: beta weighs the odds-ratio term, which a negative value turns around.",
+                "set beta >= 0 unless this is intended.",
+                stacklevel=3,
+            )
         super().__post_init__()

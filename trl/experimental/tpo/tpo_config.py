@@ -96,8 +96,9 @@ class TPOConfig(_BaseConfig):
     def __post_init__(self):
         if self.loss_type not in TPO_LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {list(TPO_LOSS_TYPES)}; got {self.loss_type!r}.")
-        if self.truncation_mode not in ("keep_start", "keep_end"):
-            raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end'; got {self.truncation_mode!r}.")
+        from ...trainer.utils.dataset_rows import check_truncation_mode
+
+        check_truncation_mode(self.truncation_mode)
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(
                 f"max_length must be at least 2 (a prompt token and a completion token) or None; got "

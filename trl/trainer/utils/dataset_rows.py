@@ -16,6 +16,22 @@ import torch
 from .tensors import pad
 
 
+def check_truncation_mode(truncation_mode: str) -> None:
+    """Raise TRL's error for a `truncation_mode` other than `"keep_start"` and `"keep_end"`.
+
+    Args:
+        truncation_mode: The configured value.
+
+    Raises:
+        ValueError: For any other value (TRL's sentence first, then the accepted values spelled out).
+    """
+    if truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(
+            f"Unsupported truncation mode: {truncation_mode}, expected 'keep_start' or 'keep_end'. Set "
+            "truncation_mode='keep_start' (keep the beginning) or 'keep_end' (keep the end)."
+        )
+
+
 def map_kwargs_with_desc(map_kwargs: dict[str, Any], text: str) -> dict[str, Any]:
     """`map_kwargs` plus a progress description (map-style datasets only: `IterableDataset.map` takes no `desc`)."""
     return {**map_kwargs, "desc": text} if "num_proc" in map_kwargs else dict(map_kwargs)
@@ -177,8 +193,7 @@ def collate_prompt_completions(
             [0, 1, 1]])
     ```
     """
-    if truncation_mode not in ("keep_start", "keep_end"):
-        raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end'; got {truncation_mode!r}.")
+    check_truncation_mode(truncation_mode)
     sequences, masks = [], []
     for prompt, completion in zip(prompts, completions):
         ids = list(prompt) + list(completion)
