@@ -120,7 +120,12 @@ def _same_model_as_ref(ctx) -> dict:
     )
 
 
-register("ppo/errors/ref_model_is_model", _same_model_as_ref, phrases=("same object",), oracle="1.12")
+register(
+    "ppo/errors/ref_model_is_model",
+    _same_model_as_ref,
+    phrases=("`model` and `ref_model` cannot be the same object. If you want `ref_model` to be the same as `model`",),
+    oracle="1.12",
+)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

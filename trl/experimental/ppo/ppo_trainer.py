@@ -306,8 +306,9 @@ class PPOTrainer(_BaseTrainer):
                 )
         if ref_model is not None and ref_model is model:
             raise ValueError(
-                "`model` and `ref_model` cannot be the same object: pass a copy as ref_model, or None (a frozen copy "
-                "is made, or the adapters are disabled when training PEFT adapters)."
+                "`model` and `ref_model` cannot be the same object. If you want `ref_model` to be the same as `model`, "
+                "you must make a copy of it, or `None` if you use peft. (With `ref_model=None` a frozen copy is made, "
+                "or the adapters are disabled when training PEFT adapters.)"
             )
         if getattr(processing_class, "pad_token_id", None) is None:
             raise ValueError(
