@@ -9,7 +9,10 @@ import torch.nn.functional as F
 
 
 # Working-set budget (bytes of float32 logits) of one chunk of rows; the extra memory stays a few times this value.
-_CHUNK_BYTES = 32 * 1024 * 1024
+# Every chunk reads the whole head once in the forward and three times in the backward, so a chunk must hold enough
+# rows for those passes to pay: at Qwen2.5's 151 936-token vocabulary, 32 MiB held 55 rows, and an SFT step at that
+# shape spent ~25 % more CPU time than with 128 MiB (220 rows), which left the peak memory of DPO unchanged.
+_CHUNK_BYTES = 128 * 1024 * 1024
 
 # `f(logits, targets) -> {name: per-row tensor}`, called without gradients on each chunk's `(1, rows, vocab)` logits.
 LogitsStatsFn = Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
