@@ -95,8 +95,8 @@ IMPLEMENTED = {
         "build_teacher_request_inputs",
     ],
     "trl.distributed": ["DistributedBackend"],
-    "trl.experimental.iw_opd": ["IWOPDConfig", "iw_opd_trainer"],
-    "trl.experimental.iw_opd.iw_opd_trainer": ["build_teacher_request_inputs"],
+    "trl.experimental.iw_opd": ["IWOPDConfig", "IWOPDTrainer", "iw_opd_trainer"],
+    "trl.experimental.iw_opd.iw_opd_trainer": ["IWOPDTrainer", "build_teacher_request_inputs"],
 }
 # (object path, attribute) pairs: methods the contract adds to existing classes
 IMPLEMENTED_ATTRIBUTES = [
@@ -121,7 +121,6 @@ IMPLEMENTED_ATTRIBUTES = [
 ]
 
 PENDING = {
-    "trl.experimental.iw_opd": ["IWOPDTrainer"],
     "trl.experimental.async_grpo": ["vllm_client", "weight_transfer", "openenv_harness"],
     "trl.experimental.async_distillation": ["AsyncDistillationConfig", "AsyncDistillationTrainer"],
 }

@@ -254,6 +254,7 @@ from . import (  # noqa: E402, F401
     frontier_online,
     grpo_variants,
     internals,
+    iw_opd,
     offline,
     online,
     plugins,
