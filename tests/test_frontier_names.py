@@ -6,6 +6,7 @@ into an unexpected pass that asks for the name to move to `IMPLEMENTED`.
 """
 
 import importlib
+import importlib.util
 
 import pytest
 
@@ -64,7 +65,11 @@ IMPLEMENTED = {
         "async_grpo_trainer",
         "async_rollout_worker",
         "packing",
+        "vllm_client",
+        "weight_transfer",
     ],
+    "trl.experimental.async_grpo.vllm_client": ["VLLMClient"],
+    "trl.experimental.async_grpo.weight_transfer": ["WeightTransferClient"],
     "trl.experimental.async_grpo.async_grpo_trainer": [
         "AsyncGRPOTrainer",
         "StepIntervalCallback",
@@ -121,10 +126,16 @@ IMPLEMENTED_ATTRIBUTES = [
 ]
 
 PENDING = {
-    "trl.experimental.async_grpo": ["vllm_client", "weight_transfer", "openenv_harness"],
     "trl.experimental.async_distillation": ["AsyncDistillationConfig", "AsyncDistillationTrainer"],
 }
 PENDING_ATTRIBUTES = []
+# Modules that import only with an optional package, as in TRL 1.16: module -> (package, names)
+OPTIONAL = {
+    "trl.experimental.async_grpo.openenv_harness": (
+        "openenv",
+        ["CaptureContractError", "HarnessRolloutOutcome", "HarnessRolloutWorker"],
+    ),
+}
 
 
 def _cases(table):
@@ -161,3 +172,13 @@ def test_pending_name(module, name):
 @pytest.mark.parametrize("path, name", PENDING_ATTRIBUTES)
 def test_pending_method(path, name):
     assert callable(getattr(_resolve(path), name))
+
+
+@pytest.mark.parametrize("module", sorted(OPTIONAL))
+def test_optional_module(module):
+    package, names = OPTIONAL[module]
+    if importlib.util.find_spec(package) is None:
+        with pytest.raises(ModuleNotFoundError, match=package):
+            importlib.import_module(module)
+    else:
+        assert all(hasattr(importlib.import_module(module), name) for name in names)
