@@ -113,6 +113,9 @@ class RolloutQueueDataset(IterableDataset):
         self._traces: list = []
         self._last_traced_version = -1
 
+    # The sample attributes each yielded item carries (AsyncDistillation's samples carry teacher scores instead).
+    _item_fields = ("input_ids", "completion_mask", "old_log_probs", "advantage", "group_id", "metrics")
+
     def _queue_size(self) -> float:
         try:
             return float(self.queue.qsize())
@@ -147,14 +150,7 @@ class RolloutQueueDataset(IterableDataset):
             if len(self._traces) < TRACES_PER_LOG:
                 self._traces.append(sample)
             self._drain_traces(version)
-            yield {
-                "input_ids": sample.input_ids,
-                "completion_mask": sample.completion_mask,
-                "old_log_probs": sample.old_log_probs,
-                "advantage": sample.advantage,
-                "group_id": sample.group_id,
-                "metrics": sample.metrics,
-            }
+            yield {name: getattr(sample, name) for name in self._item_fields}
 
 
 class _EmptyIterableDataset(IterableDataset):

@@ -250,6 +250,12 @@ class AsyncGRPOTrainer(Trainer):
 
     _tag_names = ["trl", "async-grpo"]
     _name = "AsyncGRPO"
+    # Hooks shared with AsyncDistillation: the queue reader, the sample key identifying a prompt, the collator's set
+    # of trained prompt ids, and whether `batch/groups_per_step` is logged.
+    _queue_dataset_class = RolloutQueueDataset
+    _group_key = "group_id"
+    _trained_ids_attribute = "groups_trained"
+    _logs_groups_per_step = True
     # Seconds of one blocking read of the rollout queue (the worker's health is checked after each empty read).
     _poll_interval_s = 5.0
 
@@ -287,15 +293,8 @@ class AsyncGRPOTrainer(Trainer):
             model, device_map=None, attn_implementation=TREE_ATTENTION, **_load_init_kwargs(args)
         )
         self._aux_loss_enabled = _check_model(policy, args)
-        if peft_config is not None:
-            targets = getattr(peft_config, "target_modules", None) or []
-            if "lm_head" in (targets if isinstance(targets, (list, set, tuple)) else [targets]):
-                raise ValueError("AsyncGRPO does not train a PEFT adapter on `lm_head`.")
-            policy = prepare_peft_model(policy, peft_config, args)
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model, trust_remote_code=args.trust_remote_code)
-        if processing_class.pad_token is None:
-            processing_class.pad_token = processing_class.eos_token
+        policy = self._wrap_peft(policy, peft_config, args)
+        processing_class = self._load_tokenizer(model, processing_class, args)
 
         self.reward_funcs, self.reward_processing_classes, self.reward_func_names = (
             _OnlineRewardsMixin._prepare_reward_funcs(self, reward_funcs, None, args)
@@ -308,13 +307,40 @@ class AsyncGRPOTrainer(Trainer):
                 raise TypeError(
                     f"Reward function {name!r} cannot be called as the rollout worker calls it: {problem}."
                 )
+        turns = (args.max_tool_calling_iterations + 1) if args.max_tool_calling_iterations is not None else 32
+        self._setup_async(
+            policy,
+            args,
+            train_dataset,
+            processing_class,
+            callbacks,
+            optimizers,
+            rollout_worker,
+            weight_transfer,
+            samples_per_prompt=args.num_generations * turns,
+        )
+
+    def _setup_async(
+        self,
+        policy: nn.Module,
+        args: Any,
+        train_dataset: Any,
+        processing_class: Any,
+        callbacks: Any,
+        optimizers: Any,
+        rollout_worker: Any,
+        weight_transfer: Any,
+        samples_per_prompt: int,
+    ) -> None:
+        """What every asynchronous trainer sets up once its model and rollout inputs are ready: the epoch stop and
+        step ceiling, the worker/transfer/server connection on rank 0, the token budget, the collator, the Trainer and
+        the rollout callbacks. `samples_per_prompt` inflates the `max_steps` ceiling (rows one prompt may yield)."""
         num_processes = max(PartialState().num_processes, 1)
         samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * num_processes
         self._target_groups = None
         if args.max_steps <= 0:
             self._target_groups = math.ceil(args.num_train_epochs * len(train_dataset))
-            turns = (args.max_tool_calling_iterations + 1) if args.max_tool_calling_iterations is not None else 32
-            args.max_steps = math.ceil(self._target_groups * args.num_generations * turns / samples_per_step)
+            args.max_steps = math.ceil(self._target_groups * samples_per_prompt / samples_per_step)
         if args.max_inflight_tasks < 0:
             args.max_inflight_tasks = max(args.max_staleness, 1) * samples_per_step
 
@@ -345,13 +371,9 @@ class AsyncGRPOTrainer(Trainer):
         if token_budget is None:  # other ranks only receive rows; the budget matters where they are planned
             token_budget = self._server_max_model_len() if self._is_rollout_owner else 0
         self._token_budget = token_budget
-        collator = DataCollatorForRollout(
-            pad_token_id=processing_class.pad_token_id,
-            num_processes=num_processes,
-            metrics=self._metrics,
-            token_budget=max(token_budget, 0),
-        )
-        super().__init__(
+        collator = self._build_collator(processing_class, num_processes, max(token_budget, 0))
+        Trainer.__init__(
+            self,
             model=policy,
             args=args,
             data_collator=collator,
@@ -364,6 +386,31 @@ class AsyncGRPOTrainer(Trainer):
         self.add_callback(_TrainBeginCallback(self))
         self.add_callback(StepIntervalCallback(self._sync_weight, args.weight_sync_steps))
         self.add_callback(_StepMetricsCallback(self))
+
+    def _wrap_peft(self, policy: nn.Module, peft_config: Any, args: Any) -> nn.Module:
+        """The policy with its PEFT adapter (never on `lm_head`: the synced weights would miss it)."""
+        if peft_config is None:
+            return policy
+        targets = getattr(peft_config, "target_modules", None) or []
+        if "lm_head" in (targets if isinstance(targets, (list, set, tuple)) else [targets]):
+            raise ValueError(f"{self._name} does not train a PEFT adapter on `lm_head`.")
+        return prepare_peft_model(policy, peft_config, args)
+
+    @staticmethod
+    def _load_tokenizer(model: str, processing_class: Any, args: Any) -> Any:
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model, trust_remote_code=args.trust_remote_code)
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        return processing_class
+
+    def _build_collator(self, processing_class: Any, num_processes: int, token_budget: int) -> Any:
+        return DataCollatorForRollout(
+            pad_token_id=processing_class.pad_token_id,
+            num_processes=num_processes,
+            metrics=self._metrics,
+            token_budget=token_budget,
+        )
 
     # -- setup helpers -----------------------------------------------------------------------------------------------
 
@@ -424,7 +471,7 @@ class AsyncGRPOTrainer(Trainer):
             self.rollout_worker = self._build_rollout_worker()
             self.rollout_queue = self.rollout_worker.rollout_buffer
         args = self.args
-        dataset = RolloutQueueDataset(
+        dataset = self._queue_dataset_class(
             self.rollout_queue,
             model_version_fn=lambda: self.model_version,
             check_health_fn=self.rollout_worker.check_health,
@@ -434,15 +481,19 @@ class AsyncGRPOTrainer(Trainer):
             poll_interval_s=self._poll_interval_s,
             report_to=args.report_to,
         )
-        num_processes = self.accelerator.num_processes
-        if self._token_budget > 0:
-            planner = TokenBudgetBatcher(dataset, num_processes, self._token_budget, self._metrics)
-        else:
-            planner = FixedCountBatcher(dataset, num_processes, args.per_device_train_batch_size * num_processes)
+        planner = self._build_planner(dataset, self.accelerator.num_processes)
         loader = DataLoader(
-            _TimedPlanner(planner, self._step, self._step_groups), batch_size=1, collate_fn=self.data_collator
+            _TimedPlanner(planner, self._step, self._step_groups, self._group_key),
+            batch_size=1,
+            collate_fn=self.data_collator,
         )
         return self.accelerator.prepare(loader)
+
+    def _build_planner(self, dataset: IterableDataset, num_processes: int) -> IterableDataset:
+        """Micro-batch planner over the queue's samples: by token budget, or a fixed count per micro-batch."""
+        if self._token_budget > 0:
+            return TokenBudgetBatcher(dataset, num_processes, self._token_budget, self._metrics)
+        return FixedCountBatcher(dataset, num_processes, self.args.per_device_train_batch_size * num_processes)
 
     # -- rollouts and weight sync ------------------------------------------------------------------------------------
 
@@ -511,7 +562,7 @@ class AsyncGRPOTrainer(Trainer):
     # -- checkpoints -------------------------------------------------------------------------------------------------
 
     def _first_untrained_group(self) -> int:
-        trained, group = self.data_collator.groups_trained, 0
+        trained, group = getattr(self.data_collator, self._trained_ids_attribute), 0
         while group in trained:
             group += 1
         return group
@@ -614,7 +665,8 @@ class AsyncGRPOTrainer(Trainer):
             "batch/forwarded_tokens_per_step", "batch/trained_tokens_per_step", "batch/samples_per_step",
         ):  # fmt: skip
             self._metrics[key].append(step[key])
-        self._metrics["batch/groups_per_step"].append(float(len(self._step_groups)))
+        if self._logs_groups_per_step:
+            self._metrics["batch/groups_per_step"].append(float(len(self._step_groups)))
         if step["perf/fwd_bwd_s"] > 0:
             self._metrics["perf/forwarded_tok_s_fwd_bwd"].append(
                 step["batch/forwarded_tokens_per_step"] / step["perf/fwd_bwd_s"]
@@ -648,10 +700,11 @@ class AsyncGRPOTrainer(Trainer):
 class _TimedPlanner(IterableDataset):
     """Wraps the planner: records the time spent waiting for each micro-batch and the step's samples and groups."""
 
-    def __init__(self, planner: IterableDataset, step: dict, groups: set):
+    def __init__(self, planner: IterableDataset, step: dict, groups: set, group_key: str = "group_id"):
         self.planner = planner
         self.step = step
         self.groups = groups
+        self.group_key = group_key
 
     def __iter__(self):
         iterator = iter(self.planner)
@@ -664,5 +717,5 @@ class _TimedPlanner(IterableDataset):
             self.step["perf/rollout_wait_s"] += time.perf_counter() - start
             samples = [sample for row in rows for sample in row.samples]
             self.step["batch/samples_per_step"] += len(samples)
-            self.groups.update(int(sample["group_id"]) for sample in samples)
+            self.groups.update(int(sample[self.group_key]) for sample in samples)
             yield rows
