@@ -69,6 +69,34 @@ IMPLEMENTED = {
         "weight_transfer",
     ],
     "trl.experimental.async_grpo.vllm_client": ["VLLMClient"],
+    "trl.experimental.async_distillation": [
+        "AsyncDistillationConfig",
+        "AsyncDistillationTrainer",
+        "async_distillation_trainer",
+        "async_rollout_worker",
+        "vllm_client",
+        "weight_transfer",
+    ],
+    "trl.experimental.async_distillation.async_distillation_trainer": [
+        "AsyncDistillationTrainer",
+        "RolloutWorkerProtocol",
+        "WeightTransferProtocol",
+        "StepIntervalCallback",
+        "RolloutQueueDataset",
+        "FixedCountBatcher",
+        "TokenBudgetBatcher",
+        "DataCollatorForRollout",
+        "log_rollout_traces",
+        "round_lora_rank",
+        "validate_lora_for_vllm_sync",
+        "save_lora_adapter",
+        "select_adapter_sync",
+        "VLLMClient",
+        "WeightTransferClient",
+    ],
+    "trl.experimental.async_distillation.async_rollout_worker": ["AsyncRolloutWorker", "RolloutSample"],
+    "trl.experimental.async_distillation.vllm_client": ["VLLMClient"],
+    "trl.experimental.async_distillation.weight_transfer": ["WeightTransferClient"],
     "trl.experimental.async_grpo.weight_transfer": ["WeightTransferClient"],
     "trl.experimental.async_grpo.async_grpo_trainer": [
         "AsyncGRPOTrainer",
@@ -126,7 +154,6 @@ IMPLEMENTED_ATTRIBUTES = [
 ]
 
 PENDING = {
-    "trl.experimental.async_distillation": ["AsyncDistillationConfig", "AsyncDistillationTrainer"],
 }
 PENDING_ATTRIBUTES = []
 # Modules that import only with an optional package, as in TRL 1.16: module -> (package, names)

@@ -219,7 +219,8 @@ class _StepMetricsCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer._flush_step(time.perf_counter() - self._step_start)
         target = self.trainer._target_groups
-        if target is not None and len(self.trainer.data_collator.groups_trained) >= target:
+        trained = getattr(self.trainer.data_collator, self.trainer._trained_ids_attribute)
+        if target is not None and len(trained) >= target:
             control.should_training_stop = True
             control.should_save = args.save_strategy == "steps"
         return control
@@ -715,7 +716,7 @@ class _TimedPlanner(IterableDataset):
             except StopIteration:
                 return
             self.step["perf/rollout_wait_s"] += time.perf_counter() - start
-            samples = [sample for row in rows for sample in row.samples]
+            samples = [sample for row in rows for sample in getattr(row, "samples", row)]  # TreeRow or list
             self.step["batch/samples_per_step"] += len(samples)
             self.groups.update(int(sample[self.group_key]) for sample in samples)
             yield rows
