@@ -153,8 +153,7 @@ IMPLEMENTED_ATTRIBUTES = [
     ("trl.generation.vllm_client.VLLMClient", "image_features"),
 ]
 
-PENDING = {
-}
+PENDING = {}
 PENDING_ATTRIBUTES = []
 # Modules that import only with an optional package, as in TRL 1.16: module -> (package, names)
 OPTIONAL = {

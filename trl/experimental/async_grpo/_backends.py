@@ -5,8 +5,9 @@ token-id prompts with the sampler's log-probabilities. Production runs use [`VLL
 `trl vllm-serve` through the existing [`~trl.generation.vllm_client.VLLMClient`], and [`VLLMServeWeightTransfer`],
 which pushes weights to the same server over the client's weight-sync group. Tests inject an in-process backend.
 
-TRL 1.16 talks to a plain `vllm serve` (OpenAI `/v1/completions`, NCCL weight transfer engine); that client is not
-built here yet, see `docs/async_grpo.md`.
+TRL 1.16 talks to a plain `vllm serve` (OpenAI `/v1/completions`, NCCL weight transfer engine); its clients are
+`async_grpo.vllm_client.VLLMClient` and `async_grpo.weight_transfer.WeightTransferClient`, which the trainer does not
+build by default yet (see `docs/async_grpo.md`).
 """
 
 from __future__ import annotations
