@@ -9,8 +9,6 @@ divergence to the teacher, [`~trl.trainer.utils.sparse_divergence`]).
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -28,7 +26,7 @@ from ...trainer.utils.packing import (
 )
 from ...trainer.utils.sparse_divergence import add_tail_bucket, renormalize_on_support, sparse_support_divergence
 from ..async_grpo._batching import RolloutQueueDataset as _AsyncGRPORolloutQueueDataset
-from ..async_grpo._batching import log_rollout_traces
+from ..async_grpo._batching import log_rollout_traces, log_sample_and_row_metrics
 from ..async_grpo._lora_sync import (
     round_lora_rank,
     save_lora_adapter,
@@ -214,26 +212,9 @@ class DataCollatorForRollout:
         return batch
 
     def _log_metrics(self, rows: list[list[dict]], samples: list[dict], padded_len: int) -> None:
-        lengths = [len(s["input_ids"]) for s in samples]
-        masked = [int(np.sum(s["completion_mask"])) for s in samples]
         row_tokens = [sum(len(s["input_ids"]) for s in row) for row in rows]
-        total = sum(lengths)
-        self.metrics["sample/forwarded_tokens_mean"].append(float(np.mean(lengths)))
-        self.metrics["sample/forwarded_tokens_max"].append(float(max(lengths)))
-        self.metrics["sample/trained_tokens_mean"].append(float(np.mean(masked)))
-        self.metrics["batch/masked_token_frac"].append((total - sum(masked), total))
-        per_sample: dict[str, list[float]] = defaultdict(list)
-        for sample in samples:
-            for key, value in (sample.get("metrics") or {}).items():
-                per_sample[key].append(value)
-        for key, values in per_sample.items():
-            self.metrics[key].append(sum(values) / len(values))
-        self.metrics["batch/samples_per_row"].append(len(samples) / len(rows))
-        self.metrics["batch/row_tokens_mean"].append(float(np.mean(row_tokens)))
-        self.metrics["batch/row_tokens_max"].append(float(max(row_tokens)))
-        costs = [_cost(row) for row in rows]
-        mean_cost = float(np.mean(costs))
-        self.metrics["batch/row_imbalance"].append(max(costs) / mean_cost if mean_cost else math.nan)
+        log_sample_and_row_metrics(self.metrics, samples, row_tokens, [_cost(row) for row in rows])
+        total = sum(row_tokens)
         if self.token_budget > 0:
             self.metrics["batch/row_fill_frac"].append((total, self.token_budget * len(rows)))
         self.metrics["batch/pad_frac"].append((padded_len * len(rows) - total, padded_len * len(rows)))
@@ -312,15 +293,7 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
             )
         if args is None:
             args = AsyncDistillationConfig(f"{model.split('/')[-1]}-AsyncDistillation")
-        if args.use_liger_kernel:
-            raise NotImplementedError("AsyncDistillationTrainer does not support `use_liger_kernel`.")
-        if train_dataset is None or "prompt" not in (train_dataset.column_names or []):
-            raise ValueError("AsyncDistillationTrainer needs a `train_dataset` with a `prompt` column.")
-        if not args.ignore_data_skip:
-            warnings.warn(
-                "AsyncDistillation restores its rollout position itself; `ignore_data_skip` is forced to True."
-            )
-            args.ignore_data_skip = True
+        self._check_async_inputs(args, train_dataset)
         urls = args.teacher_server_urls
         self.teacher_server_urls = {"default": urls} if isinstance(urls, str) else dict(urls)
         if len(self.teacher_server_urls) > 1:

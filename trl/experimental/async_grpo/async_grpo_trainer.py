@@ -281,13 +281,7 @@ class AsyncGRPOTrainer(Trainer):
             raise NotImplementedError("AsyncGRPOTrainer does not support tools or environments yet in this project.")
         if args is None:
             args = AsyncGRPOConfig(f"{model.split('/')[-1]}-AsyncGRPO")
-        if args.use_liger_kernel:
-            raise NotImplementedError("AsyncGRPOTrainer does not support `use_liger_kernel`.")
-        if train_dataset is None or "prompt" not in (train_dataset.column_names or []):
-            raise ValueError("AsyncGRPOTrainer needs a `train_dataset` with a `prompt` column.")
-        if not args.ignore_data_skip:
-            warnings.warn("AsyncGRPO restores its rollout position itself; `ignore_data_skip` is forced to True.")
-            args.ignore_data_skip = True
+        self._check_async_inputs(args, train_dataset)
 
         register_tree_attention()
         policy = create_model_from_path(
@@ -387,6 +381,17 @@ class AsyncGRPOTrainer(Trainer):
         self.add_callback(_TrainBeginCallback(self))
         self.add_callback(StepIntervalCallback(self._sync_weight, args.weight_sync_steps))
         self.add_callback(_StepMetricsCallback(self))
+
+    def _check_async_inputs(self, args: Any, train_dataset: Any) -> None:
+        """Checks shared by the asynchronous trainers, before anything is loaded."""
+        trainer = type(self).__name__
+        if args.use_liger_kernel:
+            raise NotImplementedError(f"{trainer} does not support `use_liger_kernel`.")
+        if train_dataset is None or "prompt" not in (train_dataset.column_names or []):
+            raise ValueError(f"{trainer} needs a `train_dataset` with a `prompt` column.")
+        if not args.ignore_data_skip:
+            warnings.warn(f"{self._name} restores its rollout position itself; `ignore_data_skip` is forced to True.")
+            args.ignore_data_skip = True
 
     def _wrap_peft(self, policy: nn.Module, peft_config: Any, args: Any) -> nn.Module:
         """The policy with its PEFT adapter (never on `lm_head`: the synced weights would miss it)."""
