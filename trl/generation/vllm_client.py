@@ -164,6 +164,24 @@ def _decode_array(encoded: str, dtype: str, shape: Sequence[int]) -> torch.Tenso
     return tensor.reshape(tuple(shape))
 
 
+def fetch_server_info(session: Any, base_url: str, timeout: float | None = None) -> dict:
+    """GET `{base_url}/server_info?config_format=json` and return its `vllm_config` tree.
+
+    Raises:
+        RuntimeError: On 404 (a plain `vllm serve` exposes the endpoint only with `VLLM_SERVER_DEV_MODE=1`).
+        Exception: On any other non-200 answer.
+    """
+    response = session.get(f"{base_url}/server_info", params={"config_format": "json"}, timeout=timeout)
+    if response.status_code == 404:
+        raise RuntimeError(
+            f"The vLLM server at {base_url} has no /server_info endpoint. Restart it with VLLM_SERVER_DEV_MODE=1 "
+            "(vllm serve), or use `trl vllm-serve`."
+        )
+    if response.status_code != 200:
+        raise Exception(f"Request /server_info failed: {response.status_code}, {response.text}")
+    return response.json()["vllm_config"]
+
+
 _warned_temperatures: set[float] = set()
 
 
@@ -308,15 +326,7 @@ class VLLMClient:
                 `VLLM_SERVER_DEV_MODE=1`).
             Exception: On any other non-200 answer.
         """
-        response = self.session.get(f"{self.base_url}/server_info", params={"config_format": "json"})
-        if response.status_code == 404:
-            raise RuntimeError(
-                f"The vLLM server at {self.base_url} has no /server_info endpoint. Restart it with "
-                "VLLM_SERVER_DEV_MODE=1 (vllm serve), or use `trl vllm-serve`."
-            )
-        if response.status_code != 200:
-            raise Exception(f"Request /server_info failed: {response.status_code}, {response.text}")
-        return response.json()["vllm_config"]
+        return fetch_server_info(self.session, self.base_url)
 
     def image_features(self, images: list[list | None], max_concurrent_requests: int = 64) -> list[dict | None]:
         """Multimodal features of each prompt's images, rendered by the server (`/v1/chat/completions/render`).

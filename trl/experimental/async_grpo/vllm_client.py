@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ...generation.vllm_client import fetch_server_info
 from ...import_utils import is_requests_available
 
 
@@ -71,15 +72,7 @@ class VLLMClient:
 
     def get_server_info(self) -> dict:
         """vLLM's configuration tree (`/server_info?config_format=json`; needs `VLLM_SERVER_DEV_MODE=1`)."""
-        response = self.session.get(f"{self.server_url}/server_info", params={"config_format": "json"}, timeout=30)
-        if response.status_code == 404:
-            raise RuntimeError(
-                f"The vLLM server at {self.server_url} has no /server_info endpoint. Restart it with "
-                "VLLM_SERVER_DEV_MODE=1."
-            )
-        if response.status_code != 200:
-            raise Exception(f"Request /server_info failed: {response.status_code}, {response.text}")
-        return response.json()["vllm_config"]
+        return fetch_server_info(self.session, self.server_url, timeout=30)
 
     def get_dtype(self) -> str:
         """The served weights' dtype as vLLM writes it (for example `"torch.bfloat16"`)."""
