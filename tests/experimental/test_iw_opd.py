@@ -203,6 +203,13 @@ def test_trains_evaluates_saves(tmp_path, conversations, tokenizer, kwargs, expe
     assert_saved_model_reloads(trainer, tmp_path / "saved")
 
 
+def test_logs_a_completions_table(tmp_path, conversations, tokenizer):
+    args = _trainer_args(tmp_path, log_completions=True, log_completions_steps=1, max_steps=1)
+    trainer = IWOPDTrainer(STUDENT, TEACHER, args=args, train_dataset=conversations, processing_class=tokenizer)
+    trainer.train()
+    assert list((tmp_path / "completions").glob("*.parquet"))  # the on-policy samples of step 1
+
+
 def test_resumes(tmp_path, conversations, tokenizer):
     args = _trainer_args(tmp_path, save_strategy="steps", save_steps=1, distillation_objective="jsd", lmbda=0.0)
     resume_from_first_checkpoint(

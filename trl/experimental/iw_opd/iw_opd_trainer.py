@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from accelerate.utils import gather_object
 from datasets import Dataset
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import EvalPrediction
@@ -21,6 +22,7 @@ from ...generation import vllm_client
 from ...models.utils import disable_dropout_in_model, unwrap_model_for_generation
 from ...trainer.base_trainer import _BaseTrainer
 from ...trainer.distillation_trainer import DistillationTrainer, _vocab_size
+from ...trainer.online_metrics import log_completion_rows
 from ...trainer.utils import pad
 from ...trainer.utils.divergence import generalized_jsd_loss as _full_vocab_jsd_loss
 from ...trainer.utils.sampling import RepeatSampler
@@ -334,6 +336,7 @@ class IWOPDTrainer(_BaseTrainer):
         self._micro_step = 0
         self._window: tuple[list[dict[str, Any]], list[bool]] | None = None
         self._window_losses: dict[str, list[float]] = {}
+        self._completion_rows: list[dict[str, str]] = []
         self._add_model_tags(self.model)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -384,7 +387,21 @@ class IWOPDTrainer(_BaseTrainer):
             input_ids, attention_mask, labels = GKDTrainer.generate_on_policy_outputs(
                 unwrapped, inputs, self.generation_config
             )
-        return {**inputs, "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        sampled = {**inputs, "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if self.args.log_completions:
+            self._store_completion_rows(sampled)
+        return sampled
+
+    def _store_completion_rows(self, inputs: dict[str, Any]) -> None:
+        """Keep the decoded on-policy prompts and completions of all processes for the next completions table."""
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        prompts = [
+            tokenizer.decode(ids[mask.bool()], skip_special_tokens=True)
+            for ids, mask in zip(inputs["prompts"], inputs["prompt_attention_mask"], strict=True)
+        ]
+        completions = [tokenizer.decode(row[row != -100], skip_special_tokens=True) for row in inputs["labels"]]
+        rows = [{"prompt": p, "completion": c} for p, c in zip(prompts, completions, strict=True)]
+        self._completion_rows.extend(gather_object(rows))
 
     def training_step(
         self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: int | torch.Tensor | None = None
@@ -412,6 +429,15 @@ class IWOPDTrainer(_BaseTrainer):
                 self._record_metric(f"{name}_loss", round(float(total), 4))
         self._micro_step += 1
         return loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        super().log(logs, start_time)
+        # A completions table of the latest on-policy samples every `log_completions_steps` steps.
+        due = self.state.global_step % self.args.log_completions_steps == 0
+        if self._mode == "train" and self._completion_rows and due:
+            if self.accelerator.is_main_process:
+                log_completion_rows(self, self._completion_rows, "train", unique_prompts=False)
+            self._completion_rows = []
 
     # ------------------------------------------------------------------------------------------------------------
     # Loss
