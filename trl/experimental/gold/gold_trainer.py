@@ -19,9 +19,7 @@ from transformers import (
 )
 from transformers.trainer_utils import EvalPrediction
 
-from ...trainer.online_math import completion_mask_from_ids
 from ...trainer.online_metrics import log_completion_rows
-from ...trainer.utils import pad
 from ...trainer.utils.ignored_options import GOLD_IGNORED_OPTIONS
 from ...trainer.utils.sampling import RepeatSampler, repeat_iterable_dataset
 from .._chatml_collator import DataCollatorForChatML, _completion_byte_offsets
@@ -343,19 +341,15 @@ class GOLDTrainer(GKDTrainer):
 
     def _generate_with_vllm(self, inputs: dict[str, Any]) -> None:
         """Sample the batch's completions with vLLM (weights pushed every `vllm_sync_frequency` steps)."""
-        prompts, prompt_mask = inputs["prompts"], inputs["prompt_attention_mask"]
-        prompt_lists = [row[mask.bool()].tolist() for row, mask in zip(prompts, prompt_mask, strict=True)]
         version = self.state.global_step // self.args.vllm_sync_frequency
-        output = self.vllm_generation.generate(prompt_lists, model=self.model_wrapped, weights_version=version)
-        pad_id = self.processing_class.pad_token_id
-        completions = pad(
-            [torch.tensor(ids, dtype=torch.long) for ids in output["completion_ids"]], padding_value=pad_id
-        ).to(prompts.device)
-        completion_mask, _ = completion_mask_from_ids(completions, self._completion_end_ids or [pad_id])
-        input_ids = torch.cat([prompts, completions], dim=1)
-        labels = torch.full_like(input_ids, -100)
-        labels[:, prompts.shape[1] :] = completions.masked_fill(completion_mask == 0, -100)
-        attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
+        input_ids, attention_mask, labels, _ = GKDTrainer.vllm_on_policy_outputs(
+            self.vllm_generation,
+            self.model_wrapped,
+            inputs,
+            self._completion_end_ids,
+            self.processing_class.pad_token_id,
+            weights_version=version,
+        )
         inputs.update(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
     def _refresh_completion_texts(self, inputs: dict[str, Any]) -> None:

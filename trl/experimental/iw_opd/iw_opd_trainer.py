@@ -270,11 +270,6 @@ class IWOPDTrainer(_BaseTrainer):
             raise TypeError(f"IWOPDTrainer expects `args` to be an IWOPDConfig, got {type(args).__name__}.")
         if model is None:
             raise ValueError("IWOPDTrainer needs a student `model` (a path, a hub id or a model instance).")
-        if args.use_vllm:
-            raise NotImplementedError(
-                "IWOPDTrainer generates with transformers' `generate` only in this release; use_vllm=True is not "
-                "supported yet. Set use_vllm=False."
-            )
         if not args.use_teacher_server and teacher_model is None:
             raise ValueError(
                 "IWOPDTrainer needs a teacher: pass `teacher_model` (a path, a hub id or a model instance), or set "
@@ -333,6 +328,18 @@ class IWOPDTrainer(_BaseTrainer):
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )
+        self._completion_end_ids = GKDTrainer._eos_token_ids_of(self.model, tokenizer)
+        self.vllm_generation = None
+        if args.use_vllm:  # student samples from vLLM (server or colocated), weights pushed every vllm_sync_frequency
+            from ...generation.vllm_generation import VLLMGeneration
+
+            self.vllm_generation = VLLMGeneration(
+                self.model,
+                self.accelerator,
+                args,
+                eos_token_ids=self._completion_end_ids,
+                max_tokens=args.max_completion_length,
+            )
         self._micro_step = 0
         self._window: tuple[list[dict[str, Any]], list[bool]] | None = None
         self._window_losses: dict[str, list[float]] = {}
@@ -381,13 +388,26 @@ class IWOPDTrainer(_BaseTrainer):
 
     def _sample_slice(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         """The slice with its completions replaced by the student's samples (GKD's on-policy generation)."""
-        with unwrap_model_for_generation(
-            model, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
-        ) as unwrapped:
-            input_ids, attention_mask, labels = GKDTrainer.generate_on_policy_outputs(
-                unwrapped, inputs, self.generation_config
+        extra = {}
+        if self.vllm_generation is not None:
+            input_ids, attention_mask, labels, sampling = GKDTrainer.vllm_on_policy_outputs(
+                self.vllm_generation,
+                self.model_wrapped,
+                inputs,
+                self._completion_end_ids,
+                self.processing_class.pad_token_id,
+                weights_version=self.state.global_step // self.args.vllm_sync_frequency,
             )
-        sampled = {**inputs, "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+            if self.args.distillation_objective == "iw_opd":  # the behaviour policy of the importance weights
+                extra["rollout_logprobs"] = sampling
+        else:
+            with unwrap_model_for_generation(
+                model, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
+            ) as unwrapped:
+                input_ids, attention_mask, labels = GKDTrainer.generate_on_policy_outputs(
+                    unwrapped, inputs, self.generation_config
+                )
+        sampled = {**inputs, "input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, **extra}
         if self.args.log_completions:
             self._store_completion_rows(sampled)
         return sampled
@@ -514,8 +534,11 @@ class IWOPDTrainer(_BaseTrainer):
             else:
                 teacher = self._teacher_log_probs(inputs, positions).gather(-1, tokens[..., None])[..., 0]
             sampled = student_log_probs.gather(-1, tokens[..., None])[..., 0]
+            behaviour = None
+            if "rollout_logprobs" in inputs:  # vLLM's log-probabilities of its samples, at the tokens' positions
+                behaviour = inputs["rollout_logprobs"].gather(1, positions + 1)
             loss, metrics = iw_opd_loss(
-                sampled, teacher, None, mask, args.iw_opd_gamma, args.iw_opd_epsilon, num_items_in_batch
+                sampled, teacher, behaviour, mask, args.iw_opd_gamma, args.iw_opd_epsilon, num_items_in_batch
             )
             for name, value in metrics.items():
                 self._record_metric(f"iw_opd/{name}", value)
