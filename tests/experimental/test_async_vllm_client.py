@@ -7,6 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from trl.experimental.async_grpo._backends import OpenAICompletionsBackend, is_plain_vllm_server
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 from trl.experimental.async_grpo.weight_transfer import WeightTransferClient
 from trl.import_utils import is_vllm_available
@@ -29,6 +30,8 @@ class _Stub(BaseHTTPRequestHandler):
 
     def do_GET(self):
         type(self).calls.append(("GET", self.path, None))
+        if self.path == "/openapi.json":
+            return self._reply(200, {"paths": {"/health": {}, "/v1/models": {}, "/v1/completions": {}}})
         if self.path == "/health":
             return self._reply(200)
         if self.path == "/v1/models":
@@ -45,6 +48,10 @@ class _Stub(BaseHTTPRequestHandler):
         type(self).calls.append(("POST", self.path, payload))
         if self.path.startswith("/v1/load_lora_adapter"):
             return self._reply(type(self).lora_status, {"detail": "x"})
+        if self.path == "/v1/completions":
+            tokens = [7, 8, 9][: payload["max_tokens"]]
+            choice = {"token_ids": tokens, "logprobs": {"token_logprobs": [-0.5] * len(tokens)}}
+            return self._reply(200, {"choices": [choice]})
         return self._reply(200)
 
 
@@ -98,3 +105,34 @@ def test_errors(server):
 def test_weight_transfer_needs_vllm(server):
     with pytest.raises(ImportError, match="vLLM"):
         WeightTransferClient(VLLMClient(server), {"names": [], "dtype_names": [], "shapes": []})
+
+
+def test_generation_through_a_plain_vllm_serve(server):
+    assert is_plain_vllm_server(server) and not is_plain_vllm_server("http://127.0.0.1:9")
+    backend = OpenAICompletionsBackend(server)
+    backend.check_ready(5)
+    assert backend.get_max_model_len() == 321
+    sampling = {"model": "m", "max_tokens": 2, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": None,
+                "repetition_penalty": 1.0}  # fmt: skip
+    out = backend.generate([1, 2, 3], 2, sampling)
+    assert out == [([7, 8], [-0.5, -0.5])] * 2
+    posted = [payload for method, path, payload in _Stub.calls if path == "/v1/completions"]
+    assert len(posted) == 2 and posted[0]["prompt"] == [1, 2, 3] and posted[0]["n"] == 1
+    assert posted[0]["return_token_ids"] and posted[0]["logprobs"] == 0 and posted[0]["top_k"] == -1
+    assert "min_p" not in posted[0] and posted[0]["seed"] != posted[1]["seed"]
+
+
+@pytest.mark.skipif(is_vllm_available(), reason="checks the error raised without vLLM")
+def test_trl_setup_without_vllm_fails_before_training(server, tmp_path):
+    """AsyncGRPO against a plain `vllm serve` (TRL's setup) picks the OpenAI backend and vLLM's weight transfer,
+    which needs vLLM in the trainer's environment: a clear error when the trainer is built."""
+    from datasets import Dataset
+
+    from trl.assets import get_model_path
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    args = AsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, vllm_server_base_url=server.rstrip("/"))
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Hi"}]]})
+    with pytest.raises(ImportError, match="vLLM"):
+        AsyncGRPOTrainer(get_model_path("tiny-Qwen2ForCausalLM"), reward_funcs=lambda **k: [0.0], args=args,
+                         train_dataset=dataset)  # fmt: skip

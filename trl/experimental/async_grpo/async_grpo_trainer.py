@@ -26,7 +26,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ...models.loading import create_model_from_path
 from ...trainer.online_rewards import _OnlineRewardsMixin, reward_signature_problem
 from ...trainer.utils import prepare_peft_model
-from ._backends import GenerationBackend, VLLMServeBackend, VLLMServeWeightTransfer
+from ._backends import (
+    GenerationBackend,
+    OpenAICompletionsBackend,
+    VLLMServeBackend,
+    VLLMServeWeightTransfer,
+    is_plain_vllm_server,
+)
 from ._batching import (
     DataCollatorForRollout,
     FixedCountBatcher,
@@ -357,7 +363,7 @@ class AsyncGRPOTrainer(Trainer):
         if self._is_rollout_owner and rollout_worker is None:
             self._generation_backend = self._build_generation_backend()
         if self._is_rollout_owner and weight_transfer is None:
-            weight_transfer = VLLMServeWeightTransfer(self._get_vllm_client())
+            weight_transfer = self._build_weight_transfer(policy, args)
         self.weight_transfer = weight_transfer
         self.rollout_worker = rollout_worker if self._is_rollout_owner else None
         self.rollout_queue = self.rollout_worker.rollout_buffer if self.rollout_worker is not None else None
@@ -431,9 +437,37 @@ class AsyncGRPOTrainer(Trainer):
             )
         return self.vllm_client
 
+    def _plain_vllm_server(self) -> bool:
+        """Whether the student's server is a plain `vllm serve` (TRL's setup) rather than `trl vllm-serve`."""
+        if getattr(self, "_is_plain_vllm", None) is None:
+            self._is_plain_vllm = is_plain_vllm_server(self._args_for_worker.vllm_server_base_url)
+        return self._is_plain_vllm
+
     def _build_generation_backend(self) -> GenerationBackend:
-        """The backend the default rollout worker generates with (override to use another one)."""
+        """The backend the default rollout worker generates with (override to use another one): `/v1/completions` of
+        a plain `vllm serve`, or `trl vllm-serve`'s endpoints."""
+        args = self._args_for_worker
+        if self._plain_vllm_server():
+            return OpenAICompletionsBackend(args.vllm_server_base_url, request_timeout=args.request_timeout)
         return VLLMServeBackend(self._get_vllm_client())
+
+    def _build_weight_transfer(self, policy: nn.Module, args: Any) -> WeightTransferProtocol:
+        """The default weight transfer: vLLM's NCCL engine for a plain `vllm serve` (GPU), else `trl vllm-serve`'s
+        weight-sync group."""
+        if not self._plain_vllm_server():
+            return VLLMServeWeightTransfer(self._get_vllm_client())
+        from .vllm_client import VLLMClient as ServeClient
+        from .weight_transfer import WeightTransferClient
+
+        names, dtypes, shapes = [], [], []
+        for name, parameter in _iter_vllm_named_params(policy):
+            names.append(name)
+            dtypes.append(str(parameter.dtype).replace("torch.", ""))
+            shapes.append(list(parameter.shape))
+        client = ServeClient(args.vllm_server_base_url, server_timeout=args.vllm_server_timeout)
+        return WeightTransferClient(
+            client, {"names": names, "dtype_names": dtypes, "shapes": shapes}, args.weight_sync_timeout
+        )
 
     def _server_max_model_len(self) -> int:
         for source in (self._generation_backend, self.vllm_client):
