@@ -144,25 +144,17 @@ class OpenAICompletionsBackend:
         self.retries = 0
 
     def check_ready(self, timeout: float) -> None:
-        import time
+        from .vllm_client import VLLMClient
 
-        import requests
-
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if self.session.get(f"{self.base_url}/health", timeout=5).status_code == 200:
-                    return
-            except requests.exceptions.RequestException:
-                pass
-            if time.monotonic() >= deadline:
-                raise ConnectionError(f"The vLLM server at {self.base_url} is not reachable (waited {timeout} s).")
-            time.sleep(2.0)
+        try:
+            VLLMClient(self.base_url, server_timeout=timeout).wait_for_server_ready()
+        except TimeoutError as error:
+            raise ConnectionError(str(error)) from error
 
     def get_max_model_len(self) -> int:
-        response = self.session.get(f"{self.base_url}/v1/models", timeout=30)
-        response.raise_for_status()
-        return int(response.json()["data"][0]["max_model_len"])
+        from .vllm_client import VLLMClient
+
+        return VLLMClient(self.base_url).get_max_model_len()
 
     def _post(self, payload: dict[str, Any]) -> dict[str, Any]:
         import time

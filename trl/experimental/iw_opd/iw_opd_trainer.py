@@ -25,7 +25,6 @@ from ...trainer.distillation_trainer import DistillationTrainer, _vocab_size
 from ...trainer.online_metrics import log_completion_rows
 from ...trainer.utils import pad
 from ...trainer.utils.divergence import generalized_jsd_loss as _full_vocab_jsd_loss
-from ...trainer.utils.sampling import RepeatSampler
 from ...trainer.utils.sparse_divergence import (
     build_teacher_request_inputs,
     server_realised_log_probs,
@@ -33,6 +32,7 @@ from ...trainer.utils.sparse_divergence import (
     sparse_support_divergence,
     top1_sparse_support,
 )
+from .._generation_batch import _GenerationBatchMixin
 from ..gkd.gkd_trainer import GKDTrainer
 from .iw_opd_config import IWOPDConfig
 
@@ -188,7 +188,7 @@ def _slice_batch(batch: dict[str, Any], slices: int) -> list[dict[str, Any]]:
     return [{key: value[i * size : (i + 1) * size] for key, value in batch.items()} for i in range(slices)]
 
 
-class IWOPDTrainer(_BaseTrainer):
+class IWOPDTrainer(_GenerationBatchMixin, _BaseTrainer):
     r"""Importance-weighted on-policy distillation (IW-OPD) of a teacher into a student, on conversations.
 
     With `distillation_objective="iw_opd"` (default) the loss is a policy gradient on the student's sampled tokens
@@ -352,29 +352,6 @@ class IWOPDTrainer(_BaseTrainer):
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
             self._signature_columns = ["prompts", "prompt_attention_mask", "messages", "chat_template_kwargs", "tools"]
-
-    def _get_train_sampler(self, train_dataset: Any = None):
-        args = self.args
-        return RepeatSampler(
-            data_source=train_dataset if train_dataset is not None else self.train_dataset,
-            mini_repeat_count=args.num_generations,
-            batch_size=args.generation_batch_size,
-            repeat_count=args.gradient_accumulation_steps,
-            shuffle=True,
-            seed=args.seed,
-        )
-
-    def get_train_dataloader(self):
-        if self.train_dataset is None:
-            raise ValueError("IWOPDTrainer: training requires a train_dataset.")
-        args = self.args
-        return self._get_dataloader(
-            dataset=self.train_dataset,
-            description="Training",
-            batch_size=args.per_device_train_batch_size * args.gradient_accumulation_steps,
-            sampler_fn=self._get_train_sampler,
-            is_training=True,
-        )
 
     def _on_policy_draw(self) -> list[bool]:
         """One draw per accumulation slice (main process, shared with the others): on-policy with probability
