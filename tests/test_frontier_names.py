@@ -6,6 +6,7 @@ into an unexpected pass that asks for the name to move to `IMPLEMENTED`.
 """
 
 import importlib
+import importlib.util
 
 import pytest
 
@@ -64,7 +65,39 @@ IMPLEMENTED = {
         "async_grpo_trainer",
         "async_rollout_worker",
         "packing",
+        "vllm_client",
+        "weight_transfer",
     ],
+    "trl.experimental.async_grpo.vllm_client": ["VLLMClient"],
+    "trl.experimental.async_distillation": [
+        "AsyncDistillationConfig",
+        "AsyncDistillationTrainer",
+        "async_distillation_trainer",
+        "async_rollout_worker",
+        "vllm_client",
+        "weight_transfer",
+    ],
+    "trl.experimental.async_distillation.async_distillation_trainer": [
+        "AsyncDistillationTrainer",
+        "RolloutWorkerProtocol",
+        "WeightTransferProtocol",
+        "StepIntervalCallback",
+        "RolloutQueueDataset",
+        "FixedCountBatcher",
+        "TokenBudgetBatcher",
+        "DataCollatorForRollout",
+        "log_rollout_traces",
+        "round_lora_rank",
+        "validate_lora_for_vllm_sync",
+        "save_lora_adapter",
+        "select_adapter_sync",
+        "VLLMClient",
+        "WeightTransferClient",
+    ],
+    "trl.experimental.async_distillation.async_rollout_worker": ["AsyncRolloutWorker", "RolloutSample"],
+    "trl.experimental.async_distillation.vllm_client": ["VLLMClient"],
+    "trl.experimental.async_distillation.weight_transfer": ["WeightTransferClient"],
+    "trl.experimental.async_grpo.weight_transfer": ["WeightTransferClient"],
     "trl.experimental.async_grpo.async_grpo_trainer": [
         "AsyncGRPOTrainer",
         "StepIntervalCallback",
@@ -95,8 +128,8 @@ IMPLEMENTED = {
         "build_teacher_request_inputs",
     ],
     "trl.distributed": ["DistributedBackend"],
-    "trl.experimental.iw_opd": ["IWOPDConfig", "iw_opd_trainer"],
-    "trl.experimental.iw_opd.iw_opd_trainer": ["build_teacher_request_inputs"],
+    "trl.experimental.iw_opd": ["IWOPDConfig", "IWOPDTrainer", "iw_opd_trainer"],
+    "trl.experimental.iw_opd.iw_opd_trainer": ["IWOPDTrainer", "build_teacher_request_inputs"],
 }
 # (object path, attribute) pairs: methods the contract adds to existing classes
 IMPLEMENTED_ATTRIBUTES = [
@@ -120,12 +153,15 @@ IMPLEMENTED_ATTRIBUTES = [
     ("trl.generation.vllm_client.VLLMClient", "image_features"),
 ]
 
-PENDING = {
-    "trl.experimental.iw_opd": ["IWOPDTrainer"],
-    "trl.experimental.async_grpo": ["vllm_client", "weight_transfer", "openenv_harness"],
-    "trl.experimental.async_distillation": ["AsyncDistillationConfig", "AsyncDistillationTrainer"],
-}
+PENDING = {}
 PENDING_ATTRIBUTES = []
+# Modules that import only with an optional package, as in TRL 1.16: module -> (package, names)
+OPTIONAL = {
+    "trl.experimental.async_grpo.openenv_harness": (
+        "openenv",
+        ["CaptureContractError", "HarnessRolloutOutcome", "HarnessRolloutWorker"],
+    ),
+}
 
 
 def _cases(table):
@@ -162,3 +198,13 @@ def test_pending_name(module, name):
 @pytest.mark.parametrize("path, name", PENDING_ATTRIBUTES)
 def test_pending_method(path, name):
     assert callable(getattr(_resolve(path), name))
+
+
+@pytest.mark.parametrize("module", sorted(OPTIONAL))
+def test_optional_module(module):
+    package, names = OPTIONAL[module]
+    if importlib.util.find_spec(package) is None:
+        with pytest.raises(ModuleNotFoundError, match=package):
+            importlib.import_module(module)
+    else:
+        assert all(hasattr(importlib.import_module(module), name) for name in names)

@@ -41,6 +41,44 @@ def stop_server(process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
+def running_openai_server(model_path: str, log_path, *extra_args: str):
+    """Start vLLM's own OpenAI server (what `vllm serve` runs) on a free port of 127.0.0.1; yield its base URL."""
+    import requests
+
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_path,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--enforce-eager",
+        "--dtype", "float32",
+        "--max-model-len", "256",
+        *extra_args,
+    ]  # fmt: skip
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"vllm serve exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.exceptions.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve did not come up in {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(2)
+        yield url
+    finally:
+        stop_server(process)
+
+
+@contextlib.contextmanager
 def running_server(model_path: str, log_path, *extra_args: str):
     """Start `trl vllm-serve` on a free port of 127.0.0.1, yield `(connected client, port)`, stop the server by PID."""
     port = free_port()

@@ -5,9 +5,18 @@ import warnings
 
 import pytest
 import torch
+from trainer_utils import assert_saved_model_reloads, changed_params, resume_from_first_checkpoint, snapshot
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl.experimental.iw_opd import IWOPDConfig
-from trl.experimental.iw_opd.iw_opd_trainer import build_teacher_request_inputs, iw_opd_loss
+import trl.generation.vllm_client as vllm_client_module
+from trl.assets import get_model_path, load_test_dataset
+from trl.experimental.iw_opd import IWOPDConfig, IWOPDTrainer
+from trl.experimental.iw_opd.iw_opd_trainer import (
+    _completion_positions,
+    _DistillationCollator,
+    build_teacher_request_inputs,
+    iw_opd_loss,
+)
 from trl.trainer.utils import sparse_divergence
 
 
@@ -71,6 +80,8 @@ def test_iw_opd_loss_matches_hand_formula():
     assert metrics["mean_weight"].item() == pytest.approx(sum(weights) / 5, rel=1e-6)
     assert metrics["max_weight"].item() == pytest.approx(1 + gamma)
     assert metrics["mean_abs_advantage"].item() == pytest.approx(sum(map(abs, advantages)) / 5, rel=1e-6)
+    weighted = sum(w * a for w, a in zip(weights, advantages))
+    assert metrics["mean_advantage"].item() == pytest.approx(weighted / 5, rel=1e-6)
     loss.backward()
     assert student.grad[1, 2] == 0 and math.isfinite(student.grad.sum().item())
     # With num_items_in_batch and no sampler: the detached student is the behaviour policy.
@@ -85,3 +96,171 @@ def test_iw_opd_loss_matches_hand_formula():
 def test_iw_opd_loss_requires_teacher_log_probs_on_valid_positions():
     with pytest.raises(ValueError, match="teacher log-probability"):
         iw_opd_loss(torch.zeros(1, 2), torch.tensor([[0.0, float("-inf")]]), None, torch.ones(1, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------------------------------
+STUDENT, TEACHER = get_model_path("tiny-Qwen2ForCausalLM"), get_model_path("small-Qwen2ForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    return load_test_dataset("conversational_language_modeling", split="train").select(range(8))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(STUDENT)
+
+
+def _trainer_args(tmp_path, **kwargs):
+    defaults = dict(
+        max_steps=2,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_length=96,
+        max_completion_length=6,
+        learning_rate=1e-3,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    return _config(tmp_path, **{**defaults, **kwargs})
+
+
+def test_collator_splits_the_last_assistant_turn(tokenizer):
+    messages = [
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}],
+        [
+            {"role": "user", "content": "Count"},
+            {"role": "assistant", "content": "1"},
+            {"role": "user", "content": "x"},
+        ],
+    ]
+    batch = _DistillationCollator(tokenizer, max_length=200, max_prompt_length=150)(
+        [{"messages": m} for m in messages]
+    )
+    completion = [t for t in batch["labels"][0].tolist() if t != -100]
+    assert tokenizer.decode(completion) == "Hello there<|im_end|>\n"
+    assert (batch["labels"][1] == -100).all()  # ends with a user turn: prompt only
+    prompt = batch["prompts"][1][batch["prompt_attention_mask"][1].bool()]
+    assert tokenizer.decode(prompt).endswith("x<|im_end|>\n<|im_start|>assistant\n")
+    assert batch["attention_mask"][:, -1].all()  # left padding
+    short = _DistillationCollator(tokenizer, max_length=40, max_prompt_length=36)([{"messages": messages[0]}])
+    assert short["prompt_attention_mask"].sum() == 36 and short["input_ids"].shape[1] == 40
+
+
+def test_completion_positions_follow_the_labels():
+    labels = torch.tensor([[-100, -100, 5, 6, 7], [-100, -100, -100, 8, -100], [-100] * 5])
+    positions, tokens, mask = _completion_positions(labels)
+    assert positions[mask].tolist() == [1, 2, 3, 2]  # the index before each completion token
+    assert tokens.tolist() == [[5, 6, 7], [8, 0, 0], [0, 0, 0]]
+    assert mask.tolist() == [[True] * 3, [True, False, False], [False] * 3]
+
+
+def test_top_k_jsd_matches_hand_formula():
+    student, teacher = torch.randn(1, 2, 6), torch.randn(1, 2, 6)
+    labels = torch.tensor([[3, -100]])
+    loss = IWOPDTrainer.generalized_jsd_loss(student, teacher, labels, beta=0.0, top_k=2, add_tail=False)
+    log_t, log_s = teacher[0, 0].log_softmax(-1), student[0, 0].log_softmax(-1)
+    ids = log_t.topk(2).indices
+    p_t, p_s = log_t[ids].softmax(-1), log_s[ids].softmax(-1)
+    assert loss.item() == pytest.approx((p_t * (p_t.log() - p_s.log())).sum().item(), rel=1e-4)
+    full = IWOPDTrainer.generalized_jsd_loss(student, teacher, labels, beta=0.5, top_k=0)
+    assert full.item() == pytest.approx(
+        sparse_divergence.masked_sparse_divergence(log_s, log_t, torch.ones(6, dtype=torch.bool), 0.5).item(), rel=1e-5
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        (dict(), ["iw_opd/mean_weight", "completions/on_policy_mean_length", "on_policy_loss"]),
+        (dict(distillation_objective="jsd", lmbda=0.0, beta=0.5, loss_top_k=0), ["off_policy_loss"]),
+    ],
+)
+def test_trains_evaluates_saves(tmp_path, conversations, tokenizer, kwargs, expected):
+    args = _trainer_args(tmp_path, **kwargs)
+    trainer = IWOPDTrainer(
+        STUDENT,
+        TEACHER,
+        args=args,
+        train_dataset=conversations,
+        eval_dataset=conversations,
+        processing_class=tokenizer,
+    )
+    before = snapshot(trainer.model)
+    trainer.train()
+    assert changed_params(before, trainer.model)
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    for key in expected:
+        assert key in logs[-1] and math.isfinite(logs[-1][key]), key
+    assert math.isfinite(trainer.evaluate()["eval_loss"])
+    assert_saved_model_reloads(trainer, tmp_path / "saved")
+
+
+def test_logs_a_completions_table(tmp_path, conversations, tokenizer):
+    args = _trainer_args(tmp_path, log_completions=True, log_completions_steps=1, max_steps=1)
+    trainer = IWOPDTrainer(STUDENT, TEACHER, args=args, train_dataset=conversations, processing_class=tokenizer)
+    trainer.train()
+    assert list((tmp_path / "completions").glob("*.parquet"))  # the on-policy samples of step 1
+
+
+def test_resumes(tmp_path, conversations, tokenizer):
+    args = _trainer_args(tmp_path, save_strategy="steps", save_steps=1, distillation_objective="jsd", lmbda=0.0)
+    resume_from_first_checkpoint(
+        IWOPDTrainer,
+        args,
+        tmp_path,
+        model=STUDENT,
+        teacher_model=TEACHER,
+        train_dataset=conversations,
+        processing_class=tokenizer,
+    )
+
+
+class _Scorer:
+    """Stands in for the teacher server: scores sequences with a local model, in `get_sequence_logprobs`' format."""
+
+    def __init__(self):
+        self.model = AutoModelForCausalLM.from_pretrained(TEACHER).eval()
+        self.requests = []
+
+    def get_sequence_logprobs(self, sequences, prompt_lengths, top_logprobs=100, temperature=1.0, **_):
+        self.requests.append((len(sequences), top_logprobs, temperature))
+        out = {"logprobs": [], "logprob_token_ids": [], "actual_logprobs": []}
+        for sequence, prompt_length in zip(sequences, prompt_lengths):
+            with torch.no_grad():
+                log_probs = (self.model(torch.tensor([sequence])).logits[0] / temperature).log_softmax(-1)
+            scored = log_probs[prompt_length - 1 : len(sequence) - 1]
+            top = scored.topk(top_logprobs, dim=-1)
+            out["logprobs"].append(top.values.tolist())
+            out["logprob_token_ids"].append(top.indices.tolist())
+            out["actual_logprobs"].append(scored.gather(-1, torch.tensor(sequence[prompt_length:])[:, None]).tolist())
+        return out
+
+
+def test_server_teacher_matches_local_teacher(tmp_path, conversations, tokenizer, monkeypatch):
+    monkeypatch.setattr(vllm_client_module, "VLLMClient", lambda **kwargs: _Scorer())
+    server_args = _trainer_args(tmp_path, use_teacher_server=True, teacher_model_server_url="http://127.0.0.1:9")
+    server = IWOPDTrainer(STUDENT, args=server_args, train_dataset=conversations, processing_class=tokenizer)
+    local = IWOPDTrainer(
+        STUDENT, TEACHER, args=_trainer_args(tmp_path), train_dataset=conversations, processing_class=tokenizer
+    )
+    batch = next(iter(local.get_train_dataloader()))
+    local_loss = local.compute_loss(local.model, batch)
+    server_loss = server.compute_loss(server.model, batch)
+    assert server_loss.item() == pytest.approx(local_loss.item(), rel=1e-4)
+    assert server.teacher_client.requests[0][1:] == (1, 1.0)
+
+
+def test_needs_a_teacher_and_messages(tmp_path, conversations):
+    with pytest.raises(ValueError, match="needs a teacher"):
+        IWOPDTrainer(STUDENT, args=_trainer_args(tmp_path), train_dataset=conversations)
+    prompts = load_test_dataset("standard_prompt_only", split="train")
+    with pytest.raises(ValueError, match="messages"):
+        IWOPDTrainer(STUDENT, TEACHER, args=_trainer_args(tmp_path), train_dataset=prompts)

@@ -10,6 +10,7 @@ import base64
 import io
 import logging
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from ..import_utils import is_requests_available
+from .openai_scoring import completions_scoring_payload, parse_prompt_logprobs
 from .weight_sync import WeightSyncGroup, create_weight_sync_group, default_backend, pack_tensors
 
 
@@ -162,6 +164,41 @@ def _decode_array(encoded: str, dtype: str, shape: Sequence[int]) -> torch.Tenso
     return tensor.reshape(tuple(shape))
 
 
+def fetch_server_info(session: Any, base_url: str, timeout: float | None = None) -> dict:
+    """GET `{base_url}/server_info?config_format=json` and return its `vllm_config` tree.
+
+    Raises:
+        RuntimeError: On 404 (a plain `vllm serve` exposes the endpoint only with `VLLM_SERVER_DEV_MODE=1`).
+        Exception: On any other non-200 answer.
+    """
+    response = session.get(f"{base_url}/server_info", params={"config_format": "json"}, timeout=timeout)
+    if response.status_code == 404:
+        raise RuntimeError(
+            f"The vLLM server at {base_url} has no /server_info endpoint. Restart it with VLLM_SERVER_DEV_MODE=1 "
+            "(vllm serve), or use `trl vllm-serve`."
+        )
+    if response.status_code != 200:
+        raise Exception(f"Request /server_info failed: {response.status_code}, {response.text}")
+    return response.json()["vllm_config"]
+
+
+_warned_temperatures: set[float] = set()
+
+
+def _warn_prompt_logprobs_temperature(temperature: float) -> None:
+    if temperature in _warned_temperatures:
+        return
+    _warned_temperatures.add(temperature)
+    warnings.warn(
+        f"Sequence log-probs were requested at temperature {temperature}, but vLLM returns prompt log-probabilities "
+        "at temperature 1.0 whatever the request says: the teacher is scored at 1.0 (as TRL 1.16's teacher servers "
+        "score it) while the student's log-probs use the trainer's temperature. Set temperature=1.0 to compare both "
+        "at the same temperature.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 class VLLMClient:
     """Client of a `trl vllm-serve` server.
 
@@ -289,15 +326,7 @@ class VLLMClient:
                 `VLLM_SERVER_DEV_MODE=1`).
             Exception: On any other non-200 answer.
         """
-        response = self.session.get(f"{self.base_url}/server_info", params={"config_format": "json"})
-        if response.status_code == 404:
-            raise RuntimeError(
-                f"The vLLM server at {self.base_url} has no /server_info endpoint. Restart it with "
-                "VLLM_SERVER_DEV_MODE=1 (vllm serve), or use `trl vllm-serve`."
-            )
-        if response.status_code != 200:
-            raise Exception(f"Request /server_info failed: {response.status_code}, {response.text}")
-        return response.json()["vllm_config"]
+        return fetch_server_info(self.session, self.base_url)
 
     def image_features(self, images: list[list | None], max_concurrent_requests: int = 64) -> list[dict | None]:
         """Multimodal features of each prompt's images, rendered by the server (`/v1/chat/completions/render`).
@@ -504,7 +533,9 @@ class VLLMClient:
             top_logprobs (`int`, *optional*, defaults to `100`):
                 Number of top tokens returned per position.
             temperature (`float`, *optional*, defaults to `1.0`):
-                Logit temperature; must be positive (this server supports 1.0).
+                Logit temperature; must be positive. vLLM computes prompt log-probabilities at temperature 1.0
+                whatever the request says (checked with vLLM 0.32, `--logprobs-mode processed_logprobs`), so a
+                value other than 1.0 warns and the scores are at 1.0 on both server kinds, as TRL 1.16 gets them.
             use_binary (`bool`, *optional*, defaults to `True`):
                 Transfer arrays as base64 binary instead of JSON numbers (smaller, faster).
             chunk_size (`int`, *optional*, defaults to `0`):
@@ -529,8 +560,21 @@ class VLLMClient:
             )
         size = chunk_size if chunk_size > 0 else max(len(sequences), 1)
         chunks = [(sequences[i : i + size], prompt_lengths[i : i + size]) for i in range(0, len(sequences), size)]
+        openai = self._scoring_api() == "openai"
+        if temperature != 1.0:
+            _warn_prompt_logprobs_temperature(temperature)
+            if not openai:
+                temperature = 1.0  # what a `vllm serve` teacher returns whatever the request says (see the warning)
 
         def score(chunk):
+            if openai:  # a plain `vllm serve`: prompt log-probs of a one-token completion request
+                payload = completions_scoring_payload(self._served_model(), chunk[0], top_logprobs, temperature)
+                response = self.session.post(f"{self.base_url}/v1/completions", json=payload)
+                if response.status_code != 200:
+                    raise RuntimeError(
+                        f"vLLM server request /v1/completions failed: {response.status_code}, {response.text}"
+                    )
+                return parse_prompt_logprobs(response.json()["choices"], chunk[0], chunk[1], top_logprobs)
             payload = {
                 "sequences": chunk[0],
                 "prompt_lengths": chunk[1],
@@ -556,6 +600,29 @@ class VLLMClient:
             for key in merged:
                 merged[key].extend(result[key])
         return merged
+
+    def _scoring_api(self) -> str:
+        """How this server scores sequences: `"trl"` (`trl vllm-serve`'s `/get_sequence_logprobs/`) or `"openai"`
+        (a plain `vllm serve`: `/v1/completions` with `prompt_logprobs`), read once from the endpoints it lists in
+        `/openapi.json` (or, without that, from whether it answers `/v1/models`)."""
+        if getattr(self, "_scoring_route", None) is None:
+            response = self.session.get(f"{self.base_url}/openapi.json")
+            if response.status_code == 200:
+                paths = {path.rstrip("/") for path in (response.json().get("paths") or {})}
+                trl_route = "/get_sequence_logprobs" in paths or "/v1/completions" not in paths
+            else:
+                trl_route = self.session.get(f"{self.base_url}/v1/models").status_code != 200
+            self._scoring_route = "trl" if trl_route else "openai"
+        return self._scoring_route
+
+    def _served_model(self) -> str:
+        """The model name an OpenAI-compatible server serves (the first of GET `/v1/models`)."""
+        if getattr(self, "_served_model_id", None) is None:
+            response = self.session.get(f"{self.base_url}/v1/models")
+            if response.status_code != 200:
+                raise RuntimeError(f"vLLM server request /v1/models failed: {response.status_code}, {response.text}")
+            self._served_model_id = response.json()["data"][0]["id"]
+        return self._served_model_id
 
     @staticmethod
     def _decode_sequence_logprobs(response: dict) -> dict[str, list]:

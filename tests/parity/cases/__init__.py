@@ -237,6 +237,7 @@ def tokenizer(ctx, name: str = QWEN):
 
 # Importing the group modules registers their cases (they import the helpers above, so this comes last).
 from . import (  # noqa: E402, F401
+    async_distillation,
     async_grpo,
     callbacks,
     chat_templates,
@@ -256,6 +257,7 @@ from . import (  # noqa: E402, F401
     frontier_online,
     grpo_variants,
     internals,
+    iw_opd,
     offline,
     online,
     plugins,

@@ -3,9 +3,17 @@
 Experimental: the API may change or be removed in any release.
 """
 
-from . import async_grpo_trainer, async_rollout_worker, packing
+from . import async_grpo_trainer, async_rollout_worker, packing, vllm_client, weight_transfer
 from .async_grpo_config import AsyncGRPOConfig
 from .async_grpo_trainer import AsyncGRPOTrainer
 
 
-__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "async_grpo_trainer", "async_rollout_worker", "packing"]
+__all__ = [
+    "AsyncGRPOConfig",
+    "AsyncGRPOTrainer",
+    "async_grpo_trainer",
+    "async_rollout_worker",
+    "packing",
+    "vllm_client",
+    "weight_transfer",
+]

@@ -113,6 +113,9 @@ class RolloutQueueDataset(IterableDataset):
         self._traces: list = []
         self._last_traced_version = -1
 
+    # The sample attributes each yielded item carries (AsyncDistillation's samples carry teacher scores instead).
+    _item_fields = ("input_ids", "completion_mask", "old_log_probs", "advantage", "group_id", "metrics")
+
     def _queue_size(self) -> float:
         try:
             return float(self.queue.qsize())
@@ -147,14 +150,7 @@ class RolloutQueueDataset(IterableDataset):
             if len(self._traces) < TRACES_PER_LOG:
                 self._traces.append(sample)
             self._drain_traces(version)
-            yield {
-                "input_ids": sample.input_ids,
-                "completion_mask": sample.completion_mask,
-                "old_log_probs": sample.old_log_probs,
-                "advantage": sample.advantage,
-                "group_id": sample.group_id,
-                "metrics": sample.metrics,
-            }
+            yield {name: getattr(sample, name) for name in self._item_fields}
 
 
 class _EmptyIterableDataset(IterableDataset):
@@ -277,6 +273,31 @@ _PAD_VALUES = {
 }
 
 
+def log_sample_and_row_metrics(
+    metrics: dict[str, list], samples: list[dict], row_tokens: list[int], row_loads: list[float]
+) -> None:
+    """The collator metrics shared by the asynchronous trainers: per-sample token counts, the masked-token share, the
+    samples' own metrics (averaged), and the rows' sizes and imbalance (max / mean of `row_loads`)."""
+    lengths = [len(sample["input_ids"]) for sample in samples]
+    masked = [int(np.sum(sample["completion_mask"])) for sample in samples]
+    total = sum(lengths)
+    metrics["sample/forwarded_tokens_mean"].append(float(np.mean(lengths)))
+    metrics["sample/forwarded_tokens_max"].append(float(max(lengths)))
+    metrics["sample/trained_tokens_mean"].append(float(np.mean(masked)))
+    metrics["batch/masked_token_frac"].append((total - sum(masked), total))
+    per_sample: dict[str, list[float]] = defaultdict(list)
+    for sample in samples:
+        for key, value in (sample.get("metrics") or {}).items():
+            per_sample[key].append(value)
+    for key, values in per_sample.items():
+        metrics[key].append(sum(values) / len(values))
+    metrics["batch/samples_per_row"].append(len(samples) / len(row_tokens))
+    metrics["batch/row_tokens_mean"].append(float(np.mean(row_tokens)))
+    metrics["batch/row_tokens_max"].append(float(max(row_tokens)))
+    mean_load = float(np.mean(row_loads))
+    metrics["batch/row_imbalance"].append(max(row_loads) / mean_load if mean_load else math.nan)
+
+
 def _stack_padded(tensors: list[torch.Tensor], value: float) -> torch.Tensor:
     length = max(tensor.numel() for tensor in tensors)
     out = torch.full((len(tensors), length), value, dtype=tensors[0].dtype)
@@ -333,26 +354,9 @@ class DataCollatorForRollout:
         return batch
 
     def _log_metrics(self, rows: list[TreeRow], packed: list[dict], samples: list[dict], padded_len: int) -> None:
-        lengths = [len(sample["input_ids"]) for sample in samples]
-        masked = [int(np.sum(sample["completion_mask"])) for sample in samples]
         row_tokens = [p["input_ids"].numel() for p in packed]
-        forwarded, total = sum(row_tokens), sum(lengths)
-        self.metrics["sample/forwarded_tokens_mean"].append(float(np.mean(lengths)))
-        self.metrics["sample/forwarded_tokens_max"].append(float(max(lengths)))
-        self.metrics["sample/trained_tokens_mean"].append(float(np.mean(masked)))
-        self.metrics["batch/masked_token_frac"].append((total - sum(masked), total))
-        per_sample: dict[str, list[float]] = defaultdict(list)
-        for sample in samples:
-            for key, value in (sample.get("metrics") or {}).items():
-                per_sample[key].append(value)
-        for key, values in per_sample.items():
-            self.metrics[key].append(sum(values) / len(values))
-        self.metrics["batch/samples_per_row"].append(len(samples) / len(rows))
-        self.metrics["batch/row_tokens_mean"].append(float(np.mean(row_tokens)))
-        self.metrics["batch/row_tokens_max"].append(float(max(row_tokens)))
-        loads = [row.load for row in rows]
-        mean_load = float(np.mean(loads))
-        self.metrics["batch/row_imbalance"].append(max(loads) / mean_load if mean_load else math.nan)
+        log_sample_and_row_metrics(self.metrics, samples, row_tokens, [row.load for row in rows])
+        total, forwarded = sum(len(sample["input_ids"]) for sample in samples), sum(row_tokens)
         self.metrics["batch/packing_ratio"].append((total, forwarded))
         if self.token_budget > 0:
             self.metrics["batch/row_fill_frac"].append((forwarded, self.token_budget * len(rows)))

@@ -26,7 +26,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ...models.loading import create_model_from_path
 from ...trainer.online_rewards import _OnlineRewardsMixin, reward_signature_problem
 from ...trainer.utils import prepare_peft_model
-from ._backends import GenerationBackend, VLLMServeBackend, VLLMServeWeightTransfer
+from ._backends import (
+    GenerationBackend,
+    OpenAICompletionsBackend,
+    VLLMServeBackend,
+    VLLMServeWeightTransfer,
+    is_plain_vllm_server,
+)
 from ._batching import (
     DataCollatorForRollout,
     FixedCountBatcher,
@@ -219,7 +225,8 @@ class _StepMetricsCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer._flush_step(time.perf_counter() - self._step_start)
         target = self.trainer._target_groups
-        if target is not None and len(self.trainer.data_collator.groups_trained) >= target:
+        trained = getattr(self.trainer.data_collator, self.trainer._trained_ids_attribute)
+        if target is not None and len(trained) >= target:
             control.should_training_stop = True
             control.should_save = args.save_strategy == "steps"
         return control
@@ -250,6 +257,12 @@ class AsyncGRPOTrainer(Trainer):
 
     _tag_names = ["trl", "async-grpo"]
     _name = "AsyncGRPO"
+    # Hooks shared with AsyncDistillation: the queue reader, the sample key identifying a prompt, the collator's set
+    # of trained prompt ids, and whether `batch/groups_per_step` is logged.
+    _queue_dataset_class = RolloutQueueDataset
+    _group_key = "group_id"
+    _trained_ids_attribute = "groups_trained"
+    _logs_groups_per_step = True
     # Seconds of one blocking read of the rollout queue (the worker's health is checked after each empty read).
     _poll_interval_s = 5.0
 
@@ -274,28 +287,15 @@ class AsyncGRPOTrainer(Trainer):
             raise NotImplementedError("AsyncGRPOTrainer does not support tools or environments yet in this project.")
         if args is None:
             args = AsyncGRPOConfig(f"{model.split('/')[-1]}-AsyncGRPO")
-        if args.use_liger_kernel:
-            raise NotImplementedError("AsyncGRPOTrainer does not support `use_liger_kernel`.")
-        if train_dataset is None or "prompt" not in (train_dataset.column_names or []):
-            raise ValueError("AsyncGRPOTrainer needs a `train_dataset` with a `prompt` column.")
-        if not args.ignore_data_skip:
-            warnings.warn("AsyncGRPO restores its rollout position itself; `ignore_data_skip` is forced to True.")
-            args.ignore_data_skip = True
+        self._check_async_inputs(args, train_dataset)
 
         register_tree_attention()
         policy = create_model_from_path(
             model, device_map=None, attn_implementation=TREE_ATTENTION, **_load_init_kwargs(args)
         )
         self._aux_loss_enabled = _check_model(policy, args)
-        if peft_config is not None:
-            targets = getattr(peft_config, "target_modules", None) or []
-            if "lm_head" in (targets if isinstance(targets, (list, set, tuple)) else [targets]):
-                raise ValueError("AsyncGRPO does not train a PEFT adapter on `lm_head`.")
-            policy = prepare_peft_model(policy, peft_config, args)
-        if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(model, trust_remote_code=args.trust_remote_code)
-        if processing_class.pad_token is None:
-            processing_class.pad_token = processing_class.eos_token
+        policy = self._wrap_peft(policy, peft_config, args)
+        processing_class = self._load_tokenizer(model, processing_class, args)
 
         self.reward_funcs, self.reward_processing_classes, self.reward_func_names = (
             _OnlineRewardsMixin._prepare_reward_funcs(self, reward_funcs, None, args)
@@ -308,13 +308,40 @@ class AsyncGRPOTrainer(Trainer):
                 raise TypeError(
                     f"Reward function {name!r} cannot be called as the rollout worker calls it: {problem}."
                 )
+        turns = (args.max_tool_calling_iterations + 1) if args.max_tool_calling_iterations is not None else 32
+        self._setup_async(
+            policy,
+            args,
+            train_dataset,
+            processing_class,
+            callbacks,
+            optimizers,
+            rollout_worker,
+            weight_transfer,
+            samples_per_prompt=args.num_generations * turns,
+        )
+
+    def _setup_async(
+        self,
+        policy: nn.Module,
+        args: Any,
+        train_dataset: Any,
+        processing_class: Any,
+        callbacks: Any,
+        optimizers: Any,
+        rollout_worker: Any,
+        weight_transfer: Any,
+        samples_per_prompt: int,
+    ) -> None:
+        """What every asynchronous trainer sets up once its model and rollout inputs are ready: the epoch stop and
+        step ceiling, the worker/transfer/server connection on rank 0, the token budget, the collator, the Trainer and
+        the rollout callbacks. `samples_per_prompt` inflates the `max_steps` ceiling (rows one prompt may yield)."""
         num_processes = max(PartialState().num_processes, 1)
         samples_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * num_processes
         self._target_groups = None
         if args.max_steps <= 0:
             self._target_groups = math.ceil(args.num_train_epochs * len(train_dataset))
-            turns = (args.max_tool_calling_iterations + 1) if args.max_tool_calling_iterations is not None else 32
-            args.max_steps = math.ceil(self._target_groups * args.num_generations * turns / samples_per_step)
+            args.max_steps = math.ceil(self._target_groups * samples_per_prompt / samples_per_step)
         if args.max_inflight_tasks < 0:
             args.max_inflight_tasks = max(args.max_staleness, 1) * samples_per_step
 
@@ -336,7 +363,7 @@ class AsyncGRPOTrainer(Trainer):
         if self._is_rollout_owner and rollout_worker is None:
             self._generation_backend = self._build_generation_backend()
         if self._is_rollout_owner and weight_transfer is None:
-            weight_transfer = VLLMServeWeightTransfer(self._get_vllm_client())
+            weight_transfer = self._build_weight_transfer(policy, args)
         self.weight_transfer = weight_transfer
         self.rollout_worker = rollout_worker if self._is_rollout_owner else None
         self.rollout_queue = self.rollout_worker.rollout_buffer if self.rollout_worker is not None else None
@@ -345,13 +372,9 @@ class AsyncGRPOTrainer(Trainer):
         if token_budget is None:  # other ranks only receive rows; the budget matters where they are planned
             token_budget = self._server_max_model_len() if self._is_rollout_owner else 0
         self._token_budget = token_budget
-        collator = DataCollatorForRollout(
-            pad_token_id=processing_class.pad_token_id,
-            num_processes=num_processes,
-            metrics=self._metrics,
-            token_budget=max(token_budget, 0),
-        )
-        super().__init__(
+        collator = self._build_collator(processing_class, num_processes, max(token_budget, 0))
+        Trainer.__init__(
+            self,
             model=policy,
             args=args,
             data_collator=collator,
@@ -364,6 +387,42 @@ class AsyncGRPOTrainer(Trainer):
         self.add_callback(_TrainBeginCallback(self))
         self.add_callback(StepIntervalCallback(self._sync_weight, args.weight_sync_steps))
         self.add_callback(_StepMetricsCallback(self))
+
+    def _check_async_inputs(self, args: Any, train_dataset: Any) -> None:
+        """Checks shared by the asynchronous trainers, before anything is loaded."""
+        trainer = type(self).__name__
+        if args.use_liger_kernel:
+            raise NotImplementedError(f"{trainer} does not support `use_liger_kernel`.")
+        if train_dataset is None or "prompt" not in (train_dataset.column_names or []):
+            raise ValueError(f"{trainer} needs a `train_dataset` with a `prompt` column.")
+        if not args.ignore_data_skip:
+            warnings.warn(f"{self._name} restores its rollout position itself; `ignore_data_skip` is forced to True.")
+            args.ignore_data_skip = True
+
+    def _wrap_peft(self, policy: nn.Module, peft_config: Any, args: Any) -> nn.Module:
+        """The policy with its PEFT adapter (never on `lm_head`: the synced weights would miss it)."""
+        if peft_config is None:
+            return policy
+        targets = getattr(peft_config, "target_modules", None) or []
+        if "lm_head" in (targets if isinstance(targets, (list, set, tuple)) else [targets]):
+            raise ValueError(f"{self._name} does not train a PEFT adapter on `lm_head`.")
+        return prepare_peft_model(policy, peft_config, args)
+
+    @staticmethod
+    def _load_tokenizer(model: str, processing_class: Any, args: Any) -> Any:
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model, trust_remote_code=args.trust_remote_code)
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        return processing_class
+
+    def _build_collator(self, processing_class: Any, num_processes: int, token_budget: int) -> Any:
+        return DataCollatorForRollout(
+            pad_token_id=processing_class.pad_token_id,
+            num_processes=num_processes,
+            metrics=self._metrics,
+            token_budget=token_budget,
+        )
 
     # -- setup helpers -----------------------------------------------------------------------------------------------
 
@@ -378,9 +437,37 @@ class AsyncGRPOTrainer(Trainer):
             )
         return self.vllm_client
 
+    def _plain_vllm_server(self) -> bool:
+        """Whether the student's server is a plain `vllm serve` (TRL's setup) rather than `trl vllm-serve`."""
+        if getattr(self, "_is_plain_vllm", None) is None:
+            self._is_plain_vllm = is_plain_vllm_server(self._args_for_worker.vllm_server_base_url)
+        return self._is_plain_vllm
+
     def _build_generation_backend(self) -> GenerationBackend:
-        """The backend the default rollout worker generates with (override to use another one)."""
+        """The backend the default rollout worker generates with (override to use another one): `/v1/completions` of
+        a plain `vllm serve`, or `trl vllm-serve`'s endpoints."""
+        args = self._args_for_worker
+        if self._plain_vllm_server():
+            return OpenAICompletionsBackend(args.vllm_server_base_url, request_timeout=args.request_timeout)
         return VLLMServeBackend(self._get_vllm_client())
+
+    def _build_weight_transfer(self, policy: nn.Module, args: Any) -> WeightTransferProtocol:
+        """The default weight transfer: vLLM's NCCL engine for a plain `vllm serve` (GPU), else `trl vllm-serve`'s
+        weight-sync group."""
+        if not self._plain_vllm_server():
+            return VLLMServeWeightTransfer(self._get_vllm_client())
+        from .vllm_client import VLLMClient as ServeClient
+        from .weight_transfer import WeightTransferClient
+
+        names, dtypes, shapes = [], [], []
+        for name, parameter in _iter_vllm_named_params(policy):
+            names.append(name)
+            dtypes.append(str(parameter.dtype).replace("torch.", ""))
+            shapes.append(list(parameter.shape))
+        client = ServeClient(args.vllm_server_base_url, server_timeout=args.vllm_server_timeout)
+        return WeightTransferClient(
+            client, {"names": names, "dtype_names": dtypes, "shapes": shapes}, args.weight_sync_timeout
+        )
 
     def _server_max_model_len(self) -> int:
         for source in (self._generation_backend, self.vllm_client):
@@ -424,7 +511,7 @@ class AsyncGRPOTrainer(Trainer):
             self.rollout_worker = self._build_rollout_worker()
             self.rollout_queue = self.rollout_worker.rollout_buffer
         args = self.args
-        dataset = RolloutQueueDataset(
+        dataset = self._queue_dataset_class(
             self.rollout_queue,
             model_version_fn=lambda: self.model_version,
             check_health_fn=self.rollout_worker.check_health,
@@ -434,15 +521,19 @@ class AsyncGRPOTrainer(Trainer):
             poll_interval_s=self._poll_interval_s,
             report_to=args.report_to,
         )
-        num_processes = self.accelerator.num_processes
-        if self._token_budget > 0:
-            planner = TokenBudgetBatcher(dataset, num_processes, self._token_budget, self._metrics)
-        else:
-            planner = FixedCountBatcher(dataset, num_processes, args.per_device_train_batch_size * num_processes)
+        planner = self._build_planner(dataset, self.accelerator.num_processes)
         loader = DataLoader(
-            _TimedPlanner(planner, self._step, self._step_groups), batch_size=1, collate_fn=self.data_collator
+            _TimedPlanner(planner, self._step, self._step_groups, self._group_key),
+            batch_size=1,
+            collate_fn=self.data_collator,
         )
         return self.accelerator.prepare(loader)
+
+    def _build_planner(self, dataset: IterableDataset, num_processes: int) -> IterableDataset:
+        """Micro-batch planner over the queue's samples: by token budget, or a fixed count per micro-batch."""
+        if self._token_budget > 0:
+            return TokenBudgetBatcher(dataset, num_processes, self._token_budget, self._metrics)
+        return FixedCountBatcher(dataset, num_processes, self.args.per_device_train_batch_size * num_processes)
 
     # -- rollouts and weight sync ------------------------------------------------------------------------------------
 
@@ -511,7 +602,7 @@ class AsyncGRPOTrainer(Trainer):
     # -- checkpoints -------------------------------------------------------------------------------------------------
 
     def _first_untrained_group(self) -> int:
-        trained, group = self.data_collator.groups_trained, 0
+        trained, group = getattr(self.data_collator, self._trained_ids_attribute), 0
         while group in trained:
             group += 1
         return group
@@ -614,7 +705,8 @@ class AsyncGRPOTrainer(Trainer):
             "batch/forwarded_tokens_per_step", "batch/trained_tokens_per_step", "batch/samples_per_step",
         ):  # fmt: skip
             self._metrics[key].append(step[key])
-        self._metrics["batch/groups_per_step"].append(float(len(self._step_groups)))
+        if self._logs_groups_per_step:
+            self._metrics["batch/groups_per_step"].append(float(len(self._step_groups)))
         if step["perf/fwd_bwd_s"] > 0:
             self._metrics["perf/forwarded_tok_s_fwd_bwd"].append(
                 step["batch/forwarded_tokens_per_step"] / step["perf/fwd_bwd_s"]
@@ -648,10 +740,11 @@ class AsyncGRPOTrainer(Trainer):
 class _TimedPlanner(IterableDataset):
     """Wraps the planner: records the time spent waiting for each micro-batch and the step's samples and groups."""
 
-    def __init__(self, planner: IterableDataset, step: dict, groups: set):
+    def __init__(self, planner: IterableDataset, step: dict, groups: set, group_key: str = "group_id"):
         self.planner = planner
         self.step = step
         self.groups = groups
+        self.group_key = group_key
 
     def __iter__(self):
         iterator = iter(self.planner)
@@ -662,7 +755,7 @@ class _TimedPlanner(IterableDataset):
             except StopIteration:
                 return
             self.step["perf/rollout_wait_s"] += time.perf_counter() - start
-            samples = [sample for row in rows for sample in row.samples]
+            samples = [sample for row in rows for sample in getattr(row, "samples", row)]  # TreeRow or list
             self.step["batch/samples_per_step"] += len(samples)
-            self.groups.update(int(sample["group_id"]) for sample in samples)
+            self.groups.update(int(sample[self.group_key]) for sample in samples)
             yield rows

@@ -23,7 +23,7 @@ from transformers.trainer_utils import EvalPrediction
 from ...models.utils import disable_dropout_in_model, unwrap_model_for_generation
 from ...trainer.online_math import completion_mask_from_ids
 from ...trainer.sft_trainer import SFTTrainer
-from ...trainer.utils import create_model_from_path, generalized_jsd_loss, model_accepts_argument
+from ...trainer.utils import create_model_from_path, generalized_jsd_loss, model_accepts_argument, pad
 from ...trainer.utils.ignored_options import GKD_IGNORED_OPTIONS
 from ..utils import DataCollatorForChatML
 from .gkd_config import GKDConfig
@@ -325,6 +325,50 @@ class GKDTrainer(SFTTrainer):
         labels = torch.full_like(sequences, -100)
         labels[:, prompts.shape[1] :] = completion.masked_fill(completion_mask == 0, -100)
         return sequences, attention_mask, labels
+
+    @staticmethod
+    def vllm_on_policy_outputs(
+        vllm_generation: Any,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor],
+        end_ids: list[int],
+        pad_token_id: int,
+        weights_version: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample a completion for each prompt of the batch with vLLM ([`~trl.generation.VLLMGeneration`]).
+
+        Args:
+            vllm_generation: The generation engine (server client or colocated engine).
+            model: The accelerator-prepared policy its weights are pushed from when stale.
+            inputs: A batch with left-padded `prompts` and `prompt_attention_mask`.
+            end_ids: End-of-sequence ids closing a completion (the pad id when empty).
+            pad_token_id: Padding id.
+            weights_version: The policy's weights identifier; a new value triggers a push.
+
+        Returns:
+            `(input_ids, attention_mask, labels, sampling_logprobs)` of prompt + completion, as
+            [`generate_on_policy_outputs`] lays them out; `sampling_logprobs` holds the sampler's log-probability of each
+            completion token at its position in `input_ids` (0 on the prompt and after the completion).
+        """
+        prompts, prompt_mask = inputs["prompts"], inputs["prompt_attention_mask"]
+        prompt_lists = [row[mask.bool()].tolist() for row, mask in zip(prompts, prompt_mask, strict=True)]
+        output = vllm_generation.generate(prompt_lists, model=model, weights_version=weights_version)
+        completions = pad(
+            [torch.tensor(ids, dtype=torch.long) for ids in output["completion_ids"]], padding_value=pad_token_id
+        ).to(prompts.device)
+        logprobs = pad([torch.tensor(lps, dtype=torch.float32) for lps in output["logprobs"]], padding_value=0.0).to(
+            prompts.device
+        )[:, : completions.shape[1]]
+        completion_mask, _ = completion_mask_from_ids(completions, end_ids or [pad_token_id])
+        input_ids = torch.cat([prompts, completions], dim=1)
+        labels = torch.full_like(input_ids, -100)
+        labels[:, prompts.shape[1] :] = completions.masked_fill(completion_mask == 0, -100)
+        attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
+        sampling = torch.zeros(input_ids.shape, dtype=torch.float32, device=prompts.device)
+        sampling[:, prompts.shape[1] : prompts.shape[1] + logprobs.shape[1]] = logprobs * completion_mask[
+            :, : logprobs.shape[1]
+        ].to(logprobs.dtype)
+        return input_ids, attention_mask, labels, sampling
 
     def _replace_completions(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
         """Replace the batch's completions, in place, by samples from `model` (student or teacher).

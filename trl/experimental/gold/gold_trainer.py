@@ -19,12 +19,10 @@ from transformers import (
 )
 from transformers.trainer_utils import EvalPrediction
 
-from ...trainer.online_math import completion_mask_from_ids
 from ...trainer.online_metrics import log_completion_rows
-from ...trainer.utils import pad
 from ...trainer.utils.ignored_options import GOLD_IGNORED_OPTIONS
-from ...trainer.utils.sampling import RepeatSampler, repeat_iterable_dataset
 from .._chatml_collator import DataCollatorForChatML, _completion_byte_offsets
+from .._generation_batch import _GenerationBatchMixin
 from ..gkd import GKDTrainer
 from .gold_config import GOLDConfig
 from .uld import ULDLoss, build_teacher_inputs_from_texts, print_prompt_completions_sample_uld
@@ -79,7 +77,7 @@ class _GOLDCollator(DataCollatorForChatML):
         return batch
 
 
-class GOLDTrainer(GKDTrainer):
+class GOLDTrainer(_GenerationBatchMixin, GKDTrainer):
     """General Online Logit Distillation: [`experimental.gkd.GKDTrainer`] that also distills across tokenizers.
 
     With `use_uld_loss=False` the loss is GKD's generalized JSD (both models must share the vocabulary), with the
@@ -279,42 +277,6 @@ class GOLDTrainer(GKDTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Training data: one dataloader batch per optimizer step, sliced into its micro-batches (as TRL)
     # ------------------------------------------------------------------------------------------------------------
-    def get_train_dataloader(self):
-        # A dataloader batch is the whole generation batch of an optimizer step (`generation_batch_size` prompts,
-        # each `num_generations` times), emitted `gradient_accumulation_steps` times so that the Trainer fetches
-        # one per micro-step; `training_step` trains each micro-step on its slice. The Trainer's token count
-        # (`num_items_in_batch`, which divides the JSD) therefore covers the generation batch once per micro-step.
-        if self.train_dataset is None:
-            raise ValueError("GOLDTrainer: training requires a train_dataset.")
-        args = self.args
-        dataset = self.train_dataset
-        if isinstance(dataset, IterableDataset):
-            dataset = repeat_iterable_dataset(
-                dataset,
-                mini_repeat_count=args.num_generations,
-                batch_size=args.generation_batch_size,
-                repeat_count=args.gradient_accumulation_steps,
-            )
-        return self._get_dataloader(
-            dataset=dataset,
-            description="Training",
-            batch_size=self._train_batch_size * args.gradient_accumulation_steps,
-            sampler_fn=self._get_train_sampler,
-            is_training=True,
-        )
-
-    def _get_train_sampler(self, train_dataset: Any = None):
-        # Each of the step's `generation_batch_size` prompts comes num_generations times in a row (every copy gets
-        # its own sample when the batch is regenerated); the step's batch is emitted once per micro-step.
-        return RepeatSampler(
-            data_source=train_dataset if train_dataset is not None else self.train_dataset,
-            mini_repeat_count=self.args.num_generations,
-            batch_size=self.args.generation_batch_size,
-            repeat_count=self.args.gradient_accumulation_steps,
-            shuffle=True,
-            seed=self.args.seed,
-        )
-
     def _micro_batch(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
         """This micro-step's slice of the step's generation batch (rows `k * per_device_train_batch_size` on).
 
@@ -343,19 +305,15 @@ class GOLDTrainer(GKDTrainer):
 
     def _generate_with_vllm(self, inputs: dict[str, Any]) -> None:
         """Sample the batch's completions with vLLM (weights pushed every `vllm_sync_frequency` steps)."""
-        prompts, prompt_mask = inputs["prompts"], inputs["prompt_attention_mask"]
-        prompt_lists = [row[mask.bool()].tolist() for row, mask in zip(prompts, prompt_mask, strict=True)]
         version = self.state.global_step // self.args.vllm_sync_frequency
-        output = self.vllm_generation.generate(prompt_lists, model=self.model_wrapped, weights_version=version)
-        pad_id = self.processing_class.pad_token_id
-        completions = pad(
-            [torch.tensor(ids, dtype=torch.long) for ids in output["completion_ids"]], padding_value=pad_id
-        ).to(prompts.device)
-        completion_mask, _ = completion_mask_from_ids(completions, self._completion_end_ids or [pad_id])
-        input_ids = torch.cat([prompts, completions], dim=1)
-        labels = torch.full_like(input_ids, -100)
-        labels[:, prompts.shape[1] :] = completions.masked_fill(completion_mask == 0, -100)
-        attention_mask = torch.cat([prompt_mask, completion_mask.to(prompt_mask.dtype)], dim=1)
+        input_ids, attention_mask, labels, _ = GKDTrainer.vllm_on_policy_outputs(
+            self.vllm_generation,
+            self.model_wrapped,
+            inputs,
+            self._completion_end_ids,
+            self.processing_class.pad_token_id,
+            weights_version=version,
+        )
         inputs.update(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
 
     def _refresh_completion_texts(self, inputs: dict[str, Any]) -> None:

@@ -21,9 +21,8 @@ from ...generation import vllm_client
 from ...trainer.distillation_trainer import DistillationTrainer
 from ...trainer.utils.sparse_divergence import (
     build_teacher_request_inputs,
-    pad_teacher_rows,
+    server_teacher_support,
     sparse_support_divergence,
-    top1_sparse_support,
 )
 from .server_distillation_config import ServerDistillationConfig
 
@@ -107,27 +106,7 @@ class ServerDistillationTrainer(DistillationTrainer):
         result = self.teacher_client.get_sequence_logprobs(
             sequences, prompt_lengths, top_logprobs=self.args.loss_top_k, temperature=self.temperature
         )
-        completion_ids = inputs["completion_ids"]
-        width, device = completion_ids.shape[1], completion_ids.device
-        top_log_probs = pad_teacher_rows(result["logprobs"], width, float("-inf"), torch.float32, device)
-        top_ids = pad_teacher_rows(result["logprob_token_ids"], width, 0, torch.long, device)
-        if top_log_probs.dim() == 2:  # no position had a top-k list (empty completions)
-            top_log_probs, top_ids = top_log_probs.unsqueeze(-1), top_ids.unsqueeze(-1)
-        mask = self._loss_mask(inputs).bool()
-        if self.beta == 0.0:
-            return top_ids, top_log_probs, torch.isfinite(top_log_probs)
-        actual = pad_teacher_rows(result["actual_logprobs"], width, float("-inf"), torch.float32, device)
-        if actual.dim() == 3:  # one `[log-prob]` list per position
-            actual = actual[..., 0]
-        missing = mask & ~(torch.isfinite(actual) & torch.isfinite(top_log_probs[..., 0]))
-        if missing.any():
-            row, position = (int(i) for i in missing.nonzero()[0])
-            raise ValueError(
-                f"The teacher server returned no log-probability for completion token {position} of row {row} (its "
-                "top-1 or the sampled token's). Check that the teacher serves the student's tokenizer and that its "
-                "max_model_len covers prompt + completion."
-            )
-        return top1_sparse_support(top_ids[..., 0], top_log_probs[..., 0], completion_ids, actual, self.beta)
+        return server_teacher_support(result, inputs["completion_ids"], self._loss_mask(inputs).bool(), self.beta)
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         mask = self._loss_mask(inputs).bool()

@@ -25,6 +25,7 @@ __all__ = [
     "masked_sparse_divergence",
     "pad_teacher_rows",
     "renormalize_on_support",
+    "server_teacher_support",
     "sparse_support_divergence",
     "top1_sparse_support",
 ]
@@ -221,3 +222,63 @@ def pad_teacher_rows(rows: list[list], width: int, fill: float, dtype: torch.dty
         if length:
             out[i, :length] = values[:length]
     return out
+
+
+def server_teacher_support(
+    result: dict[str, list], completion_ids: torch.Tensor, mask: torch.Tensor, beta: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The support a teacher server's scores define, in completion coordinates.
+
+    Args:
+        result: Output of `VLLMClient.get_sequence_logprobs` for the rows of `completion_ids` (per row, per completion
+            position: `logprobs` / `logprob_token_ids` top-k lists and `actual_logprobs` of the realised token).
+        completion_ids: `(B, T)` realised completion tokens (position 0 is each row's first completion token).
+        mask: `(B, T)` bool, the positions the loss uses.
+        beta: Divergence interpolation: 0 uses the teacher's top-k; otherwise the top-1 sparse support
+            ([`top1_sparse_support`]) with the realised token as reverse token.
+
+    Returns:
+        `(support_ids, teacher_log_probs, valid)`, each `(B, T, S)`.
+
+    Raises:
+        ValueError: When `beta > 0` and the teacher's top-1 or realised-token log-probability is missing on a position
+            of `mask`.
+    """
+    width, device = completion_ids.shape[1], completion_ids.device
+    top_log_probs = pad_teacher_rows(result["logprobs"], width, float("-inf"), torch.float32, device)
+    top_ids = pad_teacher_rows(result["logprob_token_ids"], width, 0, torch.long, device)
+    if top_log_probs.dim() == 2:  # no position had a top-k list (empty completions)
+        top_log_probs, top_ids = top_log_probs.unsqueeze(-1), top_ids.unsqueeze(-1)
+    if beta == 0.0:
+        return _neutralise_masked(top_ids, top_log_probs, torch.isfinite(top_log_probs), mask)
+    actual = server_realised_log_probs(result, width, device)
+    missing = mask & ~(torch.isfinite(actual) & torch.isfinite(top_log_probs[..., 0]))
+    if missing.any():
+        row, position = (int(i) for i in missing.nonzero()[0])
+        raise ValueError(
+            f"The teacher server returned no log-probability for completion token {position} of row {row} (its "
+            "top-1 or the sampled token's). Check that the teacher serves the student's tokenizer and that its "
+            "max_model_len covers prompt + completion."
+        )
+    return _neutralise_masked(
+        *top1_sparse_support(top_ids[..., 0], top_log_probs[..., 0], completion_ids, actual, beta), mask
+    )
+
+
+def _neutralise_masked(
+    ids: torch.Tensor, log_probs: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Positions outside `mask` (padding, rows without completion) get a support of one valid slot of log-prob 0, so
+    that the divergence there is finite and its (discarded) gradient is not NaN."""
+    first = torch.zeros_like(valid)
+    first[..., 0] = True
+    keep = mask.unsqueeze(-1)
+    log_probs = torch.where(keep, log_probs, torch.where(first, 0.0, float("-inf")).to(log_probs.dtype))
+    return ids, log_probs, torch.where(keep, valid, first)
+
+
+def server_realised_log_probs(result: dict[str, list], width: int, device=None) -> torch.Tensor:
+    """`(B, width)` teacher log-probabilities of the realised completion tokens from a scoring result (-inf where the
+    server reported none)."""
+    actual = pad_teacher_rows(result["actual_logprobs"], width, float("-inf"), torch.float32, device)
+    return actual[..., 0] if actual.dim() == 3 else actual  # one `[log-prob]` list per position
