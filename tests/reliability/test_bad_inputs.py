@@ -288,6 +288,9 @@ UNUSUAL_CONFIGS = [
     ("GRPOConfig", dict(epsilon=-0.1, num_generations=2), "a negative clipping range"),
     ("GRPOConfig", dict(num_completions_to_print=-1, num_generations=2), "num_completions_to_print=-1 is negative"),
     ("RLOOConfig", dict(reward_clip_range=(1.0, -1.0), num_generations=2), "has min > max"),
+    ("GRPOConfig", dict(top_entropy_quantile=0.0, num_generations=2), "top_entropy_quantile=0.0 keeps only"),
+    ("GRPOConfig", dict(entropy_coef_min=0.5, entropy_coef_max=0.1, num_generations=2), "exceeds entropy_coef_max"),
+    ("GRPOConfig", dict(num_generations_eval=0, num_generations=2), "num_generations_eval=0 is read as unset"),
 ]
 
 

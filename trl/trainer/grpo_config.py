@@ -359,8 +359,14 @@ class GRPOConfig(_OnlineConfig):
                 f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} clips the ratio, so it needs "
                 "vllm_importance_sampling_clip_max and/or vllm_importance_sampling_clip_min."
             )
-        if not 0.0 < self.top_entropy_quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile must be in (0, 1]; got {self.top_entropy_quantile}.")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in [0, 1]; got {self.top_entropy_quantile}.")
+        if self.top_entropy_quantile == 0.0:
+            warn_trl_trains_anyway(
+                "top_entropy_quantile=0.0 keeps only the tokens at the highest entropy in the batch in the loss.",
+                "set a fraction in (0, 1] (e.g. 0.2 for the top 20 %) unless this is intended.",
+                stacklevel=3,
+            )
         if self.delta is not None and self.delta <= 1.0:
             warn_trl_trains_anyway(
                 f"delta={self.delta} caps the importance ratio at or below 1, so the upper clip can cut even an "
@@ -369,8 +375,16 @@ class GRPOConfig(_OnlineConfig):
                 stacklevel=3,
             )
         if self.entropy_coef_min > self.entropy_coef_max:
-            raise ValueError(
-                f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max ({self.entropy_coef_max})."
+            if self.use_adaptive_entropy:
+                raise ValueError(
+                    f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max "
+                    f"({self.entropy_coef_max}): use_adaptive_entropy keeps the coefficient between them."
+                )
+            warn_trl_trains_anyway(
+                f"entropy_coef_min ({self.entropy_coef_min}) exceeds entropy_coef_max ({self.entropy_coef_max}); "
+                "the bounds are read only with use_adaptive_entropy=True, which is off.",
+                "swap them before turning use_adaptive_entropy on.",
+                stacklevel=3,
             )
         super().__post_init__()
 

@@ -101,8 +101,13 @@ def resolve_generation_batch(args: Any, min_generations: int = 2) -> None:
             "generation_batch_size (or per_device_train_batch_size * num_processes * steps_per_generation) to a "
             f"multiple of {args.num_generations}, or change num_generations."
         )
-    if args.num_generations_eval is not None and args.num_generations_eval < 1:
+    if args.num_generations_eval is not None and args.num_generations_eval < 0:
         raise ValueError(f"num_generations_eval must be a positive integer or None; got {args.num_generations_eval}.")
+    if args.num_generations_eval == 0:
+        warn_trl_trains_anyway(
+            "num_generations_eval=0 is read as unset: evaluation generates num_generations completions per prompt.",
+            "leave it None, or set a positive number.",
+        )
     if args.eval_strategy != "no":
         eval_group = args.num_generations_eval or args.num_generations
         global_eval_batch = args.per_device_eval_batch_size * num_processes

@@ -161,6 +161,18 @@ register(
     "grpo/num_completions_to_print=-1",
     partial(online_case, trainer_name="GRPO", max_steps=1, log_completions=True, num_completions_to_print=-1),
 )
+register(
+    "grpo/top_entropy_quantile=0",
+    partial(online_case, trainer_name="GRPO", top_entropy_quantile=0.0, **_TWO_ITERATIONS),
+)
+register(
+    "grpo/entropy_coef_min_above_max",
+    partial(online_case, trainer_name="GRPO", max_steps=1, entropy_coef_min=0.5, entropy_coef_max=0.1),
+)
+register(
+    "grpo/num_generations_eval=0",
+    partial(online_case, trainer_name="GRPO", num_generations_eval=0, evaluate="init"),
+)
 register("rloo/reward_clip_range_reversed", partial(online_case, trainer_name="RLOO", reward_clip_range=(1.0, -1.0)))
 for _name in ["GRPO", "RLOO"]:
     register(
