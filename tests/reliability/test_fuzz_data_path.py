@@ -260,9 +260,10 @@ def unpaired_sequences(tok, rows):
     if "chosen" in rows[0]:
         rows = [{**row, "completion": row[key], "label": key == "chosen"} for key in ("chosen", "rejected")
                 for row in rows]  # fmt: skip
-    conversational = isinstance(rows[0]["prompt"], list)
-    if not conversational and not all(is_text(row["prompt"]) for row in rows):
-        return None
+    prompt = rows[0].get("prompt")
+    conversational = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+    if not conversational and not all(is_text(row.get("prompt")) for row in rows):
+        return None  # e.g. `None` or an empty list, which the library reads as no prompt
     out = []
     for row in rows:
         sequence = prompt_completion_sequence(tok, row) if isinstance(row["label"], bool) else None
