@@ -623,7 +623,7 @@ VISION_RUNS = {
     "dpo_vlm": vision_rows("preference"),
     "kto_vlm": vision_rows("unpaired"),
 }
-VISION = settings(DEFAULT, max_examples=15)
+VISION = settings(DEFAULT, max_examples=50)
 
 
 @VISION
