@@ -908,3 +908,17 @@ def test_regression_helpers_are_deterministic():
     # Guards the hand computations above: the recorded θ_t must come from a deterministic run.
     assert regression_dataset()["y"][:2] == regression_dataset()["y"][:2]
     assert torch.equal(copy.deepcopy(tiny_regressor()).linear.weight, torch.tensor([[0.5, -0.25]]))
+
+
+def test_resuming_a_checkpoint_without_reference_or_bema_state_warns(tmp_path, caplog):
+    """A TRL checkpoint keeps neither the SyncRef reference nor BEMA's averages: resuming one says they restart."""
+    from trl.trainer.utils.checkpoints import load_reference_model
+
+    model = nn.Linear(2, 2)
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with caplog.at_level(logging.WARNING):
+        load_reference_model(str(tmp_path), model)
+        BEMACallback().load_checkpoint_files(str(tmp_path))
+    assert "holds no reference-model weights (ref_model.safetensors" in caplog.text
+    assert "holds no BEMA state (bema_state.safetensors" in caplog.text
+    assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())

@@ -48,7 +48,12 @@ TRAINERS = {
     "kto": ("KTO", "tiny-Qwen2ForCausalLM", "standard_unpaired_preference", dict(max_length=32, per_device_train_batch_size=4)),
     "reward": ("Reward", "tiny-Qwen2ForSequenceClassification", "standard_preference", dict(max_length=32)),
     "grpo": ("GRPO", "tiny-Qwen2ForCausalLM", "standard_prompt_only", dict(num_generations=2, max_completion_length=6)),
+    # The reference model refreshed during training: TR-DPO's soft sync, and BEMA weights loaded into it.
+    "dpo_syncref": ("DPO", "tiny-Qwen2ForCausalLM", "standard_preference",
+                    dict(max_length=32, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)),
+    "dpo_bema": ("DPO", "tiny-Qwen2ForCausalLM", "standard_preference", dict(max_length=32)),
 }  # fmt: skip
+MAX_STEPS_OF = {"dpo_syncref": 6, "dpo_bema": 6}
 
 
 def low_id_reward(completion_ids, **kwargs):
@@ -68,9 +73,17 @@ def build(assets: dict, name: str, output_dir: str):
         split="train",
         cache_dir=os.path.join(output_dir, ".hf-cache"),
     )
-    args = getattr(trl, f"{prefix}Config")(output_dir, **{**COMMON, **options})
+    args = getattr(trl, f"{prefix}Config")(output_dir, **{**COMMON, "max_steps": MAX_STEPS_OF.get(name, MAX_STEPS),
+                                                           **options})  # fmt: skip
     extra = {"reward_funcs": low_id_reward} if prefix == "GRPO" else {}
-    return getattr(trl, f"{prefix}Trainer")(assets[f"models/{model}"], args=args, train_dataset=data, **extra)
+    trainer_class = getattr(trl, f"{prefix}Trainer")
+    if name == "dpo_bema":
+        from trl.experimental.bema_for_ref_model import BEMACallback, DPOTrainer
+
+        trainer_class = DPOTrainer
+        extra["callbacks"] = [BEMACallback(update_freq=1, update_ref_model=True, ref_model_update_freq=1, lag=1,
+                                           min_ema_multiplier=0.0)]  # fmt: skip
+    return trainer_class(assets[f"models/{model}"], args=args, train_dataset=data, **extra)
 
 
 class _KillAfterSave(TrainerCallback):

@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 RUNNER = HERE / "_cross_resume_run.py"
 TRL_PYTHON = Path(os.environ.get("PARITY_VENV", REPO / ".venv-parity")) / "bin" / "python"
-TRAINERS = ["sft", "dpo", "kto", "reward", "grpo"]
+TRAINERS = ["sft", "dpo", "kto", "reward", "grpo"]  # and the refreshed references below
 KILL_STEP = 2
 # The two libraries' weights after the same steps differ by float rounding (AdamW moves every element whose gradient is
 # rounding noise by a whole learning rate), and the continuation inherits that: up to ~1e-3 relative in KTO's logit
@@ -61,8 +61,9 @@ def assets_file(tmp_path_factory):
     return path
 
 
-def _run(side, assets, trainer, output_dir, mode, log_file, scratch):
-    """Run the runner under `side` ("trl": the parity venv, no PYTHONPATH; "ours": this checkout)."""
+def _run(side, assets, trainer, output_dir, mode, log_file, scratch, stderr=None):
+    """Run the runner under `side` ("trl": the parity venv, no PYTHONPATH; "ours": this checkout); the process's
+    stderr is appended to the list `stderr` when one is given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON") and k != "VIRTUAL_ENV"}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     if side == "trl":
@@ -72,6 +73,8 @@ def _run(side, assets, trainer, output_dir, mode, log_file, scratch):
         command = [sys.executable, str(RUNNER)]
     command += [str(assets), trainer, str(output_dir), mode, str(log_file)]
     result = subprocess.run(command, cwd=scratch, env=env, capture_output=True, text=True, timeout=600)
+    if stderr is not None:
+        stderr.append(result.stderr)
     if mode.startswith("kill-after-save:"):
         assert result.returncode == -9, (
             f"{side}: expected a SIGKILL, got rc={result.returncode}\n{result.stderr[-3000:]}"
@@ -101,3 +104,34 @@ def test_checkpoint_of_one_library_resumes_under_the_other(trainer, writer, resu
     skip = ("num_tokens",) if resumer == "trl" else ()
     # The continuation (steps after the checkpoint) matches; the steps before it are the writer's history.
     assert_same_step_logs(reference, resumed, rtol=RTOL, atol=ATOL, skip=skip, after_step=KILL_STEP)
+
+
+# The reference model refreshed during training (TR-DPO's `sync_ref_model`, BEMA weights loaded into the reference).
+# TRL's checkpoints keep neither the refreshed reference nor the BEMA averages, and TRL resuming its own checkpoint
+# restarts them from the initial / resumed weights. This project writes them into its checkpoints (`ref_model.safetensors`,
+# `bema_state.safetensors`) and resumes its own runs exactly (tests/reliability/test_kill_resume.py). Across libraries:
+# - TRL resuming this project's checkpoint continues exactly as TRL resuming its own (the extra files are ignored);
+# - this project resuming TRL's checkpoint has nothing to restore: it continues as TRL does and warns that the state
+#   restarted, instead of departing silently from an uninterrupted run.
+REFRESHED_REFERENCE = {"dpo_syncref": "holds no reference-model weights", "dpo_bema": "holds no BEMA state"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trainer", sorted(REFRESHED_REFERENCE))
+def test_refreshed_reference_state_moves_between_libraries(trainer, assets_file, tmp_path):
+    for writer in ("trl", "ours"):
+        _run(writer, assets_file, trainer, tmp_path / f"killed-{writer}", f"kill-after-save:{KILL_STEP}",
+             tmp_path / "k.json", tmp_path)  # fmt: skip
+
+    def resume(writer, resumer, stderr=None):
+        checkpoint = tmp_path / f"killed-{writer}" / f"checkpoint-{KILL_STEP}"
+        return _run(resumer, assets_file, trainer, tmp_path / f"resumed-{writer}-{resumer}", f"resume:{checkpoint}",
+                    tmp_path / "r.json", tmp_path, stderr)  # fmt: skip
+
+    trl_own = resume("trl", "trl")
+    assert_same_step_logs(trl_own, resume("ours", "trl"), rtol=RTOL, atol=ATOL, skip=("num_tokens",),
+                          after_step=KILL_STEP)  # fmt: skip
+    stderr = []
+    ours_from_trl = resume("trl", "ours", stderr)
+    assert REFRESHED_REFERENCE[trainer] in stderr[0], stderr[0][-2000:]
+    assert_same_step_logs(trl_own, ours_from_trl, rtol=RTOL, atol=ATOL, skip=("num_tokens",), after_step=KILL_STEP)

@@ -34,9 +34,11 @@ TEXT = st.one_of(
 )
 
 
-def column_values(n: int, allow_none: bool = True) -> st.SearchStrategy:
-    """`n` values of one text column, all of one kind per draw."""
+def column_values(n: int, allow_none: bool = True, text_only: bool = False) -> st.SearchStrategy:
+    """`n` values of one text column, all of one kind per draw (`text_only`: strings only, no `None`)."""
     strings = st.one_of(TEXT, st.none()) if allow_none else TEXT
+    if text_only:
+        return st.lists(TEXT, min_size=n, max_size=n)
     return st.one_of(
         st.lists(TEXT, min_size=n, max_size=n),
         st.lists(strings, min_size=n, max_size=n),
@@ -89,10 +91,11 @@ def _columns_to_rows(columns: dict[str, list]) -> list[dict]:
 
 
 @st.composite
-def standard_rows(draw, names: tuple[str, ...], extra: dict | None = None):
-    """Rows of standard (text) data with the given text columns, each column of one drawn kind."""
+def standard_rows(draw, names: tuple[str, ...], extra: dict | None = None, text_only: bool = False):
+    """Rows of standard (text) data with the given text columns, each column of one drawn kind (`text_only`: valid
+    strings in every column, so that most draws reach the collator)."""
     n = draw(st.integers(1, 5))
-    columns = {name: draw(column_values(n)) for name in names}
+    columns = {name: draw(column_values(n, text_only=text_only)) for name in names}
     for name, strategy in (extra or {}).items():
         columns[name] = draw(st.lists(strategy, min_size=n, max_size=n))
     return _columns_to_rows(columns)
@@ -128,11 +131,57 @@ def conversational_rows(draw, layout: str, extra: dict | None = None):
 
 @st.composite
 def stepwise_rows(draw):
+    """Stepwise-supervision rows; half the draws are valid throughout (string prompt and steps, one label a step)."""
     n = draw(st.integers(1, 4))
+    valid = draw(st.booleans())
+    step = TEXT if valid else st.one_of(TEXT, st.none())
     rows = []
     for _ in range(n):
-        steps = draw(st.lists(st.one_of(TEXT, st.none()), min_size=0, max_size=4))
-        labels = draw(st.one_of(st.lists(st.booleans(), min_size=len(steps), max_size=len(steps)),
-                                st.lists(st.booleans(), max_size=4)))  # fmt: skip
-        rows.append({"prompt": draw(st.one_of(TEXT, st.none())), "completions": steps, "labels": labels})
+        steps = draw(st.lists(step, min_size=0, max_size=4))
+        same_length = st.lists(st.booleans(), min_size=len(steps), max_size=len(steps))
+        labels = draw(same_length if valid else st.one_of(same_length, st.lists(st.booleans(), max_size=4)))
+        rows.append({"prompt": draw(step), "completions": steps, "labels": labels})
+    return rows
+
+
+def _image() -> st.SearchStrategy:
+    from PIL import Image
+
+    return st.builds(
+        lambda mode, width, height, shade: Image.new(mode, (width, height), shade),
+        st.sampled_from(["RGB", "L", "RGBA"]),
+        st.integers(1, 64),
+        st.integers(1, 64),
+        st.integers(0, 255),
+    )
+
+
+@st.composite
+def vision_rows(draw, layout: str):
+    """Rows of conversational image data: a user turn of text parts and image placeholders (usually one per image of
+    the row's `images`, sometimes not), images of random sizes and modes, and the answer(s) of `layout`:
+    "prompt_completion", "messages", "preference" or "unpaired" (with a boolean `label`)."""
+    n = draw(st.integers(1, 3))
+    matching = draw(st.booleans()) or draw(st.booleans())
+    rows = []
+    for _ in range(n):
+        images = draw(st.lists(_image(), min_size=0, max_size=2))
+        placeholders = len(images) if matching else draw(st.integers(0, 2))
+        parts = [{"type": "image", "text": None}] * placeholders + [{"type": "text", "text": draw(TEXT)}]
+        parts = draw(st.permutations(parts))
+        prompt = [{"role": "user", "content": list(parts)}]
+
+        def answer():
+            return [{"role": "assistant", "content": [{"type": "text", "text": draw(TEXT)}]}]
+
+        if layout == "messages":
+            row = {"messages": prompt + answer()}
+        elif layout == "preference":
+            row = {"prompt": prompt, "chosen": answer(), "rejected": answer()}
+        else:
+            row = {"prompt": prompt, "completion": answer()}
+            if layout == "unpaired":
+                row["label"] = draw(st.booleans())
+        row["images"] = images
+        rows.append(row)
     return rows

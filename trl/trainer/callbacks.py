@@ -393,6 +393,13 @@ class BEMACallback(TrainerCallback):
             from safetensors.torch import load_file
 
             self._resumed_state = load_file(path, device=str(self.device))
+        else:
+            logger.warning(
+                "The checkpoint %s holds no BEMA state (%s; TRL's checkpoints do not keep it), so BEMA starts over "
+                "from the resumed weights (θ0 and the EMA taken there), as under TRL.",
+                checkpoint_dir,
+                self.CHECKPOINT_FILE,
+            )
 
     @torch.no_grad()
     def _restore_averages(self, state: dict[str, torch.Tensor]) -> None:

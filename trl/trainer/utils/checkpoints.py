@@ -61,9 +61,24 @@ def save_reference_model(checkpoint_dir: str, ref_model: Any) -> None:
 
 
 def load_reference_model(checkpoint_dir: str, ref_model: Any) -> None:
-    """Load the reference weights saved by `save_reference_model`, in place (nothing when the file is absent)."""
+    """Load the reference weights saved by `save_reference_model`, in place.
+
+    A checkpoint without them (TRL writes none) leaves the reference at its initial weights, which is what TRL does
+    on every resume; a warning says so, since the run then departs from an uninterrupted one.
+    """
     path = os.path.join(checkpoint_dir, REFERENCE_MODEL_FILE)
-    if ref_model is None or not os.path.isfile(path):
+    if ref_model is None:
+        return
+    if not os.path.isfile(path):
+        from transformers.utils import logging
+
+        logging.get_logger(__name__).warning(
+            "The checkpoint %s holds no reference-model weights (%s; TRL's checkpoints do not keep them), so the "
+            "reference refreshed by sync_ref_model restarts from its initial weights, as under TRL. The losses after "
+            "the resume differ from an uninterrupted run's until the next syncs pull it back.",
+            checkpoint_dir,
+            REFERENCE_MODEL_FILE,
+        )
         return
     from safetensors.torch import load_model
 
