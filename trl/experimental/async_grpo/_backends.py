@@ -40,7 +40,9 @@ class GenerationBackend(Protocol):
         Args:
             prompt_ids: The rendered prompt's token ids.
             n: Completions to sample.
-            sampling: `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `model`.
+            sampling: `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `model` (the
+                served model's name, or the LoRA adapter's with adapter-only sync) and `lora_name` (the adapter to
+                generate with, `None` for the served weights).
 
         Returns:
             One `(completion token ids, sampler log-probability of each of them)` pair per completion.
@@ -61,6 +63,7 @@ class VLLMServeBackend:
         self.client.check_server(timeout)
 
     def generate(self, prompt_ids: list[int], n: int, sampling: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
+        lora = {"lora_name": sampling["lora_name"]} if sampling.get("lora_name") else {}
         output = self.client.generate(
             prompts=[list(prompt_ids)],
             n=n,
@@ -71,6 +74,7 @@ class VLLMServeBackend:
             min_p=sampling.get("min_p") or 0.0,
             max_tokens=sampling["max_tokens"],
             logprobs=0,
+            **lora,
         )
         completions = []
         for ids, logprobs in zip(output["completion_ids"], output["logprobs"], strict=True):
