@@ -21,6 +21,7 @@ import torch
 __all__ = [
     "GenerationBackend",
     "OpenAICompletionsBackend",
+    "PauseResumeTransfer",
     "VLLMServeBackend",
     "VLLMServeWeightTransfer",
     "is_plain_vllm_server",
@@ -111,6 +112,33 @@ class VLLMServeWeightTransfer:
 
     def destroy(self) -> None:
         self.client.close_communicator()
+
+
+class PauseResumeTransfer:
+    """[`WeightTransferProtocol`] of adapter-only sync to a plain `vllm serve`: generation is paused while the new
+    adapter is saved and loaded; no weights travel (and no NCCL group, so the trainer needs neither vLLM nor a GPU).
+
+    Args:
+        client: An `async_grpo.vllm_client.VLLMClient` of the server.
+    """
+
+    def __init__(self, client: Any):
+        self.client = client
+
+    def init_weight_transfer(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        self.client.pause()
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        raise RuntimeError("Adapter-only sync pushes no full weights; the adapter is loaded by name instead.")
+
+    def resume(self) -> None:
+        self.client.resume()
+
+    def destroy(self) -> None:
+        pass
 
 
 def is_plain_vllm_server(base_url: str, timeout: float = 10.0) -> bool:

@@ -31,6 +31,7 @@ from ...trainer.utils import prepare_peft_model
 from ._backends import (
     GenerationBackend,
     OpenAICompletionsBackend,
+    PauseResumeTransfer,
     VLLMServeBackend,
     VLLMServeWeightTransfer,
     is_plain_vllm_server,
@@ -475,13 +476,15 @@ class AsyncGRPOTrainer(Trainer):
         return VLLMServeBackend(self._get_vllm_client())
 
     def _build_weight_transfer(self, policy: nn.Module, args: Any) -> WeightTransferProtocol:
-        """The default weight transfer: vLLM's NCCL engine for a plain `vllm serve` (GPU), else `trl vllm-serve`'s
-        weight-sync group."""
+        """The default weight transfer: vLLM's NCCL engine for a plain `vllm serve` (GPU; only pause/resume with
+        adapter-only sync), else `trl vllm-serve`'s weight-sync group."""
         if not self._plain_vllm_server():
             return VLLMServeWeightTransfer(self._get_vllm_client())
         from .vllm_client import VLLMClient as ServeClient
         from .weight_transfer import WeightTransferClient
 
+        if self._adapter_sync:  # adapters are loaded by name: only pause/resume, no NCCL engine
+            return PauseResumeTransfer(ServeClient(args.vllm_server_base_url, server_timeout=args.vllm_server_timeout))
         names, dtypes, shapes = [], [], []
         for name, parameter in _iter_vllm_named_params(policy):
             names.append(name)
