@@ -206,23 +206,19 @@ def probe_adapter_sync(client: Any, model: Any, args: AsyncGRPOConfig) -> bool:
     return select_adapter_sync(client.get_server_info(), model, args)
 
 
-def publish_adapter(client: Any, output_dir: str, version: int, max_staleness: int, resume: Any = None) -> str:
-    """Load the saved adapter of `version` on the server, then retire the versions no sample can still use.
-
-    Loads `trl-policy-v{N}` from its directory, calls `resume()` (generation may go on once the new adapter is there),
-    unloads `trl-policy-v{N - max_staleness - 1}` and deletes the directory of version `N - max_staleness - 2` (each
-    when positive): samples of versions older than `N - max_staleness` are dropped, so their adapters are unused.
-
-    Returns:
-        The loaded adapter's name.
-    """
+def load_policy_adapter(client: Any, output_dir: str, version: int) -> str:
+    """Load the saved adapter of policy version `version` on the server; returns its name `trl-policy-v{N}`."""
     name = policy_adapter_name(version)
     client.load_lora_adapter(name, policy_adapter_dir(output_dir, version))
-    if resume is not None:
-        resume()
+    return name
+
+
+def retire_policy_adapters(client: Any, output_dir: str, version: int, max_staleness: int) -> None:
+    """After loading version `N`: unload `trl-policy-v{N - max_staleness - 1}` and delete the directory of version
+    `N - max_staleness - 2` (each when positive). Samples older than `max_staleness` versions are dropped, so no
+    request still uses them; the directory goes one sync later than the adapter."""
     retired = version - max_staleness - 1
     if retired > 0:
         client.unload_lora_adapter(policy_adapter_name(retired))
     if retired - 1 > 0:
         shutil.rmtree(policy_adapter_dir(output_dir, retired - 1), ignore_errors=True)
-    return name

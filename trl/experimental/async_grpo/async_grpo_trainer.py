@@ -48,9 +48,10 @@ from ._batching import (
 from ._lora_sync import (
     VLLM_LORA_RANKS,
     _iter_vllm_named_params,
+    load_policy_adapter,
     policy_adapter_dir,
     probe_adapter_sync,
-    publish_adapter,
+    retire_policy_adapters,
     round_lora_rank,
     save_lora_adapter,
     select_adapter_sync,
@@ -605,9 +606,9 @@ class AsyncGRPOTrainer(Trainer):
             self.rollout_worker.start()
 
     def _sync_weight(self) -> None:
-        """Push the current policy (its adapter, or merged weights when PEFT) and bump the policy version."""
-        if self._adapter_sync:
-            return self._sync_adapter()
+        """Push the current policy and bump the policy version: merged full weights (PEFT merged for the push), or
+        with adapter-only sync the adapter, saved by every rank and loaded by rank 0 as `trl-policy-v{N}`, after
+        which the rollout worker generates with it and versions older than `max_staleness` are retired."""
         start = time.perf_counter()
         if self.weight_transfer is not None:
             self.weight_transfer.pause()
@@ -615,6 +616,30 @@ class AsyncGRPOTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         barrier = time.perf_counter()
         model = self.accelerator.unwrap_model(self.model)
+        version = self.model_version + 1
+        output_dir = self.args.output_dir
+        if self._adapter_sync:
+            save_lora_adapter(model, self.accelerator, model.active_adapter, policy_adapter_dir(output_dir, version))
+        else:
+            self._push_merged_weights(model)
+        transferred = time.perf_counter()
+        self.accelerator.wait_for_everyone()
+        adapter = self._adapter_sync and self._is_rollout_owner
+        lora_name = load_policy_adapter(self._lora_client, output_dir, version) if adapter else None
+        if self.weight_transfer is not None:
+            self.weight_transfer.resume()
+        if adapter:
+            retire_policy_adapters(self._lora_client, output_dir, version, self.args.max_staleness)
+        self.model_version = version
+        if self.rollout_worker is not None:
+            if lora_name is None:
+                self.rollout_worker.update_model_version(version)
+            else:
+                self.rollout_worker.update_model_version(version, lora_name=lora_name)
+        self._log_sync_times(start, paused, barrier, transferred)
+
+    def _push_merged_weights(self, model: nn.Module) -> None:
+        """Stream `(vLLM name, tensor)` of the full weights (PEFT adapters merged for the push, unmerged after)."""
         is_peft = hasattr(model, "peft_config")
         try:
             if is_peft:
@@ -628,37 +653,6 @@ class AsyncGRPOTrainer(Trainer):
         finally:
             if is_peft:
                 model.unmerge_adapter()
-        transferred = time.perf_counter()
-        self.accelerator.wait_for_everyone()
-        if self.weight_transfer is not None:
-            self.weight_transfer.resume()
-        self.model_version += 1
-        if self.rollout_worker is not None:
-            self.rollout_worker.update_model_version(self.model_version)
-        self._log_sync_times(start, paused, barrier, transferred)
-
-    def _sync_adapter(self) -> None:
-        """Adapter-only sync: every rank saves the adapter of version N, rank 0 loads it on the server as
-        `trl-policy-v{N}`, points the rollout worker at it and retires the versions older than `max_staleness`."""
-        start = time.perf_counter()
-        if self.weight_transfer is not None:
-            self.weight_transfer.pause()
-        paused = time.perf_counter()
-        self.accelerator.wait_for_everyone()
-        barrier = time.perf_counter()
-        model = self.accelerator.unwrap_model(self.model)
-        version = self.model_version + 1
-        output_dir = self.args.output_dir
-        save_lora_adapter(model, self.accelerator, model.active_adapter, policy_adapter_dir(output_dir, version))
-        self.accelerator.wait_for_everyone()
-        transferred = time.perf_counter()
-        if self._is_rollout_owner:
-            resume = self.weight_transfer.resume if self.weight_transfer is not None else None
-            name = publish_adapter(self._lora_client, output_dir, version, self.args.max_staleness, resume=resume)
-            if self.rollout_worker is not None:
-                self.rollout_worker.update_model_version(version, lora_name=name)
-        self.model_version = version
-        self._log_sync_times(start, paused, barrier, transferred)
 
     def _log_sync_times(self, start: float, paused: float, barrier: float, transferred: float) -> None:
         self._metrics["perf/weight_sync_s"].append(time.perf_counter() - start)
