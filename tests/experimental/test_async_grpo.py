@@ -247,6 +247,7 @@ class LocalBackend:
         self.calls = 0
         self.fail_after = fail_after
         self.unreachable = unreachable
+        self.adapters_used = []
 
     def check_ready(self, timeout):
         if self.unreachable:
@@ -254,6 +255,7 @@ class LocalBackend:
 
     def generate(self, prompt_ids, n, sampling):
         self.calls += 1
+        self.adapters_used.append((sampling.get("lora_name"), sampling["model"]))
         if self.fail_after is not None and self.calls > self.fail_after:
             raise RuntimeError("backend exploded")
         with self.lock, torch.no_grad():
@@ -303,7 +305,16 @@ def even_first_token(completion_ids, **kwargs):
 PROMPT = [{"role": "user", "content": "Say 0."}]
 
 
-def _trainer(tmp_path, backend, transfer, poll=0.2, reward_funcs=even_first_token, peft_config=None, **overrides):
+def _trainer(
+    tmp_path,
+    backend,
+    transfer,
+    poll=0.2,
+    reward_funcs=even_first_token,
+    peft_config=None,
+    lora_server=None,
+    **overrides,
+):
     from datasets import Dataset
 
     from trl.assets import get_model_path
@@ -314,6 +325,9 @@ def _trainer(tmp_path, backend, transfer, poll=0.2, reward_funcs=even_first_toke
 
         def _build_generation_backend(self):
             return backend
+
+    if lora_server is not None:
+        LocalAsyncGRPOTrainer._build_lora_client = lambda self: lora_server
 
     config = {
         "output_dir": str(tmp_path), "use_cpu": True, "max_steps": 3, "per_device_train_batch_size": 4,
@@ -483,3 +497,101 @@ def test_epoch_budget_stops_training_and_checkpoints_rollout_state(tmp_path):
     state = json.loads((tmp_path / f"checkpoint-{trainer.state.global_step}" / "rollout_state.json").read_text())
     assert state["model_version"] == trainer.model_version
     assert state["prompt_index"] >= 1
+
+
+class StubLoraServer:
+    """A generation server's runtime-LoRA surface (`/server_info`, load, unload), recording what it is asked."""
+
+    def __init__(self, max_lora_rank=16, max_loras=4):
+        self.lora_config = {"max_lora_rank": max_lora_rank, "max_loras": max_loras}
+        self.events = []
+        self.loaded = {}
+
+    def get_server_info(self):
+        return {"lora_config": self.lora_config, "parallel_config": {"data_parallel_size": 1}}
+
+    def load_lora_adapter(self, lora_name, lora_path):
+        assert os.path.isfile(os.path.join(lora_path, "adapter_config.json"))
+        assert lora_name not in self.loaded
+        self.loaded[lora_name] = lora_path
+        self.events.append(("load", lora_name))
+
+    def unload_lora_adapter(self, lora_name):
+        self.loaded.pop(lora_name)
+        self.events.append(("unload", lora_name))
+
+
+@pytest.mark.timeout(300)
+def test_lora_policy_syncs_adapter_only(tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    from trl.assets import get_model_path
+
+    backend = LocalBackend(get_model_path(TINY))
+    transfer = LocalTransfer(backend)
+    server = StubLoraServer()
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    trainer = _trainer(
+        tmp_path, backend, transfer, max_steps=4, max_staleness=1, learning_rate=1e-2, peft_config=lora,
+        lora_server=server,
+    )  # fmt: skip
+    assert trainer._adapter_sync
+    trainer.train()
+    # Versions 1 (train begin) to 5; version N unloads N - 2 and deletes the directory of N - 3 (max_staleness=1).
+    assert trainer.model_version == 5
+    assert server.events == [
+        ("load", "trl-policy-v1"), ("load", "trl-policy-v2"),
+        ("load", "trl-policy-v3"), ("unload", "trl-policy-v1"),
+        ("load", "trl-policy-v4"), ("unload", "trl-policy-v2"),
+        ("load", "trl-policy-v5"), ("unload", "trl-policy-v3"),
+    ]  # fmt: skip
+    root = tmp_path / ".vllm_lora"
+    assert sorted(os.listdir(root)) == ["trl-policy-v3", "trl-policy-v4", "trl-policy-v5"]
+    # No weight-transfer group and no full weights: only pause/resume around each sync.
+    assert transfer.events == ["pause", "resume"] * 5
+    # The rollout worker generated with the loaded adapters only (name as `lora_name` and as the OpenAI `model`).
+    assert backend.adapters_used and all(name == model for name, model in backend.adapters_used)
+    assert {name for name, _ in backend.adapters_used} <= {f"trl-policy-v{v}" for v in range(1, 6)}
+    # The last adapter on disk is the trained policy's, and PEFT loads it.
+    from safetensors.torch import load_file
+
+    saved = load_file(str(root / "trl-policy-v5" / "adapter_model.safetensors"))
+    current = peft.get_peft_model_state_dict(trainer.model)
+    assert saved.keys() == current.keys()
+    assert all(torch.equal(saved[key], current[key].cpu()) for key in saved)
+    base = AutoModelForCausalLM.from_pretrained(get_model_path(TINY))
+    served = peft.PeftModel.from_pretrained(base, str(root / "trl-policy-v5"))
+    assert served.peft_config["default"].r == 4
+
+
+@pytest.mark.timeout(120)
+def test_adapter_sync_rank_above_server_limit_fails_before_training(tmp_path):
+    peft = pytest.importorskip("peft")
+    from trl.assets import get_model_path
+
+    backend = LocalBackend(get_model_path(TINY))
+    lora = peft.LoraConfig(r=16, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    with pytest.raises(ValueError, match="--max-lora-rank 16"):
+        _trainer(tmp_path, backend, LocalTransfer(backend), peft_config=lora, lora_server=StubLoraServer(8))
+    # A server without LoRA support: merged weights, as before.
+    server = StubLoraServer()
+    server.lora_config = None
+    trainer = _trainer(tmp_path, backend, LocalTransfer(backend), peft_config=lora, lora_server=server)
+    assert not trainer._adapter_sync
+
+
+def test_adapter_sync_needs_a_worker_taking_the_adapter_name():
+    from trl.experimental.async_grpo.async_grpo_trainer import _check_worker_takes_lora_name
+
+    class OldWorker:
+        def update_model_version(self, model_version):
+            pass
+
+    class NewWorker:
+        def update_model_version(self, model_version, lora_name=None):
+            pass
+
+    with pytest.raises(ValueError, match="lora_name"):
+        _check_worker_takes_lora_name(OldWorker())
+    _check_worker_takes_lora_name(NewWorker())

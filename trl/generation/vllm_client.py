@@ -407,6 +407,7 @@ class VLLMClient:
         logprobs: int | None = 0,
         structured_outputs_regex: str | None = None,
         generation_kwargs: dict | None = None,
+        lora_name: str | None = None,
     ) -> dict[str, list]:
         """Generate completions for text prompts or token-id prompts.
 
@@ -435,6 +436,9 @@ class VLLMClient:
                 Regex the completion must match.
             generation_kwargs (`dict` or `None`, *optional*, defaults to `None`):
                 Extra vLLM `SamplingParams` fields; they override the arguments above.
+            lora_name (`str` or `None`, *optional*, defaults to `None`):
+                Generate with this LoRA adapter, loaded on the server with `/v1/load_lora_adapter` (a server started
+                with `--enable_lora`); `None` generates with the base model.
 
         Returns:
             `dict`: `prompt_ids` (one list per prompt), `completion_ids` (`n` lists per prompt, grouped by prompt),
@@ -448,6 +452,8 @@ class VLLMClient:
                 structured_outputs_regex, generation_kwargs,
             )
         )  # fmt: skip
+        if lora_name is not None:
+            payload["lora_name"] = lora_name
         return self._post("generate", payload)
 
     @staticmethod
@@ -480,6 +486,7 @@ class VLLMClient:
         chat_template_kwargs: dict | None = None,
         tools: list | None = None,
         chat_template: str | None = None,
+        lora_name: str | None = None,
     ) -> dict[str, list]:
         """Generate assistant replies for conversations (the server applies the model's chat template).
 
@@ -487,7 +494,7 @@ class VLLMClient:
             messages (`list[list[dict]]`):
                 Conversations; images inside messages (PIL) are sent inline.
             n, repetition_penalty, temperature, top_p, top_k, min_p, max_tokens, logprobs, structured_outputs_regex,
-            generation_kwargs:
+            generation_kwargs, lora_name:
                 As in [`~VLLMClient.generate`].
             chat_template_kwargs (`dict` or `None`, *optional*, defaults to `None`):
                 Extra variables for the chat template (e.g. `{"enable_thinking": False}`).
@@ -511,6 +518,8 @@ class VLLMClient:
                 structured_outputs_regex, generation_kwargs,
             )
         )  # fmt: skip
+        if lora_name is not None:
+            payload["lora_name"] = lora_name
         return self._post("chat", payload)
 
     def get_sequence_logprobs(
@@ -522,6 +531,7 @@ class VLLMClient:
         use_binary: bool = True,
         chunk_size: int = 0,
         max_concurrent_requests: int = 4,
+        lora_name: str | None = None,
     ) -> dict[str, list]:
         """Score fixed completions: the server's log-probs of every completion token of `sequences`.
 
@@ -542,6 +552,9 @@ class VLLMClient:
                 Sequences per request (0 = all in one request).
             max_concurrent_requests (`int`, *optional*, defaults to `4`):
                 Requests in flight at once when chunking.
+            lora_name (`str` or `None`, *optional*, defaults to `None`):
+                Score with this loaded LoRA adapter (the `model` of a plain `vllm serve` request); `None` scores with
+                the base model.
 
         Returns:
             `dict[str, list]`: Per sequence, per completion position: `logprobs` and `logprob_token_ids` (top
@@ -568,7 +581,8 @@ class VLLMClient:
 
         def score(chunk):
             if openai:  # a plain `vllm serve`: prompt log-probs of a one-token completion request
-                payload = completions_scoring_payload(self._served_model(), chunk[0], top_logprobs, temperature)
+                model = lora_name if lora_name is not None else self._served_model()
+                payload = completions_scoring_payload(model, chunk[0], top_logprobs, temperature)
                 response = self.session.post(f"{self.base_url}/v1/completions", json=payload)
                 if response.status_code != 200:
                     raise RuntimeError(
@@ -582,6 +596,8 @@ class VLLMClient:
                 "temperature": temperature,
                 "response_format": "binary" if use_binary else "json",
             }
+            if lora_name is not None:
+                payload["lora_name"] = lora_name
             response = self._post("get_sequence_logprobs", payload)
             return self._decode_sequence_logprobs(response) if use_binary else response
 

@@ -85,8 +85,15 @@ def _merge(replies: list[dict | None]) -> dict:
     return merged
 
 
-def create_app(script_args: "ScriptArguments", engines: _Engines):
-    """The FastAPI application serving `engines` (see the module docstring for the endpoints)."""
+def create_app(script_args: "ScriptArguments", engines: _Engines, lora_config: dict | None = None):
+    """The FastAPI application serving `engines` (see `trl.scripts.vllm_serve` for the endpoints).
+
+    Args:
+        script_args: The server's options.
+        engines: The engine processes' pipes.
+        lora_config: The engines' LoRA settings (`max_lora_rank`, `max_loras`, ...), `None` when they run without
+            LoRA; with them the app serves `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
+    """
     from fastapi import FastAPI, HTTPException
     from pydantic import BaseModel, Field
 
@@ -104,6 +111,7 @@ def create_app(script_args: "ScriptArguments", engines: _Engines):
         logprobs: int | None = 0
         structured_outputs_regex: str | None = None
         generation_kwargs: dict = Field(default_factory=dict)
+        lora_name: str | None = None
 
     class GenerateRequest(SamplingFields):
         prompts: list[str | list[int]]
@@ -121,6 +129,16 @@ def create_app(script_args: "ScriptArguments", engines: _Engines):
         top_logprobs: int = 100
         temperature: float = 1.0
         response_format: str = "json"
+        lora_name: str | None = None
+
+    class LoadLoraAdapterRequest(BaseModel):
+        lora_name: str
+        lora_path: str
+        load_inplace: bool = False
+
+    class UnloadLoraAdapterRequest(BaseModel):
+        lora_name: str
+        lora_int_id: int | None = None
 
     class InitCommunicatorRequest(BaseModel):
         host: str
@@ -142,7 +160,7 @@ def create_app(script_args: "ScriptArguments", engines: _Engines):
         return request.model_dump(
             include={
                 "n", "repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_tokens", "logprobs",
-                "structured_outputs_regex", "generation_kwargs",
+                "structured_outputs_regex", "generation_kwargs", "lora_name",
             }
         )  # fmt: skip
 
@@ -172,7 +190,7 @@ def create_app(script_args: "ScriptArguments", engines: _Engines):
                     "tensor_parallel_size": script_args.tensor_parallel_size,
                     "data_parallel_size": script_args.data_parallel_size,
                 },
-                "lora_config": None,
+                "lora_config": lora_config,
                 "weight_transfer_config": None,
             }
         }
@@ -235,7 +253,7 @@ def create_app(script_args: "ScriptArguments", engines: _Engines):
             )
         pairs = list(zip(request.sequences, request.prompt_lengths))
         chunks = _chunk(pairs, len(engines.connections))
-        fields = {"top_logprobs": request.top_logprobs}
+        fields = {"top_logprobs": request.top_logprobs, "lora_name": request.lora_name}
         commands = [
             {
                 "op": "sequence_logprobs",
@@ -299,6 +317,25 @@ def create_app(script_args: "ScriptArguments", engines: _Engines):
     def reset_prefix_cache() -> dict:
         replies = run([{"op": "reset_prefix_cache"} for _ in engines.connections])
         return {"message": f"Request received, resetting prefix cache status: {all(bool(r) for r in replies)}"}
+
+    if lora_config is not None:
+
+        @app.post("/v1/load_lora_adapter")
+        def load_lora_adapter(request: LoadLoraAdapterRequest) -> str:
+            # vLLM's runtime-LoRA route: every engine loads the adapter, so any of them can generate with it.
+            command = {"op": "load_lora_adapter", **request.model_dump()}
+            return run([dict(command) for _ in engines.connections])[0]
+
+        @app.post("/v1/unload_lora_adapter")
+        def unload_lora_adapter(request: UnloadLoraAdapterRequest) -> str:
+            try:
+                replies = engines.call(
+                    [{"op": "unload_lora_adapter", "lora_name": request.lora_name} for _ in engines.connections]
+                )
+            except RuntimeError as e:
+                status = 404 if str(e).startswith("LookupError") else 400
+                raise HTTPException(status_code=status, detail=str(e)) from e
+            return replies[0]
 
     @app.post("/close_communicator/")
     def close_communicator() -> dict:

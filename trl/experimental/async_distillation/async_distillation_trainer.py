@@ -261,7 +261,7 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
         processing_class: Tokenizer shared by student and teachers (default: loaded from `model`).
         callbacks: Extra callbacks.
         optimizers: `(optimizer, scheduler)`.
-        peft_config: PEFT config (never on `lm_head`); the merged weights are synced.
+        peft_config: PEFT config (never on `lm_head`); synced adapter-only or merged, as in AsyncGRPO.
         rollout_worker: A [`RolloutWorkerProtocol`] replacing the default [`AsyncRolloutWorker`].
         weight_transfer: A [`WeightTransferProtocol`] replacing the default transfer to `trl vllm-serve`.
     """

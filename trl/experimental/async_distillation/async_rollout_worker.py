@@ -109,14 +109,15 @@ class AsyncRolloutWorker(_AsyncGRPORolloutWorker):
         chat_template_kwargs: dict | None = None,
         **_: Any,
     ) -> None:
-        version = self.model_version
+        version, lora_name = self._policy()
         start = time.perf_counter()
         teacher_id = _row_teacher(row, teacher_clients)
         prompt = row["prompt"]
         prompt_ids = _render_prompt(tokenizer, prompt, chat_template_kwargs)
         sampling = {
             "max_tokens": max_completion_length, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-            "min_p": min_p, "repetition_penalty": repetition_penalty, "model": model_name,
+            "min_p": min_p, "repetition_penalty": repetition_penalty, "model": lora_name or model_name,
+            "lora_name": lora_name,
         }  # fmt: skip
         ((completion_ids, _),) = backend.generate(prompt_ids, 1, sampling)
         completion_ids = list(completion_ids)

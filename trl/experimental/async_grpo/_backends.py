@@ -21,6 +21,7 @@ import torch
 __all__ = [
     "GenerationBackend",
     "OpenAICompletionsBackend",
+    "PauseResumeTransfer",
     "VLLMServeBackend",
     "VLLMServeWeightTransfer",
     "is_plain_vllm_server",
@@ -40,7 +41,9 @@ class GenerationBackend(Protocol):
         Args:
             prompt_ids: The rendered prompt's token ids.
             n: Completions to sample.
-            sampling: `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `model`.
+            sampling: `max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `model` (the
+                served model's name, or the LoRA adapter's with adapter-only sync) and `lora_name` (the adapter to
+                generate with, `None` for the served weights).
 
         Returns:
             One `(completion token ids, sampler log-probability of each of them)` pair per completion.
@@ -61,6 +64,7 @@ class VLLMServeBackend:
         self.client.check_server(timeout)
 
     def generate(self, prompt_ids: list[int], n: int, sampling: dict[str, Any]) -> list[tuple[list[int], list[float]]]:
+        lora = {"lora_name": sampling["lora_name"]} if sampling.get("lora_name") else {}
         output = self.client.generate(
             prompts=[list(prompt_ids)],
             n=n,
@@ -71,6 +75,7 @@ class VLLMServeBackend:
             min_p=sampling.get("min_p") or 0.0,
             max_tokens=sampling["max_tokens"],
             logprobs=0,
+            **lora,
         )
         completions = []
         for ids, logprobs in zip(output["completion_ids"], output["logprobs"], strict=True):
@@ -107,6 +112,33 @@ class VLLMServeWeightTransfer:
 
     def destroy(self) -> None:
         self.client.close_communicator()
+
+
+class PauseResumeTransfer:
+    """[`WeightTransferProtocol`] of adapter-only sync to a plain `vllm serve`: generation is paused while the new
+    adapter is saved and loaded; no weights travel (and no NCCL group, so the trainer needs neither vLLM nor a GPU).
+
+    Args:
+        client: An `async_grpo.vllm_client.VLLMClient` of the server.
+    """
+
+    def __init__(self, client: Any):
+        self.client = client
+
+    def init_weight_transfer(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        self.client.pause()
+
+    def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
+        raise RuntimeError("Adapter-only sync pushes no full weights; the adapter is loaded by name instead.")
+
+    def resume(self) -> None:
+        self.client.resume()
+
+    def destroy(self) -> None:
+        pass
 
 
 def is_plain_vllm_server(base_url: str, timeout: float = 10.0) -> bool:

@@ -182,3 +182,43 @@ def save_lora_adapter(model: PeftModel, accelerator: Accelerator, adapter_name: 
     finally:
         if os.path.exists(staging):
             shutil.rmtree(staging, ignore_errors=True)
+
+
+# -- adapter-only sync: names, directories and the server calls ----------------------------------------------------
+
+LORA_SYNC_DIR = ".vllm_lora"
+
+
+def policy_adapter_name(version: int) -> str:
+    """The name policy version `version` is loaded under on the server (the `model` of its generation requests)."""
+    return f"trl-policy-v{version}"
+
+
+def policy_adapter_dir(output_dir: str, version: int) -> str:
+    """Where the adapter of policy version `version` is written: `{abs(output_dir)}/.vllm_lora/trl-policy-v{N}`."""
+    return os.path.join(os.path.abspath(output_dir), LORA_SYNC_DIR, policy_adapter_name(version))
+
+
+def probe_adapter_sync(client: Any, model: Any, args: AsyncGRPOConfig) -> bool:
+    """[`select_adapter_sync`] on the server `client` talks to (`False` without a client or a PEFT model)."""
+    if client is None or not hasattr(model, "peft_config"):
+        return False
+    return select_adapter_sync(client.get_server_info(), model, args)
+
+
+def load_policy_adapter(client: Any, output_dir: str, version: int) -> str:
+    """Load the saved adapter of policy version `version` on the server; returns its name `trl-policy-v{N}`."""
+    name = policy_adapter_name(version)
+    client.load_lora_adapter(name, policy_adapter_dir(output_dir, version))
+    return name
+
+
+def retire_policy_adapters(client: Any, output_dir: str, version: int, max_staleness: int) -> None:
+    """After loading version `N`: unload `trl-policy-v{N - max_staleness - 1}` and delete the directory of version
+    `N - max_staleness - 2` (each when positive). Samples older than `max_staleness` versions are dropped, so no
+    request still uses them; the directory goes one sync later than the adapter."""
+    retired = version - max_staleness - 1
+    if retired > 0:
+        client.unload_lora_adapter(policy_adapter_name(retired))
+    if retired - 1 > 0:
+        shutil.rmtree(policy_adapter_dir(output_dir, retired - 1), ignore_errors=True)

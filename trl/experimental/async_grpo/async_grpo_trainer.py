@@ -6,7 +6,9 @@ and re-exports the planning, collation and LoRA-sync helpers under TRL's import 
 
 from __future__ import annotations
 
+import inspect
 import json
+import logging
 import math
 import os
 import queue
@@ -29,6 +31,7 @@ from ...trainer.utils import prepare_peft_model
 from ._backends import (
     GenerationBackend,
     OpenAICompletionsBackend,
+    PauseResumeTransfer,
     VLLMServeBackend,
     VLLMServeWeightTransfer,
     is_plain_vllm_server,
@@ -45,6 +48,10 @@ from ._batching import (
 from ._lora_sync import (
     VLLM_LORA_RANKS,
     _iter_vllm_named_params,
+    load_policy_adapter,
+    policy_adapter_dir,
+    probe_adapter_sync,
+    retire_policy_adapters,
     round_lora_rank,
     save_lora_adapter,
     select_adapter_sync,
@@ -57,6 +64,8 @@ from .packing import TREE_ATTENTION, TreeRow, register_tree_attention
 
 # Written next to each checkpoint: where the rollouts resume and the policy version.
 ROLLOUT_STATE_NAME = "rollout_state.json"
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "TREE_ATTENTION",
@@ -176,6 +185,17 @@ def _load_init_kwargs(args: AsyncGRPOConfig) -> dict[str, Any]:
     return kwargs
 
 
+def _check_worker_takes_lora_name(worker: Any) -> None:
+    """Adapter-only sync tells the worker which adapter to generate with: `update_model_version(v, lora_name=...)`."""
+    parameters = inspect.signature(worker.update_model_version).parameters
+    if "lora_name" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        raise ValueError(
+            f"The server loads LoRA adapters, so weight syncs push only the adapter and the rollout worker must "
+            f"generate with it: {type(worker).__name__}.update_model_version needs a `lora_name` keyword (the "
+            "adapter's name on the server), as AsyncRolloutWorker's has."
+        )
+
+
 def _check_model(model: nn.Module, args: AsyncGRPOConfig) -> bool:
     """Refuse what the tree-packed forward cannot train; returns whether the MoE aux loss is enabled."""
     config = model.config
@@ -248,7 +268,8 @@ class AsyncGRPOTrainer(Trainer):
         processing_class: Tokenizer (default: loaded from `model`).
         callbacks: Extra callbacks.
         optimizers: `(optimizer, scheduler)`.
-        peft_config: PEFT config; the merged weights are synced (adapter-only sync is not built yet).
+        peft_config: PEFT config. Weight syncs push only the adapter when the server loads LoRA adapters at runtime
+            and [`select_adapter_sync`] accepts it, else the merged weights.
         tools: Not supported yet (NotImplementedError).
         environment_factory: Not supported yet (NotImplementedError).
         rollout_worker: A [`RolloutWorkerProtocol`] replacing the default [`AsyncRolloutWorker`].
@@ -352,7 +373,8 @@ class AsyncGRPOTrainer(Trainer):
         self._prompt_dataset = train_dataset
         self._dataset_start_index = 0
         self._stopped = False
-        self._adapter_sync = False  # adapter-only sync needs a server with runtime LoRA loading (not built yet)
+        self._adapter_sync = False
+        self._lora_client = None
         self.vllm_client = None
         self._args_for_worker = args
         self._tokenizer = processing_class
@@ -362,10 +384,13 @@ class AsyncGRPOTrainer(Trainer):
         self._generation_backend = None
         if self._is_rollout_owner and rollout_worker is None:
             self._generation_backend = self._build_generation_backend()
+        self._adapter_sync = self._decide_adapter_sync(policy, args, injected_transfer=weight_transfer is not None)
         if self._is_rollout_owner and weight_transfer is None:
             weight_transfer = self._build_weight_transfer(policy, args)
         self.weight_transfer = weight_transfer
         self.rollout_worker = rollout_worker if self._is_rollout_owner else None
+        if self._adapter_sync and self.rollout_worker is not None:
+            _check_worker_takes_lora_name(self.rollout_worker)
         self.rollout_queue = self.rollout_worker.rollout_buffer if self.rollout_worker is not None else None
 
         token_budget = args.token_budget
@@ -452,13 +477,15 @@ class AsyncGRPOTrainer(Trainer):
         return VLLMServeBackend(self._get_vllm_client())
 
     def _build_weight_transfer(self, policy: nn.Module, args: Any) -> WeightTransferProtocol:
-        """The default weight transfer: vLLM's NCCL engine for a plain `vllm serve` (GPU), else `trl vllm-serve`'s
-        weight-sync group."""
+        """The default weight transfer: vLLM's NCCL engine for a plain `vllm serve` (GPU; only pause/resume with
+        adapter-only sync), else `trl vllm-serve`'s weight-sync group."""
         if not self._plain_vllm_server():
             return VLLMServeWeightTransfer(self._get_vllm_client())
         from .vllm_client import VLLMClient as ServeClient
         from .weight_transfer import WeightTransferClient
 
+        if self._adapter_sync:  # adapters are loaded by name: only pause/resume, no NCCL engine
+            return PauseResumeTransfer(ServeClient(args.vllm_server_base_url, server_timeout=args.vllm_server_timeout))
         names, dtypes, shapes = [], [], []
         for name, parameter in _iter_vllm_named_params(policy):
             names.append(name)
@@ -468,6 +495,40 @@ class AsyncGRPOTrainer(Trainer):
         return WeightTransferClient(
             client, {"names": names, "dtype_names": dtypes, "shapes": shapes}, args.weight_sync_timeout
         )
+
+    def _build_lora_client(self) -> Any:
+        """The client loading adapters on the generation server (`get_server_info`, `load_lora_adapter`,
+        `unload_lora_adapter`): `async_grpo.vllm_client.VLLMClient`, which speaks vLLM's LoRA routes of both
+        `trl vllm-serve` and a plain `vllm serve`. Override to sync adapters into another server."""
+        from .vllm_client import VLLMClient as ServeClient
+
+        args = self._args_for_worker
+        return ServeClient(args.vllm_server_base_url, server_timeout=args.vllm_server_timeout)
+
+    def _decide_adapter_sync(self, policy: nn.Module, args: Any, injected_transfer: bool) -> bool:
+        """Whether weight syncs push only the LoRA adapter, decided on rank 0 and broadcast (§ `select_adapter_sync`).
+
+        A plain model or an injected `weight_transfer` (it owns the weight path)
+        always sync merged weights. A probe error is raised on every rank."""
+        if not hasattr(policy, "peft_config"):
+            return False
+        if injected_transfer and type(self)._build_lora_client is AsyncGRPOTrainer._build_lora_client:
+            logger.info("A custom `weight_transfer` receives the merged weights of the PEFT policy at each sync.")
+            return False
+        decision: list[Any] = [False]
+        if self._is_rollout_owner:
+            try:
+                self._lora_client = self._build_lora_client()
+                decision = [probe_adapter_sync(self._lora_client, policy, args)]
+            except Exception as error:  # re-raised on every rank below
+                decision = [error]
+        if PartialState().num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            broadcast_object_list(decision, from_process=0)
+        if isinstance(decision[0], BaseException):
+            raise decision[0]
+        return bool(decision[0])
 
     def _server_max_model_len(self) -> int:
         for source in (self._generation_backend, self.vllm_client):
@@ -538,14 +599,16 @@ class AsyncGRPOTrainer(Trainer):
     # -- rollouts and weight sync ------------------------------------------------------------------------------------
 
     def _start_rollouts(self) -> None:
-        if self.weight_transfer is not None:
+        if self.weight_transfer is not None and not self._adapter_sync:  # adapter-only sync opens no group
             self.weight_transfer.init_weight_transfer()
         self._sync_weight()
         if self.rollout_worker is not None:
             self.rollout_worker.start()
 
     def _sync_weight(self) -> None:
-        """Push the current weights (merged when PEFT) and bump the policy version."""
+        """Push the current policy and bump the policy version: merged full weights (PEFT merged for the push), or
+        with adapter-only sync the adapter, saved by every rank and loaded by rank 0 as `trl-policy-v{N}`, after
+        which the rollout worker generates with it and versions older than `max_staleness` are retired."""
         start = time.perf_counter()
         if self.weight_transfer is not None:
             self.weight_transfer.pause()
@@ -553,6 +616,30 @@ class AsyncGRPOTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         barrier = time.perf_counter()
         model = self.accelerator.unwrap_model(self.model)
+        version = self.model_version + 1
+        output_dir = self.args.output_dir
+        if self._adapter_sync:
+            save_lora_adapter(model, self.accelerator, model.active_adapter, policy_adapter_dir(output_dir, version))
+        else:
+            self._push_merged_weights(model)
+        transferred = time.perf_counter()
+        self.accelerator.wait_for_everyone()
+        adapter = self._adapter_sync and self._is_rollout_owner
+        lora_name = load_policy_adapter(self._lora_client, output_dir, version) if adapter else None
+        if self.weight_transfer is not None:
+            self.weight_transfer.resume()
+        if adapter:
+            retire_policy_adapters(self._lora_client, output_dir, version, self.args.max_staleness)
+        self.model_version = version
+        if self.rollout_worker is not None:
+            if lora_name is None:
+                self.rollout_worker.update_model_version(version)
+            else:
+                self.rollout_worker.update_model_version(version, lora_name=lora_name)
+        self._log_sync_times(start, paused, barrier, transferred)
+
+    def _push_merged_weights(self, model: nn.Module) -> None:
+        """Stream `(vLLM name, tensor)` of the full weights (PEFT adapters merged for the push, unmerged after)."""
         is_peft = hasattr(model, "peft_config")
         try:
             if is_peft:
@@ -566,13 +653,8 @@ class AsyncGRPOTrainer(Trainer):
         finally:
             if is_peft:
                 model.unmerge_adapter()
-        transferred = time.perf_counter()
-        self.accelerator.wait_for_everyone()
-        if self.weight_transfer is not None:
-            self.weight_transfer.resume()
-        self.model_version += 1
-        if self.rollout_worker is not None:
-            self.rollout_worker.update_model_version(self.model_version)
+
+    def _log_sync_times(self, start: float, paused: float, barrier: float, transferred: float) -> None:
         self._metrics["perf/weight_sync_s"].append(time.perf_counter() - start)
         self._metrics["perf/weight_sync_pause_s"].append(paused - start)
         self._metrics["perf/weight_sync_barrier_s"].append(barrier - paused)
@@ -586,7 +668,7 @@ class AsyncGRPOTrainer(Trainer):
             if self.rollout_worker is not None:
                 self.rollout_worker.stop()
         finally:
-            if self.weight_transfer is not None:
+            if self.weight_transfer is not None and not self._adapter_sync:
                 self.weight_transfer.destroy()
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):

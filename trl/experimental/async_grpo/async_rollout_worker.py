@@ -172,6 +172,7 @@ class AsyncRolloutWorker:
         self.metrics_queue: queue.Queue = queue.Queue(maxsize=_METRICS_QUEUE_SIZE)
         self._version_lock = threading.Lock()
         self._model_version = 0
+        self._lora_name: str | None = None
         self._heartbeat = time.time()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -190,9 +191,22 @@ class AsyncRolloutWorker:
         with self._version_lock:
             self._model_version = int(value)
 
-    def update_model_version(self, model_version: int) -> None:
-        """Called by the trainer after each weight sync."""
-        self.model_version = model_version
+    def update_model_version(self, model_version: int, lora_name: str | None = None) -> None:
+        """Called by the trainer after each weight sync.
+
+        Args:
+            model_version: The policy version new groups are stamped with.
+            lora_name: With adapter-only sync, the name the server loaded that version's adapter under: new groups
+                generate with it (the `model` of OpenAI requests, `lora_name` of `trl vllm-serve`'s).
+        """
+        with self._version_lock:
+            self._model_version = int(model_version)
+            self._lora_name = lora_name
+
+    def _policy(self) -> tuple[int, str | None]:
+        """The policy version and adapter name, read together."""
+        with self._version_lock:
+            return self._model_version, self._lora_name
 
     def start(self) -> None:
         """Start the loop; returns once the backend answered, raises the loop's error if it failed first."""
@@ -286,13 +300,14 @@ class AsyncRolloutWorker:
         fork_threshold_tokens: int = 1024,
         **_: Any,
     ) -> None:
-        version = self.model_version
+        version, lora_name = self._policy()
         start = time.perf_counter()
         prompt = row["prompt"]
         prompt_ids = _render_prompt(tokenizer, prompt, chat_template_kwargs)
         sampling = {
             "max_tokens": max_completion_length, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-            "min_p": min_p, "repetition_penalty": repetition_penalty, "model": model_name,
+            "min_p": min_p, "repetition_penalty": repetition_penalty, "model": lora_name or model_name,
+            "lora_name": lora_name,
         }  # fmt: skip
         outputs = backend.generate(prompt_ids, num_generations, sampling)
         self._heartbeat = time.time()
