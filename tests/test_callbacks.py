@@ -916,9 +916,17 @@ def test_resuming_a_checkpoint_without_reference_or_bema_state_warns(tmp_path, c
 
     model = nn.Linear(2, 2)
     before = {name: value.clone() for name, value in model.state_dict().items()}
-    with caplog.at_level(logging.WARNING):
+    # Listen on the two modules' loggers themselves: another test may have stopped `trl` loggers propagating.
+    loggers = [logging.getLogger("trl.trainer.utils.checkpoints"), logging.getLogger("trl.trainer.callbacks")]
+    for logger in loggers:
+        logger.addHandler(caplog.handler)
+        caplog.set_level(logging.WARNING, logger=logger.name)
+    try:
         load_reference_model(str(tmp_path), model)
         BEMACallback().load_checkpoint_files(str(tmp_path))
+    finally:
+        for logger in loggers:
+            logger.removeHandler(caplog.handler)
     assert "holds no reference-model weights (ref_model.safetensors" in caplog.text
     assert "holds no BEMA state (bema_state.safetensors" in caplog.text
     assert all(torch.equal(value, before[name]) for name, value in model.state_dict().items())

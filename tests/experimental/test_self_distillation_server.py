@@ -69,6 +69,8 @@ class FakeServerSession:
     requests: list = []
 
     def get(self, url, timeout=None):
+        if url.endswith("/openapi.json"):  # the client reads which scoring route the server has
+            return _Response({"paths": {"/health/": {}, "/get_sequence_logprobs/": {}}})
         assert url.endswith("/health/"), url
         return _Response({"status": "ok"})
 
