@@ -1,8 +1,5 @@
-"""Every public name of `shared/api/frontier.md` (TRL 1.16's newer modules, plus SSD and MiniLLM from TRL 1.12) imports,
-or is listed as pending.
-
-`IMPLEMENTED` must import. `PENDING` names are not built yet: their test is a strict xfail, so building one turns it
-into an unexpected pass that asks for the name to move to `IMPLEMENTED`.
+"""Every public name of `shared/api/frontier.md` (TRL 1.16's newer modules, plus SSD and MiniLLM from TRL 1.12) imports:
+`IMPLEMENTED` must import, and `OPTIONAL` modules import when their optional package is installed, as in TRL 1.16.
 """
 
 import importlib
@@ -153,8 +150,6 @@ IMPLEMENTED_ATTRIBUTES = [
     ("trl.generation.vllm_client.VLLMClient", "image_features"),
 ]
 
-PENDING = {}
-PENDING_ATTRIBUTES = []
 # Modules that import only with an optional package, as in TRL 1.16: module -> (package, names)
 OPTIONAL = {
     "trl.experimental.async_grpo.openenv_harness": (
@@ -185,18 +180,6 @@ def test_name_imports(module, name):
 
 @pytest.mark.parametrize("path, name", IMPLEMENTED_ATTRIBUTES)
 def test_method_exists(path, name):
-    assert callable(getattr(_resolve(path), name))
-
-
-@pytest.mark.xfail(strict=True, reason="pending: not built yet (see shared/api/frontier.md)")
-@pytest.mark.parametrize("module, name", _cases(PENDING))
-def test_pending_name(module, name):
-    assert hasattr(importlib.import_module(module), name)
-
-
-@pytest.mark.xfail(strict=True, reason="pending: not built yet (see shared/api/frontier.md)")
-@pytest.mark.parametrize("path, name", PENDING_ATTRIBUTES)
-def test_pending_method(path, name):
     assert callable(getattr(_resolve(path), name))
 
 
