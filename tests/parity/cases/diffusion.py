@@ -41,8 +41,12 @@ def _api():
 
 
 def _fields(config) -> dict:
+    from .dataclass_fields import PROJECT_ADDITIONS
+
     out = {}
     for f in dataclasses.fields(config):
+        if f.name in PROJECT_ADDITIONS:  # this project's run-report switch, listed in docs/parity.md
+            continue
         value = getattr(config, f.name)
         out[f.name] = list(value) if isinstance(value, tuple) else value
     return out
