@@ -20,9 +20,10 @@ from trl.trainer.utils import logprobs as logprobs_module
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
+@pytest.mark.parametrize("max_rows", [4, None])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_kernel_equals_head_then_log_softmax(temperature, with_bias):
+def test_kernel_equals_head_then_log_softmax(temperature, with_bias, max_rows):
     torch.manual_seed(0)
     hidden = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
@@ -31,11 +32,23 @@ def test_kernel_equals_head_then_log_softmax(temperature, with_bias):
     upstream_logps, upstream_entropy = torch.randn(3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
     inputs = [hidden, weight] + ([bias] if with_bias else [])
 
-    # max_rows=4: several chunks, the last one partial
+    # max_rows=4: several chunks, the last one partial (the logits recomputed in the backward); None: one chunk (the
+    # forward's log-probabilities kept for the backward, read twice here)
     logps, entropy, stats = linear_selective_log_softmax(
-        hidden, weight, index, bias, temperature, compute_entropy=True, logits_stats_fn=logits_statistics, max_rows=4
+        hidden,
+        weight,
+        index,
+        bias,
+        temperature,
+        compute_entropy=True,
+        logits_stats_fn=logits_statistics,
+        max_rows=max_rows,
     )
-    grads = torch.autograd.grad((logps * upstream_logps).sum() + (entropy * upstream_entropy).sum(), inputs)
+    objective = (logps * upstream_logps).sum() + (entropy * upstream_entropy).sum()
+    first = torch.autograd.grad(objective, inputs, retain_graph=True)
+    grads = torch.autograd.grad(objective, inputs)
+    for once, twice in zip(first, grads, strict=True):
+        assert torch.equal(once, twice)
 
     logits = F.linear(hidden, weight, bias)
     expected_logps = torch.log_softmax(logits / temperature, dim=-1).gather(-1, index[..., None]).squeeze(-1)

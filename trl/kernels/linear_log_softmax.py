@@ -49,7 +49,8 @@ class _LinearLogSoftmax(torch.autograd.Function):
     """Rows of `hidden` `(N, H)` through the head `(weight, bias)`, then the log-probability of `index` `(N,)`.
 
     The forward saves the inputs, each row's log-normaliser and entropy (`N` floats each). The backward recomputes the
-    logits chunk by chunk and accumulates the gradients of the hidden states, weight and bias from each chunk (the
+    logits chunk by chunk (unless all rows fit in one chunk: then the forward's log-probabilities are kept) and
+    accumulates the gradients of the hidden states, weight and bias from each chunk (the
     weight's and bias' only when they require one: a frozen head under PEFT costs no extra matmul).
     """
 
@@ -74,6 +75,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
         log_norm = hidden.new_empty(rows, dtype=compute_dtype)
         entropy = hidden.new_zeros(rows, dtype=compute_dtype)
         stats: dict[str, list[torch.Tensor]] = {}
+        ctx.kept_log_probs = None
         for start in range(0, rows, max_rows):
             end = min(start + max_rows, rows)
             logits, log_probs = _chunk_log_softmax(
@@ -90,6 +92,10 @@ class _LinearLogSoftmax(torch.autograd.Function):
             if stats_fn is not None:
                 for name, value in stats_fn(logits.unsqueeze(0), index[start:end].unsqueeze(0)).items():
                     stats.setdefault(name, []).append(value.squeeze(0))
+            # All rows in one chunk: the backward starts right after the head, so keeping the log-probabilities
+            # costs no peak memory (the backward would allocate their like) and saves recomputing the logits.
+            keep = end == rows and start == 0 and cap is None and any(ctx.needs_input_grad[:3])
+            ctx.kept_log_probs = log_probs if keep else None
             del logits, log_probs
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, index, log_norm, entropy)
@@ -111,21 +117,26 @@ class _LinearLogSoftmax(torch.autograd.Function):
         temperature, compute_dtype, scale, cap = ctx.temperature, log_norm.dtype, ctx.scale, ctx.cap
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight, dtype=compute_dtype) if need_weight else None
+        # The weight's gradient is written by the first chunk's product and accumulated from the next ones: zeroing
+        # a (vocab x hidden) buffer first would cost one more pass over it (545 MB at Qwen2.5's head).
+        grad_weight = None
         grad_bias = torch.zeros_like(bias, dtype=compute_dtype) if need_bias else None
         for start in range(0, hidden.shape[0], ctx.max_rows):
             end = min(start + ctx.max_rows, hidden.shape[0])
             h = hidden[start:end]
-            scaled = F.linear(h, weight, bias).to(compute_dtype)
-            if scale != 1.0:
-                scaled = scaled * scale
-            capped = None
-            if cap is not None:
-                capped = torch.tanh(scaled / cap)
-                scaled = capped * cap
-            if temperature != 1.0:
-                scaled = scaled / temperature
-            log_probs = scaled.sub_(log_norm[start:end].unsqueeze(-1))
+            capped, kept = None, ctx.kept_log_probs
+            if kept is not None:
+                log_probs = kept  # read only: a second backward (retain_graph) reads it again
+            else:
+                scaled = F.linear(h, weight, bias).to(compute_dtype)
+                if scale != 1.0:
+                    scaled = scaled * scale
+                if cap is not None:
+                    capped = torch.tanh(scaled / cap)
+                    scaled = capped * cap
+                if temperature != 1.0:
+                    scaled = scaled / temperature
+                log_probs = scaled.sub_(log_norm[start:end].unsqueeze(-1))
             probs = log_probs.exp()
             if grad_entropy is None:
                 # d log p_y / d z_j = 1[j == y] - p_j
@@ -134,7 +145,10 @@ class _LinearLogSoftmax(torch.autograd.Function):
                 # dH / d z_j = -p_j (log p_j + H)
                 g_h = grad_entropy[start:end].to(compute_dtype).unsqueeze(-1)
                 vanishing = probs == 0
-                grad = log_probs.add_(entropy[start:end].unsqueeze(-1)).mul_(probs).masked_fill_(vanishing, 0.0)
+                shifted = log_probs + entropy[start:end].unsqueeze(-1) if kept is not None else log_probs.add_(
+                    entropy[start:end].unsqueeze(-1)
+                )
+                grad = shifted.mul_(probs).masked_fill_(vanishing, 0.0)
                 grad.mul_(-g_h)
                 if grad_logps is not None:
                     grad.sub_(probs.mul_(grad_logps[start:end].to(compute_dtype).unsqueeze(-1)))
@@ -151,10 +165,15 @@ class _LinearLogSoftmax(torch.autograd.Function):
             if need_hidden:
                 torch.mm(grad, weight.to(grad.dtype), out=grad_hidden[start:end])
             if need_weight:
-                grad_weight.addmm_(grad.t().to(compute_dtype), h.to(compute_dtype))
+                if grad_weight is None:
+                    grad_weight = torch.mm(grad.t().to(compute_dtype), h.to(compute_dtype))
+                else:
+                    grad_weight.addmm_(grad.t().to(compute_dtype), h.to(compute_dtype))
             if need_bias:
                 grad_bias.add_(grad.sum(dim=0).to(compute_dtype))
-            del scaled, log_probs, probs, grad, capped
+            del log_probs, probs, grad, capped
+        if need_weight and grad_weight is None:  # no rows
+            grad_weight = torch.zeros_like(weight, dtype=compute_dtype)
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
         return (grad_hidden, grad_weight, grad_bias, *nothing)

@@ -31,6 +31,7 @@ from .callbacks import SyncRefModelCallback
 from .fast_paths.cpu_allocator import keep_activation_memory
 from .fast_paths.layer_checkpoints import CheckpointArena, lean_layer_checkpoints
 from .fast_paths.lean_modules import lean_modules, mlps_without_grad
+from .fast_paths.tied_embedding_grad import sparse_tied_embedding_grad
 from .run_report.callback import RunReportCallback
 from .run_report.data_summary import describe_given_dataset
 from .utils import (
@@ -572,11 +573,13 @@ class _BaseTrainer(Trainer):
         """Faster, leaner stand-ins for parts of the model, in place while training or evaluating and removed
         afterwards (the model given and the ones saved keep their own): per-sequence causal attention on padding-free
         batches ([`~trl.trainer.utils.packing.packed_sdpa_attention`]) and the MLPs and RMSNorms that keep fewer
-        activations ([`~trl.trainer.fast_paths.lean_modules.lean_modules`])."""
+        activations ([`~trl.trainer.fast_paths.lean_modules.lean_modules`]), and tied input embeddings that add their
+        gradient sparsely into the head's ([`~trl.trainer.fast_paths.tied_embedding_grad.sparse_tied_embedding_grad`])."""
 
         stack = contextlib.ExitStack()
         stack.enter_context(packed_sdpa_attention(self.model))
         stack.enter_context(lean_modules(self.model, self.args))
+        stack.enter_context(sparse_tied_embedding_grad(self.model, self.args))
         return stack
 
     def _save_checkpoint(self, model, trial):

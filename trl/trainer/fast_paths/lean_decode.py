@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ..._compat import CACHE_KEYWORD, attention_interface, cache_keyword
 from ...kernels.packed_attention import PACKED_SDPA
 from ..utils.distributed import parameters_sharded
+from .tied_embedding_grad import replaced_by_plain_lookup
 
 
 # Model classes whose decoder layer is the standard Llama one (pre-norm attention with rotary embeddings, pre-norm
@@ -119,7 +120,8 @@ def lean_decode_fallback_reason(model: nn.Module) -> str | None:
         return "model forward replaced"
     if not _plain_linear(model.lm_head) or type(base.embed_tokens) is not nn.Embedding:
         return "lm_head / embeddings are not plain nn.Linear / nn.Embedding"
-    if "forward" in vars(base.embed_tokens) or not _own_class(base.rotary_emb, f"{prefix}RotaryEmbedding", modeling):
+    embedding_replaced = "forward" in vars(base.embed_tokens) and not replaced_by_plain_lookup(base.embed_tokens)
+    if embedding_replaced or not _own_class(base.rotary_emb, f"{prefix}RotaryEmbedding", modeling):
         return "embedding or rotary embedding forward replaced"
     norm_name = f"{prefix}RMSNorm"
     if type(base.norm).__name__ != norm_name:

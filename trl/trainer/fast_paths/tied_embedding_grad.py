@@ -1,0 +1,133 @@
+"""Tied input embeddings whose gradient is added sparsely into the LM head's.
+
+Replaces: `nn.Embedding`'s backward, which builds a dense `(vocab x hidden)` gradient of zeros, adds the rows of the
+looked-up tokens into it, and hands it to autograd, which then adds it to the LM head's gradient of the same (tied)
+weight. At Qwen2.5-0.5B's shape that is a 545 MB tensor allocated, zeroed and read once more per step, alive at the
+same time as the head's gradient: the peak of an SFT step is there.
+
+Here the embedding's backward adds the rows of the tokens it looked up (repeated tokens summed first) into the
+weight's gradient in place, at the end of the backward pass, after autograd has put the head's gradient there: the weight ends the step with the same
+dense gradient, bitwise equal unless a token occurs more than once in the batch (then equal to float rounding: the
+repeated rows are summed in another order), and no second dense tensor exists.
+
+Predicate: [`tied_embedding_grad_fallback_reason`] (a plain `nn.Embedding` whose weight is the output head's, trained,
+without gradient hooks, `max_norm`, `scale_grad_by_freq` or `sparse`, in one process without DeepSpeed, FSDP or
+`torch.compile`).
+Equality test: `tests/test_tied_embedding_grad.py`. Gain: `docs/benchmarks.md`, "Tied embedding gradient".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..utils.distributed import uses_sharding_engine
+
+
+class _EmbeddingAddingIntoGrad(torch.autograd.Function):
+    """`F.embedding(ids, weight, padding_idx)` whose rows are added into `weight.grad` at the end of the backward.
+
+    The weight enters detached, so autograd sees no edge from this lookup to it and does not sum this gradient with
+    the head's in its input buffer (that sum is out of place for a sparse term); `anchor`, an empty tensor that
+    requires a gradient, keeps the output in the graph. The backward sums the rows of repeated tokens and queues
+    their addition for the end of the backward pass, when autograd has put the head's gradient into `weight.grad`
+    (a dense gradient of zeros is started when nothing did).
+    """
+
+    @staticmethod
+    def forward(ctx, ids, detached_weight, anchor, weight, padding_idx):
+        ctx.save_for_backward(ids)
+        ctx.weight, ctx.padding_idx = weight, padding_idx
+        return F.embedding(ids, detached_weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        rows = ids.reshape(-1)
+        values = grad_output.reshape(-1, grad_output.shape[-1])
+        if ctx.padding_idx is not None:  # as nn.Embedding: the padding row gets no gradient
+            keep = rows != ctx.padding_idx
+            rows, values = rows[keep], values[keep]
+        # Repeated tokens are summed first, as the dense backward does, then added once.
+        summed = torch.sparse_coo_tensor(rows.unsqueeze(0), values, weight.shape, check_invariants=False).coalesce()
+
+        def add_rows() -> None:
+            with torch.no_grad():
+                if weight.grad is None:
+                    weight.grad = torch.zeros_like(weight)
+                # index_put_ touches only these rows (index_add_ walks the whole gradient on a CPU).
+                weight.grad.index_put_(
+                    (summed.indices()[0],), summed.values().to(weight.grad.dtype), accumulate=True
+                )
+
+        torch.autograd.Variable._execution_engine.queue_callback(add_rows)
+        return None, None, None, None, None
+
+
+def tied_embedding_grad_fallback_reason(model: nn.Module, args: Any = None) -> str | None:
+    """Why the input embeddings of `model` keep their own backward, or None when [`sparse_tied_embedding_grad`]
+    applies."""
+    target = getattr(model, "module", model)
+    get_inputs, get_outputs = (getattr(target, name, None) for name in ("get_input_embeddings", "get_output_embeddings"))
+    if get_inputs is None or get_outputs is None:
+        return "the model does not expose its input and output embeddings"
+    try:
+        embeddings, head = get_inputs(), get_outputs()
+    except (AttributeError, NotImplementedError):
+        return "the model does not expose its input and output embeddings"
+    if type(embeddings) is not nn.Embedding:
+        return f"the input embeddings are a {type(embeddings).__name__}, not a plain nn.Embedding"
+    if head is None or getattr(head, "weight", None) is not embeddings.weight:
+        return "the input embeddings are not tied to the output head"
+    weight = embeddings.weight
+    if type(weight) is not nn.Parameter or not weight.requires_grad or hasattr(weight, "ds_id"):
+        return "the tied weight is not a trained, unsharded parameter"
+    if weight._backward_hooks or getattr(weight, "_post_accumulate_grad_hooks", None):
+        return "the tied weight has gradient hooks, which must see its whole gradient"
+    if embeddings.max_norm is not None or embeddings.scale_grad_by_freq or embeddings.sparse:
+        return "the embedding uses max_norm, scale_grad_by_freq or sparse gradients"
+    if "forward" in vars(embeddings):
+        return "the embedding's forward is already replaced"
+    if args is not None and (uses_sharding_engine(args) or getattr(args, "world_size", 1) > 1):
+        return "more than one process or a sharding engine trains the model"
+    if args is not None and getattr(args, "torch_compile", False):
+        return "torch.compile traces the model"
+    return None
+
+
+def replaced_by_plain_lookup(embeddings: nn.Module) -> bool:
+    """Whether the instance `forward` of `embeddings` is this module's, which looks up the same values as
+    `nn.Embedding`'s own (other fast paths that read the weight directly may treat it as not replaced)."""
+    return getattr(vars(embeddings).get("forward"), "looks_up_plainly", False)
+
+
+@contextlib.contextmanager
+def sparse_tied_embedding_grad(model: nn.Module, args: Any = None) -> Iterator[bool]:
+    """Within the block, the tied input embeddings of `model` return sparse weight gradients (see the module's
+    docstring) when [`tied_embedding_grad_fallback_reason`] finds no reason against it. Only the embedding's instance
+    `forward` is replaced (its module hooks still run); lookups without gradients take `F.embedding`. Yields whether
+    it was replaced."""
+    if tied_embedding_grad_fallback_reason(model, args) is not None:
+        yield False
+        return
+    embeddings = getattr(model, "module", model).get_input_embeddings()
+    anchor = torch.empty(0, requires_grad=True)
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        weight = embeddings.weight
+        if not (torch.is_grad_enabled() and weight.requires_grad):
+            return F.embedding(ids, weight, embeddings.padding_idx)
+        return _EmbeddingAddingIntoGrad.apply(ids, weight.detach(), anchor, weight, embeddings.padding_idx)
+
+    forward.looks_up_plainly = True  # same values as nn.Embedding's forward: see `replaced_by_plain_lookup`
+    embeddings.forward = forward
+    try:
+        yield True
+    finally:
+        del embeddings.forward
