@@ -354,6 +354,8 @@ def test_bad_tool_and_environment_inputs_are_refused_with_clear_messages():
     tools, pool, dataset = prepare_tool_setup(None, AlphaEnv, args, None)
     assert tools == [] and pool.classes() == {None: AlphaEnv}
     assert dataset["prompt"] == [[{"role": "user", "content": ""}]] * 3
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        prepare_tool_setup(None, factories, args, Dataset.from_dict({"environment": ["alpha"]}))
     # Without a prompt column, the other columns stay (reset receives them).
     _, _, dataset = prepare_tool_setup(None, CounterEnv, args, Dataset.from_dict({"start": [1, 2]}))
     assert dataset.column_names == ["start", "prompt"]

@@ -17,6 +17,10 @@ every generation backend (transformers `generate`, continuous batching, vLLM). O
 The completion trained on is the concatenation of every turn; its tool-result tokens are attended to but excluded
 from the loss. Reward functions receive the conversation (assistant messages with their `tool_calls`, `tool`
 messages) as `completions`, and `environments` (one instance per row) when environments are used.
+
+The module-level pieces (tool validation and schemas, environment discovery and pooling, tool execution, the
+tokenizer checks) are also AsyncGRPO's (`trl/experimental/async_grpo/_conversation.py`), whose rollout worker runs
+its own conversation loop (one re-rendered prompt per turn) on top of them.
 """
 
 from __future__ import annotations

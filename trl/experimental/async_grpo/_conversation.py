@@ -144,6 +144,12 @@ def prepare_tool_setup(
         if train_dataset is None:
             rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
             train_dataset = environment_placeholder_dataset(pool, args, rows)
+        elif pool.by_column:
+            raise ValueError(
+                f"train_dataset has no 'prompt' column (its columns: {columns}). Prompts may be left out only with a "
+                "single environment_factory (reset() then writes them), not with a dict of factories: add a "
+                "'prompt' column of chat messages."
+            )
         else:
             prompts = environment_placeholder_dataset(pool, args, len(train_dataset))["prompt"]
             train_dataset = train_dataset.add_column("prompt", prompts)
@@ -227,7 +233,12 @@ class ToolRuntime:
         if self.pool is not None:
             name, environment = self.pool.checkout(row)
             result.environment, result.environment_name = environment, name
-            columns = {key: value for key, value in row.items() if not (self.pool.by_column and key == "environment")}
+            # A copy: an environment may keep or change what it is given, the row serves the group's other conversations.
+            columns = {
+                key: copy.deepcopy(value)
+                for key, value in row.items()
+                if not (self.pool.by_column and key == "environment")
+            }
             start = time.perf_counter()
             observation = environment.reset(**_accepted_kwargs(environment.reset, columns))
             result.reset_s = time.perf_counter() - start
