@@ -313,6 +313,8 @@ def _trainer(
     reward_funcs=even_first_token,
     peft_config=None,
     lora_server=None,
+    train_dataset="six prompts",
+    trainer_kwargs=None,
     **overrides,
 ):
     from datasets import Dataset
@@ -335,7 +337,8 @@ def _trainer(
         "report_to": "none", "save_strategy": "no", "heartbeat_stale_after_s": 60.0,
     }  # fmt: skip
     config.update(overrides)
-    dataset = Dataset.from_dict({"prompt": [PROMPT] * 6})
+    # The default: six copies of PROMPT (None is passed on: no dataset).
+    dataset = Dataset.from_dict({"prompt": [PROMPT] * 6}) if isinstance(train_dataset, str) else train_dataset
     return LocalAsyncGRPOTrainer(
         get_model_path(TINY),
         reward_funcs=reward_funcs,
@@ -343,6 +346,7 @@ def _trainer(
         train_dataset=dataset,
         weight_transfer=transfer,
         peft_config=peft_config,
+        **(trainer_kwargs or {}),
     )
 
 

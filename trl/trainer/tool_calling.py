@@ -17,6 +17,10 @@ every generation backend (transformers `generate`, continuous batching, vLLM). O
 The completion trained on is the concatenation of every turn; its tool-result tokens are attended to but excluded
 from the loss. Reward functions receive the conversation (assistant messages with their `tool_calls`, `tool`
 messages) as `completions`, and `environments` (one instance per row) when environments are used.
+
+The module-level pieces (tool validation and schemas, environment discovery and pooling, tool execution, the
+tokenizer checks) are also AsyncGRPO's (`trl/experimental/async_grpo/_conversation.py`), whose rollout worker runs
+its own conversation loop (one re-rendered prompt per turn) on top of them.
 """
 
 from __future__ import annotations
@@ -25,7 +29,10 @@ import copy
 import inspect
 import json
 import logging
+import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -125,6 +132,9 @@ class _EnvironmentPool:
             self.factories = {None: environment_factory}
             self.by_column = False
         self.instances: dict[Any, list[Any]] = {}
+        # Instances not in use by a running conversation (`checkout`/`release`, used by concurrent rollouts).
+        self._free: dict[Any, list[Any]] = {}
+        self._lock = threading.Lock()
         for name, factory in self.factories.items():
             if not callable(factory):
                 raise ValueError(
@@ -145,18 +155,23 @@ class _EnvironmentPool:
     def classes(self) -> dict[Any, type]:
         return {name: type(instances[0]) for name, instances in self.instances.items()}
 
+    def factory_name(self, row: dict[str, Any]) -> Any:
+        """The factory a row's environment comes from: its `environment` column with a dict factory, else None."""
+        if not self.by_column:
+            return None
+        name = row.get("environment")
+        if name not in self.factories:
+            raise ValueError(
+                f"With a dict environment_factory, every row needs an 'environment' column naming one of "
+                f"{sorted(self.factories)}; found {name!r}."
+            )
+        return name
+
     def acquire(self, inputs: list[dict[str, Any]]) -> list[Any]:
         used: dict[Any, int] = {}
         environments = []
         for row in inputs:
-            name = None
-            if self.by_column:
-                name = row.get("environment")
-                if name not in self.factories:
-                    raise ValueError(
-                        f"With a dict environment_factory, every row needs an 'environment' column naming one of "
-                        f"{sorted(self.factories)}; found {name!r}."
-                    )
+            name = self.factory_name(row)
             index = used.get(name, 0)
             used[name] = index + 1
             pool = self.instances[name]
@@ -164,6 +179,21 @@ class _EnvironmentPool:
                 pool.append(self.factories[name]())
             environments.append(pool[index])
         return environments
+
+    def checkout(self, row: dict[str, Any]) -> tuple[Any, Any]:
+        """`(factory name, instance)` for a row, for as long as the caller holds it (thread-safe; concurrent
+        conversations each get their own instance, built when every existing one is taken)."""
+        name = self.factory_name(row)
+        with self._lock:
+            free = self._free.setdefault(name, list(self.instances[name]))
+            if free:
+                return name, free.pop()
+        return name, self.factories[name]()
+
+    def release(self, name: Any, environment: Any) -> None:
+        """Hand an instance taken with `checkout` back for reuse (it is `reset()` before its next conversation)."""
+        with self._lock:
+            self._free.setdefault(name, []).append(environment)
 
 
 def _environment_reward(name: str, klass: type) -> Callable:
@@ -175,6 +205,204 @@ def _environment_reward(name: str, klass: type) -> Callable:
     reward.__name__ = name
     reward.__qualname__ = name
     return reward
+
+
+def environment_reward_classes(pool: _EnvironmentPool) -> list[type]:
+    """The environment classes of `pool` that define `get_reward` (one reward column each, named after the class)."""
+    classes: list[type] = []
+    for klass in pool.classes().values():
+        if callable(getattr(klass, "get_reward", None)) and klass.__name__ not in [k.__name__ for k in classes]:
+            classes.append(klass)
+    return classes
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checks shared by the trainers with tools (GRPO, Distillation, AsyncGRPO)
+# ---------------------------------------------------------------------------------------------------------------------
+def require_response_parser_support() -> None:
+    """Raise `ImportError` when transformers cannot parse tool calls out of generated text."""
+    if not response_content_parsers():
+        raise ImportError(
+            f"tools/environment_factory need transformers' response parser (`tokenizer.parse_response`, "
+            f"transformers 5.0 and later) to read tool calls from generated text; transformers "
+            f"{transformers.__version__} has none. Upgrade with `pip install 'transformers>=5'`."
+        )
+
+
+def validate_tools(tools: Any) -> list[Callable]:
+    """`tools` as a list, after checking that each one can be described to the model and that names are unique.
+
+    Raises:
+        ValueError: If `tools` is not a list, a tool lacks type hints or a docstring, or two tools share a name.
+    """
+    if tools is not None and not isinstance(tools, (list, tuple)):
+        raise ValueError(f"tools must be a list of functions; found {type(tools).__name__}.")
+    tools = list(tools or [])
+    names = []
+    for tool in tools:
+        names.append(tool_schema(tool)["function"]["name"])
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"Several tools share the name(s) {duplicates}; tool names must be unique.")
+    return tools
+
+
+def require_conversational_prompts(train_dataset: Any) -> None:
+    """Raise `ValueError` when the dataset's first prompt is not a list of chat messages (tools need the template)."""
+    if isinstance(train_dataset, Dataset) and len(train_dataset) and "prompt" in train_dataset.column_names:
+        first = train_dataset[0]["prompt"]
+        if not is_conversational({"prompt": first}):
+            raise ValueError(
+                "Tool calling needs conversational prompts (lists of chat messages) so that tools and tool "
+                f"results are rendered with the chat template; the train dataset's first prompt is a "
+                f"{type(first).__name__}. Convert the prompts to e.g. [{{'role': 'user', 'content': ...}}]."
+            )
+
+
+def environment_placeholder_dataset(pool: _EnvironmentPool, args: Any, rows: int) -> Dataset:
+    """The prompts of a run without a train dataset: `rows` empty user messages, which `reset()` fills in.
+
+    Raises:
+        ValueError: With a dict `environment_factory` (rows must name their environment) or without `max_steps > 0`.
+    """
+    if pool.by_column:
+        raise ValueError(
+            "A dict environment_factory needs a train_dataset with an 'environment' column choosing the "
+            "environment of each row; pass one."
+        )
+    max_steps = getattr(args, "max_steps", -1) if args is not None else -1
+    if max_steps is None or max_steps <= 0:
+        raise ValueError(
+            "Without a train_dataset the prompts come from the environments' reset(), and the run length "
+            f"must be given by max_steps (> 0); found max_steps={max_steps}. Set max_steps in the config "
+            "or pass a train_dataset."
+        )
+    # Every prompt is one empty user message; reset() supplies its text.
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * max(1, rows)})
+
+
+def require_tool_calling_template(tokenizer: Any) -> None:
+    """Raise `ValueError` when the tokenizer's chat template cannot render tools, tool calls and tool results."""
+    if not supports_tool_calling(tokenizer):
+        raise ValueError(
+            f"The chat template of the {type(tokenizer).__name__} cannot render tools, tool calls and tool "
+            "results, which tools/environment_factory need. Use a tokenizer whose template supports tool calling "
+            "(e.g. `tokenizer.chat_template = trl.chat_template_utils.qwen2_5_chat_template`)."
+        )
+
+
+def ensure_response_parser(tokenizer: Any) -> None:
+    """Give the tokenizer TRL's response parser for its template when it has none (`add_response_schema`).
+
+    Raises:
+        ValueError: If the tokenizer has no parser and TRL has none for its chat template.
+    """
+    has_parser = any(getattr(tokenizer, attr, None) for attr in ("response_template", "response_schema"))
+    if not has_parser:
+        try:
+            add_response_schema(tokenizer)
+        except ValueError as error:
+            raise ValueError(
+                "Tool calls are parsed from the completions with the tokenizer's response parser, which this "
+                f"tokenizer lacks and TRL has none for its chat template ({error}). Set "
+                "`tokenizer.response_template` (transformers' response parsing format) before creating the trainer."
+            ) from error
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tool execution
+# ---------------------------------------------------------------------------------------------------------------------
+@dataclass
+class ToolCallRecord:
+    """What one tool call did: the tool's name, whether it failed (and whether the name was unknown) and how long it
+    ran (None when it was not run: unknown name or arguments that are not a JSON object)."""
+
+    name: str
+    failed: bool
+    unknown: bool
+    latency_s: float | None
+
+
+def execute_tool_calls(
+    calls_per_row: list[list[dict[str, Any]]],
+    tool_maps: list[dict[str, Callable]],
+    format_result: Callable[[Any], str] = _result_text,
+) -> tuple[list[list[dict[str, Any]]], list[ToolCallRecord]]:
+    """Run the tool calls of several rows (async tools of every row concurrently) and build the tool messages.
+
+    An unknown tool name, arguments that are not a JSON object, or an exception give the result
+    `{"error": text}` and count as a failure: the model reads what went wrong instead of the run stopping.
+
+    Args:
+        calls_per_row: The `tool_calls` of each row's last assistant message.
+        tool_maps: Per row, the callables by tool name.
+        format_result: Turns a tool's return value (or the error dict) into the tool message's content.
+
+    Returns:
+        `(messages, records)`: per row, one `{"role": "tool", "name", "content"}` message per call (in call order),
+        and one [`ToolCallRecord`] per call.
+    """
+    results: list[list[dict[str, Any] | None]] = []
+    records: list[ToolCallRecord] = []
+    coroutines: list[tuple[int, int, str, Any, int]] = []
+
+    def message(name: str, value: Any) -> dict[str, Any]:
+        return {"role": "tool", "name": name, "content": format_result(value)}
+
+    for row, (tool_calls, mapping) in enumerate(zip(calls_per_row, tool_maps)):
+        row_results: list[dict[str, Any] | None] = []
+        for call in tool_calls:
+            function = call.get("function", {})
+            name = function.get("name")
+            arguments = function.get("arguments") or {}
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    arguments = None
+            func = mapping.get(name)
+            if func is None or not isinstance(arguments, dict):
+                text = (
+                    f"Tool {name!r} does not exist; available tools: {sorted(mapping)}."
+                    if func is None
+                    else f"The arguments of {name!r} are not a JSON object: {function.get('arguments')!r}."
+                )
+                records.append(ToolCallRecord(str(name), True, func is None, None))
+                row_results.append(message(str(name), {"error": text}))
+                continue
+            start = time.perf_counter()
+            try:
+                value = func(**arguments)
+                if is_async_callable(func) or inspect.iscoroutine(value):
+                    coroutines.append((row, len(row_results), name, value, len(records)))
+                    records.append(ToolCallRecord(name, False, False, 0.0))
+                    row_results.append(None)
+                    continue
+                records.append(ToolCallRecord(name, False, False, time.perf_counter() - start))
+                row_results.append(message(name, value))
+            except Exception as error:
+                records.append(ToolCallRecord(name, True, False, time.perf_counter() - start))
+                row_results.append(message(name, {"error": f"{type(error).__name__}: {error}"}))
+        results.append(row_results)
+
+    if coroutines:
+
+        async def guarded(coroutine):
+            start = time.perf_counter()
+            try:
+                return True, await coroutine, time.perf_counter() - start
+            except Exception as error:
+                return False, error, time.perf_counter() - start
+
+        outcomes = _run_coroutines([guarded(coroutine) for *_, coroutine, _ in coroutines])
+        for (row, position, name, _, index), (ok, value, latency) in zip(coroutines, outcomes):
+            records[index].latency_s = latency
+            if ok:
+                results[row][position] = message(name, value)
+            else:
+                records[index].failed = True
+                results[row][position] = message(name, {"error": f"{type(value).__name__}: {value}"})
+    return results, records
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -203,42 +431,18 @@ class _ToolCallingMixin:
         setup = {"tools": [], "pool": None, "reward_funcs": reward_funcs, "train_dataset": train_dataset}
         if tools is None and environment_factory is None:
             return setup
-        if not response_content_parsers():
-            raise ImportError(
-                f"tools/environment_factory need transformers' response parser (`tokenizer.parse_response`, "
-                f"transformers 5.0 and later) to read tool calls from generated text; transformers "
-                f"{transformers.__version__} has none. Upgrade with `pip install 'transformers>=5'`."
-            )
+        require_response_parser_support()
         if rollout_func is not None:
             raise ValueError(
                 "tools/environment_factory cannot be combined with rollout_func: the tool loop runs on the trainer's "
                 "own generation, which rollout_func replaces. Run the tool calls inside your rollout_func, or drop it."
             )
-        if tools is not None and not isinstance(tools, (list, tuple)):
-            raise ValueError(f"tools must be a list of functions; found {type(tools).__name__}.")
-        tools = list(tools or [])
-        names = []
-        for tool in tools:
-            names.append(tool_schema(tool)["function"]["name"])
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
-            raise ValueError(f"Several tools share the name(s) {duplicates}; tool names must be unique.")
-        setup["tools"] = tools
-        if isinstance(train_dataset, Dataset) and len(train_dataset) and "prompt" in train_dataset.column_names:
-            first = train_dataset[0]["prompt"]
-            if not is_conversational({"prompt": first}):
-                raise ValueError(
-                    "Tool calling needs conversational prompts (lists of chat messages) so that tools and tool "
-                    f"results are rendered with the chat template; the train dataset's first prompt is a "
-                    f"{type(first).__name__}. Convert the prompts to e.g. [{{'role': 'user', 'content': ...}}]."
-                )
+        setup["tools"] = validate_tools(tools)
+        require_conversational_prompts(train_dataset)
         if environment_factory is not None:
             pool = _EnvironmentPool(environment_factory)
             setup["pool"] = pool
-            extra = []
-            for klass in pool.classes().values():
-                if callable(getattr(klass, "get_reward", None)) and klass.__name__ not in [f.__name__ for f in extra]:
-                    extra.append(_environment_reward(klass.__name__, klass))
+            extra = [_environment_reward(klass.__name__, klass) for klass in environment_reward_classes(pool)]
             if extra:
                 funcs = (
                     []
@@ -249,21 +453,8 @@ class _ToolCallingMixin:
                 )
                 setup["reward_funcs"] = funcs + extra
             if train_dataset is None:
-                if pool.by_column:
-                    raise ValueError(
-                        "A dict environment_factory needs a train_dataset with an 'environment' column choosing the "
-                        "environment of each row; pass one."
-                    )
-                max_steps = getattr(args, "max_steps", -1) if args is not None else -1
-                if max_steps is None or max_steps <= 0:
-                    raise ValueError(
-                        "Without a train_dataset the prompts come from the environments' reset(), and the run length "
-                        f"must be given by max_steps (> 0); found max_steps={max_steps}. Set max_steps in the config "
-                        "or pass a train_dataset."
-                    )
-                rows = max(1, args.generation_batch_size // args.num_generations)
-                # Every prompt is one empty user message; reset() supplies its text.
-                setup["train_dataset"] = Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
+                rows = max(1, args.generation_batch_size // args.num_generations) if args is not None else 1
+                setup["train_dataset"] = environment_placeholder_dataset(pool, args, rows)
         return setup
 
     def _init_tools(self, setup: dict[str, Any]) -> None:
@@ -274,12 +465,7 @@ class _ToolCallingMixin:
         if not self._tools_enabled:
             return
         tokenizer = self.processing_class
-        if not supports_tool_calling(tokenizer):
-            raise ValueError(
-                f"The chat template of the {type(tokenizer).__name__} cannot render tools, tool calls and tool "
-                "results, which tools/environment_factory need. Use a tokenizer whose template supports tool calling "
-                "(e.g. `tokenizer.chat_template = trl.chat_template_utils.qwen2_5_chat_template`)."
-            )
+        require_tool_calling_template(tokenizer)
         if not is_chat_template_prefix_preserving(tokenizer):
             # Checked again per rollout (`_tool_glue_text`) for the real conversations; this catches it before training.
             raise ValueError(
@@ -288,16 +474,7 @@ class _ToolCallingMixin:
                 "extended turn by turn. Use a template where appending messages only appends text (the qwen2_5 and "
                 "llama3 templates in trl/chat_templates are), or drop tools/environment_factory."
             )
-        has_parser = any(getattr(tokenizer, attr, None) for attr in ("response_template", "response_schema"))
-        if not has_parser:
-            try:
-                add_response_schema(tokenizer)
-            except ValueError as error:
-                raise ValueError(
-                    "Tool calls are parsed from the completions with the tokenizer's response parser, which this "
-                    f"tokenizer lacks and TRL has none for its chat template ({error}). Set "
-                    "`tokenizer.response_template` (transformers' response parsing format) before creating the trainer."
-                ) from error
+        ensure_response_parser(tokenizer)
         self._tool_call_limit = getattr(self.args, "max_tool_calling_iterations", None)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -550,67 +727,8 @@ class _ToolCallingMixin:
         self, calls_per_row: list[list[dict[str, Any]]], tool_maps: list[dict[str, Callable]]
     ) -> tuple[list[list[dict[str, Any]]], int, int]:
         """Run the tool calls of several rows; returns the tool messages per row, the call and failure counts."""
-        results: list[list[dict[str, Any] | None]] = []
-        coroutines: list[tuple[int, int, str, Any]] = []
-        calls = failures = 0
-
-        def error_message(name: str, text: str) -> dict[str, Any]:
-            return {"role": "tool", "name": name, "content": json.dumps({"error": text})}
-
-        for row, (tool_calls, mapping) in enumerate(zip(calls_per_row, tool_maps)):
-            row_results: list[dict[str, Any] | None] = []
-            for call in tool_calls:
-                calls += 1
-                function = call.get("function", {})
-                name = function.get("name")
-                arguments = function.get("arguments") or {}
-                if isinstance(arguments, str):
-                    try:
-                        arguments = json.loads(arguments)
-                    except json.JSONDecodeError:
-                        arguments = None
-                func = mapping.get(name)
-                if func is None or not isinstance(arguments, dict):
-                    failures += 1
-                    text = (
-                        f"Tool {name!r} does not exist; available tools: {sorted(mapping)}."
-                        if func is None
-                        else f"The arguments of {name!r} are not a JSON object: {function.get('arguments')!r}."
-                    )
-                    row_results.append(error_message(str(name), text))
-                    continue
-                try:
-                    if is_async_callable(func):
-                        coroutines.append((row, len(row_results), name, func(**arguments)))
-                        row_results.append(None)
-                        continue
-                    value = func(**arguments)
-                    if inspect.iscoroutine(value):
-                        coroutines.append((row, len(row_results), name, value))
-                        row_results.append(None)
-                        continue
-                    row_results.append({"role": "tool", "name": name, "content": _result_text(value)})
-                except Exception as error:
-                    failures += 1
-                    row_results.append(error_message(name, f"{type(error).__name__}: {error}"))
-            results.append(row_results)
-
-        if coroutines:
-
-            async def guarded(coroutine):
-                try:
-                    return True, await coroutine
-                except Exception as error:
-                    return False, error
-
-            outcomes = _run_coroutines([guarded(coroutine) for *_, coroutine in coroutines])
-            for (row, position, name, _), (ok, value) in zip(coroutines, outcomes):
-                if ok:
-                    results[row][position] = {"role": "tool", "name": name, "content": _result_text(value)}
-                else:
-                    failures += 1
-                    results[row][position] = error_message(name, f"{type(value).__name__}: {value}")
-        return results, calls, failures
+        results, records = execute_tool_calls(calls_per_row, tool_maps)
+        return results, len(records), sum(record.failed for record in records)
 
     def _any_process(self, flag: bool) -> bool:
         """Whether `flag` holds on any process (the flag itself on a single process)."""

@@ -27,6 +27,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ...models.loading import create_model_from_path
 from ...trainer.online_rewards import _OnlineRewardsMixin, reward_signature_problem
+from ...trainer.tool_calling import environment_reward_classes
 from ...trainer.utils import prepare_peft_model
 from ._backends import (
     GenerationBackend,
@@ -45,6 +46,7 @@ from ._batching import (
     _reduce_metric,
     log_rollout_traces,
 )
+from ._conversation import prepare_tool_setup, prepare_tool_tokenizer
 from ._lora_sync import (
     VLLM_LORA_RANKS,
     _iter_vllm_named_params,
@@ -264,14 +266,19 @@ class AsyncGRPOTrainer(Trainer):
         model: Model id or path (AsyncGRPO loads it itself, with the tree attention).
         reward_funcs: Reward function(s) or reward model id(s); their values are summed.
         args: [`AsyncGRPOConfig`] (default: `AsyncGRPOConfig(f"{model_name}-AsyncGRPO")`).
-        train_dataset: Rows with a `prompt` column (plus columns passed to the reward functions).
+        train_dataset: Rows with a `prompt` column (plus columns passed to the reward functions, and an `environment`
+            column with a dict `environment_factory`). Optional with a single `environment_factory` and `max_steps >
+            0`: every prompt is then an empty user message that `reset()` fills in.
         processing_class: Tokenizer (default: loaded from `model`).
         callbacks: Extra callbacks.
         optimizers: `(optimizer, scheduler)`.
         peft_config: PEFT config. Weight syncs push only the adapter when the server loads LoRA adapters at runtime
             and [`select_adapter_sync`] accepts it, else the merged weights.
-        tools: Not supported yet (NotImplementedError).
-        environment_factory: Not supported yet (NotImplementedError).
+        tools: Functions the model may call (sync or async, with type hints and a Google-style docstring); rollouts
+            become multi-turn conversations, tool results are untrained context.
+        environment_factory: A callable returning an environment (a class with `reset(**row)`; its public methods
+            become tools, a `get_reward()` adds a reward column named after the class), or a dict name → callable
+            with rows naming theirs in an `environment` column. Instances are pooled and reused.
         rollout_worker: A [`RolloutWorkerProtocol`] replacing the default [`AsyncRolloutWorker`].
         weight_transfer: A [`WeightTransferProtocol`] replacing the default transfer to `trl vllm-serve`.
     """
@@ -304,10 +311,11 @@ class AsyncGRPOTrainer(Trainer):
     ):
         if not isinstance(model, str):
             raise ValueError(f"AsyncGRPOTrainer loads the model itself: pass its id or path, got {type(model)}.")
-        if tools or environment_factory is not None:
-            raise NotImplementedError("AsyncGRPOTrainer does not support tools or environments yet in this project.")
         if args is None:
             args = AsyncGRPOConfig(f"{model.split('/')[-1]}-AsyncGRPO")
+        self.tools, self._environment_pool, train_dataset = prepare_tool_setup(
+            tools, environment_factory, args, train_dataset
+        )
         self._check_async_inputs(args, train_dataset)
 
         register_tree_attention()
@@ -317,10 +325,20 @@ class AsyncGRPOTrainer(Trainer):
         self._aux_loss_enabled = _check_model(policy, args)
         policy = self._wrap_peft(policy, peft_config, args)
         processing_class = self._load_tokenizer(model, processing_class, args)
+        if self.tools or self._environment_pool is not None:
+            prepare_tool_tokenizer(processing_class)
 
-        self.reward_funcs, self.reward_processing_classes, self.reward_func_names = (
-            _OnlineRewardsMixin._prepare_reward_funcs(self, reward_funcs, None, args)
-        )
+        if (
+            not reward_funcs
+            and self._environment_pool is not None
+            and environment_reward_classes(self._environment_pool)
+        ):
+            # The environments' `get_reward` columns are rewards enough.
+            self.reward_funcs, self.reward_processing_classes, self.reward_func_names = [], [], []
+        else:
+            self.reward_funcs, self.reward_processing_classes, self.reward_func_names = (
+                _OnlineRewardsMixin._prepare_reward_funcs(self, reward_funcs, None, args)
+            )
         keywords = ["prompts", "completions", "completion_ids"]
         keywords += [column for column in train_dataset.column_names if column not in ("prompt", "completion")]
         for func, name in zip(self.reward_funcs, self.reward_func_names, strict=True):
@@ -562,6 +580,10 @@ class AsyncGRPOTrainer(Trainer):
             chat_template_kwargs=args.chat_template_kwargs,
             fork_threshold_tokens=args.fork_threshold_tokens,
             backend_timeout=args.vllm_server_timeout,
+            tools=self.tools,
+            environment_factory=self._environment_pool,
+            max_tool_calling_iterations=args.max_tool_calling_iterations,
+            max_inflight_tasks=args.max_inflight_tasks,
         )
 
     def get_train_dataloader(self) -> DataLoader:
