@@ -125,3 +125,24 @@ def test_async_grpo_lora_adapter_sync_against_plain_vllm_serve(tmp_path, monkeyp
         served = {model["id"] for model in requests.get(f"{url}/v1/models", timeout=30).json()["data"]}
         assert {"trl-policy-v2", "trl-policy-v3"} <= served and "trl-policy-v1" not in served
         assert any("reward" in entry for entry in trainer.state.log_history)
+
+
+@pytest.mark.timeout(900)
+def test_async_grpo_example_script_against_vllm_serve(tmp_path, monkeypatch):
+    """`examples/scripts/async_grpo.py` as its docstring runs it offline: `trl vllm-serve` on the tiny model, the
+    script on its GSM8K-style questions; it trains, syncs and saves."""
+    import os
+    import runpy
+    import sys
+
+    model_path = get_model_path("tiny-Qwen2ForCausalLM")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "scripts")
+    script = os.path.join(script, "async_grpo.py")
+    with running_server(model_path, tmp_path / "server.log") as (_, port):
+        argv = [script, "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--num_generations", "4"]
+        argv += ["--per_device_train_batch_size", "4", "--max_completion_length", "16", "--token_budget", "512"]
+        argv += ["--use_cpu", "true", "--report_to", "none", "--save_strategy", "no"]
+        argv += ["--vllm_server_base_url", f"http://127.0.0.1:{port}", "--vllm_server_timeout", "60"]
+        monkeypatch.setattr(sys, "argv", argv)
+        runpy.run_path(script, run_name="__main__")
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "out"))

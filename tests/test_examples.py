@@ -57,6 +57,17 @@ DIFFUSION_SCRIPT_ARGS = {
     "ddpo.py": DIFFUSION_ARGS + ["--sample_batch_size", "2", "--reward", "red"],
 }
 
+# Scripts that need a server or an external service: tested with in-process stand-ins in
+# tests/experimental/test_frontier_example_scripts.py (the harness files are modules of data_agent.py).
+SCRIPTS_TESTED_ELSEWHERE = {
+    "async_grpo.py",
+    "harbor/data_agent.py",
+    "harbor/harnesses/bash.py",
+    "harbor/harnesses/jupyter.py",
+    "harbor/harnesses/terminal_notes.py",
+    "openreward/seta.py",
+}
+
 
 def test_every_example_script_is_covered():
     found = [
@@ -65,7 +76,7 @@ def test_every_example_script_is_covered():
         for name in names
         if name.endswith(".py")
     ]
-    assert sorted(found) == sorted({**SCRIPT_ARGS, **DIFFUSION_SCRIPT_ARGS})
+    assert sorted(found) == sorted({*SCRIPT_ARGS, *DIFFUSION_SCRIPT_ARGS, *SCRIPTS_TESTED_ELSEWHERE})
 
 
 @pytest.mark.parametrize("script", sorted(DIFFUSION_SCRIPT_ARGS))

@@ -130,7 +130,8 @@ def trainer_logps(model, prompt: list[int], completion: list[int]) -> list[float
 
 
 def online_args(config_class, tmp_path, **overrides):
-    """An online trainer config generating with a colocated vLLM engine (3 short steps, small KV cache)."""
+    """An online trainer config generating with a colocated vLLM engine (3 short steps, small KV cache), or with the
+    server given in `overrides` (`vllm_mode="server"`: the in-process engine's settings are left out)."""
     values = dict(
         output_dir=str(tmp_path),
         max_steps=3,
@@ -149,5 +150,7 @@ def online_args(config_class, tmp_path, **overrides):
         vllm_gpu_memory_utilization=0.1,
         vllm_max_model_length=256,
     )
+    if overrides.get("vllm_mode") == "server":  # they configure no server; the trainers warn that they are unused
+        del values["vllm_gpu_memory_utilization"], values["vllm_max_model_length"]
     values.update(overrides)
     return config_class(**values)
