@@ -188,6 +188,43 @@ def prepare_inputs(workdir: str, quick: bool, shape: str = "small", layers: int 
     return paths
 
 
+# `--ablate NAME`: the fast path's predicate (module, function) and the value that makes it take the plain path.
+ABLATIONS = {
+    "tied_embedding_grad": (
+        "trl.trainer.fast_paths.tied_embedding_grad",
+        "tied_embedding_grad_fallback_reason",
+        "off",
+    ),
+    "prefix_sharing": ("trl.trainer.fast_paths.prefix_sharing", "supports_prefix_sharing", False),
+    "rollout_decode": ("trl.trainer.fast_paths.rollout_decode", "rollout_decode_fallback_reason", "off"),
+    "lean_decode": ("trl.trainer.fast_paths.lean_decode", "lean_decode_fallback_reason", "off"),
+    "decode_replay": ("trl.trainer.fast_paths.decode_replay", "layer_outputs_fallback_reason", "off"),
+    "last_layer_selection": (
+        "trl.trainer.fast_paths.last_layer_selection",
+        "last_layer_selection_fallback_reason",
+        "off",
+    ),
+    "fused_lm_head": ("trl.trainer.utils.logprobs", "fusable_lm_head", None),
+    "layer_checkpoints": ("trl.trainer.fast_paths.layer_checkpoints", "layer_checkpoint_fallback_reason", "off"),
+    "lean_modules": ("trl.trainer.fast_paths.lean_modules", "lean_modules_applicable", False),
+    "cpu_allocator": ("trl.trainer.fast_paths.cpu_allocator", "activation_memory_fallback_reason", "off"),
+    "packed_attention": ("trl.trainer.utils.packing", "packed_sdpa_applicable", False),
+}
+
+
+def ablate(name: str) -> None:
+    """Makes the fast path `name` take its plain path in this process: its predicate is replaced wherever `trl`'s
+    modules hold it (they import it by name), by a function returning the value that declines it."""
+    import importlib
+
+    module_name, function_name, declined = ABLATIONS[name]
+    original = getattr(importlib.import_module(module_name), function_name)
+    importlib.import_module("trl.trainer")  # every trainer module, so that each import of the predicate is found
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("trl") and getattr(module, function_name, None) is original:
+            setattr(module, function_name, lambda *args, **kwargs: declined)
+
+
 def job_size(job: str, args: argparse.Namespace) -> tuple[int, int]:
     """Per-device batch size and `max_length` of `job` at `args.shape`."""
     if args.shape == "small":
@@ -195,8 +232,11 @@ def job_size(job: str, args: argparse.Namespace) -> tuple[int, int]:
     return REALISTIC_JOBS[job]
 
 
-def run_worker(side: str, job: str, args: argparse.Namespace, paths: dict, python: str) -> dict:
-    """Runs one job in a fresh interpreter of `side` ("ours" or "trl") and returns the JSON line it printed."""
+def run_worker(
+    side: str, job: str, args: argparse.Namespace, paths: dict, python: str, ablate_name: str | None = None
+) -> dict:
+    """Runs one job in a fresh interpreter of `side` ("ours" or "trl") and returns the JSON line it printed; with
+    `ablate_name`, this project's side runs with that fast path declined (see `ABLATIONS`)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     if side == "ours":
         env["PYTHONPATH"] = REPO
@@ -207,6 +247,7 @@ def run_worker(side: str, job: str, args: argparse.Namespace, paths: dict, pytho
     batch, max_length = job_size(job, args)
     spec = {"job": job, "side": side, "steps": args.steps, "warmup": args.warmup, "threads": args.threads}
     spec.update({"quick": args.quick, "batch": batch, "max_length": max_length, "paths": paths})
+    spec["ablate"] = ablate_name
     with tempfile.TemporaryDirectory(prefix=f"bench-compare-{side}-") as cwd:
         spec["output_dir"] = os.path.join(cwd, "out")
         proc = subprocess.run(
@@ -327,6 +368,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps: a smoke test of the program")
     parser.add_argument("--trl_python", default=None, help="interpreter with trl==1.16.0 (default: the parity venv)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument(
+        "--ablate",
+        default=None,
+        choices=sorted(ABLATIONS),
+        help="compare this project with itself without this fast path (the 'TRL' columns), instead of with TRL",
+    )
     args = parser.parse_args()
     if args._worker:
         worker(json.loads(args._worker))
@@ -354,11 +401,17 @@ def main() -> int:
         print(f"shape: {args.shape}, model {paths['model']}", flush=True)
         print(f"matmul peak: {peak / 1e9:.1f} GFLOP per CPU-second ({args.threads} threads)", flush=True)
         print(f"ours: {sys.executable}\ntrl:  {trl_python}", flush=True)
+        if args.ablate:
+            print(f"--ablate {args.ablate}: the TRL columns are this project without that fast path", flush=True)
         for job in jobs:
             results = {"ours": [], "trl": []}
             for _ in range(args.rounds):
                 for side, python in (("ours", sys.executable), ("trl", trl_python)):
-                    result = run_worker(side, job, args, paths, python)
+                    if args.ablate and side == "trl":  # the plain path of the fast path stands in for TRL
+                        result = run_worker("ours", job, args, paths, sys.executable, args.ablate)
+                        result["side"] = f"ours without {args.ablate}"
+                    else:
+                        result = run_worker(side, job, args, paths, python)
                     print(json.dumps(result), flush=True)
                     results[side].append(result)
             rows.append(summarise(job, results["ours"], results["trl"], peak, paths))
@@ -391,6 +444,8 @@ def worker(spec: dict) -> None:
 
     import trl
 
+    if spec.get("ablate"):
+        ablate(spec["ablate"])
     hf_logging.set_verbosity_error()
     job, paths, batch, max_length = spec["job"], spec["paths"], spec["batch"], spec["max_length"]
     cuda = torch.cuda.is_available()

@@ -27,9 +27,12 @@ def _tied_model(**overrides):
 
 def _ids(unique: bool, rows: int = 2, length: int = 9):
     if unique:  # no token twice: the sum of each row's gradient has one term
-        return torch.randperm(DECODER_SIZES["vocab_size"] - 10, generator=torch.Generator().manual_seed(0))[
-            : rows * length
-        ].view(rows, length) + 10
+        return (
+            torch.randperm(DECODER_SIZES["vocab_size"] - 10, generator=torch.Generator().manual_seed(0))[
+                : rows * length
+            ].view(rows, length)
+            + 10
+        )
     return torch.randint(10, 40, (rows, length), generator=torch.Generator().manual_seed(0))
 
 

@@ -45,13 +45,90 @@ def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
     return probs.mul_(log_probs).masked_fill_(probs == 0, 0.0).sum(dim=-1).neg_()
 
 
+class _HeadGradients:
+    """Accumulates the gradients of the hidden states, weight and bias of the head, one chunk of rows at a time, from
+    the chunk's log-probabilities and the gradients of the per-row log-probability and entropy."""
+
+    def __init__(self, hidden, weight, bias, needs, temperature, scale, compute_dtype):
+        self.hidden, self.weight, self.bias, self.temperature, self.scale = hidden, weight, bias, temperature, scale
+        self.compute_dtype = compute_dtype
+        self.need_hidden, self.need_weight, self.need_bias = needs
+        self.grad_hidden = torch.empty_like(hidden) if self.need_hidden else None
+        # The weight's gradient is written by the first chunk's product and accumulated from the next ones: zeroing
+        # a (vocab x hidden) buffer first would cost one more pass over it (545 MB at Qwen2.5's head).
+        self.grad_weight = None
+        self.grad_bias = torch.zeros_like(bias, dtype=compute_dtype) if self.need_bias else None
+
+    def add(self, start, end, log_probs, capped, index, grad_logps, grad_entropy, entropy, log_probs_writable):
+        """Add the chunk of rows `start:end`; `log_probs` is overwritten only when `log_probs_writable`."""
+        compute_dtype = self.compute_dtype
+        probs = log_probs.exp()
+        if grad_entropy is None:
+            # d log p_y / d z_j = 1[j == y] - p_j
+            grad = probs.mul_(-grad_logps[start:end].to(compute_dtype).unsqueeze(-1))
+        else:
+            # dH / d z_j = -p_j (log p_j + H)
+            g_h = grad_entropy[start:end].to(compute_dtype).unsqueeze(-1)
+            vanishing = probs == 0
+            shift = entropy[start:end].unsqueeze(-1)
+            shifted = log_probs.add_(shift) if log_probs_writable else log_probs + shift
+            grad = shifted.mul_(probs).masked_fill_(vanishing, 0.0)
+            grad.mul_(-g_h)
+            if grad_logps is not None:
+                grad.sub_(probs.mul_(grad_logps[start:end].to(compute_dtype).unsqueeze(-1)))
+        if grad_logps is not None:
+            g_lp = grad_logps[start:end].to(compute_dtype).unsqueeze(-1)
+            grad.scatter_add_(-1, index[start:end].unsqueeze(-1), g_lp)
+        if self.temperature != 1.0:
+            grad.div_(self.temperature)
+        if capped is not None:  # d(c tanh(z / c)) / dz = 1 - tanh(z / c)^2
+            grad.mul_(1 - capped.square())
+        if self.scale != 1.0:
+            grad.mul_(self.scale)
+        hidden, h = self.hidden, self.hidden[start:end]
+        grad = grad.to(hidden.dtype)
+        if self.need_hidden:
+            torch.mm(grad, self.weight.to(grad.dtype), out=self.grad_hidden[start:end])
+        if self.need_weight:
+            if self.grad_weight is None:
+                self.grad_weight = torch.mm(grad.t().to(compute_dtype), h.to(compute_dtype))
+            else:
+                self.grad_weight.addmm_(grad.t().to(compute_dtype), h.to(compute_dtype))
+        if self.need_bias:
+            self.grad_bias.add_(grad.sum(dim=0).to(compute_dtype))
+
+    def result(self):
+        grad_weight, grad_bias = self.grad_weight, self.grad_bias
+        if self.need_weight and grad_weight is None:  # no rows
+            grad_weight = torch.zeros_like(self.weight, dtype=self.compute_dtype)
+        grad_weight = grad_weight.to(self.weight.dtype) if grad_weight is not None else None
+        grad_bias = grad_bias.to(self.bias.dtype) if grad_bias is not None else None
+        return self.grad_hidden, grad_weight, grad_bias
+
+
+def _proportion(actual: torch.Tensor, expected: torch.Tensor) -> float | None:
+    """`c` with `actual == c * expected` (to float rounding), or None when the two are not proportional."""
+    actual, expected = actual.to(expected.dtype), expected
+    denominator = expected.square().sum()
+    if not bool(denominator > 0):
+        return None
+    c = float((actual * expected).sum() / denominator)
+    tolerance = 1e-5 * float(actual.abs().max()) + 1e-30
+    return c if bool(((actual - c * expected).abs() <= tolerance).all()) else None
+
+
 class _LinearLogSoftmax(torch.autograd.Function):
     """Rows of `hidden` `(N, H)` through the head `(weight, bias)`, then the log-probability of `index` `(N,)`.
 
     The forward saves the inputs, each row's log-normaliser and entropy (`N` floats each). The backward recomputes the
     logits chunk by chunk (unless all rows fit in one chunk: then the forward's log-probabilities are kept) and
-    accumulates the gradients of the hidden states, weight and bias from each chunk (the
-    weight's and bias' only when they require one: a frozen head under PEFT costs no extra matmul).
+    accumulates the gradients of the hidden states, weight and bias from each chunk (the weight's and bias' only when
+    they require one: a frozen head under PEFT costs no extra matmul).
+
+    With `expected_grad` (`(N,)`), the caller announces that the gradient of the log-probabilities will be
+    proportional to it (and the entropy get none), as for a loss that is a weighted sum of them (SFT's): the forward
+    then computes the gradients from the logits it has at hand, and the backward only scales them, so no logits are
+    recomputed. A backward whose gradient is not proportional takes the recomputing path (same result, no saving).
     """
 
     @staticmethod
@@ -68,6 +145,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
         max_rows,
         scale=1.0,
         cap=None,
+        expected_grad=None,
     ):
         rows = hidden.shape[0]
         compute_dtype = torch.promote_types(hidden.dtype, torch.float32)
@@ -75,6 +153,10 @@ class _LinearLogSoftmax(torch.autograd.Function):
         log_norm = hidden.new_empty(rows, dtype=compute_dtype)
         entropy = hidden.new_zeros(rows, dtype=compute_dtype)
         stats: dict[str, list[torch.Tensor]] = {}
+        needs = tuple(ctx.needs_input_grad[:3])
+        ahead = None
+        if expected_grad is not None and any(needs) and cap is None:
+            ahead = _HeadGradients(hidden, weight, bias, needs, temperature, scale, compute_dtype)
         ctx.kept_log_probs = None
         for start in range(0, rows, max_rows):
             end = min(start + max_rows, rows)
@@ -92,14 +174,18 @@ class _LinearLogSoftmax(torch.autograd.Function):
             if stats_fn is not None:
                 for name, value in stats_fn(logits.unsqueeze(0), index[start:end].unsqueeze(0)).items():
                     stats.setdefault(name, []).append(value.squeeze(0))
+            del logits
+            if ahead is not None:
+                ahead.add(start, end, log_probs, None, index, expected_grad, None, None, True)
             # All rows in one chunk: the backward starts right after the head, so keeping the log-probabilities
             # costs no peak memory (the backward would allocate their like) and saves recomputing the logits.
-            keep = end == rows and start == 0 and cap is None and any(ctx.needs_input_grad[:3])
+            keep = ahead is None and end == rows and start == 0 and cap is None and any(needs)
             ctx.kept_log_probs = log_probs if keep else None
-            del logits, log_probs
+            del log_probs
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, index, log_norm, entropy)
         ctx.temperature, ctx.max_rows, ctx.scale, ctx.cap = temperature, max_rows, scale, cap
+        ctx.ahead, ctx.expected_grad = (ahead.result(), expected_grad) if ahead is not None else (None, None)
         # The names go back through the caller's list: an autograd function returns tensors only.
         stat_names.extend(sorted(stats))
         stat_values = [torch.cat(stats[name]) for name in stat_names]
@@ -111,24 +197,27 @@ class _LinearLogSoftmax(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logps, grad_entropy, *_):
         hidden, weight, bias, index, log_norm, entropy = ctx.saved_tensors
-        nothing = (None,) * 9
+        nothing = (None,) * 10
         if grad_logps is None and grad_entropy is None:
             return (None, None, None, *nothing)
+        if ctx.ahead is not None and grad_entropy is None and grad_logps is not None:
+            factor = _proportion(grad_logps, ctx.expected_grad)
+            if factor is not None:
+                grads, ctx.ahead = ctx.ahead, None  # scaled in place: a second backward recomputes
+                if factor != 1.0:
+                    for grad in grads:
+                        if grad is not None:
+                            grad.mul_(factor)
+                return (*grads, *nothing)
         temperature, compute_dtype, scale, cap = ctx.temperature, log_norm.dtype, ctx.scale, ctx.cap
-        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        # The weight's gradient is written by the first chunk's product and accumulated from the next ones: zeroing
-        # a (vocab x hidden) buffer first would cost one more pass over it (545 MB at Qwen2.5's head).
-        grad_weight = None
-        grad_bias = torch.zeros_like(bias, dtype=compute_dtype) if need_bias else None
+        grads = _HeadGradients(hidden, weight, bias, ctx.needs_input_grad[:3], temperature, scale, compute_dtype)
         for start in range(0, hidden.shape[0], ctx.max_rows):
             end = min(start + ctx.max_rows, hidden.shape[0])
-            h = hidden[start:end]
             capped, kept = None, ctx.kept_log_probs
             if kept is not None:
                 log_probs = kept  # read only: a second backward (retain_graph) reads it again
             else:
-                scaled = F.linear(h, weight, bias).to(compute_dtype)
+                scaled = F.linear(hidden[start:end], weight, bias).to(compute_dtype)
                 if scale != 1.0:
                     scaled = scaled * scale
                 if cap is not None:
@@ -137,46 +226,9 @@ class _LinearLogSoftmax(torch.autograd.Function):
                 if temperature != 1.0:
                     scaled = scaled / temperature
                 log_probs = scaled.sub_(log_norm[start:end].unsqueeze(-1))
-            probs = log_probs.exp()
-            if grad_entropy is None:
-                # d log p_y / d z_j = 1[j == y] - p_j
-                grad = probs.mul_(-grad_logps[start:end].to(compute_dtype).unsqueeze(-1))
-            else:
-                # dH / d z_j = -p_j (log p_j + H)
-                g_h = grad_entropy[start:end].to(compute_dtype).unsqueeze(-1)
-                vanishing = probs == 0
-                shifted = log_probs + entropy[start:end].unsqueeze(-1) if kept is not None else log_probs.add_(
-                    entropy[start:end].unsqueeze(-1)
-                )
-                grad = shifted.mul_(probs).masked_fill_(vanishing, 0.0)
-                grad.mul_(-g_h)
-                if grad_logps is not None:
-                    grad.sub_(probs.mul_(grad_logps[start:end].to(compute_dtype).unsqueeze(-1)))
-            if grad_logps is not None:
-                g_lp = grad_logps[start:end].to(compute_dtype).unsqueeze(-1)
-                grad.scatter_add_(-1, index[start:end].unsqueeze(-1), g_lp)
-            if temperature != 1.0:
-                grad.div_(temperature)
-            if capped is not None:  # d(c tanh(z / c)) / dz = 1 - tanh(z / c)^2
-                grad.mul_(1 - capped.square())
-            if scale != 1.0:
-                grad.mul_(scale)
-            grad = grad.to(hidden.dtype)
-            if need_hidden:
-                torch.mm(grad, weight.to(grad.dtype), out=grad_hidden[start:end])
-            if need_weight:
-                if grad_weight is None:
-                    grad_weight = torch.mm(grad.t().to(compute_dtype), h.to(compute_dtype))
-                else:
-                    grad_weight.addmm_(grad.t().to(compute_dtype), h.to(compute_dtype))
-            if need_bias:
-                grad_bias.add_(grad.sum(dim=0).to(compute_dtype))
-            del log_probs, probs, grad, capped
-        if need_weight and grad_weight is None:  # no rows
-            grad_weight = torch.zeros_like(weight, dtype=compute_dtype)
-        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
-        return (grad_hidden, grad_weight, grad_bias, *nothing)
+            grads.add(start, end, log_probs, capped, index, grad_logps, grad_entropy, entropy, kept is None)
+            del log_probs, capped
+        return (*grads.result(), *nothing)
 
 
 def linear_selective_log_softmax(
@@ -190,6 +242,7 @@ def linear_selective_log_softmax(
     max_rows: int | None = None,
     logit_scale: float = 1.0,
     final_logit_softcapping: float | None = None,
+    expected_grad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """Log-probability of `index` under `softmax(F.linear(hidden, weight, bias) / temperature)`, chunk by chunk.
 
@@ -211,6 +264,10 @@ def linear_selective_log_softmax(
         max_rows: Rows per chunk (default: about 32 MiB of float32 logits).
         logit_scale: The logits are multiplied by this value first (models whose config sets a logit scale).
         final_logit_softcapping: If set, the scaled logits `z` become `c * tanh(z / c)` before the temperature.
+        expected_grad: Optional tensor of the shape of `index`: a promise that the gradient reaching the returned
+            log-probabilities will be proportional to it (and none reach the entropy), as for a loss that is a
+            weighted sum of them. The gradients are then computed in the forward from its logits, and the backward
+            recomputes nothing; a gradient that breaks the promise is handled by the recomputing backward.
 
     Returns:
         `(logps, entropy, stats)`: `logps` and `entropy` (None unless requested) of shape `(...)` in float32 (float64
@@ -240,6 +297,7 @@ def linear_selective_log_softmax(
                 max_rows,
                 logit_scale,
                 final_logit_softcapping,
+                expected_grad,
             )
     if max_rows is None:
         max_rows = max(1, _CHUNK_BYTES // (4 * max(weight.shape[0], 1)))
@@ -259,6 +317,9 @@ def linear_selective_log_softmax(
         max_rows,
         float(logit_scale),
         None if final_logit_softcapping is None else float(final_logit_softcapping),
+        None
+        if expected_grad is None
+        else expected_grad.reshape(-1).to(torch.promote_types(hidden.dtype, torch.float32)),
     )
     stats = {name: value.reshape(lead_shape) for name, value in zip(names, values, strict=True)}
     return logps.reshape(lead_shape), entropy.reshape(lead_shape) if compute_entropy else None, stats

@@ -793,9 +793,16 @@ class SFTTrainer(_BaseTrainer):
                 forward_kwargs = packed_forward_inputs(packed)
                 shift_labels = packed.pack_next_token(shift_labels, -100)
                 target_mask = shift_labels != -100
+            # The loss is minus a sum of the target log-probs (then scaled): the fused head may compute its gradients
+            # in the forward instead of recomputing the logits in the backward. DFT's weights depend on the log-probs.
+            expected_grad = (
+                None
+                if self.args.loss_type == "dft"
+                else torch.full(shift_labels.shape, -1.0, device=shift_labels.device)
+            )
             result = compute_token_logps(
                 model, targets=shift_labels.clamp(min=0), target_mask=target_mask, upcast=True,
-                logits_stats_fn=_token_entropy_and_correct, **forward_kwargs,
+                logits_stats_fn=_token_entropy_and_correct, expected_grad=expected_grad, **forward_kwargs,
             )  # fmt: skip
             outputs, token_logits, token_targets = result.outputs, None, None
             per_token_nll = -result.logps[target_mask]

@@ -62,9 +62,7 @@ class _EmbeddingAddingIntoGrad(torch.autograd.Function):
                 if weight.grad is None:
                     weight.grad = torch.zeros_like(weight)
                 # index_put_ touches only these rows (index_add_ walks the whole gradient on a CPU).
-                weight.grad.index_put_(
-                    (summed.indices()[0],), summed.values().to(weight.grad.dtype), accumulate=True
-                )
+                weight.grad.index_put_((summed.indices()[0],), summed.values().to(weight.grad.dtype), accumulate=True)
 
         torch.autograd.Variable._execution_engine.queue_callback(add_rows)
         return None, None, None, None, None
@@ -74,7 +72,9 @@ def tied_embedding_grad_fallback_reason(model: nn.Module, args: Any = None) -> s
     """Why the input embeddings of `model` keep their own backward, or None when [`sparse_tied_embedding_grad`]
     applies."""
     target = getattr(model, "module", model)
-    get_inputs, get_outputs = (getattr(target, name, None) for name in ("get_input_embeddings", "get_output_embeddings"))
+    get_inputs, get_outputs = (
+        getattr(target, name, None) for name in ("get_input_embeddings", "get_output_embeddings")
+    )
     if get_inputs is None or get_outputs is None:
         return "the model does not expose its input and output embeddings"
     try:

@@ -127,6 +127,7 @@ def compute_token_logps(
     logits_stats_fn: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]] | None = None,
     fused: bool = True,
     upcast: bool = False,
+    expected_grad: torch.Tensor | None = None,
     **forward_kwargs: Any,
 ) -> TokenLogps:
     """Log-probability of every next token under a causal LM, without a full-vocabulary log-softmax.
@@ -151,6 +152,10 @@ def compute_token_logps(
             logits of the scored positions (see `compute_sequence_token_logps`); returned in `stats`.
         fused: Use the fused LM head when the model allows it.
         upcast: Return float32 log-probs and entropies for a half-precision model (default: the logits' dtype).
+        expected_grad: Optional `(batch, seq_len - 1)` tensor the gradient of `logps` (at the `target_mask`
+            positions) will be proportional to, as for a loss that is a weighted sum of them: lets the fused head
+            compute its gradients in the forward (see [`~trl.kernels.linear_log_softmax.linear_selective_log_softmax`]).
+            Ignored on the unfused path.
         **forward_kwargs: Extra arguments for the model's forward (e.g. `pixel_values`).
 
     Returns:
@@ -176,7 +181,7 @@ def compute_token_logps(
         if len(captured) == 1:
             return _fused_token_logps(
                 head, captured[0], outputs, targets, target_mask, positions, temperature, compute_entropy,
-                logits_stats_fn, upcast,
+                logits_stats_fn, upcast, expected_grad,
             )  # fmt: skip
         raise RuntimeError(f"The LM head ran {len(captured)} times in one forward pass; pass `fused=False`.")
     outputs = model(**kwargs)
@@ -235,6 +240,7 @@ def _fused_token_logps(
     compute_entropy: bool,
     logits_stats_fn: Callable | None,
     upcast: bool,
+    expected_grad: torch.Tensor | None = None,
 ) -> TokenLogps:
     """[`compute_token_logps`] from the captured head inputs: only the `target_mask` rows are scored."""
     shape = targets.shape
@@ -242,16 +248,22 @@ def _fused_token_logps(
         hidden = hidden[:, : shape[1]]
     else:
         targets = targets[:, positions]
+    row_expected = None
+    if expected_grad is not None and positions is not None:
+        expected_grad = expected_grad[:, positions]
     if target_mask is None:
         rows, cols = None, None
         row_hidden, row_targets = hidden, targets
+        row_expected = expected_grad
     else:
         kept_mask = target_mask if positions is None else target_mask[:, positions]
         rows, cols = kept_mask.nonzero(as_tuple=True)
         row_hidden, row_targets = hidden[rows, cols], targets[rows, cols]
+        row_expected = expected_grad[rows, cols] if expected_grad is not None else None
     logps, entropy, stats = linear_selective_log_softmax(
-        row_hidden, head.weight, row_targets, head.bias, temperature, compute_entropy, logits_stats_fn
-    )
+        row_hidden, head.weight, row_targets, head.bias, temperature, compute_entropy, logits_stats_fn,
+        expected_grad=None if compute_entropy else row_expected,
+    )  # fmt: skip
     # The unfused path returns values in the logits' dtype.
     dtype = logps.dtype if upcast else head.weight.dtype
     logps = logps.to(dtype)
