@@ -4,7 +4,7 @@ PIP ?= $(PYTHON) -m pip
 PYTEST_WORKERS ?= 2
 TORCH_CPU_VERSION ?= 2.13.0
 
-.PHONY: test-compat install install-core torch assets deepspeed test test-reliability test-slow test-distributed vllm-env test-vllm parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench bench-env bench-compare bench-compare-realistic lint format clean
+.PHONY: test-compat install install-core torch assets deepspeed test test-reliability test-slow test-distributed vllm-env test-vllm openenv-env test-openenv parity-env parity-env-112 parity-env-15 parity-env-022 test-parity test-parity-diffusion demo bench bench-env bench-compare bench-compare-realistic lint format clean
 
 # Install the CPU build of torch only when no torch is present (a plain `torch` requirement would pull CUDA wheels).
 torch:
@@ -65,6 +65,22 @@ vllm-env:
 
 test-vllm: vllm-env
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PYTHON) -m pytest -m "vllm" -q -p no:cacheprovider tests
+
+# The OpenEnv harness worker (`async_grpo.openenv_harness`) against the real openenv-core. Its `openenv.core.harness`
+# imports OpenEnv's server stack (FastAPI, FastMCP, Gradio: ~40 packages), kept out of the main environment in a venv
+# layered on it (--system-site-packages: only what openenv-core adds goes there). Without it, `make test` runs the same
+# tests on the stand-in in tests/experimental/openenv_stub.
+OPENENV_VENV ?= .venv-openenv
+OPENENV_VERSION ?= 0.3.0
+
+openenv-env: install
+	@$(OPENENV_VENV)/bin/python -c "import openenv.core.harness" 2>/dev/null \
+		|| ($(PYTHON) -m venv --system-site-packages $(OPENENV_VENV) \
+		&& $(OPENENV_VENV)/bin/python -m pip install -q "openenv-core==$(OPENENV_VERSION)")
+
+test-openenv: openenv-env
+	$(OPENENV_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/experimental/test_async_grpo_harness.py \
+		tests/test_frontier_names.py -k "harness or optional"
 
 # Parity suite (docs/parity.md): every case runs once under real TRL and once under this project, outputs compared.
 # Real TRL lives in its own virtual environment, pinned to this environment's torch/transformers/accelerate/datasets/

@@ -92,24 +92,31 @@ def run_worker(dataset, reply, reward_funcs=(), groups=2, num_generations=2, **l
         reward_func_names=[f.__name__ for f in reward_funcs], num_generations=num_generations,
         max_completion_length=64, max_inflight_tasks=4, **loop_kwargs,
     )  # fmt: skip
+    samples, metrics = collect(worker, groups)
+    return samples, metrics, backend, worker
+
+
+def collect(worker, groups):
+    """Start the worker, stop it once `groups` groups were scored; returns its samples by group and its metrics."""
     worker.start()
     metrics = []
     deadline = time.time() + 60
-    while len(metrics) < groups and time.time() < deadline:
-        try:
-            metrics.append(worker.metrics_queue.get(timeout=0.2))
-        except queue.Empty:
-            worker.check_health(60)
-    worker.stop()
+    try:
+        while len(metrics) < groups and time.time() < deadline:
+            try:
+                metrics.append(worker.metrics_queue.get(timeout=0.2))
+            except queue.Empty:
+                worker.check_health(60)
+    finally:
+        worker.stop()
     assert len(metrics) >= groups, "the worker scored too few groups"
     samples = {}
     while True:
         try:
             sample = worker.rollout_buffer.get_nowait()
         except queue.Empty:
-            break
+            return samples, metrics
         samples.setdefault(sample.group_id, []).append(sample)
-    return samples, metrics, backend, worker
 
 
 def scored_group(samples, size):

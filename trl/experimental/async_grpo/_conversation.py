@@ -227,6 +227,26 @@ class ToolRuntime:
             )
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def sample_turn(
+        self,
+        prompt_ids: list[int],
+        schemas: list[dict[str, Any]],
+        backend: GenerationBackend,
+        sampling: dict[str, Any],
+    ) -> tuple[TurnRecord, dict[str, Any], float]:
+        """Sample one turn (`n=1`) of a rendered conversation and parse it into an assistant message.
+
+        Returns:
+            `(turn, message, seconds)`: the turn's record, the parsed message and the seconds spent generating.
+        """
+        start = time.perf_counter()
+        ((output_ids, log_probs),) = backend.generate(prompt_ids, 1, sampling)
+        seconds = time.perf_counter() - start
+        turn = TurnRecord(list(prompt_ids), list(output_ids), list(log_probs))
+        with self._tokenizer_lock:
+            message = parse_response(self.tokenizer, turn.output_ids, prefix=turn.prompt_ids, tools=schemas)
+        return turn, message, seconds
+
     def _start(self, row: dict[str, Any]) -> ConversationResult:
         """A new conversation of `row`: its environment taken from the pool and reset, its tools listed."""
         result = ConversationResult(prompt=copy.deepcopy(row["prompt"]))
@@ -288,16 +308,12 @@ class ToolRuntime:
                     self.release(result)
                     return None
                 prompt_ids = self.render(result.prompt + result.completion, schemas)
-                start = time.perf_counter()
-                ((output_ids, log_probs),) = backend.generate(prompt_ids, 1, sampling_fn())
-                result.generate_s += time.perf_counter() - start
+                turn, message, seconds = self.sample_turn(prompt_ids, schemas, backend, sampling_fn())
+                result.generate_s += seconds
                 if on_turn is not None:
                     on_turn()
-                output_ids = list(output_ids)
-                result.turns.append(TurnRecord(prompt_ids, output_ids, list(log_probs)))
-                result.completion_ids += output_ids
-                with self._tokenizer_lock:
-                    message = parse_response(self.tokenizer, output_ids, prefix=prompt_ids, tools=schemas)
+                result.turns.append(turn)
+                result.completion_ids += turn.output_ids
                 result.completion.append(message)
                 calls = message.get("tool_calls")
                 if not calls:

@@ -424,7 +424,6 @@ class AsyncRolloutWorker:
     ) -> None:
         """Run up to `max_inflight_tasks` conversations at once on a thread pool (each row opens `num_generations`
         of them, sharing a group id); a group is scored and queued as soon as its last conversation ends."""
-        runtime = self._tool_runtime
         slots = max_inflight_tasks if max_inflight_tasks > 0 else num_generations
         groups: dict[int, _OpenGroup] = {}
         inflight: dict[Future, tuple[int, int]] = {}
@@ -444,7 +443,9 @@ class AsyncRolloutWorker:
                         row = dict(dataset[index % len(dataset)])
                         index += 1
                         groups[group_id] = _OpenGroup(row, self._policy()[0], num_generations)
-                    future = executor.submit(runtime.run, groups[group_id].row, backend, sampling, self._stop, beat)
+                    future = executor.submit(
+                        self._run_conversation, groups[group_id].row, backend, sampling, self._stop, beat
+                    )
                     inflight[future] = (group_id, generation)
                     generation += 1
                     if generation == num_generations:
@@ -469,7 +470,7 @@ class AsyncRolloutWorker:
             finished += [f.result() for f in inflight if f.done() and not f.cancelled() and f.exception() is None]
             for result in finished:
                 if result is not None:
-                    runtime.release(result)
+                    self._release(result)
 
     def _finish_conversations(
         self,
@@ -482,7 +483,6 @@ class AsyncRolloutWorker:
         loop's settings, `reward_funcs`, `reward_func_names`, `reward_processing_classes`, `max_completion_length`,
         `fork_threshold_tokens`, ...)."""
         reward_funcs, reward_func_names = kwargs["reward_funcs"], kwargs["reward_func_names"]
-        runtime = self._tool_runtime
         results: list[ConversationResult] = group.results
         try:
             prompts = [result.prompt for result in results]
@@ -494,16 +494,15 @@ class AsyncRolloutWorker:
                 if key not in ("prompt", "completion", "completion_ids")
             }
             score_start = time.perf_counter()
-            env_columns, env_reward_s = runtime.environment_rewards(results)
+            extra_columns, extra_metrics = self._extra_reward_columns(results)
             per_func, (advantages, rewards) = _score_group(
                 reward_funcs, reward_func_names, kwargs.get("reward_processing_classes") or [None] * len(reward_funcs),
-                prompts, completions, completion_ids, columns,
-                extra_columns=list(zip(runtime.reward_names, env_columns, strict=True)),
+                prompts, completions, completion_ids, columns, extra_columns=extra_columns,
             )  # fmt: skip
             score_s = time.perf_counter() - score_start
         finally:
             for result in results:  # the environments' rewards are read: their instances can serve other rows
-                runtime.release(result)
+                self._release(result)
         sequences, drift_stats = [], []
         for i, result in enumerate(results):
             rows, stats = _chain_to_sequences(
@@ -512,8 +511,8 @@ class AsyncRolloutWorker:
             sequences.append(rows)
             drift_stats.append(stats)
         backpressure_s, num_samples = self._emit_group(
-            prompts, completions, sequences, list(reward_func_names) + runtime.reward_names, per_func, advantages,
-            rewards, group.model_version, group_id, extra_metrics=tool_frequencies(results),
+            prompts, completions, sequences, list(reward_func_names) + [name for name, _ in extra_columns], per_func,
+            advantages, rewards, group.model_version, group_id, extra_metrics=tool_frequencies(results),
         )  # fmt: skip
         generated = sum(len(ids) for ids in completion_ids)
         metrics = {
@@ -524,10 +523,37 @@ class AsyncRolloutWorker:
             "rollout/samples_per_rollout": num_samples / max(len(results), 1),
             "rollout/inflight": float(inflight),
             **group_metrics(results, drift_stats, kwargs.get("max_completion_length", 2048)),
+            **extra_metrics,
         }
-        if runtime.reward_classes:
-            metrics["env/reward_s"] = env_reward_s
         self._send_metrics(metrics)
+
+    # Hooks of the multi-turn loop: subclasses (the OpenEnv harness worker) run conversations their own way and add
+    # their own reward columns, while the scheduling, scoring, reconciliation and metrics above stay shared.
+
+    def _run_conversation(
+        self,
+        row: dict[str, Any],
+        backend: GenerationBackend,
+        sampling_fn: Callable[[], dict[str, Any]],
+        stop: threading.Event,
+        on_turn: Callable[[], None],
+    ) -> ConversationResult | None:
+        """Run one conversation of `row` on a pool thread (None when the worker stopped); see `ToolRuntime.run`."""
+        return self._tool_runtime.run(row, backend, sampling_fn, stop, on_turn)
+
+    def _release(self, result: ConversationResult) -> None:
+        """Free what a finished (or abandoned) conversation still holds, e.g. its environment."""
+        self._tool_runtime.release(result)
+
+    def _extra_reward_columns(
+        self, results: list[ConversationResult]
+    ) -> tuple[list[tuple[str, list[Any]]], dict[str, float]]:
+        """Reward columns appended after the reward functions' (`(name, per-conversation values)`) and the metrics
+        computing them produced: the environments' `get_reward()` columns and `env/reward_s`."""
+        runtime = self._tool_runtime
+        env_columns, env_reward_s = runtime.environment_rewards(results)
+        metrics = {"env/reward_s": env_reward_s} if runtime.reward_classes else {}
+        return list(zip(runtime.reward_names, env_columns, strict=True)), metrics
 
     def _emit_group(
         self,

@@ -1,0 +1,1 @@
+"""Test stand-in of `openenv.core`."""
