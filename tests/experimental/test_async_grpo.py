@@ -158,6 +158,36 @@ def test_collator_pads_rows_and_reports_token_counts():
     assert collator.metrics["batch/pad_frac"] == [(2, 10)] and collator.metrics["batch/row_fill_frac"] == [(8, 16)]
 
 
+def test_rank0_failure_is_relayed_as_a_micro_batch():
+    """With several processes an error on rank 0 while planning or collating travels as a marked micro-batch."""
+    from trl.experimental.async_grpo._ranks import RelayFailures, collate_or_relay, raise_relayed_failure
+
+    rows = [TreeRow(), TreeRow()]
+    rows[0].add(sample([1, 2, 3], [0, 1, 1], group=0))
+    rows[1].add(sample([4, 5, 6], [0, 1, 1], group=1))
+
+    def planner():
+        yield rows
+        raise RuntimeError("worker died") from ValueError("root cause")
+
+    relay = RelayFailures(planner())
+    collate = collate_or_relay(DataCollatorForRollout(pad_token_id=0, num_processes=2), 2, relay)
+    normal, failure = [collate([item]) for item in relay]
+    raise_relayed_failure(normal, relay)  # an ordinary micro-batch goes through
+    assert failure["rank0_failure"].shape[0] == 2  # one copy per rank
+    with pytest.raises(RuntimeError, match="^worker died$"):  # rank 0 raises its own error
+        raise_relayed_failure(failure, relay)
+    with pytest.raises(RuntimeError, match="Training stopped on rank 0.*worker died.*root cause"):  # another rank
+        raise_relayed_failure({"rank0_failure": failure["rank0_failure"][1:]}, None)
+
+    def broken_collator(examples):
+        raise ValueError("cannot pack")
+
+    broken = RelayFailures(iter([rows]))  # the collator itself fails
+    (batch,) = [collate_or_relay(broken_collator, 2, broken)([item]) for item in broken]
+    assert "rank0_failure" in batch and isinstance(broken.error, ValueError)
+
+
 def test_reduce_metric_rules():
     assert _reduce_metric("loss", [1.0, 2.0]) == 1.5
     assert _reduce_metric("sample/dropped_stale_total", [1.0, 2.0]) == 3.0

@@ -33,6 +33,7 @@ from ..async_grpo._lora_sync import (
     select_adapter_sync,
     validate_lora_for_vllm_sync,
 )
+from ..async_grpo._ranks import rank0_call
 from ..async_grpo.async_grpo_trainer import (
     AsyncGRPOTrainer,
     RolloutWorkerProtocol,
@@ -317,12 +318,14 @@ class AsyncDistillationTrainer(AsyncGRPOTrainer):
         self._aux_loss_enabled = False
         policy = self._wrap_peft(policy, peft_config, args)
         processing_class = self._load_tokenizer(model, processing_class, args)
-        self._teacher_clients = None
-        if rollout_worker is None:  # rank 0 connects now: an unreachable teacher fails before training
-            from accelerate import PartialState
+        # Rank 0 connects now: an unreachable teacher fails before training, on every rank.
+        from accelerate import PartialState
 
-            if PartialState().is_main_process:
-                self._teacher_clients = self._build_teacher_clients(args)
+        self._teacher_clients = rank0_call(
+            lambda: self._build_teacher_clients(args) if rollout_worker is None else None,
+            PartialState().is_main_process,
+            broadcast_result=False,
+        )
         self._setup_async(
             policy, args, train_dataset, processing_class, callbacks, optimizers, rollout_worker, weight_transfer, 1
         )

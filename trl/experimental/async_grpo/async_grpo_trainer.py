@@ -59,6 +59,7 @@ from ._lora_sync import (
     select_adapter_sync,
     validate_lora_for_vllm_sync,
 )
+from ._ranks import RelayFailures, collate_or_relay, raise_relayed_failure, rank0_call
 from .async_grpo_config import AsyncGRPOConfig
 from .async_rollout_worker import AsyncRolloutWorker
 from .packing import TREE_ATTENTION, TreeRow, register_tree_attention
@@ -246,9 +247,12 @@ class _StepMetricsCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.trainer._flush_step(time.perf_counter() - self._step_start)
-        target = self.trainer._target_groups
-        trained = getattr(self.trainer.data_collator, self.trainer._trained_ids_attribute)
-        if target is not None and len(trained) >= target:
+        trainer = self.trainer
+        if trainer._target_groups is None:
+            return control
+        # Only rank 0 collates, so only its collator knows the groups trained (on every rank): it decides for all.
+        trained = getattr(trainer.data_collator, trainer._trained_ids_attribute)
+        if rank0_call(lambda: len(trained) >= trainer._target_groups, trainer._is_rollout_owner):
             control.should_training_stop = True
             control.should_save = args.save_strategy == "steps"
         return control
@@ -397,23 +401,32 @@ class AsyncGRPOTrainer(Trainer):
         self._args_for_worker = args
         self._tokenizer = processing_class
         # Rank 0 owns the server connection, the transfer and the worker. The default backend and transfer connect
-        # to the server here: an unreachable server fails before training.
-        self._is_rollout_owner = PartialState().is_main_process
-        self._generation_backend = None
-        if self._is_rollout_owner and rollout_worker is None:
-            self._generation_backend = self._build_generation_backend()
+        # to the server here: an unreachable server fails before training. Each `rank0_call` runs on rank 0 and
+        # raises its error on every rank, so that none waits for it in a collective; every rank takes part whatever
+        # it was handed (only rank 0's arguments decide).
+        self._is_rollout_owner = owner = PartialState().is_main_process
+        self._failure_relay = None
+        self._generation_backend = rank0_call(
+            lambda: self._build_generation_backend() if rollout_worker is None else None, owner, broadcast_result=False
+        )
         self._adapter_sync = self._decide_adapter_sync(policy, args, injected_transfer=weight_transfer is not None)
-        if self._is_rollout_owner and weight_transfer is None:
-            weight_transfer = self._build_weight_transfer(policy, args)
-        self.weight_transfer = weight_transfer
-        self.rollout_worker = rollout_worker if self._is_rollout_owner else None
-        if self._adapter_sync and self.rollout_worker is not None:
-            _check_worker_takes_lora_name(self.rollout_worker)
+        weight_transfer = rank0_call(
+            lambda: self._build_weight_transfer(policy, args) if weight_transfer is None else weight_transfer,
+            owner,
+            broadcast_result=False,
+        )
+        # What the other ranks were given is ignored: rank 0 alone pushes weights and runs the worker.
+        self.weight_transfer = weight_transfer if owner else None
+        self.rollout_worker = rollout_worker if owner else None
+        if self._adapter_sync:
+            rank0_call(
+                lambda: self.rollout_worker and _check_worker_takes_lora_name(self.rollout_worker), owner, False
+            )
         self.rollout_queue = self.rollout_worker.rollout_buffer if self.rollout_worker is not None else None
 
         token_budget = args.token_budget
-        if token_budget is None:  # other ranks only receive rows; the budget matters where they are planned
-            token_budget = self._server_max_model_len() if self._is_rollout_owner else 0
+        if token_budget is None:  # asked of rank 0's server, and broadcast so that every rank holds the same budget
+            token_budget = rank0_call(self._server_max_model_len, owner)
         self._token_budget = token_budget
         collator = self._build_collator(processing_class, num_processes, max(token_budget, 0))
         Trainer.__init__(
@@ -530,23 +543,16 @@ class AsyncGRPOTrainer(Trainer):
         always sync merged weights. A probe error is raised on every rank."""
         if not hasattr(policy, "peft_config"):
             return False
-        if injected_transfer and type(self)._build_lora_client is AsyncGRPOTrainer._build_lora_client:
-            logger.info("A custom `weight_transfer` receives the merged weights of the PEFT policy at each sync.")
-            return False
-        decision: list[Any] = [False]
-        if self._is_rollout_owner:
-            try:
-                self._lora_client = self._build_lora_client()
-                decision = [probe_adapter_sync(self._lora_client, policy, args)]
-            except Exception as error:  # re-raised on every rank below
-                decision = [error]
-        if PartialState().num_processes > 1:
-            from accelerate.utils import broadcast_object_list
 
-            broadcast_object_list(decision, from_process=0)
-        if isinstance(decision[0], BaseException):
-            raise decision[0]
-        return bool(decision[0])
+        def probe() -> bool:
+            # Only rank 0 is handed the weight transfer: whether one was injected is its call.
+            if injected_transfer and type(self)._build_lora_client is AsyncGRPOTrainer._build_lora_client:
+                logger.info("A custom `weight_transfer` receives the merged weights of the PEFT policy at each sync.")
+                return False
+            self._lora_client = self._build_lora_client()
+            return probe_adapter_sync(self._lora_client, policy, args)
+
+        return bool(rank0_call(probe, self._is_rollout_owner))
 
     def _server_max_model_len(self) -> int:
         for source in (self._generation_backend, self.vllm_client):
@@ -604,12 +610,14 @@ class AsyncGRPOTrainer(Trainer):
             poll_interval_s=self._poll_interval_s,
             report_to=args.report_to,
         )
-        planner = self._build_planner(dataset, self.accelerator.num_processes)
-        loader = DataLoader(
-            _TimedPlanner(planner, self._step, self._step_groups, self._group_key),
-            batch_size=1,
-            collate_fn=self.data_collator,
-        )
+        num_processes = self.accelerator.num_processes
+        planner = self._build_planner(dataset, num_processes)
+        planner = _TimedPlanner(planner, self._step, self._step_groups, self._group_key)
+        collate_fn = self.data_collator
+        if num_processes > 1:  # an error reading the queue is dispatched to every rank (one process: raised here)
+            planner = self._failure_relay = RelayFailures(planner)
+            collate_fn = collate_or_relay(self.data_collator, num_processes, planner)
+        loader = DataLoader(planner, batch_size=1, collate_fn=collate_fn)
         return self.accelerator.prepare(loader)
 
     def _build_planner(self, dataset: IterableDataset, num_processes: int) -> IterableDataset:
@@ -621,11 +629,21 @@ class AsyncGRPOTrainer(Trainer):
     # -- rollouts and weight sync ------------------------------------------------------------------------------------
 
     def _start_rollouts(self) -> None:
-        if self.weight_transfer is not None and not self._adapter_sync:  # adapter-only sync opens no group
-            self.weight_transfer.init_weight_transfer()
+        # Opening the transfer and starting the worker (its backend's readiness check) happen on rank 0 only; a
+        # failure there is raised on every rank.
+        owner = self._is_rollout_owner
+
+        def init_transfer() -> None:
+            if self.weight_transfer is not None and not self._adapter_sync:  # adapter-only sync opens no group
+                self.weight_transfer.init_weight_transfer()
+
+        def start() -> None:
+            if self.rollout_worker is not None:
+                self.rollout_worker.start()
+
+        rank0_call(init_transfer, owner, broadcast_result=False)
         self._sync_weight()
-        if self.rollout_worker is not None:
-            self.rollout_worker.start()
+        rank0_call(start, owner, broadcast_result=False)
 
     def _sync_weight(self) -> None:
         """Push the current policy and bump the policy version: merged full weights (PEFT merged for the push), or
@@ -738,6 +756,7 @@ class AsyncGRPOTrainer(Trainer):
     # -- loss and metrics --------------------------------------------------------------------------------------------
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        raise_relayed_failure(inputs, self._failure_relay)
         start = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
         self._step["perf/fwd_bwd_s"] += time.perf_counter() - start
