@@ -188,14 +188,15 @@ def prepare_inputs(workdir: str, quick: bool, shape: str = "small", layers: int 
     return paths
 
 
-# `--ablate NAME`: the fast path's predicate (module, function) and the value that makes it take the plain path.
+# `--ablate NAME`: the fast path's predicates (module, space-separated functions) and the value that makes each take
+# the plain path.
 ABLATIONS = {
     "tied_embedding_grad": (
         "trl.trainer.fast_paths.tied_embedding_grad",
         "tied_embedding_grad_fallback_reason",
         "off",
     ),
-    "prefix_sharing": ("trl.trainer.fast_paths.prefix_sharing", "supports_prefix_sharing", False),
+    "prefix_sharing": ("trl.trainer.fast_paths.prefix_sharing", "supports_prefix_sharing sharing_possible_now", False),
     "rollout_decode": ("trl.trainer.fast_paths.rollout_decode", "rollout_decode_fallback_reason", "off"),
     "lean_decode": ("trl.trainer.fast_paths.lean_decode", "lean_decode_fallback_reason", "off"),
     "decode_replay": ("trl.trainer.fast_paths.decode_replay", "layer_outputs_fallback_reason", "off"),
@@ -217,12 +218,13 @@ def ablate(name: str) -> None:
     modules hold it (they import it by name), by a function returning the value that declines it."""
     import importlib
 
-    module_name, function_name, declined = ABLATIONS[name]
-    original = getattr(importlib.import_module(module_name), function_name)
+    module_name, function_names, declined = ABLATIONS[name]
     importlib.import_module("trl.trainer")  # every trainer module, so that each import of the predicate is found
-    for module in list(sys.modules.values()):
-        if getattr(module, "__name__", "").startswith("trl") and getattr(module, function_name, None) is original:
-            setattr(module, function_name, lambda *args, **kwargs: declined)
+    for function_name in function_names.split():
+        original = getattr(importlib.import_module(module_name), function_name)
+        for module in list(sys.modules.values()):
+            if getattr(module, "__name__", "").startswith("trl") and getattr(module, function_name, None) is original:
+                setattr(module, function_name, lambda *args, **kwargs: declined)
 
 
 def job_size(job: str, args: argparse.Namespace) -> tuple[int, int]:
@@ -312,7 +314,9 @@ def summarise(job: str, ours: list[dict], trl: list[dict], peak: float, paths: d
 
     row = {"job": job, "device": trl[-1].get("device", "cpu")}
     # The job's real tokens per step, counted on TRL's side (ours may lay the same tokens out differently).
-    tokens, seq_len, items = trl[-1]["tokens_per_step"], trl[-1]["seq_len"], trl[-1]["items_per_step"]
+    # (With --ablate both sides are this project: the counts of whichever side recorded them.)
+    counted = next((rows[-1] for rows in (trl, ours) if rows[-1]["items_per_step"]), trl[-1])
+    tokens, seq_len, items = counted["tokens_per_step"], counted["seq_len"], counted["items_per_step"]
     for side, rows in (("ours", ours), ("trl", trl)):
         row[f"{side}_cpu_s"] = med(rows, "cpu_s")
         row[f"{side}_wall_s"] = med(rows, "wall_s")
@@ -327,7 +331,7 @@ def summarise(job: str, ours: list[dict], trl: list[dict], peak: float, paths: d
     row["unit"] = ours[-1]["unit"]
     for key, field in (("cpu_ratio", "cpu_s"), ("rss_ratio", "rss_mb"), ("tensor_ratio", "tensor_mb")):
         row[key] = row[f"ours_{field}"] / row[f"trl_{field}"]
-    row["rate_ratio"] = row["ours_rate"] / row["trl_rate"]
+    row["rate_ratio"] = row["ours_rate"] / row["trl_rate"] if row["trl_rate"] else float("nan")
     scale = max(abs(row["trl_loss"]), 1e-3)
     row["loss_agrees"] = abs(row["ours_loss"] - row["trl_loss"]) <= 1e-3 * scale + 1e-5
     return row
