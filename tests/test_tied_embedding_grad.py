@@ -147,3 +147,23 @@ def test_lean_decode_still_applies_with_the_lookup_replaced():
         assert lean_decode_fallback_reason(model) is None
     model.get_input_embeddings().forward = lambda ids: F.embedding(ids, model.get_input_embeddings().weight)
     assert "embedding" in lean_decode_fallback_reason(model)
+
+
+def test_autograd_grad_and_backward_with_inputs_get_the_plain_gradient():
+    """`torch.autograd.grad` never writes `.grad`: the lookup returns its dense gradient there; a `backward(inputs=...)`
+    that leaves the weight out gives it nothing."""
+    model = _tied_model()
+    ids = _ids(unique=False)
+    weight = model.get_input_embeddings().weight
+
+    def loss():
+        return model(input_ids=ids, labels=ids).loss
+
+    (plain,) = torch.autograd.grad(loss(), [weight])
+    with sparse_tied_embedding_grad(model):
+        (fast,) = torch.autograd.grad(loss(), [weight])
+        assert weight.grad is None
+        norm = model.model.norm.weight
+        loss().backward(inputs=[norm])
+        assert weight.grad is None and norm.grad is not None
+    torch.testing.assert_close(fast, plain, rtol=1e-6, atol=1e-7)

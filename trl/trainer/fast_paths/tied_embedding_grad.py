@@ -6,9 +6,10 @@ weight. At Qwen2.5-0.5B's shape that is a 545 MB tensor allocated, zeroed and re
 same time as the head's gradient: the peak of an SFT step is there.
 
 Here the embedding's backward adds the rows of the tokens it looked up (repeated tokens summed first) into the
-weight's gradient in place, at the end of the backward pass, after autograd has put the head's gradient there: the weight ends the step with the same
-dense gradient, bitwise equal unless a token occurs more than once in the batch (then equal to float rounding: the
-repeated rows are summed in another order), and no second dense tensor exists.
+weight's gradient in place, at the end of the backward pass, after autograd has put the head's gradient there: the
+weight ends the step with the same dense gradient, bitwise equal unless a token occurs more than once in the batch
+(then equal to float rounding: the repeated rows are summed in another order), and no second dense tensor exists.
+Under `torch.autograd.grad`, which never writes `.grad`, the lookup returns the plain dense gradient.
 
 Predicate: [`tied_embedding_grad_fallback_reason`] (a plain `nn.Embedding` whose weight is the output head's, trained,
 without gradient hooks, `max_norm`, `scale_grad_by_freq` or `sparse`, in one process without DeepSpeed, FSDP or
@@ -29,26 +30,37 @@ import torch.nn.functional as F
 from ..utils.distributed import uses_sharding_engine
 
 
+def _grad_accumulator(weight: torch.Tensor) -> Any:
+    """The autograd node that accumulates `weight`'s gradient (cached by autograd while referenced)."""
+    return weight.view_as(weight).grad_fn.next_functions[0][0]
+
+
 class _EmbeddingAddingIntoGrad(torch.autograd.Function):
     """`F.embedding(ids, weight, padding_idx)` whose rows are added into `weight.grad` at the end of the backward.
 
-    The weight enters detached, so autograd sees no edge from this lookup to it and does not sum this gradient with
-    the head's in its input buffer (that sum is out of place for a sparse term); `anchor`, an empty tensor that
-    requires a gradient, keeps the output in the graph. The backward sums the rows of repeated tokens and queues
-    their addition for the end of the backward pass, when autograd has put the head's gradient into `weight.grad`
-    (a dense gradient of zeros is started when nothing did).
+    In a `backward()` that accumulates into `weight.grad`, the backward returns no gradient for the weight (autograd
+    then has nothing to sum with the head's gradient in its input buffer, where a sparse term would make the sum out
+    of place); it sums the rows of repeated tokens and queues their addition for the end of the backward pass, when
+    autograd has put the head's gradient into `weight.grad` (a dense gradient of zeros is started when nothing did).
+    Under `torch.autograd.grad`, which never writes `.grad`, it returns the plain dense gradient instead.
     """
 
     @staticmethod
-    def forward(ctx, ids, detached_weight, anchor, weight, padding_idx):
+    def forward(ctx, ids, weight, padding_idx, accumulator):
         ctx.save_for_backward(ids)
-        ctx.weight, ctx.padding_idx = weight, padding_idx
-        return F.embedding(ids, detached_weight, padding_idx)
+        ctx.weight, ctx.padding_idx, ctx.accumulator = weight, padding_idx, accumulator
+        return F.embedding(ids, weight, padding_idx)
 
     @staticmethod
     def backward(ctx, grad_output):
         (ids,) = ctx.saved_tensors
         weight = ctx.weight
+        try:
+            accumulating = torch._C._will_engine_execute_node(ctx.accumulator)
+        except RuntimeError:  # raised for a leaf's node under `torch.autograd.grad`
+            accumulating = None
+        if accumulating is False:  # a backward(inputs=...) that leaves this weight out
+            return None, None, None, None
         rows = ids.reshape(-1)
         values = grad_output.reshape(-1, grad_output.shape[-1])
         if ctx.padding_idx is not None:  # as nn.Embedding: the padding row gets no gradient
@@ -56,16 +68,20 @@ class _EmbeddingAddingIntoGrad(torch.autograd.Function):
             rows, values = rows[keep], values[keep]
         # Repeated tokens are summed first, as the dense backward does, then added once.
         summed = torch.sparse_coo_tensor(rows.unsqueeze(0), values, weight.shape, check_invariants=False).coalesce()
+        indices, sums = summed.indices()[0], summed.values().to(weight.dtype)
+        if accumulating is None:
+            dense = torch.zeros_like(weight)
+            return None, dense.index_put_((indices,), sums, accumulate=True), None, None
 
         def add_rows() -> None:
             with torch.no_grad():
                 if weight.grad is None:
                     weight.grad = torch.zeros_like(weight)
                 # index_put_ touches only these rows (index_add_ walks the whole gradient on a CPU).
-                weight.grad.index_put_((summed.indices()[0],), summed.values().to(weight.grad.dtype), accumulate=True)
+                weight.grad.index_put_((indices,), sums.to(weight.grad.dtype), accumulate=True)
 
         torch.autograd.Variable._execution_engine.queue_callback(add_rows)
-        return None, None, None, None, None
+        return None, None, None, None
 
 
 def tied_embedding_grad_fallback_reason(model: nn.Module, args: Any = None) -> str | None:
@@ -117,13 +133,12 @@ def sparse_tied_embedding_grad(model: nn.Module, args: Any = None) -> Iterator[b
         yield False
         return
     embeddings = getattr(model, "module", model).get_input_embeddings()
-    anchor = torch.empty(0, requires_grad=True)
 
     def forward(ids: torch.Tensor) -> torch.Tensor:
         weight = embeddings.weight
         if not (torch.is_grad_enabled() and weight.requires_grad):
             return F.embedding(ids, weight, embeddings.padding_idx)
-        return _EmbeddingAddingIntoGrad.apply(ids, weight.detach(), anchor, weight, embeddings.padding_idx)
+        return _EmbeddingAddingIntoGrad.apply(ids, weight, embeddings.padding_idx, _grad_accumulator(weight))
 
     forward.looks_up_plainly = True  # same values as nn.Embedding's forward: see `replaced_by_plain_lookup`
     embeddings.forward = forward
