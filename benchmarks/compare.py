@@ -34,6 +34,9 @@ Usage:
     python benchmarks/compare.py --jobs sft_padded,dpo --steps 6 --rounds 2
     python benchmarks/compare.py --quick         # smoke test: tiny model, 2 steps, every job
     python benchmarks/compare.py --shape qwen2.5-0.5b --layers 2 --steps 1 --warmup 0   # smoke test of that shape
+    python benchmarks/compare.py --jobs rloo,distillation,orpo,cpo   # jobs beyond the default six
+    python benchmarks/compare.py --jobs dpo --rows 1 --ablate reference_cache   # later epochs, with and without the cache
+    python benchmarks/compare.py --jobs reward --config gradient_checkpointing=false --ablate lean_modules
 
 Only the standard library is imported at module level (the worker sets the thread count and offline flags first).
 """
@@ -52,6 +55,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = ("sft_padded", "sft_packed", "dpo", "reward", "kto", "grpo")
+# Jobs run only when named in `--jobs`: the same data and sizes through other trainers.
+EXTRA_JOBS = ("rloo", "distillation", "orpo", "cpo")
 SHAPES = ("small", "qwen2.5-0.5b")
 # Qwen2.5-0.5B's architecture (its config.json, less the tokenizer's ids, which come from the tiny tokenizer).
 QWEN25_05B = {
@@ -74,6 +79,10 @@ REALISTIC_JOBS = {
     "reward": (2, 512),
     "kto": (2, 512),
     "grpo": (8, 512),
+    "rloo": (8, 512),
+    "distillation": (2, 512),
+    "orpo": (1, 512),
+    "cpo": (1, 512),
 }
 # Words of the synthetic preference rows per shape: prompt, answer. Long enough that the body of the model, not the
 # overhead, is timed (~1.6 tokens a word); the realistic rows are ~400 tokens, ~300 of them the shared prompt.
@@ -207,8 +216,11 @@ ABLATIONS = {
     ),
     "fused_lm_head": ("trl.trainer.utils.logprobs", "fusable_lm_head", None),
     "layer_checkpoints": ("trl.trainer.fast_paths.layer_checkpoints", "layer_checkpoint_fallback_reason", "off"),
+    # The layers `LayerBudget` keeps uncheckpointed: none when no forward is taken for a fused-head one.
+    "kept_layers": ("trl.trainer.utils.logprobs", "lm_head_inputs_captured", False),
     "lean_modules": ("trl.trainer.fast_paths.lean_modules", "lean_modules_applicable", False),
     "cpu_allocator": ("trl.trainer.fast_paths.cpu_allocator", "activation_memory_fallback_reason", "off"),
+    "reference_cache": ("trl.trainer.fast_paths.reference_cache", "training_revisits_examples", False),
     "packed_attention": ("trl.trainer.utils.packing", "packed_sdpa_applicable", False),
 }
 
@@ -230,7 +242,7 @@ def ablate(name: str) -> None:
 def job_size(job: str, args: argparse.Namespace) -> tuple[int, int]:
     """Per-device batch size and `max_length` of `job` at `args.shape`."""
     if args.shape == "small":
-        return (4 if job == "dpo" else 8), args.max_length
+        return (4 if job in ("dpo", "orpo", "cpo") else 8), args.max_length
     return REALISTIC_JOBS[job]
 
 
@@ -250,6 +262,8 @@ def run_worker(
     spec = {"job": job, "side": side, "steps": args.steps, "warmup": args.warmup, "threads": args.threads}
     spec.update({"quick": args.quick, "batch": batch, "max_length": max_length, "paths": paths})
     spec["ablate"] = ablate_name
+    spec["config"] = args.config
+    spec["rows"] = args.rows
     with tempfile.TemporaryDirectory(prefix=f"bench-compare-{side}-") as cwd:
         spec["output_dir"] = os.path.join(cwd, "out")
         proc = subprocess.run(
@@ -361,7 +375,11 @@ def main() -> int:
     """Runs the comparison the command line asks for (or, with the hidden `--_worker`, one job of one side)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--_worker", help=argparse.SUPPRESS)
-    parser.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated subset of {', '.join(JOBS)}")
+    parser.add_argument(
+        "--jobs",
+        default=",".join(JOBS),
+        help=f"comma-separated subset of {', '.join(JOBS + EXTRA_JOBS)} (default: the first six)",
+    )
     parser.add_argument("--shape", default="small", choices=SHAPES, help="model shape and job sizes (see above)")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers of the qwen2.5-0.5b shape")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per run (default 12; qwen2.5-0.5b 4)")
@@ -378,20 +396,34 @@ def main() -> int:
         choices=sorted(ABLATIONS),
         help="compare this project with itself without this fast path (the 'TRL' columns), instead of with TRL",
     )
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set a config field on both sides (VALUE read as JSON, else a string); repeatable, e.g. "
+        "--config gradient_checkpointing=false",
+    )
+    parser.add_argument(
+        "--rows", type=int, default=None, help="train on the first N rows only, so that later steps revisit them"
+    )
     args = parser.parse_args()
     if args._worker:
         worker(json.loads(args._worker))
         return 0
     if args.steps is None:
         args.steps = 12 if args.shape == "small" else 4
+    for item in args.config:
+        if "=" not in item:
+            parser.error(f"--config expects KEY=VALUE, got {item!r}")
     if args.quick:
         if args.shape != "small":
             parser.error("--quick runs the tiny model; for a quick realistic-shape run use --layers and --steps")
         args.steps, args.warmup, args.max_length = 2, 1, 256
     jobs = [job.strip() for job in args.jobs.split(",") if job.strip()]
-    unknown = sorted(set(jobs) - set(JOBS))
+    unknown = sorted(set(jobs) - set(JOBS + EXTRA_JOBS))
     if unknown:
-        parser.error(f"unknown jobs {unknown}; choose from {', '.join(JOBS)}")
+        parser.error(f"unknown jobs {unknown}; choose from {', '.join(JOBS + EXTRA_JOBS)}")
     venv = os.environ.get("PARITY_VENV", "/work/main/.venv-parity")
     trl_python = args.trl_python or os.path.join(venv, "bin", "python")
     if not os.path.exists(trl_python):
@@ -471,7 +503,8 @@ def worker(spec: dict) -> None:
             self.wall.append(time.perf_counter() - self._wall)
 
     def data(name: str):
-        return load_dataset("json", data_files=paths[name], split="train")
+        dataset = load_dataset("json", data_files=paths[name], split="train")
+        return dataset.select(range(spec["rows"])) if spec.get("rows") else dataset
 
     common = {
         "output_dir": spec["output_dir"],
@@ -487,6 +520,12 @@ def worker(spec: dict) -> None:
     }
     if cuda:
         common["model_init_kwargs"] = {"dtype": "bfloat16", "attn_implementation": "sdpa"}
+    for item in spec.get("config", []):
+        key, value = item.split("=", 1)
+        try:
+            common[key] = json.loads(value)
+        except json.JSONDecodeError:
+            common[key] = value
     clock = StepClock()
     callbacks = [clock] if cuda else [clock, _tensor_peak_callback(timed_steps)]
     unit = "tokens/s"
@@ -514,6 +553,35 @@ def worker(spec: dict) -> None:
             train_dataset=data("prompts"),
             callbacks=callbacks,
         )
+    elif job == "rloo":
+        unit = "completions/s"
+        config = trl.RLOOConfig(**common, num_generations=4, max_completion_length=16 if spec["quick"] else 32)
+        trainer = trl.RLOOTrainer(
+            paths["model"],
+            reward_funcs=_harness.cheap_reward,
+            args=config,
+            train_dataset=data("prompts"),
+            callbacks=callbacks,
+        )
+    elif job == "distillation":
+        # On-policy distillation from a teacher of the same shape (a second copy of the weights).
+        unit = "completions/s"
+        config = trl.DistillationConfig(**common, max_completion_length=16 if spec["quick"] else 32)
+        trainer = trl.DistillationTrainer(
+            paths["model"],
+            teacher_model=paths["model"],
+            args=config,
+            train_dataset=data("prompts"),
+            callbacks=callbacks,
+        )
+    elif job in ("orpo", "cpo"):
+        import importlib
+
+        module = importlib.import_module(f"trl.experimental.{job}")
+        prefix = job.upper()
+        config = getattr(module, f"{prefix}Config")(**common, max_length=max_length)
+        trainer_class = getattr(module, f"{prefix}Trainer")
+        trainer = trainer_class(paths["model"], args=config, train_dataset=data("preference"), callbacks=callbacks)
     else:
         raise ValueError(f"unknown job {job!r}")
 
@@ -535,7 +603,7 @@ def worker(spec: dict) -> None:
         "final_loss": losses[min(timed_steps, len(losses)) - 1],  # the last timed step's (logged every step)
         "tokens_per_step": tokens_per_step,
         "seq_len": seq_len,
-        "items_per_step": batch * 1.0 if job == "grpo" else tokens_per_step,
+        "items_per_step": batch * 1.0 if unit == "completions/s" else tokens_per_step,
         "unit": unit,
     }
     print(json.dumps(result), flush=True)

@@ -2,6 +2,8 @@
 the values and gradients of torch's checkpoint, the arena reused step after step, and transformers' checkpoint kept
 wherever the layer or the settings do not qualify."""
 
+import contextlib
+
 import pytest
 import torch
 from trainer_utils import LLAMA_STYLE_FAMILIES, args_builder, llama_style_decoder, train_logs
@@ -14,22 +16,98 @@ from trl.trainer.fast_paths.layer_checkpoints import (
     layer_checkpoint_fallback_reason,
     lean_layer_checkpoints,
 )
+from trl.trainer.utils.logprobs import capture_lm_head_inputs, compute_token_logps
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def _loss_and_grads(model, ids, arena=None):
-    model.zero_grad(set_to_none=True)
+def _loss_and_grads(model, ids, arena=None, keep_activations=False, zero_grad=True):
+    if zero_grad:
+        model.zero_grad(set_to_none=True)
     if arena is None:
         logits = model(input_ids=ids).logits
     else:
-        with lean_layer_checkpoints(model, arena) as switched:
+        with lean_layer_checkpoints(model, arena, keep_activations=keep_activations) as switched:
             assert switched == model.config.num_hidden_layers
             logits = model(input_ids=ids).logits
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _fused_loss_and_grads(model, ids, arena=None, zero_grad=True):
+    """Minus the mean label log-prob through the fused LM head (no logits materialised), and the gradients."""
+    if zero_grad:
+        model.zero_grad(set_to_none=True)
+    with lean_layer_checkpoints(model, arena) if arena is not None else contextlib.nullcontext():
+        loss = -compute_token_logps(model, ids).logps.mean()
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.fixture
+def no_head_margin(monkeypatch):
+    """The fused head's working memory left out of the budget's margin: at a tiny width it exceeds every layer."""
+    monkeypatch.setattr(layer_checkpoints, "fused_head_working_bytes", lambda: 0)
+
+
+@pytest.mark.parametrize("family", LLAMA_STYLE_FAMILIES)
+def test_layers_kept_within_the_gradient_budget_are_bitwise_the_checkpoint(family, no_head_margin):
+    torch.manual_seed(0)
+    model = llama_style_decoder(family).train()
+    enable_activation_checkpointing(model)
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(1, 300, (2, 11))
+    loss, grads = _fused_loss_and_grads(model, ids)
+    arena = CheckpointArena()
+    for step in range(2):  # the first forward keeps the last layer and measures it; the second keeps what fits
+        lean_loss, lean_grads = _fused_loss_and_grads(model, ids, arena)
+        torch.testing.assert_close(lean_loss, loss, rtol=0, atol=0)
+        for name, grad in grads.items():
+            torch.testing.assert_close(lean_grads[name], grad, rtol=0, atol=0, msg=name)
+        # The first forward keeps the last layer only; at this tiny width the second keeps more.
+        assert arena.budget.keep_from == layers - 1 if step == 0 else arena.budget.keep_from < layers - 1
+        assert arena.budget.outstanding == 0 and arena.live == 0  # every kept layer's backward has run
+
+
+def test_the_budget_is_the_unallocated_gradients_of_the_layers(no_head_margin):
+    torch.manual_seed(0)
+    model = llama_style_decoder("qwen2").train()
+    enable_activation_checkpointing(model)
+    arena = CheckpointArena()
+    ids = torch.randint(1, 300, (2, 11))
+    _fused_loss_and_grads(model, ids, arena)
+    budget = arena.budget
+    sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in budget.layers]
+    per_layer = budget.bytes_per_token * ids.numel()
+    assert per_layer > 0
+    model.zero_grad(set_to_none=True)
+    head = model.get_output_embeddings()
+    with capture_lm_head_inputs(head):
+        budget.plan(ids.numel())
+        assert len(budget.layers) - budget.keep_from == min(len(sizes), int((sum(sizes) - max(sizes)) // per_layer))
+        tokens = int((sum(sizes) - max(sizes)) // budget.bytes_per_token)  # exactly one layer's activations fit
+        budget.plan(tokens)
+        assert budget.keep_from == len(sizes) - 1
+        budget.plan(tokens + 1)
+        assert budget.keep_from == len(sizes)
+    budget.plan(1)  # logits materialised in this forward: they would sit on top of kept activations
+    assert budget.keep_from == len(sizes)
+    # Gradient accumulation: the gradients of the first micro-batch are allocated, nothing is kept in the next one.
+    _fused_loss_and_grads(model, ids, arena)
+    assert budget.keep_from < len(sizes)
+    _fused_loss_and_grads(model, ids, arena, zero_grad=False)
+    assert budget.keep_from == len(sizes)
+
+
+def test_a_forward_with_logits_keeps_no_layer():
+    torch.manual_seed(0)
+    model = llama_style_decoder("qwen2").train()
+    enable_activation_checkpointing(model)
+    arena = CheckpointArena()
+    _loss_and_grads(model, torch.randint(1, 300, (2, 11)), arena, keep_activations=True)
+    assert arena.budget.keep_from == model.config.num_hidden_layers and arena.budget.bytes_per_token is None
 
 
 @pytest.mark.parametrize("family", LLAMA_STYLE_FAMILIES)
@@ -94,7 +172,7 @@ def test_a_step_after_a_dropped_graph_does_not_overwrite_its_outputs():
     model = llama_style_decoder("llama").train()
     enable_activation_checkpointing(model)
     arena = CheckpointArena()
-    with lean_layer_checkpoints(model, arena):
+    with lean_layer_checkpoints(model, arena, keep_activations=False):
         dropped = model(input_ids=torch.randint(1, 300, (1, 7)), output_hidden_states=True)
     assert arena.live == model.config.num_hidden_layers
     kept = [state.clone() for state in dropped.hidden_states[1:-1]]
@@ -143,7 +221,10 @@ def test_layers_and_settings_that_keep_transformers_checkpoint():
     layer.self_attn.attention_dropout = 0.1
     assert layer_checkpoint_fallback_reason(layer) == "attention dropout"
     layer.self_attn.attention_dropout = 0.0
-    with lean_layer_checkpoints(model, CheckpointArena()), torch.autocast("cpu", dtype=torch.bfloat16):
+    with (
+        lean_layer_checkpoints(model, CheckpointArena(), keep_activations=False),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
         calls = []
         original = layer_checkpoints.checkpointed_layer
         layer_checkpoints.checkpointed_layer = lambda *a, **k: calls.append(1) or original(*a, **k)
@@ -255,7 +336,7 @@ def test_backward_by_halves_is_the_whole_layers_backward(family, monkeypatch):
 
     def run():
         model.zero_grad(set_to_none=True)
-        with lean_layer_checkpoints(model, CheckpointArena(split_layers=True)):
+        with lean_layer_checkpoints(model, CheckpointArena(split_layers=True), keep_activations=False):
             logits = model(input_ids=ids, attention_mask=mask).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
@@ -280,6 +361,6 @@ def test_backward_by_halves_is_the_whole_layers_backward(family, monkeypatch):
     monkeypatch.setitem(layer_checkpoints._HALVES_VERIFIED, layer_class, True)
     split.clear()
     model.zero_grad(set_to_none=True)
-    with lean_layer_checkpoints(model, CheckpointArena()):
+    with lean_layer_checkpoints(model, CheckpointArena(), keep_activations=False):
         model(input_ids=ids, attention_mask=mask).logits.sum().backward()
     assert not split

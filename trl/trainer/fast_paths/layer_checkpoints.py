@@ -20,6 +20,11 @@ the layer's class was checked to compute the layer's output that way: the two bl
 held at once, and the gradients are the whole layer's, bitwise. The first forward, without gradients, runs a SwiGLU
 MLP with its activation in place (`lean_modules.mlps_without_grad`).
 
+The last layers of a forward pass may keep their activations instead, when that cannot raise the step's peak
+([`LayerBudget`]): after the optimizer's first step, the peak comes at the end of the backward pass, with every
+gradient allocated, and the activations of the last layers are freed before most of those gradients exist. Each kept
+layer saves its recompute (a quarter of its FLOPs in a training step).
+
 The same function takes a given output instead of running the layer (the rollout decode's recorded outputs, see
 `decode_replay`).
 
@@ -39,8 +44,10 @@ import torch.nn as nn
 
 from ..._compat import CACHE_KEYWORDS, cache_keyword
 from ...kernels.decoder_layers import swiglu_mlp
+from ...kernels.linear_log_softmax import fused_head_working_bytes
+from ..utils.logprobs import lm_head_inputs_captured
 from .last_layer_selection import has_dropout
-from .lean_modules import is_unhooked_lean_swiglu_mlp, mlps_without_grad
+from .lean_modules import is_unhooked_lean_swiglu_mlp, lean_mlp_kernels, mlps_without_grad, switched_forwards
 
 
 _LAYER_CLASSES = {
@@ -65,6 +72,7 @@ class CheckpointArena:
         # Whether the layers checkpointed into this arena back-propagate one residual block at a time (see
         # `_CheckpointedLayer`): less memory for one more attention forward per layer.
         self.split_layers = split_layers
+        self.budget: LayerBudget | None = None  # which last layers keep their activations (set on first use)
         self.chunks: list[torch.Tensor] = []
         self.offset = 0  # elements used in the last chunk
         self.live = 0
@@ -349,13 +357,96 @@ def layer_checkpoint_fallback_reason(layer: nn.Module) -> str | None:
     return None
 
 
+class LayerBudget:
+    """Which of the last checkpointed decoder layers of a forward pass keep their activations instead.
+
+    Gradient checkpointing exists to keep the peak of a step down. Once the optimizer has run, the backward pass
+    allocates every trained parameter's gradient again, and the step's peak comes at its end, with all of them
+    allocated. Activations that a layer keeps are freed when its own backward has run, early in the backward pass for
+    the last layers. Such a layer's activations fit under that peak as long as all kept layers' activations together
+    stay within the gradients of the decoder layers that are still unallocated (`grad` None) when the forward pass
+    starts, less a margin: the largest layer's gradients (the working memory of one layer's backward pass) and the
+    fused LM head's working memory, which is alive with the kept activations at the end of the forward pass. Layers
+    are kept only in forward passes whose logits the fused head computes ([`lm_head_inputs_captured`]): full logits
+    would sit on top of the kept activations. Those layers
+    run with plain autograd (their MLPs through the lean kernel of
+    [`~trl.trainer.fast_paths.lean_modules.lean_mlp_kernels`]) and are not recomputed: the values and gradients of
+    torch's checkpoint, bitwise, and one layer forward fewer each.
+
+    With gradient accumulation the gradients of later micro-batches are allocated, so those forward passes keep
+    nothing. The activation bytes per token are measured on the last layer of the first forward pass (the one layer
+    kept before any measurement: its recompute would build the same activations at the start of the backward pass).
+    """
+
+    def __init__(self, layers: list[nn.Module], model: nn.Module):
+        self.layers = layers
+        self.model = model
+        self.position = {id(layer): index for index, layer in enumerate(layers)}
+        self.bytes_per_token: float | None = None
+        self.keep_from = len(layers)
+        self.outstanding = 0.0  # bytes kept by layers whose backward has not run yet
+
+    def plan(self, tokens: int) -> None:
+        """Decides, at the first layer of a forward pass over `tokens` tokens, which last layers keep activations."""
+        sizes = [
+            sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad and p.grad is None)
+            for layer in self.layers
+        ]
+        if not lm_head_inputs_captured(self.model):
+            kept = 0
+        elif self.bytes_per_token is None:
+            kept = 1
+        else:
+            margin = max(sizes, default=0) + fused_head_working_bytes()
+            free = sum(sizes) - margin - self.outstanding
+            kept = int(max(free, 0) // max(self.bytes_per_token * tokens, 1.0))
+        self.keep_from = len(self.layers) - min(kept, len(self.layers))
+
+    def keeps(self, layer: nn.Module) -> bool:
+        return self.position.get(id(layer), -1) >= self.keep_from
+
+    def run_kept(self, layer: nn.Module, function: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+        """`function(hidden_states)` with plain autograd, its MLP through the lean kernel."""
+        tokens = hidden_states.shape[:-1].numel()
+        measure = self.bytes_per_token is None
+        saved: dict[tuple[int, int], int] = {}
+        parameter_storages = {p.untyped_storage().data_ptr() for p in layer.parameters()} if measure else set()
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            # The tensor's own bytes, not its storage's: the layer's input may be a view into the arena's chunk.
+            if tensor.untyped_storage().data_ptr() not in parameter_storages:
+                saved[(tensor.data_ptr(), tensor.numel())] = tensor.numel() * tensor.element_size()
+            return tensor
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor) if measure else None
+        with switched_forwards(lean_mlp_kernels(layer)), hooks or contextlib.nullcontext():
+            output = function(hidden_states)
+        if measure:
+            self.bytes_per_token = sum(saved.values()) / max(tokens, 1)
+        kept_bytes = self.bytes_per_token * tokens
+        self.outstanding += kept_bytes
+        if output.requires_grad:
+            output.register_hook(functools.partial(self._released, kept_bytes))
+        return output
+
+    def _released(self, kept_bytes: float, grad: torch.Tensor) -> None:
+        self.outstanding = max(self.outstanding - kept_bytes, 0.0)
+
+
 def _lean_checkpoint(
     layer: nn.Module, arena: CheckpointArena, original: Any, function: Any, *args: Any, **kwargs: Any
 ) -> torch.Tensor:
-    """The checkpoint function [`lean_layer_checkpoints`] installs: [`checkpointed_layer`] for a plain call, the
-    original one for anything else (keyword arguments, autocast)."""
+    """The checkpoint function [`lean_layer_checkpoints`] installs: [`checkpointed_layer`] for a plain call, or the
+    plain layer for the last layers the arena's [`LayerBudget`] keeps; the original one for anything else (keyword
+    arguments, autocast)."""
     if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or torch.is_autocast_enabled("cpu"):
         return original(function, *args, **kwargs)
+    budget = arena.budget
+    if budget is not None and torch.is_grad_enabled():
+        if budget.position.get(id(layer)) == 0:
+            budget.plan(args[0].shape[:-1].numel())
+        if budget.keeps(layer):
+            return budget.run_kept(layer, function, args[0])
     return checkpointed_layer(layer, function, args[0], arena=arena)
 
 
@@ -365,7 +456,7 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def lean_layer_checkpoints(model: nn.Module, arena: CheckpointArena) -> Iterator[int]:
+def lean_layer_checkpoints(model: nn.Module, arena: CheckpointArena, keep_activations: bool = True) -> Iterator[int]:
     """Within the block, the qualifying checkpointed decoder layers of `model` ([`layer_checkpoint_fallback_reason`])
     use [`checkpointed_layer`] with outputs kept in `arena`. Yields how many layers were switched.
 
@@ -374,6 +465,8 @@ def lean_layer_checkpoints(model: nn.Module, arena: CheckpointArena) -> Iterator
     """
     if arena.live:
         arena.abandon()
+    if arena.budget is not None:
+        arena.budget.outstanding = 0.0  # a new loss: the last one's graph was back-propagated (or dropped)
     switched = []
     for layer in _decoder_layers(model):
         original = vars(layer).get("_gradient_checkpointing_func")
@@ -381,6 +474,10 @@ def lean_layer_checkpoints(model: nn.Module, arena: CheckpointArena) -> Iterator
             continue
         layer._gradient_checkpointing_func = functools.partial(_lean_checkpoint, layer, arena, original)
         switched.append((layer, original))
+    if switched and keep_activations:
+        layers = [layer for layer, _ in switched]
+        if arena.budget is None or arena.budget.layers != layers:
+            arena.budget = LayerBudget(layers, model)
     try:
         yield len(switched)
     finally:

@@ -64,12 +64,12 @@ def mlps_without_grad(model: nn.Module) -> Iterator[int]:
     activation and the product in place when no gradient is recorded: the same values with one `tokens x
     intermediate` tensor fewer. Yields how many MLPs were switched."""
     kernels = [(module, _swiglu_forward(module)) for module in model.modules() if is_unhooked_lean_swiglu_mlp(module)]
-    with _forwards_switched(kernels) as switched:
+    with switched_forwards(kernels) as switched:
         yield switched
 
 
 @contextlib.contextmanager
-def _forwards_switched(kernels: list[tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]]) -> Iterator[int]:
+def switched_forwards(kernels: list[tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]]) -> Iterator[int]:
     """Within the block, each module's instance `forward` is its kernel; yields how many modules were switched."""
     for module, kernel in kernels:
         module.forward = kernel
@@ -101,6 +101,14 @@ def lean_module_kernel(module: nn.Module) -> Callable[[torch.Tensor], torch.Tens
     return None
 
 
+def lean_mlp_kernels(layer: nn.Module) -> list[tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]]:
+    """The lean SwiGLU kernels for the unhooked MLPs inside one decoder layer ([`is_unhooked_lean_swiglu_mlp`]), to
+    pass to [`switched_forwards`]: a layer that keeps its activations under gradient checkpointing keeps two of the
+    four `tokens x intermediate` tensors, with gradients bitwise plain autograd's. (The RMSNorm kernel is left out:
+    within a layer, its input gradient is summed in another order than plain autograd's.)"""
+    return [(m, _swiglu_forward(m)) for m in layer.modules() if m is not layer and is_unhooked_lean_swiglu_mlp(m)]
+
+
 def lean_modules_applicable(model: nn.Module, args: Any = None) -> bool:
     """Whether the model-wide conditions for [`lean_modules`] hold: no DeepSpeed or FSDP engine, and no gradient
     checkpointing (it already drops the activations these kernels save memory on), asked of the training arguments
@@ -127,5 +135,5 @@ def lean_modules(model: nn.Module, args: Any = None) -> Iterator[int]:
         kernel = lean_module_kernel(module)
         if kernel is not None:
             kernels.append((module, kernel))
-    with _forwards_switched(kernels) as switched:
+    with switched_forwards(kernels) as switched:
         yield switched

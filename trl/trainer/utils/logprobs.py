@@ -108,11 +108,24 @@ def capture_lm_head_inputs(head: nn.Linear) -> Iterator[list[torch.Tensor]]:
         captured.append(hidden)
         return hidden.new_zeros((), dtype=torch.float32).expand(*hidden.shape[:-1], head.out_features)
 
+    forward.captures_lm_head_inputs = True
     head.forward = forward
     try:
         yield captured
     finally:
         del head.forward
+
+
+def lm_head_inputs_captured(model: nn.Module) -> bool:
+    """Whether a forward pass of `model` now runs inside [`capture_lm_head_inputs`]: no logits are materialised, the
+    fused head computes the log-probs afterwards, a chunk at a time."""
+    target = getattr(model, "module", model)
+    get_head = getattr(target, "get_output_embeddings", None)
+    try:
+        head = get_head() if get_head is not None else None
+    except (AttributeError, NotImplementedError):
+        return False
+    return getattr(vars(head).get("forward") if head is not None else None, "captures_lm_head_inputs", False)
 
 
 def compute_token_logps(
