@@ -688,7 +688,7 @@ class _TokenCounter:
                 return
             ids = kwargs.get("input_ids", args[0] if args else None)
             mask = kwargs.get("attention_mask")
-            if ids is None:
+            if not isinstance(ids, torch.Tensor):
                 return
             if mask is not None and mask.dim() == 4:
                 # A shared-prefix layout's additive mask: padding attends only to itself and nothing attends to it.

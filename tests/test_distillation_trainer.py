@@ -93,6 +93,12 @@ def test_teacher_is_required_before_training(tmp_path, model_path, prompts):
         build(tmp_path, student, student, prompts)
 
 
+def test_the_same_path_for_student_and_teacher_loads_two_models(tmp_path, model_path, prompts):
+    trainer = build(tmp_path, model_path, model_path, prompts)
+    assert trainer.teacher_model is not trainer.model
+    assert not any(p.requires_grad for p in trainer.teacher_model.parameters())
+
+
 def test_teacher_loaded_from_config_path_with_init_kwargs(tmp_path, model_path, teacher_path, prompts):
     args = make_args(
         tmp_path, teacher_model_name_or_path=teacher_path, teacher_model_init_kwargs={"dtype": "bfloat16"}

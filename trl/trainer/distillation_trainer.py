@@ -131,7 +131,8 @@ class DistillationTrainer(_NoRewardsMixin, _ToolCallingMixin, _OnlineTrainer):
         if args is None:
             args = self._default_args(DistillationConfig, model)
         # The teacher is loaded first, so that a bad teacher path fails before the student is set up.
-        if teacher_model is not None and teacher_model is model:
+        # The same path twice loads two models; only one module object for both is a mistake.
+        if isinstance(teacher_model, nn.Module) and teacher_model is model:
             raise ValueError(
                 "teacher_model is the same object as model; the student is trained and the teacher must stay frozen. "
                 "Pass a separate teacher (a path or another model instance)."
