@@ -543,20 +543,13 @@ def worker(spec: dict) -> None:
     elif job == "kto":
         config = trl.KTOConfig(**common, max_length=max_length)
         trainer = trl.KTOTrainer(paths["model"], args=config, train_dataset=data("unpaired"), callbacks=callbacks)
-    elif job == "grpo":
+    elif job in ("grpo", "rloo"):
         unit = "completions/s"
-        config = trl.GRPOConfig(**common, num_generations=4, max_completion_length=16 if spec["quick"] else 32)
-        trainer = trl.GRPOTrainer(
-            paths["model"],
-            reward_funcs=_harness.cheap_reward,
-            args=config,
-            train_dataset=data("prompts"),
-            callbacks=callbacks,
+        config_class, trainer_class = (
+            (trl.GRPOConfig, trl.GRPOTrainer) if job == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
         )
-    elif job == "rloo":
-        unit = "completions/s"
-        config = trl.RLOOConfig(**common, num_generations=4, max_completion_length=16 if spec["quick"] else 32)
-        trainer = trl.RLOOTrainer(
+        config = config_class(**common, num_generations=4, max_completion_length=16 if spec["quick"] else 32)
+        trainer = trainer_class(
             paths["model"],
             reward_funcs=_harness.cheap_reward,
             args=config,

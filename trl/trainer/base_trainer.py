@@ -726,7 +726,9 @@ class _BaseTrainer(Trainer):
                 # backward pass that never holds a whole layer's activations (see `CheckpointArena`).
                 split_layers = self.ref_model is not None
                 arena = self._checkpoint_arena = CheckpointArena(split_layers=split_layers)
-            stack.enter_context(lean_layer_checkpoints(self.model, arena))
+            # Layers kept uncheckpointed within the gradient budget (`LayerBudget`) only without a reference model:
+            # its pass runs between the policy's forward and backward, on top of the kept activations.
+            stack.enter_context(lean_layer_checkpoints(self.model, arena, keep_activations=not arena.split_layers))
         return stack
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:

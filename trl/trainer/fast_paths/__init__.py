@@ -12,7 +12,7 @@ path, and its measured gain; `docs/benchmarks.md` holds the figures and the comm
 | `decode_replay` | a no-grad forward to rebuild checkpointed layer inputs on-policy | `layer_outputs_fallback_reason` | `tests/test_decode_replay.py` |
 | `last_layer_selection` | the last decoder layer at every position when few are read | `last_layer_selection_fallback_reason` | `tests/test_last_layer_selection.py` |
 | `fused_lm_head` | full `batch x seq x vocab` logits when only label log-probs are needed | `fusable_lm_head` | `tests/test_fused_lm_head.py` |
-| `layer_checkpoints` | transformers' gradient checkpoint of a decoder layer (CPU, one process) | `layer_checkpoint_fallback_reason` | `tests/test_layer_checkpoints.py` |
+| `layer_checkpoints` | transformers' gradient checkpoint of a decoder layer (CPU, one process); the last layers kept uncheckpointed within the gradient budget (`LayerBudget`) | `layer_checkpoint_fallback_reason`, `LayerBudget.plan` | `tests/test_layer_checkpoints.py` |
 | `lean_modules` | module-call overhead of norms/MLPs in training | `lean_modules` (context manager checks) | `tests/test_training_kernels.py` |
 | `tied_embedding_grad` | the dense `vocab x hidden` gradient of tied input embeddings, added to the head's | `tied_embedding_grad_fallback_reason` | `tests/test_tied_embedding_grad.py` |
 | `reference_cache` | repeating a frozen reference's pass for examples seen before | `ReferenceCache` (frozen reference only) | `tests/test_reference_cache.py` |

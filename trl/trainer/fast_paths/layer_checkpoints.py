@@ -374,7 +374,8 @@ class LayerBudget:
     torch's checkpoint, bitwise, and one layer forward fewer each.
 
     With gradient accumulation the gradients of later micro-batches are allocated, so those forward passes keep
-    nothing. The activation bytes per token are measured on the last layer of the first forward pass (the one layer
+    nothing. Trainers that run a reference model between the policy's forward and backward do not keep layers
+    (`lean_layer_checkpoints(..., keep_activations=False)`): its working memory would sit on top of them. The activation bytes per token are measured on the last layer of the first forward pass (the one layer
     kept before any measurement: its recompute would build the same activations at the start of the backward pass).
     """
 

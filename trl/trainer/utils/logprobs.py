@@ -79,11 +79,7 @@ def fusable_lm_head(model: nn.Module) -> nn.Linear | None:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return None
     target = getattr(model, "module", model)
-    get_head = getattr(target, "get_output_embeddings", None)
-    try:
-        head = get_head() if get_head is not None else None
-    except (AttributeError, NotImplementedError):
-        return None
+    head = _output_embeddings(target)
     if type(head) is not nn.Linear or type(head.weight) is not nn.Parameter or hasattr(head.weight, "ds_id"):
         return None
     config = getattr(target, "config", None)
@@ -119,13 +115,16 @@ def capture_lm_head_inputs(head: nn.Linear) -> Iterator[list[torch.Tensor]]:
 def lm_head_inputs_captured(model: nn.Module) -> bool:
     """Whether a forward pass of `model` now runs inside [`capture_lm_head_inputs`]: no logits are materialised, the
     fused head computes the log-probs afterwards, a chunk at a time."""
-    target = getattr(model, "module", model)
-    get_head = getattr(target, "get_output_embeddings", None)
-    try:
-        head = get_head() if get_head is not None else None
-    except (AttributeError, NotImplementedError):
-        return False
+    head = _output_embeddings(getattr(model, "module", model))
     return getattr(vars(head).get("forward") if head is not None else None, "captures_lm_head_inputs", False)
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    get_head = getattr(model, "get_output_embeddings", None)
+    try:
+        return get_head() if get_head is not None else None
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def compute_token_logps(
