@@ -371,7 +371,6 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
     _undefined_metric_value = None
     # Ratio levels this trainer trains with (the GSPO-token subclass adds "sequence_token").
     _importance_sampling_levels = ("token", "sequence")
-    _decode_replay = True
     _single_turn_takes_num_generations = True
     liger_grpo_loss = None
     _uncalled_trl_hooks = {
@@ -490,9 +489,6 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             vespo_k_neg=args.vespo_k_neg,
             vespo_lambda_neg=args.vespo_lambda_neg,
         )
-
-    def _replays_decode_outputs(self) -> bool:
-        return self.liger_grpo_loss is None and super()._replays_decode_outputs()
 
     def _needs_rollout_logps(self) -> bool:
         # The chunked loss cannot compare the sampler's log-probs with its own on the fly: store the old ones.
@@ -698,8 +694,7 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         the current `(B, T)` log-probabilities and entropies, the router loss (or None), the loss mask and advantages
         in the log-probabilities' dtype, and the sampling policy's log-probabilities (the stored ones, or on-policy
         the current ones detached, so that the ratio is exactly 1 with its gradient)."""
-        with self._decode_replay_for(inputs):
-            logps, entropy, aux_loss = self._completion_logps(model, inputs, compute_entropy=True)
+        logps, entropy, aux_loss = self._completion_logps(model, inputs, compute_entropy=True)
         mask = self._loss_mask(inputs).to(logps.dtype)
         advantages = inputs["advantages"].to(logps.dtype)
         old = inputs.get("old_per_token_logps")

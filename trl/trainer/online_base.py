@@ -159,10 +159,6 @@ class _OnlineTrainer(
     # `_shared_prefix_passes` counts the passes that did.
     _share_prefix = True
     _shared_prefix_passes = 0
-    # The loss pass replays the rollout decode's layer outputs instead of its checkpointed forward when it can (see
-    # `_replayed_layer_outputs`); `_decode_replays` counts the passes that did.
-    _decode_replay = False
-    _decode_replays = 0
     # Config values TRL keeps as trainer attributes (plugins read them there).
     _copied_config_fields = (
         "loss_type",
@@ -598,7 +594,6 @@ class _OnlineTrainer(
         prompts = [example["prompt"] for example in inputs]
 
         self._prompt_rows = inputs
-        self._rollout_layer_outputs = None  # only this round's decode may be replayed (an override may not decode)
         try:
             output = self._generate(prompts)
         finally:

@@ -33,7 +33,6 @@ from .._compat import (
 )
 from ..data_utils import apply_chat_template, is_conversational
 from ..models.utils import unwrap_model_for_generation
-from .fast_paths.decode_replay import parameters_stamp
 from .fast_paths.rollout_decode import (
     decode_rollouts,
     prefill_shared_prompts,
@@ -58,7 +57,6 @@ def generate_with_shared_prompts(
     generation_config: GenerationConfig,
     share_prompt_cache: bool = True,
     rollout_decode: bool = False,
-    on_layer_outputs: Callable[[Any], None] | None = None,
     **generate_kwargs: Any,
 ) -> torch.Tensor:
     """Sample one completion per row, computing each distinct prompt's KV cache only once.
@@ -79,26 +77,15 @@ def generate_with_shared_prompts(
             search / `num_return_sequences > 1`.
         rollout_decode: Run the rollout decode loop (`fast_paths/rollout_decode.py`, the same tokens with less work per
             token) instead of `generate` when it supports the model and settings.
-        on_layer_outputs: Called with the decode loop's recorded decoder-layer outputs
-            ([`~trl.trainer.fast_paths.decode_replay.DecodeLayerOutputs`]) when the loop ran and could record them.
         **generate_kwargs: Extra arguments for `generate`.
 
     Returns:
         `(N, L + T)` prompt and completion ids (completions right-padded with the pad id).
     """
     if rollout_decode and rollout_decode_fallback_reason(model, generation_config, generate_kwargs) is None:
-        output = decode_rollouts(
-            model,
-            prompt_ids,
-            prompt_mask,
-            row_to_prompt,
-            generation_config,
-            share_prompt_cache,
-            record_layer_outputs=on_layer_outputs is not None,
-        )
-        if output.layer_outputs is not None:
-            on_layer_outputs(output.layer_outputs)
-        return output.sequences
+        return decode_rollouts(
+            model, prompt_ids, prompt_mask, row_to_prompt, generation_config, share_prompt_cache
+        ).sequences
     share = (
         share_prompt_cache
         and shares_prompt_prefill(prompt_ids, prompt_mask, row_to_prompt)
@@ -295,7 +282,6 @@ class _OnlineGenerationMixin:
 
         args = self.args
         was_training = self.model.training
-        self._rollout_layer_outputs = None
         with self._policy_for_generation() as unwrapped:
             try:
                 if getattr(args, "use_transformers_continuous_batching", False):
@@ -308,7 +294,6 @@ class _OnlineGenerationMixin:
                     self.generation_config,
                     share_prompt_cache=self._share_prompt_cache,
                     rollout_decode=self._use_rollout_decode,
-                    on_layer_outputs=self._keep_layer_outputs(unwrapped),
                     disable_compile=True,
                 )
             finally:
@@ -363,34 +348,6 @@ class _OnlineGenerationMixin:
         if isinstance(result, tuple) and len(result) == 2:
             return result[0], result[1]
         return result, None
-
-    def _keep_layer_outputs(self, unwrapped: nn.Module) -> Callable[[Any], None] | None:
-        """What keeps the decode's layer outputs for the loss pass to replay (see `_replayed_layer_outputs`), or None
-        when no loss pass of this round could replay them: outside training, without gradient checkpointing, on
-        several processes (the loss pass then runs whole rows), or when the trainer's loss pass does not use them."""
-        if (
-            self._mode != "train"
-            or not self.args.gradient_checkpointing
-            or self.accelerator.num_processes != 1
-            or not self._replays_decode_outputs()
-        ):
-            return None
-
-        def keep(recorded: Any) -> None:
-            recorded.stamp = self._parameters_stamp(unwrapped)
-            self._rollout_layer_outputs = recorded
-
-        return keep
-
-    def _replays_decode_outputs(self) -> bool:
-        """Hook: whether this trainer's loss pass can replay the decode's layer outputs (`_get_per_token_logps_and_entropies` on the
-        shared-prefix layout)."""
-        return False
-
-    def _parameters_stamp(self, model: nn.Module) -> tuple[int, int, int]:
-        """What identifies the parameters `model` holds now: the model, the optimizer steps taken, and the sum of the
-        parameters' version counters (bumped by in-place changes other than fused optimizer steps)."""
-        return (id(model), self.state.global_step, parameters_stamp(model))
 
     @contextlib.contextmanager
     def _policy_for_generation(self):

@@ -2,19 +2,16 @@
 
 [`_OnlineLogprobsMixin`] is inherited by `_OnlineTrainer` (see `online_base.py`). The hook computes the completion
 tokens' log-probabilities (and entropies) of prompt + completion rows; behind it, the completions of one prompt run
-that prompt once (`_shared_prompt_layout`, `fast_paths/prefix_sharing.py`) and an on-policy, gradient-checkpointed loss
-pass may replay the rollout decode's layer outputs (`_replayed_layer_outputs`, `fast_paths/decode_replay.py`). A subclass
-overriding the hook replaces both. `_compute_rollout_logps` adds the old-policy and reference log-probabilities to a
+that prompt once (`_shared_prompt_layout`, `fast_paths/prefix_sharing.py`). A subclass overriding the hook replaces
+that. `_compute_rollout_logps` adds the old-policy and reference log-probabilities to a
 rollout batch.
 """
 
-import contextlib
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .fast_paths.decode_replay import layers_checkpointed, replay_decoder_layers, replayed_layer_outputs
 from .fast_paths.prefix_sharing import (
     MIN_SHARED_SAVING,
     SharedPrefixLayout,
@@ -33,8 +30,7 @@ class _OnlineLogprobsMixin:
     """Log-probability passes of [`_OnlineTrainer`] (not usable on its own).
 
     Reads from the trainer: `args`, `model`, `ref_model`, `pad_token_id`, `_mode`, `_aux_loss_enabled`,
-    `_share_prefix`, `_decode_replay`, `_logprob_temperature`, `_needs_rollout_logps`, `_needs_ref_model`,
-    `_reference_context` and `_parameters_stamp`.
+    `_share_prefix`, `_logprob_temperature`, `_needs_rollout_logps`, `_needs_ref_model` and `_reference_context`.
     """
 
     @staticmethod
@@ -138,8 +134,7 @@ class _OnlineLogprobsMixin:
         """One forward pass of `_get_per_token_logps_and_entropies`: `(logps, entropy, outputs)` of the completion.
 
         Completions of one prompt run that prompt once when the model takes the shared-prefix layout
-        (`_shared_prompt_layout`); a gradient-checkpointed on-policy loss pass may replay the rollout decode's layer
-        outputs (`_replayed_layer_outputs`).
+        (`_shared_prompt_layout`).
         """
         prompt_length = input_ids.shape[1] - logits_to_keep
         target_mask = torch.zeros(
@@ -151,18 +146,14 @@ class _OnlineLogprobsMixin:
         if not image_inputs:  # the model derives its own (possibly multi-dimensional) positions around image tokens
             layout = self._shared_prompt_layout(model, input_ids, attention_mask, prompt_length)
         if layout is not None:
-            replayed = None
-            if self.__dict__.get("_decode_replay_allowed", False):
-                replayed = self._replayed_layer_outputs(model, input_ids, attention_mask, layout)
-            with contextlib.nullcontext() if replayed is None else replay_decoder_layers(model, replayed):
-                result = shared_prefix_token_logps(
-                    model,
-                    input_ids,
-                    layout,
-                    target_mask,
-                    compute_entropy=compute_entropy,
-                    temperature=self._logprob_temperature(),
-                )
+            result = shared_prefix_token_logps(
+                model,
+                input_ids,
+                layout,
+                target_mask,
+                compute_entropy=compute_entropy,
+                temperature=self._logprob_temperature(),
+            )
         else:
             result = compute_token_logps(
                 model,
@@ -195,16 +186,6 @@ class _OnlineLogprobsMixin:
             **self._multimodal_inputs(inputs),
         )
 
-    @contextlib.contextmanager
-    def _decode_replay_for(self, inputs: dict[str, Any]):
-        """Within this block a loss pass on `inputs` may replay the rollout decode's layer outputs: only on-policy
-        passes do (see `_loss_compares_with_rollout_logps`)."""
-        self._decode_replay_allowed = not self._loss_compares_with_rollout_logps(inputs)
-        try:
-            yield
-        finally:
-            self._decode_replay_allowed = False
-
     def _shared_prompt_layout(
         self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int
     ) -> SharedPrefixLayout | None:
@@ -229,39 +210,6 @@ class _OnlineLogprobsMixin:
             return None
         self._shared_prefix_passes += 1
         return layout
-
-    def _replays_decode_outputs(self) -> bool:
-        return self._decode_replay and self._share_prefix and not self._aux_loss_enabled
-
-    def _loss_compares_with_rollout_logps(self, inputs: dict[str, Any]) -> bool:
-        """Hook: whether the loss on `inputs` compares the pass's log-probabilities with the rollout's old ones (off
-        policy); on-policy, the loss uses the pass's own, detached."""
-        return "old_per_token_logps" in inputs
-
-    def _replayed_layer_outputs(
-        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, layout: SharedPrefixLayout
-    ) -> list[torch.Tensor] | None:
-        """The rollout decode's decoder-layer outputs laid out for this gradient-checkpointed loss pass (see
-        `fast_paths/decode_replay.py`), or None to run the layers: when nothing was recorded, the pass keeps no graph or
-        runs without checkpointing or under autocast, the parameters changed since the decode (an optimizer step,
-        or any in-place change), or a token was not decoded by this rollout.
-
-        Only on-policy passes replay (the caller checks, `_loss_compares_with_rollout_logps`): their old
-        log-probabilities are the pass's own, detached, so the importance ratio stays exactly 1. Off-policy ones are
-        compared with log-probabilities that a pass of the layers computed, and must be computed the same way."""
-        recorded = self.__dict__.get("_rollout_layer_outputs")
-        if recorded is None or not torch.is_grad_enabled() or not model.training:
-            return None
-        if not layers_checkpointed(model) or torch.is_autocast_enabled(input_ids.device.type):
-            return None
-        if recorded.stamp != self._parameters_stamp(model):
-            return None
-        replayed = replayed_layer_outputs(
-            recorded, input_ids, attention_mask, layout.token_index, tuple(layout.input_ids.shape)
-        )
-        if replayed is not None:
-            self._decode_replays += 1
-        return replayed
 
     @torch.no_grad()
     def _batched_logps(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:

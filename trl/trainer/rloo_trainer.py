@@ -130,7 +130,6 @@ class RLOOTrainer(_OnlineTrainer):
     _config_class = RLOOConfig
     # As TRL: a metric undefined over the whole logging window (all-None rewards, no completion token) logs None.
     _undefined_metric_value = None
-    _decode_replay = True
 
     def __init__(
         self,
@@ -162,10 +161,6 @@ class RLOOTrainer(_OnlineTrainer):
         self.beta = self.args.beta
         self.epsilon_low = self.args.epsilon
         self.epsilon_high = self.args.epsilon_high if self.args.epsilon_high is not None else self.args.epsilon
-
-    def _loss_compares_with_rollout_logps(self, inputs: dict[str, Any]) -> bool:
-        # On-policy, the loss uses the pass's own log-probabilities (the rollout's serve the KL reward only).
-        return "old_logps" in inputs and not self._is_on_policy()
 
     # TRL's RLOO always scores the rollout with the policy (`old_logps` in the batch); on-policy without a KL penalty
     # this project skips that pass (the loss pass's detached values are the same), unless a subclass overrides a hook
@@ -219,8 +214,7 @@ class RLOOTrainer(_OnlineTrainer):
         return shaped if shaped is not None and shaped.shape == rewards.shape else rewards
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        with self._decode_replay_for(inputs):
-            logps, entropy, aux_loss = self._completion_logps(model, inputs, compute_entropy=True)
+        logps, entropy, aux_loss = self._completion_logps(model, inputs, compute_entropy=True)
         mask = self._loss_mask(inputs).to(logps.dtype)
         advantages = inputs["advantages"].to(logps.dtype)
         old = inputs.get("old_logps")

@@ -25,9 +25,6 @@ The last layers of a forward pass may keep their activations instead, when that 
 gradient allocated, and the activations of the last layers are freed before most of those gradients exist. Each kept
 layer saves its recompute (a quarter of its FLOPs in a training step).
 
-The same function takes a given output instead of running the layer (the rollout decode's recorded outputs, see
-`decode_replay`).
-
 It applies to transformers' Llama / Mistral / Qwen2 / Qwen3 decoder layers on the CPU, in a single process, with the
 default checkpoint settings, and without dropout or autocast (torch's checkpoint would have to replay their random
 numbers and autocast state); [`layer_checkpoint_fallback_reason`] says why not otherwise, and the layer keeps
@@ -239,8 +236,7 @@ def _check_halves(layer: nn.Module, function: Any, hidden_states: torch.Tensor, 
 
 
 class _CheckpointedLayer(torch.autograd.Function):
-    """A checkpointed decoder layer: the forward runs it without gradients (or takes a given output) and keeps the
-    output in the arena; the backward recomputes the layer from its input and back-propagates through it.
+    """A checkpointed decoder layer: the forward runs it without gradients and keeps the output in the arena; the backward recomputes the layer from its input and back-propagates through it.
 
     With an arena made with `split_layers`, the backward pass goes through the layer's two residual blocks one after
     the other (`_LayerHalves`), when its class was checked to compute the same output that way: the attention
@@ -251,15 +247,14 @@ class _CheckpointedLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, function, context, hidden_states, *parameters):
-        layer, given, arena = context
+        layer, arena = context
         ctx.function, ctx.layer, ctx.arena = function, layer, arena
         ctx.save_for_backward(hidden_states, *parameters)
-        if given is None:
-            with torch.no_grad(), mlps_without_grad(layer):
-                given = function(hidden_states)
-            if arena is not None and arena.split_layers:
-                _check_halves(layer, function, hidden_states, given)
-        return given if arena is None else arena.keep(given)
+        with torch.no_grad(), mlps_without_grad(layer):
+            output = function(hidden_states)
+        if arena is not None and arena.split_layers:
+            _check_halves(layer, function, hidden_states, output)
+        return output if arena is None else arena.keep(output)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -323,13 +318,12 @@ def checkpointed_layer(
     layer: nn.Module,
     function: Any,
     hidden_states: torch.Tensor,
-    given: torch.Tensor | None = None,
     arena: CheckpointArena | None = None,
 ) -> torch.Tensor:
-    """Run (or take `given` as) `function(hidden_states)` as a checkpointed layer (see [`_CheckpointedLayer`])."""
+    """Run `function(hidden_states)` as a checkpointed layer (see [`_CheckpointedLayer`])."""
     trainable = [parameter for parameter in layer.parameters() if parameter.requires_grad]
     # The context travels in a tuple: tensors among the inputs would be taken for inputs of the graph.
-    return _CheckpointedLayer.apply(function, (layer, given, arena), hidden_states, *trainable)
+    return _CheckpointedLayer.apply(function, (layer, arena), hidden_states, *trainable)
 
 
 def layer_checkpoint_fallback_reason(layer: nn.Module) -> str | None:

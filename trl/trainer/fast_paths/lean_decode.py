@@ -230,8 +230,6 @@ class LeanDecoder:
 
         self.model = model
         self.padding_mask = padding_mask
-        # When set (a list), every step appends its decoder layers' outputs, in layer order.
-        self.layer_outputs: list[torch.Tensor] | None = None
         base = model.model
         modeling = type(model).__module__
         self.embed = _entry(base.embed_tokens)
@@ -291,8 +289,6 @@ class LeanDecoder:
             residual = hidden
             hidden = plan.post_norm(hidden)
             hidden = residual + plan.mlp(hidden)
-            if self.layer_outputs is not None:
-                self.layer_outputs.append(hidden)
         hidden = self.final_norm(hidden)[:, -1:, :]
         return F.linear(hidden, *self.head)
 

@@ -20,7 +20,6 @@ or cache, extra `generate` arguments, ...) is reported by `rollout_decode_fallba
 `generate`.
 """
 
-import contextlib
 import inspect
 import math
 from dataclasses import dataclass
@@ -33,7 +32,6 @@ from transformers.cache_utils import DynamicLayer
 from ..._compat import accepts_cache, cache_kwargs, repetition_penalty_skips_prompt_padding
 from ..utils.distributed import parameters_sharded
 from ..utils.logprobs import model_accepts_argument
-from .decode_replay import DecodeLayerOutputs, layer_outputs_fallback_reason, recording_layer_outputs
 from .lean_decode import LeanDecoder, lean_decode_fallback_reason
 
 
@@ -83,13 +81,10 @@ class RolloutDecodeOutput:
             right-padded with the pad id).
         logps: `(N, T)` log-probabilities of the sampled tokens under the distribution they were drawn from (after
             the sampling processors; 0 after a row ended), or None when not asked for.
-        layer_outputs: Every decoder layer's output at every token fed, when asked for (and the model qualifies,
-            see [`~trl.trainer.utils.decode_replay.layer_outputs_fallback_reason`]), else None.
     """
 
     sequences: torch.Tensor
     logps: torch.Tensor | None = None
-    layer_outputs: DecodeLayerOutputs | None = None
 
 
 def _neutral_settings(model: nn.Module) -> dict[str, Any]:
@@ -394,7 +389,6 @@ def decode_rollouts(
     generation_config: Any,
     share_prompt_cache: bool = True,
     return_logps: bool = False,
-    record_layer_outputs: bool = False,
 ) -> RolloutDecodeOutput:
     """Sample one completion per row, exactly as `generate` on the repeated prompts would, with less work per token.
 
@@ -410,8 +404,6 @@ def decode_rollouts(
         generation_config: The `GenerationConfig` `generate` would be given.
         share_prompt_cache: Prefill each distinct prompt once (when a prompt is repeated and has at least 2 tokens).
         return_logps: Also return the log-probabilities of the sampled tokens.
-        record_layer_outputs: Also return every decoder layer's output at every token fed (for a training forward
-            to replay, see `decode_replay`), when the model qualifies.
 
     Returns:
         A [`RolloutDecodeOutput`].
@@ -431,15 +423,9 @@ def decode_rollouts(
     pad_id = config.pad_token_id
     vocab_size = None
 
-    recorded = None
-    if record_layer_outputs and layer_outputs_fallback_reason(model) is None:
-        recorded = DecodeLayerOutputs(model, sequences, mask, max_new_tokens)
-    sink: list[torch.Tensor] = []
     first_input = 0
     if share_prompt_cache and shares_prompt_prefill(prompt_ids, prompt_mask, row_to_prompt):
-        with recording_layer_outputs(model, sink) if recorded is not None else contextlib.nullcontext():
-            cache = prefill_shared_prompts(model, prompt_ids, prompt_mask, row_to_prompt)
-        recorded = _record(recorded, sink, row_to_prompt, 0)
+        cache = prefill_shared_prompts(model, prompt_ids, prompt_mask, row_to_prompt)
         first_input = prompt_length - 1
     else:
         cache = DynamicCache(config=model.config)
@@ -465,24 +451,19 @@ def decode_rollouts(
     if first_input and lean_decode_fallback_reason(model) is None:
         _preallocate(cache, capacity)
         lean_step = LeanDecoder(model, full_mask, num_rows, capacity)
-    all_rows = torch.arange(num_rows, device=sequences.device)
     for step in range(max_new_tokens):
-        sink = []
         if lean_step is not None:
-            lean_step.layer_outputs = sink if recorded is not None else None
             step_logits = lean_step(step_ids, step_positions, cache, length)
         else:
-            with recording_layer_outputs(model, sink) if recorded is not None else contextlib.nullcontext():
-                step_logits = model(
-                    input_ids=step_ids,
-                    attention_mask=None if full_mask is None else full_mask[:, :length],
-                    position_ids=step_positions,
-                    use_cache=True,
-                    **cache_kwargs(model, cache),
-                    logits_to_keep=1,
-                    return_dict=True,
-                ).logits
-        recorded = _record(recorded, sink, all_rows, length - step_ids.shape[1])
+            step_logits = model(
+                input_ids=step_ids,
+                attention_mask=None if full_mask is None else full_mask[:, :length],
+                position_ids=step_positions,
+                use_cache=True,
+                **cache_kwargs(model, cache),
+                logits_to_keep=1,
+                return_dict=True,
+            ).logits
         logits = step_logits[:, -1].to(copy=True, dtype=torch.float32)
         del step_logits
         if step == 0:
@@ -512,19 +493,4 @@ def decode_rollouts(
         step_ids = next_tokens[:, None]
         step_positions = step_positions[:, -1:] + 1
     logps_tensor = torch.stack(logps, dim=1) if logps is not None else None
-    if recorded is not None:
-        recorded.set_sequences(tokens[:, :length])
-    return RolloutDecodeOutput(sequences=tokens[:, :length], logps=logps_tensor, layer_outputs=recorded)
-
-
-def _record(
-    recorded: DecodeLayerOutputs | None, sink: list[torch.Tensor], call_rows: torch.Tensor, first_column: int
-) -> DecodeLayerOutputs | None:
-    """Add one call's layer outputs; a call that did not produce one output per layer (a model pre-hook changed the
-    inputs, ...) ends the recording."""
-    if recorded is None:
-        return None
-    if len(sink) != recorded.num_layers or any(not isinstance(output, torch.Tensor) for output in sink):
-        return None
-    recorded.record_call(sink, call_rows, first_column)
-    return recorded
+    return RolloutDecodeOutput(sequences=tokens[:, :length], logps=logps_tensor)
