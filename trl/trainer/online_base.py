@@ -27,8 +27,8 @@ training_step(model, rows)                                  [here; counts `_step
 Subclasses implement `_compute_advantages(rewards_per_func, batch)` and `_compute_loss(model, inputs)`; TRL's
 `_generate(prompts)` returns the tuple named by `_generate_outputs`. The fast paths stay behind the hooks: the
 transformers back-end prefills each distinct prompt once (`online_generation.py`), and
-`_get_per_token_logps_and_entropies` runs the completions of one prompt on a shared prefix and may replay the rollout
-decode's layer outputs; an override of a hook replaces them with it.
+`_get_per_token_logps_and_entropies` runs the completions of one prompt on a shared prefix; an override of a hook
+replaces them with it.
 
 Where each concern lives (this module is the front: it defines the trainer and re-exports the names below):
 
@@ -39,8 +39,8 @@ Where each concern lives (this module is the front: it defines the trainer and r
 - `online_rewards.py`: `_OnlineRewardsMixin` (`_prepare_reward_funcs`, `_calculate_rewards`, reward models) and the
   `RewardFunc` type;
 - `online_metrics.py`: `_OnlineMetricsMixin` (rollout metrics, completions table, `log`);
-- `online_logprobs.py`: `_OnlineLogprobsMixin` (`_get_per_token_logps_and_entropies` and the shared-prefix / decode
-  replay passes behind it, `_compute_rollout_logps`);
+- `online_logprobs.py`: `_OnlineLogprobsMixin` (`_get_per_token_logps_and_entropies` and the shared-prefix passes
+  behind it, `_compute_rollout_logps`);
 - here: construction, data loading, the round itself (`_prepare_inputs`, `_generate_and_score_completions`) and the
   loss plumbing.
 """
