@@ -236,7 +236,8 @@ def _check_halves(layer: nn.Module, function: Any, hidden_states: torch.Tensor, 
 
 
 class _CheckpointedLayer(torch.autograd.Function):
-    """A checkpointed decoder layer: the forward runs it without gradients and keeps the output in the arena; the backward recomputes the layer from its input and back-propagates through it.
+    """A checkpointed decoder layer: the forward runs it without gradients and keeps the output in the arena; the
+    backward recomputes the layer from its input and back-propagates through it.
 
     With an arena made with `split_layers`, the backward pass goes through the layer's two residual blocks one after
     the other (`_LayerHalves`), when its class was checked to compute the same output that way: the attention
@@ -362,15 +363,15 @@ class LayerBudget:
     starts, less a margin: the largest layer's gradients (the working memory of one layer's backward pass) and the
     fused LM head's working memory, which is alive with the kept activations at the end of the forward pass. Layers
     are kept only in forward passes whose logits the fused head computes ([`lm_head_inputs_captured`]): full logits
-    would sit on top of the kept activations. Those layers
-    run with plain autograd (their MLPs through the lean kernel of
-    [`~trl.trainer.fast_paths.lean_modules.lean_mlp_kernels`]) and are not recomputed: the values and gradients of
+    would sit on top of the kept activations. Those layers run with plain autograd (their MLPs through the lean kernel
+    of [`~trl.trainer.fast_paths.lean_modules.lean_mlp_kernels`]) and are not recomputed: the values and gradients of
     torch's checkpoint, bitwise, and one layer forward fewer each.
 
     With gradient accumulation the gradients of later micro-batches are allocated, so those forward passes keep
     nothing. Trainers that run a reference model between the policy's forward and backward do not keep layers
-    (`lean_layer_checkpoints(..., keep_activations=False)`): its working memory would sit on top of them. The activation bytes per token are measured on the last layer of the first forward pass (the one layer
-    kept before any measurement: its recompute would build the same activations at the start of the backward pass).
+    (`lean_layer_checkpoints(..., keep_activations=False)`): its working memory would sit on top of them. The
+    activation bytes per token are measured on the last layer of the first forward pass (the one layer kept before any
+    measurement: its recompute would build the same activations at the start of the backward pass).
     """
 
     def __init__(self, layers: list[nn.Module], model: nn.Module):
