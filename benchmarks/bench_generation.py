@@ -5,11 +5,9 @@ vLLM engine and server processes) at the end of the run. The vLLM configurations
 with the vLLM environment's interpreter (`make vllm-env` builds `.venv-vllm`; pass `--vllm-python` otherwise):
 
 - `hf`: `model.generate` on left-padded batches;
-- `hf-groups` / `loop-forward` / `loop`: the online trainers' transformers path without `use_vllm`: each group of
-  `--n` rows shares one prompt prefill, then `generate` (`hf-groups`, `generate_with_shared_prompts`) or the rollout
-  decode loop (`trl/trainer/fast_paths/rollout_decode.py`, the same tokens) stepping through the transformers forward
-  (`loop-forward`) or through the lean decode step (`loop`, `trl/trainer/fast_paths/lean_decode.py`, bitwise the same
-  logits); no end token, so every row runs to the end;
+- `hf-groups` / `loop`: the online trainers' transformers path without `use_vllm`: each group of `--n` rows shares
+  one prompt prefill, then `generate` (`hf-groups`, `generate_with_shared_prompts`) or the rollout decode loop
+  (`loop`, `trl/trainer/fast_paths/rollout_decode.py`, the same tokens); no end token, so every row runs to the end;
 - `vllm`: an in-process `vllm.LLM` (what colocate mode runs);
 - `vllm-serve` (with `--server`): `trl vllm-serve` queried through `VLLMClient` (server mode), start-up excluded.
 
@@ -24,7 +22,7 @@ Usage:
     python benchmarks/bench_generation.py                         # ~30M model, 64 completions of 64 tokens
     python benchmarks/bench_generation.py --model tiny --server   # tiny model, also through the HTTP server
     python benchmarks/bench_generation.py --trainer               # also GRPO step time, HF generate vs colocate
-    python benchmarks/bench_generation.py --only hf-groups,loop-forward,loop --num-prompts 2 --prompt-length 80 \
+    python benchmarks/bench_generation.py --only hf-groups,loop --num-prompts 2 --prompt-length 80 \
         --max-new-tokens 32 --repeats 5                           # the GRPO benchmark's rollout, no vLLM
 """
 
@@ -95,18 +93,14 @@ def run_hf(model_path: str, prompts: list[list[int]], n: int, max_new_tokens: in
 
 
 def run_rollouts(
-    model_path: str, prompts: list[list[int]], n: int, max_new_tokens: int, loop: bool, lean: bool, repeats: int
+    model_path: str, prompts: list[list[int]], n: int, max_new_tokens: int, loop: bool, repeats: int
 ) -> dict:
-    """Grouped rollouts as the online trainers run them: `generate_with_shared_prompts` with or without the loop
-    (and the loop with or without the lean decode step); the fastest of `repeats` runs."""
+    """Grouped rollouts as the online trainers run them: `generate_with_shared_prompts` with or without the loop;
+    the fastest of `repeats` runs."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from trl.trainer.fast_paths import rollout_decode
     from trl.trainer.online_generation import generate_with_shared_prompts
-
-    if not lean:  # the loop steps through the transformers forward, as before the lean step
-        rollout_decode.lean_decode_fallback_reason = lambda model: "switched off by the benchmark"
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -232,9 +226,8 @@ def worker(args: argparse.Namespace) -> None:
     prompts = _prompts(args.num_prompts, args.prompt_length, vocab_size)
     if args.worker == "hf":
         result = run_hf(model_path, prompts, args.n, args.max_new_tokens, args.hf_batch_size)
-    elif args.worker in ("hf-groups", "loop", "loop-forward"):
-        loop, lean = args.worker != "hf-groups", args.worker == "loop"
-        result = run_rollouts(model_path, prompts, args.n, args.max_new_tokens, loop, lean, args.repeats)
+    elif args.worker in ("hf-groups", "loop"):
+        result = run_rollouts(model_path, prompts, args.n, args.max_new_tokens, args.worker == "loop", args.repeats)
     elif args.worker == "vllm":
         result = run_vllm(model_path, prompts, args.n, args.max_new_tokens)
     elif args.worker in ("grpo-hf", "grpo-vllm"):
@@ -261,7 +254,7 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=os.path.join(ROOT, ".venv-vllm", "bin", "python"))
     parser.add_argument(
         "--worker",
-        choices=["hf", "hf-groups", "loop-forward", "loop", "vllm", "vllm-serve", "grpo-hf", "grpo-vllm"],
+        choices=["hf", "hf-groups", "loop", "vllm", "vllm-serve", "grpo-hf", "grpo-vllm"],
         help=argparse.SUPPRESS,
     )
     args = parser.parse_args()
@@ -272,7 +265,7 @@ def main() -> None:
     keys = ["model", "num_prompts", "n", "prompt_length", "max_new_tokens", "hf_batch_size", "steps", "repeats"]
     forwarded = _harness.forwarded_flags(args, keys, dashes=True)
     vllm_python = args.vllm_python if os.path.exists(args.vllm_python) else sys.executable
-    configurations = [(name, sys.executable) for name in ("hf", "hf-groups", "loop-forward", "loop")]
+    configurations = [(name, sys.executable) for name in ("hf", "hf-groups", "loop")]
     configurations.append(("vllm", vllm_python))
     if args.server:
         configurations.append(("vllm-serve", vllm_python))

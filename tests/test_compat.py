@@ -163,7 +163,7 @@ def test_response_schema_fields_the_installed_parser_cannot_read_warn(monkeypatc
 
 def test_repetition_penalty_padding_probe_matches_generate(model_path):
     """The decode loop's repetition penalty leaves a row's left padding out exactly when the probe says `generate`
-    does (that the two then sample the same tokens is `test_lean_decode.py::test_rollouts_equal_generate`, which
+    does (that the two then sample the same tokens is `test_rollout_decode.py::test_rollouts_of_each_family_equal_generate`, which
     `make test-compat` runs at transformers 4.56 and 5.x)."""
     from transformers import GenerationConfig
 

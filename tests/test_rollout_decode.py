@@ -3,7 +3,16 @@ random stream, and `generate` whenever the loop cannot reproduce it."""
 
 import pytest
 import torch
-from trainer_utils import GROUP_ARGS, args_builder, low_id_reward, train_logs
+from trainer_utils import (
+    DECODER_PAD,
+    DECODER_VOCAB,
+    GROUP_ARGS,
+    LLAMA_STYLE_FAMILIES,
+    args_builder,
+    llama_style_decoder,
+    low_id_reward,
+    train_logs,
+)
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, GenerationConfig
 
 from trl import GRPOConfig, GRPOTrainer
@@ -255,3 +264,29 @@ def test_sample_next_tokens_other_dtypes_go_to_multinomial():
     expected = torch.multinomial(probs, num_samples=1).squeeze(1)
     torch.manual_seed(3)
     assert torch.equal(rollout_decode.sample_next_tokens(probs), expected)
+
+
+@pytest.mark.parametrize("settings", ["greedy_repetition_penalty", "all"])
+@pytest.mark.parametrize("family", LLAMA_STYLE_FAMILIES)
+def test_rollouts_of_each_family_equal_generate(family, settings):
+    """The loop yields `generate`'s sequences for every Llama-style family and leaves the random stream alike; some
+    rows end on an end token mid-rollout."""
+    torch.manual_seed(0)
+    model = llama_style_decoder(family).eval()
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(5, DECODER_VOCAB, (2, 7), generator=generator)
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = DECODER_PAD, 0
+    rows = torch.tensor([0, 0, 0, 1, 1, 1])
+    base = dict(max_new_tokens=12, pad_token_id=DECODER_PAD, **SETTINGS[settings])
+    torch.manual_seed(0)
+    probe = generate_with_shared_prompts(model, ids, mask, rows, GenerationConfig(**base))[:, ids.shape[1] :]
+    eos = sorted({int(probe[0, 3]), int(probe[4, 6])})  # rows end at different steps
+    config = GenerationConfig(**base, eos_token_id=eos)
+    ended = False
+    for seed in range(3):
+        reference, output, after_reference, after_output = _generate_both(model, (ids, mask, rows), config, seed)
+        assert torch.equal(output.sequences, reference)
+        assert torch.equal(after_output, after_reference)
+        ended |= bool(torch.isin(output.sequences[:, ids.shape[1] :], torch.tensor(eos)).any())
+    assert ended

@@ -137,18 +137,6 @@ def test_sft_trains_a_tied_model_to_the_plain_path_numbers(tmp_path, monkeypatch
     torch.testing.assert_close(fast_weight, plain_weight, rtol=1e-5, atol=1e-6)
 
 
-def test_lean_decode_still_applies_with_the_lookup_replaced():
-    from trl.trainer.fast_paths.lean_decode import lean_decode_fallback_reason
-
-    model = _tied_model()
-    assert lean_decode_fallback_reason(model) is None
-    with sparse_tied_embedding_grad(model) as switched:
-        assert switched
-        assert lean_decode_fallback_reason(model) is None
-    model.get_input_embeddings().forward = lambda ids: F.embedding(ids, model.get_input_embeddings().weight)
-    assert "embedding" in lean_decode_fallback_reason(model)
-
-
 def test_autograd_grad_and_backward_with_inputs_get_the_plain_gradient():
     """`torch.autograd.grad` never writes `.grad`: the lookup returns its dense gradient there; a `backward(inputs=...)`
     that leaves the weight out gives it nothing."""

@@ -11,9 +11,7 @@ rows stay in the batch, as in `generate`, so the random stream is consumed ident
   growing position ids);
 - each distinct prompt is prefilled once and its cache shared by the rows of its group (as `generate` is given it by
   `generate_with_shared_prompts`).
-- on the CPU, the draw itself takes half of `torch.multinomial`'s time (see [`sample_next_tokens`]);
-- after the shared prefill, Llama-style models step through `lean_decode.LeanDecoder` (the same ops as their forward,
-  bitwise the same logits, without its module-call machinery) unless `lean_decode_fallback_reason` says otherwise.
+- on the CPU, the draw itself takes half of `torch.multinomial`'s time (see [`sample_next_tokens`]).
 
 Anything else (beam search, other processors, stop strings, encoder-decoders, models with their own input preparation
 or cache, extra `generate` arguments, ...) is reported by `rollout_decode_fallback_reason`, and the caller uses
@@ -32,7 +30,6 @@ from transformers.cache_utils import DynamicLayer
 from ..._compat import accepts_cache, cache_kwargs, repetition_penalty_skips_prompt_padding
 from ..utils.distributed import parameters_sharded
 from ..utils.logprobs import model_accepts_argument
-from .lean_decode import LeanDecoder, lean_decode_fallback_reason
 
 
 # Generation settings the loop reproduces; every other setting must keep its neutral value (see `_neutral_settings`).
@@ -445,34 +442,22 @@ def decode_rollouts(
     step_positions = positions[:, first_input:]
     length = prompt_length
     capacity = prompt_length + max_new_tokens
-    # One-token steps of Llama-style models go through the lean step: the same logits, bitwise. That is every step
-    # after a shared prefill, and every step after the first (the whole prompts) otherwise.
-    lean_step = None
-    if first_input and lean_decode_fallback_reason(model) is None:
-        _preallocate(cache, capacity)
-        lean_step = LeanDecoder(model, full_mask, num_rows, capacity)
     for step in range(max_new_tokens):
-        if lean_step is not None:
-            step_logits = lean_step(step_ids, step_positions, cache, length)
-        else:
-            step_logits = model(
-                input_ids=step_ids,
-                attention_mask=None if full_mask is None else full_mask[:, :length],
-                position_ids=step_positions,
-                use_cache=True,
-                **cache_kwargs(model, cache),
-                logits_to_keep=1,
-                return_dict=True,
-            ).logits
+        step_logits = model(
+            input_ids=step_ids,
+            attention_mask=None if full_mask is None else full_mask[:, :length],
+            position_ids=step_positions,
+            use_cache=True,
+            **cache_kwargs(model, cache),
+            logits_to_keep=1,
+            return_dict=True,
+        ).logits
         logits = step_logits[:, -1].to(copy=True, dtype=torch.float32)
         del step_logits
         if step == 0:
             vocab_size = logits.shape[-1]
             processors = _SamplingProcessors(config, sequences, attention_mask, vocab_size)
-            if lean_step is None:
-                _preallocate(cache, capacity)
-                if lean_decode_fallback_reason(model) is None:
-                    lean_step = LeanDecoder(model, full_mask, num_rows, capacity)
+            _preallocate(cache, capacity)
         scores = processors(logits)
         if config.do_sample:
             next_tokens = sample_next_tokens(nn.functional.softmax(scores, dim=-1))

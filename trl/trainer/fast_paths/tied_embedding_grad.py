@@ -117,12 +117,6 @@ def tied_embedding_grad_fallback_reason(model: nn.Module, args: Any = None) -> s
     return None
 
 
-def replaced_by_plain_lookup(embeddings: nn.Module) -> bool:
-    """Whether the instance `forward` of `embeddings` is this module's, which looks up the same values as
-    `nn.Embedding`'s own (other fast paths that read the weight directly may treat it as not replaced)."""
-    return getattr(vars(embeddings).get("forward"), "looks_up_plainly", False)
-
-
 @contextlib.contextmanager
 def sparse_tied_embedding_grad(model: nn.Module, args: Any = None) -> Iterator[bool]:
     """Within the block, the tied input embeddings of `model` return sparse weight gradients (see the module's
@@ -140,7 +134,6 @@ def sparse_tied_embedding_grad(model: nn.Module, args: Any = None) -> Iterator[b
             return F.embedding(ids, weight, embeddings.padding_idx)
         return _EmbeddingAddingIntoGrad.apply(ids, weight, embeddings.padding_idx, _grad_accumulator(weight))
 
-    forward.looks_up_plainly = True  # same values as nn.Embedding's forward: see `replaced_by_plain_lookup`
     embeddings.forward = forward
     try:
         yield True
