@@ -220,6 +220,11 @@ ABLATIONS = {
     "cpu_allocator": ("trl.trainer.fast_paths.cpu_allocator", "activation_memory_fallback_reason", "off"),
     "reference_cache": ("trl.trainer.fast_paths.reference_cache", "training_revisits_examples", False),
     "packed_attention": ("trl.trainer.utils.packing", "packed_sdpa_applicable", False),
+    "optimizer_in_backward": (
+        "trl.trainer.fast_paths.optimizer_in_backward",
+        "optimizer_in_backward_fallback_reason",
+        "off",
+    ),
 }
 
 

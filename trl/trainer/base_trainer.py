@@ -31,6 +31,7 @@ from .callbacks import SyncRefModelCallback
 from .fast_paths.cpu_allocator import keep_activation_memory
 from .fast_paths.layer_checkpoints import CheckpointArena, lean_layer_checkpoints
 from .fast_paths.lean_modules import lean_modules, mlps_without_grad
+from .fast_paths.optimizer_in_backward import optimizer_steps_in_backward
 from .fast_paths.tied_embedding_grad import sparse_tied_embedding_grad
 from .run_report.callback import RunReportCallback
 from .run_report.data_summary import describe_given_dataset
@@ -732,6 +733,17 @@ class _BaseTrainer(Trainer):
         return stack
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """transformers' training step; without gradient clipping, the last micro-batch's backward pass steps each
+        parameter as soon as its gradient is complete
+        ([`~trl.trainer.fast_paths.optimizer_in_backward.optimizer_steps_in_backward`])."""
+        with optimizer_steps_in_backward(self, model) as steps:
+            loss = self._transformers_training_step(model, inputs, num_items_in_batch)
+        self._steps_in_backward = steps
+        return loss
+
+    def _transformers_training_step(
+        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any
+    ) -> torch.Tensor:
         if not trainer_divides_scaled_loss(self):
             return super().training_step(model, inputs, num_items_in_batch)
         # transformers 4.x divides the loss by the accumulation steps unless `compute_loss_func` is set, and only
@@ -742,6 +754,14 @@ class _BaseTrainer(Trainer):
             return super().training_step(model, inputs, num_items_in_batch)
         finally:
             self.compute_loss_func = previous
+
+    def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
+        """The norm transformers logs as `grad_norm`; when the backward pass stepped the parameters (and freed their
+        gradients), the norm of the gradients they were stepped with."""
+        steps = self.__dict__.pop("_steps_in_backward", None)
+        if grad_norm is None and steps is not None:
+            return steps.total_norm()
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def create_model_card(
         self,

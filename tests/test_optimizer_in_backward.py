@@ -1,0 +1,176 @@
+"""Optimizer steps in the backward pass (`trl/trainer/fast_paths/optimizer_in_backward.py`) against the step after it:
+the same parameters, losses and logged gradient norms, gradients freed during the backward, and the predicate that
+keeps the plain path wherever clipping, a callback or a subclass needs every gradient at once."""
+
+import pytest
+import torch
+from datasets import Dataset
+from trainer_utils import COMMON_ARGS, DECODER_SIZES, train_logs
+from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Trainer, TrainerCallback
+
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from trl.assets import get_model_path
+from trl.trainer.fast_paths import optimizer_in_backward
+from trl.trainer.fast_paths.optimizer_in_backward import (
+    StepsInBackward,
+    optimizer_in_backward_fallback_reason,
+)
+
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _model(tied: bool = True):
+    torch.manual_seed(0)
+    config = Qwen2Config(**{**DECODER_SIZES, "vocab_size": 4096, "pad_token_id": 4089, "tie_word_embeddings": tied})
+    return Qwen2ForCausalLM(config)
+
+
+def _tokenizer():
+    return AutoTokenizer.from_pretrained(get_model_path("tiny-Qwen2ForCausalLM"))
+
+
+def _text():
+    return Dataset.from_dict({"text": ["a b c d e f g h", "the cat sat on the mat", "one two three four"] * 4})
+
+
+def _count_steps(monkeypatch):
+    calls = []
+    original = StepsInBackward.step
+
+    def counting(self, parameter):
+        calls.append(parameter.shape)
+        return original(self, parameter)
+
+    monkeypatch.setattr(StepsInBackward, "step", counting)
+    return calls
+
+
+def _train_sft(tmp_path, monkeypatch, in_backward: bool, tied: bool = True, **overrides):
+    if not in_backward:
+        monkeypatch.setattr(optimizer_in_backward, "optimizer_in_backward_fallback_reason", lambda trainer: "off")
+    settings = dict(max_steps=3, per_device_train_batch_size=3, learning_rate=1e-2, seed=0, max_grad_norm=0.0)
+    args = SFTConfig(str(tmp_path / str(in_backward)), **{**COMMON_ARGS, **settings, **overrides})
+    trainer = SFTTrainer(_model(tied), args=args, train_dataset=_text(), processing_class=_tokenizer())
+    trainer.train()
+    monkeypatch.undo()
+    params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    return train_logs(trainer), params, trainer
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"optim": "adamw_torch"},
+        {"optim": "sgd", "lr_scheduler_type": "constant"},
+        {"gradient_accumulation_steps": 2},
+        {"gradient_checkpointing": True},
+        {"tied": False},
+    ],
+    ids=["adamw_fused", "adamw", "sgd", "accumulation", "checkpointing", "untied"],
+)
+def test_sft_trains_to_the_numbers_of_the_step_after_the_backward(tmp_path, monkeypatch, overrides):
+    overrides = dict(overrides)
+    tied = overrides.pop("tied", True)
+    calls = _count_steps(monkeypatch)
+    fast_logs, fast_params, trainer = _train_sft(tmp_path, monkeypatch, True, tied, **overrides)
+    trainable = sum(1 for p in trainer.model.parameters() if p.requires_grad)
+    # every parameter but the input embeddings' steps in the backward pass, once a step
+    assert len(calls) == 3 * (trainable - 1)
+    plain_logs, plain_params, _ = _train_sft(tmp_path, monkeypatch, False, tied, **overrides)
+    # transformers 5 logs the norm without clipping too; 4.x only when it clips
+    assert all("grad_norm" in log for log in plain_logs) == hasattr(Trainer, "_get_grad_norm")
+    for fast, plain in zip(fast_logs, plain_logs, strict=True):
+        assert fast["loss"] == plain["loss"]
+        assert fast.get("grad_norm") == plain.get("grad_norm")
+        assert fast["learning_rate"] == plain["learning_rate"]
+    for name, value in plain_params.items():
+        assert torch.equal(fast_params[name], value), name
+
+
+def test_gradients_are_freed_in_the_backward_pass():
+    """After the backward pass only the input embeddings' gradient is left, and the parameters hold what one
+    optimizer step after the backward gives."""
+    model, reference = _model(), _model()
+    ids = torch.randint(10, 4000, (2, 12), generator=torch.Generator().manual_seed(0))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, reference)]
+    parameters = list(model.parameters())
+    steps = StepsInBackward(optimizers[0], parameters)
+    embedding = model.get_input_embeddings().weight
+    handles = [p.register_post_accumulate_grad_hook(steps.step) for p in parameters if p is not embedding]
+    model(input_ids=ids, labels=ids).loss.backward()
+    for handle in handles:
+        handle.remove()
+    assert [name for name, p in model.named_parameters() if p.grad is not None] == ["model.embed_tokens.weight"]
+    reference(input_ids=ids, labels=ids).loss.backward()
+    expected_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+    assert torch.equal(steps.total_norm(), expected_norm)
+    optimizers[0].step()
+    optimizers[1].step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_dpo_with_a_reference_model_trains_to_the_same_numbers(tmp_path, monkeypatch):
+    dataset = Dataset.from_dict(
+        {"prompt": ["a b", "the cat", "one two"] * 2, "chosen": [" c d", " sat", " three"] * 2,
+         "rejected": [" x", " ran away", " four five"] * 2}
+    )  # fmt: skip
+
+    def train(in_backward: bool):
+        if not in_backward:
+            monkeypatch.setattr(optimizer_in_backward, "optimizer_in_backward_fallback_reason", lambda trainer: "off")
+        args = DPOConfig(
+            str(tmp_path / str(in_backward)), max_steps=2, per_device_train_batch_size=3, learning_rate=1e-2, seed=0,
+            max_grad_norm=0.0, **COMMON_ARGS,
+        )  # fmt: skip
+        trainer = DPOTrainer(
+            _model(), ref_model=_model(), args=args, train_dataset=dataset, processing_class=_tokenizer()
+        )
+        trainer.train()
+        monkeypatch.undo()
+        return train_logs(trainer), [p.detach().clone() for p in trainer.model.parameters()]
+
+    calls = _count_steps(monkeypatch)
+    fast_logs, fast_params = train(True)
+    assert calls
+    plain_logs, plain_params = train(False)
+    assert [log["loss"] for log in fast_logs] == [log["loss"] for log in plain_logs]
+    assert all(torch.equal(p, q) for p, q in zip(fast_params, plain_params, strict=True))
+
+
+class _OptimizerSpy(TrainerCallback):
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        pass
+
+
+class _SubclassedSFT(SFTTrainer):
+    def training_step(self, *args, **kwargs):
+        return super().training_step(*args, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (dict(args={"max_grad_norm": 1.0}), "clipped"),
+        (dict(args={"optim": "adafactor"}), "Adafactor is not one of"),
+        (dict(callbacks=[_OptimizerSpy()]), "_OptimizerSpy overrides on_pre_optimizer_step"),
+        (dict(trainer_class=_SubclassedSFT), "overrides training_step"),
+    ],
+    ids=["clipping", "optimizer", "callback", "subclass"],
+)
+def test_fallback_reasons(tmp_path, monkeypatch, change, reason):
+    calls = _count_steps(monkeypatch)
+    args = SFTConfig(
+        str(tmp_path), max_steps=1, per_device_train_batch_size=3,
+        **{**COMMON_ARGS, "max_grad_norm": 0.0, **change.get("args", {})},
+    )  # fmt: skip
+    trainer_class = change.get("trainer_class", SFTTrainer)
+    trainer = trainer_class(
+        _model(), args=args, train_dataset=_text(), processing_class=_tokenizer(), callbacks=change.get("callbacks")
+    )
+    trainer.train()
+    assert reason in optimizer_in_backward_fallback_reason(trainer)
+    assert not calls
+    assert all(p.grad is None for p in trainer.model.parameters())  # zeroed after the step as usual
