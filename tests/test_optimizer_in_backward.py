@@ -174,3 +174,20 @@ def test_fallback_reasons(tmp_path, monkeypatch, change, reason):
     assert reason in optimizer_in_backward_fallback_reason(trainer)
     assert not calls
     assert all(p.grad is None for p in trainer.model.parameters())  # zeroed after the step as usual
+
+
+def test_layer_budget_leaves_no_room_for_gradients_stepped_in_the_backward(monkeypatch):
+    """Kept layers fit under the gradients still to come; gradients stepped and freed in the backward never come."""
+    from trl.trainer.fast_paths import layer_checkpoints
+
+    model = _model()
+    layers = list(model.model.layers)
+    budget = layer_checkpoints.LayerBudget(layers, model)
+    budget.bytes_per_token = 1.0
+    monkeypatch.setattr(layer_checkpoints, "lm_head_inputs_captured", lambda model: True)
+    monkeypatch.setattr(layer_checkpoints, "fused_head_working_bytes", lambda: 0)
+    budget.plan(tokens=1)
+    assert budget.keep_from == 0  # every layer fits
+    monkeypatch.setattr(optimizer_in_backward, "_STEPPED", {id(p) for p in model.parameters()})
+    budget.plan(tokens=1)
+    assert budget.keep_from == len(layers)

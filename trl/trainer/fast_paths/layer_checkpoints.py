@@ -45,6 +45,7 @@ from ...kernels.linear_log_softmax import fused_head_working_bytes
 from ..utils.logprobs import lm_head_inputs_captured
 from .last_layer_selection import has_dropout
 from .lean_modules import is_unhooked_lean_swiglu_mlp, lean_mlp_kernels, mlps_without_grad, switched_forwards
+from .optimizer_in_backward import stepped_in_backward
 
 
 _LAYER_CLASSES = {
@@ -368,7 +369,9 @@ class LayerBudget:
     torch's checkpoint, bitwise, and one layer forward fewer each.
 
     With gradient accumulation the gradients of later micro-batches are allocated, so those forward passes keep
-    nothing. Trainers that run a reference model between the policy's forward and backward do not keep layers
+    nothing; gradients that the backward pass steps and frees at once (without clipping: see
+    [`~trl.trainer.fast_paths.optimizer_in_backward.stepped_in_backward`]) never make that peak and leave no room.
+    Trainers that run a reference model between the policy's forward and backward do not keep layers
     (`lean_layer_checkpoints(..., keep_activations=False)`): its working memory would sit on top of them. The
     activation bytes per token are measured on the last layer of the first forward pass (the one layer kept before any
     measurement: its recompute would build the same activations at the start of the backward pass).
@@ -385,7 +388,11 @@ class LayerBudget:
     def plan(self, tokens: int) -> None:
         """Decides, at the first layer of a forward pass over `tokens` tokens, which last layers keep activations."""
         sizes = [
-            sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad and p.grad is None)
+            sum(
+                p.numel() * p.element_size()
+                for p in layer.parameters()
+                if p.requires_grad and p.grad is None and not stepped_in_backward(p)
+            )
             for layer in self.layers
         ]
         if not lm_head_inputs_captured(self.model):

@@ -34,6 +34,14 @@ from ..utils.distributed import uses_sharding_engine
 
 _ELEMENTWISE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _OPTIMIZER_CALLBACKS = ("on_pre_optimizer_step", "on_optimizer_step")
+# Ids of the parameters whose gradients the current backward pass steps and frees (see `stepped_in_backward`).
+_STEPPED: set[int] = set()
+
+
+def stepped_in_backward(parameter: nn.Parameter) -> bool:
+    """Whether the backward pass under way steps `parameter` and frees its gradient: its gradient never coexists
+    with the others (the layer checkpoints' memory budget does not count it)."""
+    return id(parameter) in _STEPPED
 
 
 def _subclass_overrides(trainer: Any, name: str) -> bool:
@@ -137,13 +145,16 @@ def optimizer_steps_in_backward(trainer: Any, model: nn.Module) -> Iterator[Step
         (shared if id(p) in seen else seen).add(id(p))
     embedding = _input_embedding_weight(model)
     steps = StepsInBackward(optimizer, parameters)
-    handles = [
-        p.register_post_accumulate_grad_hook(steps.step)
+    stepped = [
+        p
         for p in parameters
         if p.requires_grad and id(p) in in_optimizer and id(p) not in shared and p is not embedding
     ]
+    handles = [p.register_post_accumulate_grad_hook(steps.step) for p in stepped]
+    _STEPPED.update(id(p) for p in stepped)
     try:
         yield steps
     finally:
+        _STEPPED.clear()
         for handle in handles:
             handle.remove()
