@@ -696,7 +696,10 @@ class _TokenCounter:
             self.current += real
             self.lengths.append(ids.shape[-1])
 
-        trainer.model.register_forward_pre_hook(hook, with_kwargs=True)
+        # A reward model's backbone: the project's pooled-score paths call it (and the score head) directly, and step
+        # aside for hooks on the model itself.
+        target = trainer.model.base_model if job == "reward" else trainer.model
+        target.register_forward_pre_hook(hook, with_kwargs=True)
         self._install_step_boundary()
 
     def _install_step_boundary(self):

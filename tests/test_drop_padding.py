@@ -44,6 +44,35 @@ def test_sequence_scores_equal_the_padded_forward():
     assert sequence_scores_without_padding(model, input_ids, torch.ones_like(input_ids)) is None
 
 
+@pytest.mark.parametrize("kind", ["pre", "post", "global"])
+def test_pooled_score_paths_step_aside_for_forward_hooks(kind):
+    """Hooks that calling the model would run are never skipped by calling its backbone and head directly."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from trl.trainer.fast_paths.prefix_sharing import pooled_scores_share_safely
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        get_model_path("tiny-Qwen2ForSequenceClassification"), num_labels=1
+    )
+    input_ids = torch.randint(10, 4000, (4, 12))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[:, 6:] = 0
+    input_ids[attention_mask == 0] = model.config.pad_token_id
+    assert sequence_scores_without_padding(model, input_ids, attention_mask, min_saved_share=0.0) is not None
+    assert pooled_scores_share_safely(model, input_ids, attention_mask)
+    if kind == "pre":
+        handle = model.register_forward_pre_hook(lambda module, args: None)
+    elif kind == "post":
+        handle = model.register_forward_hook(lambda module, args, output: None)
+    else:
+        handle = register_module_forward_hook(lambda module, args, output: None)
+    try:
+        assert sequence_scores_without_padding(model, input_ids, attention_mask, min_saved_share=0.0) is None
+        assert not pooled_scores_share_safely(model, input_ids, attention_mask)
+    finally:
+        handle.remove()
+
+
 def test_drop_padding_packs_within_the_longest_row(tiny_qwen_path):
     from transformers import AutoModelForCausalLM
 

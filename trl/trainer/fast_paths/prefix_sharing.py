@@ -23,6 +23,7 @@ from ..utils.logprobs import capture_lm_head_inputs, fusable_lm_head, model_acce
 from ..utils.packing import (
     SequenceTokenLogps,
     _layout_capacity,
+    classifier_call_hooked,
     compute_sequence_token_logps,
     pack_padded_sequences,
 )
@@ -338,7 +339,10 @@ def _pooled_columns(input_ids: torch.Tensor, pad_token_id: int) -> torch.Tensor:
 def pooled_scores_share_safely(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> bool:
     """Whether the scores of a sequence classifier can come from [`shared_prefix_pooled_scores`]: a plain
     transformers `*ForSequenceClassification` with a `score` head and a regression (or default) problem type, whose
-    pooled token (the rightmost one that is not the pad id) is a real token of every row."""
+    pooled token (the rightmost one that is not the pad id) is a real token of every row, and calling which runs no
+    forward hooks ([`~trl.trainer.utils.packing.classifier_call_hooked`])."""
+    if classifier_call_hooked(model):
+        return False
     base = _base_transformers_model(model)
     config = getattr(base, "config", None)
     pad_token_id = getattr(config, "pad_token_id", None)

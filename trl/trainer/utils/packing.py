@@ -290,6 +290,16 @@ def packed_forward_inputs(packed: PackedSequences) -> dict[str, Any]:
     return inputs
 
 
+def classifier_call_hooked(model: nn.Module) -> bool:
+    """Whether calling `model` runs forward hooks (its own, those of the transformers model it wraps, or global ones)
+    that calling its backbone and score head directly would skip: the pooled-score fast paths then step aside."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in (model, _base_transformers_model(model)))
+
+
 def sequence_scores_without_padding(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -302,9 +312,11 @@ def sequence_scores_without_padding(
 
     Returns None (run the model as usual) when packing saves less than `min_saved_share` of the positions (see
     [`drop_padding`]), or the model is not a plain transformers sequence classifier whose backbone can attend within
-    packed sequences (also when it is wrapped for distributed training, whose hooks live on the outer module). PEFT adapters injected into the backbone and head still apply.
+    packed sequences (also when it is wrapped for distributed training, whose hooks live on the outer module), or
+    calling it runs forward hooks ([`classifier_call_hooked`]). PEFT adapters injected into the backbone and head
+    still apply.
     """
-    if hasattr(model, "module"):
+    if hasattr(model, "module") or classifier_call_hooked(model):
         return None
     base = _base_transformers_model(model)
     config = getattr(base, "config", None)
