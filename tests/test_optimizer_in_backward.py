@@ -191,3 +191,16 @@ def test_layer_budget_leaves_no_room_for_gradients_stepped_in_the_backward(monke
     monkeypatch.setattr(optimizer_in_backward, "_STEPPED", {id(p) for p in model.parameters()})
     budget.plan(tokens=1)
     assert budget.keep_from == len(layers)
+
+
+def test_optimizer_step_hooks_keep_the_step_after_the_backward(tmp_path):
+    args = SFTConfig(
+        str(tmp_path), max_steps=1, per_device_train_batch_size=3, **{**COMMON_ARGS, "max_grad_norm": 0.0}
+    )
+    trainer = SFTTrainer(_model(), args=args, train_dataset=_text(), processing_class=_tokenizer())
+    trainer.create_optimizer()
+    steps = []
+    trainer.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: steps.append(1))
+    trainer.train()
+    assert "step hooks" in optimizer_in_backward_fallback_reason(trainer)
+    assert steps == [1]  # one step over all parameters, as the hook expects

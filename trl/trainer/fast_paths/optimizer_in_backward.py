@@ -14,8 +14,8 @@ trainer's `optimizer.step()` then finds only the gradients left to it (the input
 the sparse tied-embedding path complete at the end of the backward) and steps those.
 
 Predicate: [`optimizer_in_backward_fallback_reason`] (no clipping, one process without DeepSpeed, FSDP or a gradient
-scaler, one of the optimizers above, no callback acting around the optimizer step and no `training_step` of a
-subclass that could read the gradients afterwards).
+scaler, one of the optimizers above without step hooks, no callback acting around the optimizer step and no
+`training_step` of a subclass that could read the gradients afterwards).
 Equality test: `tests/test_optimizer_in_backward.py`. Gain: `docs/benchmarks.md`, "Optimizer steps in the backward".
 """
 
@@ -65,6 +65,8 @@ def optimizer_in_backward_fallback_reason(trainer: Any) -> str | None:
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     if type(optimizer) not in _ELEMENTWISE_OPTIMIZERS or optimizer.defaults.get("differentiable"):
         return f"{type(optimizer).__name__} is not one of Adam, AdamW or SGD"
+    if getattr(optimizer, "_optimizer_step_pre_hooks", None) or getattr(optimizer, "_optimizer_step_post_hooks", None):
+        return "the optimizer has step hooks (they expect one step over all parameters)"
     for callback in trainer.callback_handler.callbacks:
         for name in _OPTIMIZER_CALLBACKS:
             if getattr(type(callback), name, None) is not getattr(TrainerCallback, name):
