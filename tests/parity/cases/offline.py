@@ -155,6 +155,16 @@ register_offline("sft/max_length=8", "sft", dataset="conversational_language_mod
 register_offline(
     "sft/gradient_accumulation_steps=2", "sft", per_device_train_batch_size=2, gradient_accumulation_steps=2
 )
+# Without clipping, the optimizer steps each parameter in the backward pass (`fast_paths.optimizer_in_backward`).
+register_offline("sft/max_grad_norm=0", "sft", max_grad_norm=0.0)
+register_offline(
+    "sft/max_grad_norm=0/gradient_accumulation_steps=2",
+    "sft",
+    max_grad_norm=0.0,
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+)
+register_offline("dpo/max_grad_norm=0", "dpo", max_grad_norm=0.0)
 register_offline("sft/dataset_text_field", "sft", rename={"text": "content"}, dataset_text_field="content")
 register_offline("sft/tools", "sft", dataset="conversational_language_modeling_tools")
 register_offline("sft/llama", "sft", dataset="conversational_language_modeling", model="tiny-LlamaForCausalLM")
