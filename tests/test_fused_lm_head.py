@@ -141,11 +141,14 @@ def test_heads_that_cannot_fuse(causal_lm):
     wrapped = get_peft_model(model, LoraConfig(r=4, target_modules=["lm_head"]))
     assert fusable_lm_head(wrapped) is None
     # A forward hook on the head reads the logits, which the fused head never builds.
-    handle = causal_lm.lm_head.register_forward_hook(lambda module, args, output: None)
-    try:
-        assert fusable_lm_head(causal_lm) is None
-    finally:
-        handle.remove()
+    from torch.nn.modules.module import register_module_forward_hook
+
+    for register in (causal_lm.lm_head.register_forward_hook, register_module_forward_hook):
+        handle = register(lambda module, args, output: None)
+        try:
+            assert fusable_lm_head(causal_lm) is None
+        finally:
+            handle.remove()
     assert fusable_lm_head(causal_lm) is not None
 
 

@@ -204,3 +204,13 @@ def test_optimizer_step_hooks_keep_the_step_after_the_backward(tmp_path):
     trainer.train()
     assert "step hooks" in optimizer_in_backward_fallback_reason(trainer)
     assert steps == [1]  # one step over all parameters, as the hook expects
+
+
+def test_a_second_accumulation_after_the_step_is_refused_clearly():
+    weight = torch.nn.Parameter(torch.ones(3))
+    steps = StepsInBackward(torch.optim.SGD([weight], lr=0.1), [weight])
+    weight.register_post_accumulate_grad_hook(steps.step)
+    with pytest.raises(RuntimeError, match=r"shape \(3,\) was accumulated again"):
+        # two backward calls into one pass's record: the second accumulation finds the parameter already stepped
+        (weight * 2).sum().backward()
+        (weight * 3).sum().backward()

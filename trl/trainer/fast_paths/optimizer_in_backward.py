@@ -91,8 +91,10 @@ class StepsInBackward:
         key = id(parameter)
         if key in self.norms:
             raise RuntimeError(
-                "A parameter's gradient was accumulated twice in one backward pass after its optimizer step (a weight "
-                "shared across reentrant checkpoints?). Set max_grad_norm > 0 to step after the backward pass."
+                f"The gradient of a parameter of shape {tuple(parameter.shape)} was accumulated again after the "
+                "optimizer had already stepped it in this backward pass: each parameter must receive its gradient "
+                "once per backward (a weight shared across reentrant checkpoints does not). Set max_grad_norm > 0 "
+                "to step after the backward pass instead."
             )
         self.norms[key] = torch._foreach_norm([parameter.grad], 2.0)[0]
         self._grad_kinds[key] = (parameter.grad.device, parameter.grad.dtype)

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.nn as nn
+from torch.nn.modules import module as torch_module
 
 from ...kernels.linear_log_softmax import linear_selective_log_softmax
 from ...kernels.log_softmax import selective_log_softmax
@@ -73,8 +74,8 @@ def fusable_lm_head(model: nn.Module) -> nn.Linear | None:
     """The model's output projection if the fused LM head + log-softmax can stand in for it, else None.
 
     It can when the head is a plain `nn.Linear` (not wrapped by PEFT, not sharded by DeepSpeed ZeRO-3 or FSDP) whose
-    output the model returns as is (no logit soft-capping or scaling in the config), without forward hooks (which would
-    read the logits the fused head never builds), and the model is not wrapped by DistributedDataParallel (whose
+    output the model returns as is (no logit soft-capping or scaling in the config), without forward hooks on it or
+    on every module (which would read the logits the fused head never builds), and the model is not wrapped by DistributedDataParallel (whose
     gradient hooks expect every parameter used inside the wrapped forward).
     """
     if isinstance(model, nn.parallel.DistributedDataParallel):
@@ -83,7 +84,7 @@ def fusable_lm_head(model: nn.Module) -> nn.Linear | None:
     head = _output_embeddings(target)
     if type(head) is not nn.Linear or type(head.weight) is not nn.Parameter or hasattr(head.weight, "ds_id"):
         return None
-    if head._forward_hooks:
+    if head._forward_hooks or torch_module._global_forward_hooks:
         return None
     config = getattr(target, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
