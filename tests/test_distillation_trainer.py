@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from trl import DistillationConfig, DistillationTrainer
 from trl.assets import get_dataset_path, get_model_path, load_test_dataset
+from trl.trainer.utils.logprobs import small_head_output
 
 
 TEACHER = "small-Qwen2ForCausalLM"
@@ -315,3 +316,40 @@ def test_cli_runs_the_example_config_offline(tmp_path):
         result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "out" / "config.json").is_file() and (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_kept_layers_train_as_with_transformers_checkpoint(tmp_path, model_path, teacher_path, prompts, monkeypatch):
+    """The student's logits cover the completion only, so gradient checkpointing keeps the last layers' activations
+    within the gradient budget instead of recomputing them: the same losses and weights as transformers' checkpoint."""
+    from trl.trainer import distillation_trainer
+    from trl.trainer.fast_paths import layer_checkpoints
+
+    kept = []
+    plan = layer_checkpoints.LayerBudget.plan
+
+    def recording_plan(budget, tokens):
+        plan(budget, tokens)
+        kept.append(len(budget.layers) - budget.keep_from)
+
+    monkeypatch.setattr(layer_checkpoints.LayerBudget, "plan", recording_plan)
+    # At this tiny width the logits (a 4 x 7 x vocabulary block) outweigh every layer's gradients: declared as nothing.
+    declared = []
+    monkeypatch.setattr(
+        distillation_trainer, "small_head_output", lambda nbytes: declared.append(nbytes) or small_head_output(0)
+    )
+    results = []
+    for lean in (True, False):
+        if not lean:
+            monkeypatch.setattr(layer_checkpoints, "layer_checkpoint_fallback_reason", lambda layer: "off")
+        trainer = build(
+            tmp_path / str(lean), model_path, teacher_path, prompts, generation_kwargs=GREEDY, gradient_checkpointing=True
+        )
+        trainer.train()
+        trained = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+        results.append(([log["loss"] for log in train_logs(trainer)], trained))
+    assert kept[0] == 1  # the first forward keeps (and measures) the last layer; later ones keep what fits
+    assert declared[0] == 4 * 4 * 6 * trainer.model.config.vocab_size * 4  # rows x completion x vocab, float32, x4
+    (losses, weights), (plain_losses, plain_weights) = results
+    assert losses == pytest.approx(plain_losses, rel=1e-6)
+    for name, value in plain_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-7, msg=name)

@@ -16,6 +16,7 @@ from trl.trainer.fast_paths.layer_checkpoints import (
     layer_checkpoint_fallback_reason,
     lean_layer_checkpoints,
 )
+from trl.trainer.utils import logprobs
 from trl.trainer.utils.logprobs import capture_lm_head_inputs, compute_token_logps
 
 
@@ -49,7 +50,7 @@ def _fused_loss_and_grads(model, ids, arena=None, zero_grad=True):
 @pytest.fixture
 def no_head_margin(monkeypatch):
     """The fused head's working memory left out of the budget's margin: at a tiny width it exceeds every layer."""
-    monkeypatch.setattr(layer_checkpoints, "fused_head_working_bytes", lambda: 0)
+    monkeypatch.setattr(logprobs, "fused_head_working_bytes", lambda: 0)
 
 
 @pytest.mark.parametrize("family", LLAMA_STYLE_FAMILIES)
@@ -99,6 +100,28 @@ def test_the_budget_is_the_unallocated_gradients_of_the_layers(no_head_margin):
     assert budget.keep_from < len(sizes)
     _fused_loss_and_grads(model, ids, arena, zero_grad=False)
     assert budget.keep_from == len(sizes)
+
+
+def test_declared_small_logits_leave_the_rest_of_the_budget(no_head_margin):
+    torch.manual_seed(0)
+    model = llama_style_decoder("qwen2").train()
+    enable_activation_checkpointing(model)
+    arena = CheckpointArena()
+    ids = torch.randint(1, 300, (2, 11))
+    _fused_loss_and_grads(model, ids, arena)
+    budget = arena.budget
+    sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in budget.layers]
+    model.zero_grad(set_to_none=True)
+    tokens = int((sum(sizes) - max(sizes)) // budget.bytes_per_token)  # one layer's activations fit, no more
+    budget.plan(tokens)
+    assert budget.keep_from == len(sizes)  # full logits: nothing kept
+    with logprobs.small_head_output(0):
+        budget.plan(tokens)
+        assert budget.keep_from == len(sizes) - 1
+        with logprobs.small_head_output(int(budget.bytes_per_token)):  # the innermost declaration counts
+            budget.plan(tokens)
+            assert budget.keep_from == len(sizes)
+    assert logprobs.head_output_bytes(model) is None
 
 
 def test_a_forward_with_logits_keeps_no_layer():

@@ -184,8 +184,7 @@ def test_layer_budget_leaves_no_room_for_gradients_stepped_in_the_backward(monke
     layers = list(model.model.layers)
     budget = layer_checkpoints.LayerBudget(layers, model)
     budget.bytes_per_token = 1.0
-    monkeypatch.setattr(layer_checkpoints, "lm_head_inputs_captured", lambda model: True)
-    monkeypatch.setattr(layer_checkpoints, "fused_head_working_bytes", lambda: 0)
+    monkeypatch.setattr(layer_checkpoints, "head_output_bytes", lambda model: 0)
     budget.plan(tokens=1)
     assert budget.keep_from == 0  # every layer fits
     monkeypatch.setattr(optimizer_in_backward, "_STEPPED", {id(p) for p in model.parameters()})

@@ -9,7 +9,7 @@ from datasets import Dataset
 from trainer_utils import COMMON_ARGS
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from trl._compat import enable_activation_checkpointing
+from trl._compat import disable_activation_checkpointing, enable_activation_checkpointing
 from trl.kernels.packed_attention import capture_keys_values
 from trl.trainer.fast_paths.prefix_sharing import (
     MIN_SHARED_SAVING,
@@ -419,3 +419,86 @@ def test_sharing_is_decided_again_at_call_time(causal_lm):
     assert not sharing_possible_now(wrapper)
     fsdp_like = type("FSDPQwen2ForCausalLM", (torch.nn.Module,), {})()
     assert parameters_sharded(fsdp_like) and not sharing_possible_now(fsdp_like)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Layouts that keep the batch's padding (metrics read every position of the padded batch)
+# ---------------------------------------------------------------------------------------------------------------------
+def test_layout_keeping_padding_on_a_hand_written_example():
+    ids, mask = _padded([[5, 6, 7], [5, 6, 8, 9]])
+    layout = share_prefixes(ids, mask, [[0, 1]], pad_token_id=PAD, keep_padding=True)
+    # row 0's pad position follows its suffix [7]; it continues the row's positions
+    assert layout.input_ids.tolist() == [[5, 6, 7, PAD, 8, 9]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 2, 3]]
+    assert layout.silent.tolist() == [[False, False, False, True, False, False]]
+    assert layout.token_index.tolist() == [[0, 1, 2, 3], [0, 1, 4, 5]]
+    assert layout.saved_share == pytest.approx(1 - 6 / 8)
+    allowed = (layout.attention_mask(torch.float32) == 0).squeeze(1).int()
+    assert allowed[0].tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],  # the kept pad sees its row's real tokens, not itself
+        [1, 1, 0, 0, 1, 0],  # nothing attends to it
+        [1, 1, 0, 0, 1, 1],
+    ]
+    with pytest.raises(ValueError, match="right-padded"):
+        share_prefixes(ids.flip(1), mask.flip(1), [[0, 1]], keep_padding=True)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_final_hidden_states_of_every_padded_position_equal_the_padded_batch(causal_lm, checkpointing):
+    ids, mask, target = _batch("paired")
+    layout = share_prefixes(ids, mask, paired_groups(len(ids)), PAD, keep_padding=True)
+    with pytest.raises(ValueError, match="keep_padding"):
+        shared_prefix_token_logps(
+            causal_lm, ids, share_prefixes(ids, mask, paired_groups(6)), target, final_hidden_states=True
+        )
+    if checkpointing:
+        enable_activation_checkpointing(causal_lm, {"use_reentrant": False})
+    causal_lm.train()
+
+    def run(shared: bool):
+        causal_lm.zero_grad()
+        if shared:
+            result = shared_prefix_token_logps(causal_lm, ids, layout, target, final_hidden_states=True)
+        else:
+            result = compute_sequence_token_logps(causal_lm, ids, mask, target, output_hidden_states=True)
+        hidden = result.outputs.hidden_states[-1]
+        weights = torch.linspace(0.5, 1.5, hidden.shape[-1])
+        ((result.logps * target).sum() + (hidden * weights).mean()).backward()
+        grads = [p.grad.clone() for p in causal_lm.parameters() if p.grad is not None]
+        return result.logps.detach(), hidden.detach(), grads
+
+    try:
+        logps, hidden, grads = run(True)
+        ref_logps, ref_hidden, ref_grads = run(False)
+    finally:
+        disable_activation_checkpointing(causal_lm)
+        causal_lm.eval()
+    assert hidden.shape == (*ids.shape, causal_lm.config.hidden_size)
+    torch.testing.assert_close(logps, ref_logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)  # pad positions included
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["orpo", "cpo"])
+def test_reference_free_trainers_share_prompts_and_keep_losses_and_metrics(tmp_path, model_path, method):
+    import importlib
+
+    module = importlib.import_module(f"trl.experimental.{method}")
+    config_class, trainer_class = (
+        getattr(module, f"{method.upper()}Config"),
+        getattr(module, f"{method.upper()}Trainer"),
+    )
+    dataset = Dataset.from_list(_text_rows())
+
+    def make_trainer(model):
+        args = _short_run(config_class, tmp_path)
+        return trainer_class(model, args=args, train_dataset=dataset)
+
+    shared, plain = _train_twice(make_trainer, AutoModelForCausalLM.from_pretrained(model_path), "_share_prefix")
+    for name in ("logits/chosen", "logits/rejected", "logps/chosen", "nll_loss"):
+        values = [[entry[name] for entry in t.state.log_history if name in entry] for t in (shared, plain)]
+        assert values[0] == pytest.approx(values[1], rel=1e-4, abs=1e-6), name

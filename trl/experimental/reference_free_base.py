@@ -29,6 +29,15 @@ from transformers.trainer_utils import EvalLoopOutput
 
 from ..data_utils import is_conversational, maybe_apply_chat_template, maybe_extract_prompt
 from ..import_utils import is_comet_available, is_wandb_available
+from ..trainer.fast_paths.prefix_sharing import (
+    MIN_SHARED_SAVING,
+    paired_groups,
+    right_padded,
+    share_prefixes,
+    shared_prefix_token_logps,
+    sharing_possible_now,
+    supports_prefix_sharing,
+)
 from ..trainer.preference_base import _PreferenceTrainer
 from ..trainer.utils import (
     PromptCompletionTokenizer,
@@ -41,6 +50,7 @@ from ..trainer.utils import (
     selective_log_softmax,
 )
 from ..trainer.utils.logprobs import mean_logits_from_hidden
+from ..trainer.utils.packing import SequenceTokenLogps
 from .reference_free_legacy import _ReferenceFreeLegacyHelpers, pair_metric_values
 from .utils import load_causal_lm
 
@@ -352,6 +362,10 @@ class _ReferenceFreePreferenceTrainer(_ReferenceFreeLegacyHelpers, _PreferenceTr
             self._decoder_pad_token_id = self.pad_token_id if pad_id is None else pad_id
         # TRL's `logits/*` metrics average over the padded positions too: the batch keeps them.
         self._layout = "padded"
+        # A pair's chosen and rejected rows share their prompt: run it once, pad positions kept for the metrics.
+        self._share_prefix = (
+            not self.is_encoder_decoder and not self._aux_loss_enabled and supports_prefix_sharing(model)
+        )
         if data_collator is None:
             collator_class = (
                 DataCollatorForEncoderDecoderPreference
@@ -566,6 +580,9 @@ class _ReferenceFreePreferenceTrainer(_ReferenceFreeLegacyHelpers, _PreferenceTr
         nll_targets = attention[:num_pairs] if self._nll_includes_prompt else completion_targets[:num_pairs]
         scored = completion_targets.clone()
         scored[:num_pairs] |= nll_targets
+        result = self._shared_prefix_token_logps(model, inputs, scored)
+        if result is not None:
+            return self._with_mean_logits(model, result, completion_targets, nll_targets)
         result = compute_sequence_token_logps(
             model,
             inputs["input_ids"],
@@ -575,6 +592,26 @@ class _ReferenceFreePreferenceTrainer(_ReferenceFreeLegacyHelpers, _PreferenceTr
             pad_token_id=self.pad_token_id,
             output_hidden_states=True,
         )
+        return self._with_mean_logits(model, result, completion_targets, nll_targets)
+
+    def _shared_prefix_token_logps(
+        self, model: nn.Module, inputs: dict[str, torch.Tensor], scored: torch.Tensor
+    ) -> SequenceTokenLogps | None:
+        """The forward pass with each pair's prompt run once (see `share_prefixes`), or None when the model, the
+        engine or the batch does not allow it or it saves too little."""
+        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        if not self._share_prefix or not sharing_possible_now(model) or not right_padded(attention_mask):
+            return None
+        groups = paired_groups(len(input_ids))
+        layout = share_prefixes(input_ids, attention_mask, groups, self.pad_token_id, keep_padding=True)
+        if layout.saved_share < MIN_SHARED_SAVING:
+            return None
+        self._shared_prefix_passes = self._shared_prefix_passes + 1
+        return shared_prefix_token_logps(model, input_ids, layout, scored, final_hidden_states=True)
+
+    def _with_mean_logits(
+        self, model: nn.Module, result: SequenceTokenLogps, completion_targets: torch.Tensor, nll_targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         with torch.no_grad():
             mean_logits = mean_logits_from_hidden(model, result.outputs.hidden_states[-1])
             if self._logits_metric_drops_last:

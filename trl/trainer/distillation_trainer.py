@@ -7,6 +7,7 @@ from the reward-driven online trainers: no reward functions, advantages or refer
 on the rollout and compares their distributions chunk by chunk ([`per_token_generalized_jsd`]).
 """
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ from .online_rewards import _NoRewardsMixin
 from .tool_calling import _ToolCallingMixin
 from .utils import create_model_from_path, disable_dropout_in_model
 from .utils.divergence import per_token_generalized_jsd
-from .utils.logprobs import model_accepts_argument
+from .utils.logprobs import model_accepts_argument, small_head_output
 
 
 def _vocab_size(model: nn.Module) -> int | None:
@@ -263,12 +264,23 @@ class DistillationTrainer(_NoRewardsMixin, _ToolCallingMixin, _OnlineTrainer):
         logits = outputs.logits[:, -(completion_length + 1) : -1]
         return logits, outputs
 
+    @staticmethod
+    def _small_student_logits(model: nn.Module, teacher_logits: torch.Tensor) -> Any:
+        """Declares the student's logits small when they cover the completion only (`logits_to_keep`): with the
+        teacher's, their gradient and the divergence's work, four times the teacher's logits in float32. Gradient
+        checkpointing may then keep the last layers' activations instead of recomputing them (`LayerBudget`)."""
+        if not model_accepts_argument(model, "logits_to_keep"):
+            return contextlib.nullcontext()
+        return small_head_output(4 * teacher_logits.numel() * 4)
+
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         mask = self._loss_mask(inputs).bool()
-        student_logits, outputs = self._completion_logits(model, inputs)
-        # Teacher forward once per micro-batch, without gradients; its logits cover the completion positions only.
+        # Teacher forward once per micro-batch, without gradients; its logits cover the completion positions only. It
+        # runs first, so that its working memory is gone while the student's activations are held.
         with torch.no_grad():
             teacher_logits, _ = self._completion_logits(self.teacher_model, inputs)
+        with self._small_student_logits(model, teacher_logits):
+            student_logits, outputs = self._completion_logits(model, inputs)
         per_token = per_token_generalized_jsd(
             student_logits, teacher_logits, mask, beta=self.beta, temperature=self.temperature
         )

@@ -41,8 +41,7 @@ import torch.nn as nn
 
 from ..._compat import CACHE_KEYWORDS, cache_keyword
 from ...kernels.decoder_layers import swiglu_mlp
-from ...kernels.linear_log_softmax import fused_head_working_bytes
-from ..utils.logprobs import lm_head_inputs_captured
+from ..utils.logprobs import head_output_bytes
 from .last_layer_selection import has_dropout
 from .lean_modules import is_unhooked_lean_swiglu_mlp, lean_mlp_kernels, mlps_without_grad, switched_forwards
 from .optimizer_in_backward import stepped_in_backward
@@ -362,9 +361,10 @@ class LayerBudget:
     the last layers. Such a layer's activations fit under that peak as long as all kept layers' activations together
     stay within the gradients of the decoder layers that are still unallocated (`grad` None) when the forward pass
     starts, less a margin: the largest layer's gradients (the working memory of one layer's backward pass) and the
-    fused LM head's working memory, which is alive with the kept activations at the end of the forward pass. Layers
-    are kept only in forward passes whose logits the fused head computes ([`lm_head_inputs_captured`]): full logits
-    would sit on top of the kept activations. Those layers run with plain autograd (their MLPs through the lean kernel
+    memory the head's output and the loss on it hold with the kept activations at the end of the forward pass: the
+    fused LM head's working memory, or what a trainer declared for small logits
+    ([`~trl.trainer.utils.logprobs.small_head_output`]). Layers are kept only in forward passes so bounded
+    ([`~trl.trainer.utils.logprobs.head_output_bytes`]): full logits would sit on top of the kept activations. Those layers run with plain autograd (their MLPs through the lean kernel
     of [`~trl.trainer.fast_paths.lean_modules.lean_mlp_kernels`]) and are not recomputed: the values and gradients of
     torch's checkpoint, bitwise, and one layer forward fewer each.
 
@@ -395,12 +395,13 @@ class LayerBudget:
             )
             for layer in self.layers
         ]
-        if not lm_head_inputs_captured(self.model):
+        head_bytes = head_output_bytes(self.model)
+        if head_bytes is None:
             kept = 0
         elif self.bytes_per_token is None:
             kept = 1
         else:
-            margin = max(sizes, default=0) + fused_head_working_bytes()
+            margin = max(sizes, default=0) + head_bytes
             free = sum(sizes) - margin - self.outstanding
             kept = int(max(free, 0) // max(self.bytes_per_token * tokens, 1.0))
         self.keep_from = len(self.layers) - min(kept, len(self.layers))

@@ -48,6 +48,9 @@ class SharedPrefixLayout(NamedTuple):
         token_index: `(batch, seq_len)` flat index (`group * length + column`) of every real token of the padded
             batch in the shared layout, -1 on padding.
         saved_share: Share of the batch's real tokens that the shared layout does not compute.
+        silent: `(groups, length)` True on the batch's own pad positions when the layout keeps them
+            (`share_prefixes(..., keep_padding=True)`): each sees its row as a pad position of the padded batch does,
+            and nothing attends to it. None otherwise.
     """
 
     input_ids: torch.Tensor
@@ -55,19 +58,23 @@ class SharedPrefixLayout(NamedTuple):
     segment_ids: torch.Tensor
     token_index: torch.Tensor
     saved_share: float
+    silent: torch.Tensor | None = None
 
     def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """The `(groups, 1, length, length)` additive mask: 0 where a query may attend to a key, `finfo.min` elsewhere.
 
-        A suffix token attends to the prefix and to its own suffix up to itself; padding attends only to itself (so
-        that no softmax row is empty) and nothing attends to it.
+        A suffix token attends to the prefix and to its own suffix up to itself; the layout's padding attends only to
+        itself (so that no softmax row is empty) and nothing attends to it. A silent token (a kept pad position)
+        attends to its row's real tokens, not to itself, as in the padded batch.
         """
         segments = self.segment_ids
         length = segments.shape[1]
         query, key = segments.unsqueeze(2), segments.unsqueeze(1)
         causal = torch.ones(length, length, dtype=torch.bool, device=segments.device).tril()
         allowed = causal & (query >= 0) & ((key == 0) | (key == query))
-        allowed |= torch.eye(length, dtype=torch.bool, device=segments.device)
+        if self.silent is not None:
+            allowed &= ~self.silent.unsqueeze(1)
+        allowed |= torch.eye(length, dtype=torch.bool, device=segments.device) & (query < 0)
         zeros = torch.zeros((), dtype=dtype, device=segments.device)
         return torch.where(allowed, zeros, torch.finfo(dtype).min).unsqueeze(1)
 
@@ -90,7 +97,11 @@ def _common_prefix_length(rows: list[list[int]]) -> int:
 
 
 def share_prefixes(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: list[list[int]], pad_token_id: int = 0
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    groups: list[list[int]],
+    pad_token_id: int = 0,
+    keep_padding: bool = False,
 ) -> SharedPrefixLayout:
     """Lay out the rows of a padded batch as one `[prefix | suffix_1 | ...]` sequence per group of rows.
 
@@ -102,7 +113,10 @@ def share_prefixes(
         input_ids: `(batch, seq_len)` token ids, each row's real tokens contiguous (left or right padding).
         attention_mask: `(batch, seq_len)` mask of real tokens.
         groups: Row indices of each group; every row of the batch in exactly one group.
-        pad_token_id: Id written at pad positions.
+        pad_token_id: Id written at the layout's pad positions.
+        keep_padding: Also lay out each row's pad positions (right padding only), after its suffix, as silent tokens
+            ([`SharedPrefixLayout.silent`]), for callers that read the padded batch's values at every position. The
+            token index then covers every column and the saved share counts the pad positions.
 
     Returns:
         [`SharedPrefixLayout`].
@@ -123,46 +137,62 @@ def share_prefixes(
     starts = mask.long().argmax(dim=1).tolist()
     ids_list = input_ids.tolist()
     tokens = [ids_list[row][start : start + length] for row, (start, length) in enumerate(zip(starts, lengths))]
-    sequences, segments, positions = [], [], []
+    if keep_padding:
+        if not right_padded(mask):
+            raise ValueError("keep_padding=True needs right-padded rows (real tokens first, then padding).")
+    # Each row's tokens as laid out; with `keep_padding` its pad positions too, as the end of its suffix.
+    laid_out = ids_list if keep_padding else tokens
+    sequences, segments, positions, silences = [], [], [], []
     # Column in the shared layout of every row's first token after the prefix, and its group and prefix length.
     row_group, row_prefix, row_suffix_start = [0] * batch, [0] * batch, [0] * batch
     for group_index, group in enumerate(groups):
         prefix = _common_prefix_length([tokens[row] for row in group])
         sequence, segment = list(tokens[group[0]][:prefix]), [0] * prefix
-        position = list(range(prefix))
+        position, silence = list(range(prefix)), [False] * prefix
         for suffix_index, row in enumerate(group):
-            suffix = tokens[row][prefix:]
+            suffix = laid_out[row][prefix:]
             row_group[row], row_prefix[row], row_suffix_start[row] = group_index, prefix, len(sequence)
             sequence += suffix
             segment += [suffix_index + 1] * len(suffix)
             position += range(prefix, prefix + len(suffix))
+            silence += [index >= lengths[row] for index in range(prefix, prefix + len(suffix))]
         sequences.append(sequence)
         segments.append(segment)
         positions.append(position)
+        silences.append(silence)
     width = max(2, max(len(sequence) for sequence in sequences))
     device = input_ids.device
     shared_ids = torch.full((len(groups), width), pad_token_id, dtype=input_ids.dtype)
     segment_ids = torch.full((len(groups), width), -1, dtype=torch.long)
     position_ids = torch.zeros((len(groups), width), dtype=torch.long)
+    silent = torch.zeros((len(groups), width), dtype=torch.bool)
     for index, (sequence, segment, position) in enumerate(zip(sequences, segments, positions)):
         shared_ids[index, : len(sequence)] = torch.tensor(sequence, dtype=input_ids.dtype)
         segment_ids[index, : len(segment)] = torch.tensor(segment, dtype=torch.long)
         position_ids[index, : len(position)] = torch.tensor(position, dtype=torch.long)
+        silent[index, : len(sequence)] = torch.tensor(silences[index], dtype=torch.bool)
     # Pad positions count on from the group's end (any value works: nothing attends to them).
     ends = torch.tensor([len(sequence) for sequence in sequences]).unsqueeze(1)
     pads = segment_ids < 0
     position_ids[pads] = (torch.arange(width).unsqueeze(0) - ends + 1).clamp(min=0).expand_as(position_ids)[pads]
-    # Flat shared index of every real token of the padded batch.
+    # Flat shared index of every real token (every position, keeping padding) of the padded batch.
+    if keep_padding:
+        mask = torch.ones_like(mask)
     offset = mask.long().cumsum(dim=1) - 1
     group_t = torch.tensor(row_group, device=device).unsqueeze(1)
     prefix_t = torch.tensor(row_prefix, device=device).unsqueeze(1)
     start_t = torch.tensor(row_suffix_start, device=device).unsqueeze(1)
     column = torch.where(offset < prefix_t, offset, start_t + offset - prefix_t)
     token_index = torch.where(mask, group_t * width + column, torch.full_like(column, -1))
-    total = sum(lengths)
+    total = mask.numel() if keep_padding else sum(lengths)
     saved = 1.0 - sum(len(sequence) for sequence in sequences) / total if total else 0.0
     return SharedPrefixLayout(
-        shared_ids.to(device), position_ids.to(device), segment_ids.to(device), token_index, saved
+        shared_ids.to(device),
+        position_ids.to(device),
+        segment_ids.to(device),
+        token_index,
+        saved,
+        silent.to(device) if keep_padding else None,
     )
 
 
@@ -231,6 +261,7 @@ def shared_prefix_token_logps(
     compute_entropy: bool = False,
     logits_stats_fn: Any = None,
     temperature: float = 1.0,
+    final_hidden_states: bool = False,
 ) -> SequenceTokenLogps:
     """Per-token log-probs of a padded batch computed on its shared-prefix layout, in the batch's padded shape.
 
@@ -246,6 +277,9 @@ def shared_prefix_token_logps(
         compute_entropy: Also return per-token entropies.
         logits_stats_fn: Optional `f(logits, targets) -> dict` evaluated on the scored positions' logits.
         temperature: Logits are divided by this value before the softmax.
+        final_hidden_states: Also hand back the final hidden states of every position of the padded batch, pad
+            positions included, as `outputs.hidden_states = (states,)` (`(batch, seq_len, hidden)`); needs a layout
+            that keeps the padding.
 
     Returns:
         [`SequenceTokenLogps`] (its `outputs.logits` is None).
@@ -253,10 +287,14 @@ def shared_prefix_token_logps(
     head = fusable_lm_head(model)
     if head is None:
         raise ValueError(f"{type(model).__name__} has no output head the fused LM head can replace.")
+    if final_hidden_states and layout.silent is None:
+        raise ValueError("final_hidden_states=True needs a layout built with share_prefixes(..., keep_padding=True).")
     rows, columns = target_mask.bool().nonzero(as_tuple=True)
-    # Only the scored tokens' final hidden states are read: the last layer runs on those alone.
+    # Only the scored tokens' final hidden states are read (unless all are): the last layer runs on those alone.
     selected = layout.token_index[rows, columns]
-    with capture_lm_head_inputs(head) as captured, last_layer_at(model, selected, layout.input_ids.shape[1]):
+    length = layout.input_ids.shape[1]
+    selection = contextlib.nullcontext() if final_hidden_states else last_layer_at(model, selected, length)
+    with capture_lm_head_inputs(head) as captured, selection:
         outputs = model(
             input_ids=layout.input_ids,
             attention_mask=layout.attention_mask(_mask_dtype(model)),
@@ -267,6 +305,8 @@ def shared_prefix_token_logps(
         raise RuntimeError(f"The LM head ran {len(captured)} times in one forward pass.")
     # Entry t of a row predicts its token t + 1 from the hidden state of its token t.
     hidden = layout.gather(captured[0], rows, columns)
+    if final_hidden_states:
+        outputs.hidden_states = (captured[0].reshape(-1, captured[0].shape[-1])[layout.token_index],)
     return _scored_logps(head, hidden, input_ids, rows, columns, target_mask.shape, outputs, compute_entropy,
         logits_stats_fn, temperature)  # fmt: skip
 
@@ -382,6 +422,12 @@ def contiguous_rows(attention_mask: torch.Tensor) -> bool:
     last = torch.where(mask, columns, -1).max(dim=1).values
     counts = mask.sum(dim=1)
     return bool(((counts == 0) | (last - first + 1 == counts)).all())
+
+
+def right_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether every row starts with at least one real token and has nothing but padding after its real tokens."""
+    mask = attention_mask.bool()
+    return bool(mask[:, 0].all()) and torch.equal(mask, mask.cummin(dim=1).values)
 
 
 class PrefixCachedLogps(NamedTuple):

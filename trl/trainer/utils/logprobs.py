@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as torch_module
 
-from ...kernels.linear_log_softmax import linear_selective_log_softmax
+from ...kernels.linear_log_softmax import fused_head_working_bytes, linear_selective_log_softmax
 from ...kernels.log_softmax import selective_log_softmax
 from ...kernels.log_softmax import selective_log_softmax_and_entropy as _logps_and_entropy
 
@@ -121,6 +121,34 @@ def lm_head_inputs_captured(model: nn.Module) -> bool:
     fused head computes the log-probs afterwards, a chunk at a time."""
     head = _output_embeddings(getattr(model, "module", model))
     return getattr(vars(head).get("forward") if head is not None else None, "captures_lm_head_inputs", False)
+
+
+# Innermost first: the bytes that callers of `small_head_output` declared for the forward passes in their block.
+_DECLARED_HEAD_OUTPUT_BYTES: list[int] = []
+
+
+@contextlib.contextmanager
+def small_head_output(nbytes: int) -> Iterator[None]:
+    """Within the block, forward passes are declared to build small logits (few positions, `logits_to_keep`): they,
+    and all the loss builds on them until the backward pass, take at most `nbytes`.
+
+    Memory planning that would otherwise assume full-sequence logits ([`head_output_bytes`]) can then count on the
+    rest. A caller that under-declares only makes the step's peak higher, never its values different.
+    """
+    _DECLARED_HEAD_OUTPUT_BYTES.append(int(nbytes))
+    try:
+        yield
+    finally:
+        _DECLARED_HEAD_OUTPUT_BYTES.pop()
+
+
+def head_output_bytes(model: nn.Module) -> int | None:
+    """The memory a forward pass of `model` starting now builds at its head, with the loss on it, until the backward
+    pass: the fused head's working memory when it computes the log-probs ([`lm_head_inputs_captured`]), what
+    [`small_head_output`] declared, or None when nothing bounds it (full logits)."""
+    if lm_head_inputs_captured(model):
+        return fused_head_working_bytes()
+    return _DECLARED_HEAD_OUTPUT_BYTES[-1] if _DECLARED_HEAD_OUTPUT_BYTES else None
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module | None:
