@@ -214,8 +214,8 @@ ABLATIONS = {
     ),
     "fused_lm_head": ("trl.trainer.utils.logprobs", "fusable_lm_head", None),
     "layer_checkpoints": ("trl.trainer.fast_paths.layer_checkpoints", "layer_checkpoint_fallback_reason", "off"),
-    # The layers `LayerBudget` keeps uncheckpointed: none when no forward is taken for a fused-head one.
-    "kept_layers": ("trl.trainer.utils.logprobs", "lm_head_inputs_captured", False),
+    # The layers `LayerBudget` keeps uncheckpointed: none when no forward's head output is bounded.
+    "kept_layers": ("trl.trainer.utils.logprobs", "head_output_bytes", None),
     "lean_modules": ("trl.trainer.fast_paths.lean_modules", "lean_modules_applicable", False),
     "cpu_allocator": ("trl.trainer.fast_paths.cpu_allocator", "activation_memory_fallback_reason", "off"),
     "reference_cache": ("trl.trainer.fast_paths.reference_cache", "training_revisits_examples", False),
