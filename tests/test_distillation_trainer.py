@@ -1,5 +1,6 @@
 """DistillationTrainer: on-policy distillation with the generalized JSD, teacher handling, training, the CLI."""
 
+import contextlib
 import math
 import os
 import subprocess
@@ -140,18 +141,31 @@ def naive_generalized_jsd(student_logits, teacher_logits, beta, temperature):
 
 
 @pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 0.7), (1.0, 2.0), (0.3, 1.0)])
-def test_loss_matches_formula(tmp_path, model_path, teacher_path, prompts, beta, temperature):
+def test_loss_matches_formula(tmp_path, model_path, teacher_path, prompts, beta, temperature, monkeypatch):
+    from trl.trainer import distillation_trainer
+
+    selections = []
+    last_layer_at = distillation_trainer.last_layer_at
+
+    @contextlib.contextmanager
+    def recording_last_layer_at(*args):
+        with last_layer_at(*args) as selected:
+            selections.append(selected)
+            yield selected
+
+    monkeypatch.setattr(distillation_trainer, "last_layer_at", recording_last_layer_at)
     trainer = build(tmp_path, model_path, teacher_path, prompts, beta=beta, temperature=temperature)
     pad = trainer.pad_token_id
     # Two left-padded prompts, right-padded completions of 3 and 1 tokens.
     inputs = {
-        "prompt_ids": torch.tensor([[pad, 11, 12], [21, 22, 23]]),
-        "prompt_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+        "prompt_ids": torch.tensor([[pad, 11, 12, 13, 14], [21, 22, 23, 24, 25]]),
+        "prompt_mask": torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]),
         "completion_ids": torch.tensor([[31, 32, 33], [41, pad, pad]]),
         "completion_mask": torch.tensor([[1, 1, 1], [1, 0, 0]]),
         "num_items_in_batch": torch.tensor(4.0),
     }
     loss = trainer._compute_loss(trainer.model, inputs)
+    assert selections == [True, True]  # teacher and student: the last layer only where the completion is predicted
 
     expected_sum = 0.0
     for row in range(2):

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixi
 
 from ..kernels.log_softmax import selective_log_softmax_and_entropy
 from .distillation_config import DistillationConfig
+from .fast_paths.last_layer_selection import last_layer_at
 from .online_base import _OnlineTrainer
 from .online_math import masked_mean
 from .online_rewards import _NoRewardsMixin
@@ -251,15 +252,22 @@ class DistillationTrainer(_NoRewardsMixin, _ToolCallingMixin, _OnlineTrainer):
         """Logits predicting each completion token, `(B, T, V)`, and the model outputs.
 
         Only the last `T + 1` positions go through the LM head (the prompt's logits are never computed) when the
-        model accepts `logits_to_keep`.
+        model accepts `logits_to_keep`; the last decoder layer then runs at the `T` positions read
+        ([`last_layer_at`]).
         """
         input_ids, attention_mask, position_ids = self._sequence_inputs(inputs)
         completion_length = inputs["completion_ids"].shape[1]
         kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         kwargs["use_cache"] = False
+        selection = contextlib.nullcontext()
         if model_accepts_argument(model, "logits_to_keep"):
             kwargs["logits_to_keep"] = completion_length + 1
-        outputs = model(**kwargs)
+            rows, length = input_ids.shape
+            columns = torch.arange(length - completion_length - 1, length - 1, device=input_ids.device)
+            read = (torch.arange(rows, device=input_ids.device).unsqueeze(1) * length + columns).flatten()
+            selection = last_layer_at(model, read, length)
+        with selection:
+            outputs = model(**kwargs)
         # Position t predicts token t + 1: the completion's T tokens are predicted from the T positions before them.
         logits = outputs.logits[:, -(completion_length + 1) : -1]
         return logits, outputs
