@@ -72,7 +72,9 @@ def test_layers_kept_within_the_gradient_budget_are_bitwise_the_checkpoint(famil
         assert arena.budget.outstanding == 0 and arena.live == 0  # every kept layer's backward has run
 
 
-def test_the_budget_is_the_unallocated_gradients_of_the_layers(no_head_margin):
+def _measured_budget():
+    """A checkpointed tiny decoder after one fused-head step (its budget has measured a layer's bytes per token):
+    `(model, arena, ids, budget, per-layer gradient sizes)`."""
     torch.manual_seed(0)
     model = llama_style_decoder("qwen2").train()
     enable_activation_checkpointing(model)
@@ -81,6 +83,11 @@ def test_the_budget_is_the_unallocated_gradients_of_the_layers(no_head_margin):
     _fused_loss_and_grads(model, ids, arena)
     budget = arena.budget
     sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in budget.layers]
+    return model, arena, ids, budget, sizes
+
+
+def test_the_budget_is_the_unallocated_gradients_of_the_layers(no_head_margin):
+    model, arena, ids, budget, sizes = _measured_budget()
     per_layer = budget.bytes_per_token * ids.numel()
     assert per_layer > 0
     model.zero_grad(set_to_none=True)
@@ -103,14 +110,7 @@ def test_the_budget_is_the_unallocated_gradients_of_the_layers(no_head_margin):
 
 
 def test_declared_small_logits_leave_the_rest_of_the_budget(no_head_margin):
-    torch.manual_seed(0)
-    model = llama_style_decoder("qwen2").train()
-    enable_activation_checkpointing(model)
-    arena = CheckpointArena()
-    ids = torch.randint(1, 300, (2, 11))
-    _fused_loss_and_grads(model, ids, arena)
-    budget = arena.budget
-    sizes = [sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in budget.layers]
+    model, _, _, budget, sizes = _measured_budget()
     model.zero_grad(set_to_none=True)
     tokens = int((sum(sizes) - max(sizes)) // budget.bytes_per_token)  # one layer's activations fit, no more
     budget.plan(tokens)
