@@ -364,8 +364,9 @@ class LayerBudget:
     memory the head's output and the loss on it hold with the kept activations at the end of the forward pass: the
     fused LM head's working memory, or what a trainer declared for small logits
     ([`~trl.trainer.utils.logprobs.small_head_output`]). Layers are kept only in forward passes so bounded
-    ([`~trl.trainer.utils.logprobs.head_output_bytes`]): full logits would sit on top of the kept activations. Those layers run with plain autograd (their MLPs through the lean kernel
-    of [`~trl.trainer.fast_paths.lean_modules.lean_mlp_kernels`]) and are not recomputed: the values and gradients of
+    ([`~trl.trainer.utils.logprobs.head_output_bytes`]): full logits would sit on top of the kept activations.
+    Those layers run with plain autograd (their MLPs through the lean kernel of
+    [`~trl.trainer.fast_paths.lean_modules.lean_mlp_kernels`]) and are not recomputed: the values and gradients of
     torch's checkpoint, bitwise, and one layer forward fewer each.
 
     With gradient accumulation the gradients of later micro-batches are allocated, so those forward passes keep

@@ -137,9 +137,8 @@ def share_prefixes(
     starts = mask.long().argmax(dim=1).tolist()
     ids_list = input_ids.tolist()
     tokens = [ids_list[row][start : start + length] for row, (start, length) in enumerate(zip(starts, lengths))]
-    if keep_padding:
-        if not right_padded(mask):
-            raise ValueError("keep_padding=True needs right-padded rows (real tokens first, then padding).")
+    if keep_padding and not right_padded(mask):
+        raise ValueError("keep_padding=True needs right-padded rows (real tokens first, then padding).")
     # Each row's tokens as laid out; with `keep_padding` its pad positions too, as the end of its suffix.
     laid_out = ids_list if keep_padding else tokens
     sequences, segments, positions, silences = [], [], [], []
