@@ -356,7 +356,12 @@ def test_kept_layers_train_as_with_transformers_checkpoint(tmp_path, model_path,
         if not lean:
             monkeypatch.setattr(layer_checkpoints, "layer_checkpoint_fallback_reason", lambda layer: "off")
         trainer = build(
-            tmp_path / str(lean), model_path, teacher_path, prompts, generation_kwargs=GREEDY, gradient_checkpointing=True
+            tmp_path / str(lean),
+            model_path,
+            teacher_path,
+            prompts,
+            generation_kwargs=GREEDY,
+            gradient_checkpointing=True,
         )
         trainer.train()
         trained = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}

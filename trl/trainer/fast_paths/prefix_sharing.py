@@ -138,7 +138,10 @@ def share_prefixes(
     ids_list = input_ids.tolist()
     tokens = [ids_list[row][start : start + length] for row, (start, length) in enumerate(zip(starts, lengths))]
     if keep_padding and not right_padded(mask):
-        raise ValueError("keep_padding=True needs right-padded rows (real tokens first, then padding).")
+        raise ValueError(
+            "keep_padding=True needs right-padded rows (real tokens first, then padding); got an attention mask with "
+            f"padding before or between real tokens: {attention_mask.int().tolist()}. Pad on the right."
+        )
     # Each row's tokens as laid out; with `keep_padding` its pad positions too, as the end of its suffix.
     laid_out = ids_list if keep_padding else tokens
     sequences, segments, positions, silences = [], [], [], []
