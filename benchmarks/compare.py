@@ -56,7 +56,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = ("sft_padded", "sft_packed", "dpo", "reward", "kto", "grpo")
 # Jobs run only when named in `--jobs`: the same data and sizes through other trainers.
-EXTRA_JOBS = ("rloo", "distillation", "orpo", "cpo")
+EXTRA_JOBS = ("rloo", "distillation", "orpo", "cpo", "gkd", "online_dpo")
 SHAPES = ("small", "qwen2.5-0.5b")
 # Qwen2.5-0.5B's architecture (its config.json, less the tokenizer's ids, which come from the tiny tokenizer).
 QWEN25_05B = {
@@ -83,6 +83,8 @@ REALISTIC_JOBS = {
     "distillation": (2, 512),
     "orpo": (1, 512),
     "cpo": (1, 512),
+    "gkd": (2, 512),
+    "online_dpo": (2, 512),
 }
 # Words of the synthetic preference rows per shape: prompt, answer. Long enough that the body of the model, not the
 # overhead, is timed (~1.6 tokens a word); the realistic rows are ~400 tokens, ~300 of them the shared prompt.
@@ -186,7 +188,17 @@ def prepare_inputs(workdir: str, quick: bool, shape: str = "small", layers: int 
     else:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         prompts = [{"prompt": p} for p in _harness.build_prompts(tokenizer, GRPO_PROMPT_TOKENS, 64)["prompt"]]
-    datasets = {"text": [{"text": t} for t in texts], "preference": pairs, "unpaired": unpaired, "prompts": prompts}
+    conversations = [
+        {"messages": [{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": p["chosen"]}]}
+        for p in pairs
+    ]
+    datasets = {
+        "text": [{"text": t} for t in texts],
+        "preference": pairs,
+        "unpaired": unpaired,
+        "prompts": prompts,
+        "conversations": conversations,
+    }
     paths = {"model": model_path, "reward_model": reward_path}
     for name, rows in datasets.items():
         path = os.path.join(workdir, f"{name}.jsonl")
@@ -478,7 +490,7 @@ def worker(spec: dict) -> None:
     torch.set_num_threads(threads)
     import _harness
     from datasets import load_dataset
-    from transformers import TrainerCallback
+    from transformers import AutoTokenizer, TrainerCallback
     from transformers.utils import logging as hf_logging
 
     import trl
@@ -578,6 +590,33 @@ def worker(spec: dict) -> None:
         config = getattr(module, f"{prefix}Config")(**common, max_length=max_length)
         trainer_class = getattr(module, f"{prefix}Trainer")
         trainer = trainer_class(paths["model"], args=config, train_dataset=data("preference"), callbacks=callbacks)
+    elif job == "gkd":
+        # Generalized knowledge distillation from a teacher of the same shape, half the steps on-policy (lmbda 0.5).
+        from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+        config = GKDConfig(**common, max_length=max_length, max_new_tokens=16 if spec["quick"] else 32)
+        trainer = GKDTrainer(
+            paths["model"],
+            teacher_model=paths["model"],
+            args=config,
+            processing_class=AutoTokenizer.from_pretrained(paths["model"]),  # TRL's GKD does not load it
+            train_dataset=data("conversations"),
+            callbacks=callbacks,
+        )
+    elif job == "online_dpo":
+        # Two completions per prompt, scored by the cheap reward function.
+        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+        unit = "completions/s"
+        config = OnlineDPOConfig(**common, max_length=max_length, max_new_tokens=16 if spec["quick"] else 32)
+        trainer = OnlineDPOTrainer(
+            paths["model"],
+            reward_funcs=_harness.cheap_reward,
+            args=config,
+            train_dataset=data("prompts"),
+            processing_class=AutoTokenizer.from_pretrained(paths["model"]),  # TRL requires it
+            callbacks=callbacks,
+        )
     else:
         raise ValueError(f"unknown job {job!r}")
 
@@ -599,7 +638,9 @@ def worker(spec: dict) -> None:
         "final_loss": losses[min(timed_steps, len(losses)) - 1],  # the last timed step's (logged every step)
         "tokens_per_step": tokens_per_step,
         "seq_len": seq_len,
-        "items_per_step": batch * 1.0 if unit == "completions/s" else tokens_per_step,
+        "items_per_step": batch * (2.0 if job == "online_dpo" else 1.0)
+        if unit == "completions/s"
+        else tokens_per_step,
         "unit": unit,
     }
     print(json.dumps(result), flush=True)
