@@ -490,7 +490,7 @@ def worker(spec: dict) -> None:
     torch.set_num_threads(threads)
     import _harness
     from datasets import load_dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from transformers.utils import logging as hf_logging
 
     import trl
@@ -595,9 +595,14 @@ def worker(spec: dict) -> None:
         from trl.experimental.gkd import GKDConfig, GKDTrainer
 
         config = GKDConfig(**common, max_length=max_length, max_new_tokens=16 if spec["quick"] else 32)
+        # The teacher is the student's weights with a final norm twice as large (sharper logits): a loss and
+        # gradients of a real distillation from the first step, the same on both sides.
+        teacher = AutoModelForCausalLM.from_pretrained(paths["model"], **common.get("model_init_kwargs", {}))
+        with torch.no_grad():
+            teacher.get_decoder().norm.weight.mul_(2.0)
         trainer = GKDTrainer(
             paths["model"],
-            teacher_model=paths["model"],
+            teacher_model=teacher,
             args=config,
             processing_class=AutoTokenizer.from_pretrained(paths["model"]),  # TRL's GKD does not load it
             train_dataset=data("conversations"),
