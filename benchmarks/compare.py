@@ -56,7 +56,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = ("sft_padded", "sft_packed", "dpo", "reward", "kto", "grpo")
 # Jobs run only when named in `--jobs`: the same data and sizes through other trainers.
-EXTRA_JOBS = ("rloo", "distillation", "orpo", "cpo", "gkd", "online_dpo")
+EXTRA_JOBS = ("rloo", "distillation", "orpo", "cpo", "gkd", "online_dpo", "tpo", "gmpo")
 SHAPES = ("small", "qwen2.5-0.5b")
 # Qwen2.5-0.5B's architecture (its config.json, less the tokenizer's ids, which come from the tiny tokenizer).
 QWEN25_05B = {
@@ -85,6 +85,8 @@ REALISTIC_JOBS = {
     "cpo": (1, 512),
     "gkd": (2, 512),
     "online_dpo": (2, 512),
+    "tpo": (1, 512),
+    "gmpo": (8, 512),
 }
 # Words of the synthetic preference rows per shape: prompt, answer. Long enough that the body of the model, not the
 # overhead, is timed (~1.6 tokens a word); the realistic rows are ~400 tokens, ~300 of them the shared prompt.
@@ -198,6 +200,7 @@ def prepare_inputs(workdir: str, quick: bool, shape: str = "small", layers: int 
         "unpaired": unpaired,
         "prompts": prompts,
         "conversations": conversations,
+        "triples": [{**pair, "reference": pair["chosen"]} for pair in pairs],
     }
     paths = {"model": model_path, "reward_model": reward_path}
     for name, rows in datasets.items():
@@ -257,7 +260,7 @@ def ablate(name: str) -> None:
 def job_size(job: str, args: argparse.Namespace) -> tuple[int, int]:
     """Per-device batch size and `max_length` of `job` at `args.shape`."""
     if args.shape == "small":
-        return (4 if job in ("dpo", "orpo", "cpo") else 8), args.max_length
+        return (4 if job in ("dpo", "orpo", "cpo", "tpo") else 8), args.max_length
     return REALISTIC_JOBS[job]
 
 
@@ -558,11 +561,16 @@ def worker(spec: dict) -> None:
     elif job == "kto":
         config = trl.KTOConfig(**common, max_length=max_length)
         trainer = trl.KTOTrainer(paths["model"], args=config, train_dataset=data("unpaired"), callbacks=callbacks)
-    elif job in ("grpo", "rloo"):
+    elif job in ("grpo", "rloo", "gmpo"):
         unit = "completions/s"
-        config_class, trainer_class = (
-            (trl.GRPOConfig, trl.GRPOTrainer) if job == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
-        )
+        if job == "gmpo":
+            from trl.experimental.gmpo import GMPOConfig, GMPOTrainer
+
+            config_class, trainer_class = GMPOConfig, GMPOTrainer
+        else:
+            config_class, trainer_class = (
+                (trl.GRPOConfig, trl.GRPOTrainer) if job == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
+            )
         config = config_class(**common, num_generations=4, max_completion_length=16 if spec["quick"] else 32)
         trainer = trainer_class(
             paths["model"],
@@ -622,6 +630,11 @@ def worker(spec: dict) -> None:
             processing_class=AutoTokenizer.from_pretrained(paths["model"]),  # TRL requires it
             callbacks=callbacks,
         )
+    elif job == "tpo":
+        from trl.experimental.tpo import TPOConfig, TPOTrainer
+
+        config = TPOConfig(**common, max_length=max_length)
+        trainer = TPOTrainer(paths["model"], args=config, train_dataset=data("triples"), callbacks=callbacks)
     else:
         raise ValueError(f"unknown job {job!r}")
 
