@@ -12,6 +12,9 @@ KTO, and GRPO generating with transformers `generate`. Two shapes:
   GRPO 2 prompts of 256 tokens x 4 completions of 32 tokens. `--layers N` keeps the width with fewer layers (a smoke
   test). fp32 on a CPU; on a GPU, bf16 weights with SDPA attention (either shape).
 
+Named in `--jobs`, more trainers run on the same data: RLOO and GMPO (as GRPO), on-policy distillation and GKD (a
+teacher of the same shape), Online DPO (two completions per prompt), ORPO, CPO and TPO (DPO's pairs).
+
 The reward model is the same backbone with a seeded score head, saved once and loaded by both sides. Every run is a
 fresh interpreter (peak RSS is its own) started from an empty temporary directory. The TRL side runs the parity
 environment's interpreter (`--trl_python`, default `$PARITY_VENV/bin/python`) without `PYTHONPATH`, so it imports the
@@ -34,7 +37,7 @@ Usage:
     python benchmarks/compare.py --jobs sft_padded,dpo --steps 6 --rounds 2
     python benchmarks/compare.py --quick         # smoke test: tiny model, 2 steps, every job
     python benchmarks/compare.py --shape qwen2.5-0.5b --layers 2 --steps 1 --warmup 0   # smoke test of that shape
-    python benchmarks/compare.py --jobs rloo,distillation,orpo,cpo   # jobs beyond the default six
+    python benchmarks/compare.py --jobs rloo,gkd,online_dpo,tpo   # jobs beyond the default six
     python benchmarks/compare.py --jobs dpo --rows 1 --ablate reference_cache   # later epochs, with and without the cache
     python benchmarks/compare.py --jobs reward --config gradient_checkpointing=false --ablate lean_modules
 
@@ -56,7 +59,21 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = ("sft_padded", "sft_packed", "dpo", "reward", "kto", "grpo")
 # Jobs run only when named in `--jobs`: the same data and sizes through other trainers.
-EXTRA_JOBS = ("rloo", "distillation", "orpo", "cpo", "gkd", "online_dpo", "tpo", "gmpo")
+EXTRA_JOBS = (
+    "rloo",
+    "distillation",
+    "orpo",
+    "cpo",
+    "gkd",
+    "online_dpo",
+    "tpo",
+    "gmpo",
+    "gold",
+    "iw_opd",
+    "sdft",
+    "sdpo",
+    "a2po",
+)
 SHAPES = ("small", "qwen2.5-0.5b")
 # Qwen2.5-0.5B's architecture (its config.json, less the tokenizer's ids, which come from the tiny tokenizer).
 QWEN25_05B = {
@@ -87,6 +104,11 @@ REALISTIC_JOBS = {
     "online_dpo": (2, 512),
     "tpo": (1, 512),
     "gmpo": (8, 512),
+    "gold": (2, 512),
+    "iw_opd": (2, 512),
+    "sdft": (8, 512),
+    "sdpo": (8, 512),
+    "a2po": (2, 512),
 }
 # Words of the synthetic preference rows per shape: prompt, answer. Long enough that the body of the model, not the
 # overhead, is timed (~1.6 tokens a word); the realistic rows are ~400 tokens, ~300 of them the shared prompt.
@@ -201,6 +223,7 @@ def prepare_inputs(workdir: str, quick: bool, shape: str = "small", layers: int 
         "prompts": prompts,
         "conversations": conversations,
         "triples": [{**pair, "reference": pair["chosen"]} for pair in pairs],
+        "privileged": [{**row, "privileged_context": pair["chosen"]} for row, pair in zip(prompts, pairs)],
     }
     paths = {"model": model_path, "reward_model": reward_path}
     for name, rows in datasets.items():
@@ -629,6 +652,52 @@ def worker(spec: dict) -> None:
             train_dataset=data("prompts"),
             processing_class=AutoTokenizer.from_pretrained(paths["model"]),  # TRL requires it
             callbacks=callbacks,
+        )
+    elif job in ("gold", "iw_opd"):
+        # On-policy distillation variants from GKD's teacher (the student with its final norm doubled).
+        import importlib
+
+        unit = "completions/s"
+        module = importlib.import_module(f"trl.experimental.{job}")
+        prefix = {"gold": "GOLD", "iw_opd": "IWOPD"}[job]
+        teacher = AutoModelForCausalLM.from_pretrained(paths["model"], **common.get("model_init_kwargs", {}))
+        with torch.no_grad():
+            teacher.get_decoder().norm.weight.mul_(2.0)
+        config = getattr(module, f"{prefix}Config")(
+            **common, max_length=max_length, max_completion_length=16 if spec["quick"] else 32
+        )
+        trainer = getattr(module, f"{prefix}Trainer")(
+            paths["model"],
+            teacher_model=teacher,
+            args=config,
+            train_dataset=data("conversations"),
+            processing_class=AutoTokenizer.from_pretrained(paths["model"]),
+            callbacks=callbacks,
+        )
+    elif job in ("sdft", "sdpo", "a2po"):
+        # Self-distillation (SDFT: privileged context; SDPO: rewarded demonstrations) and A2PO (value samples), 4
+        # completions (A2PO: value samples) per prompt.
+        import importlib
+
+        unit = "completions/s"
+        module = importlib.import_module(f"trl.experimental.{job}")
+        prefix = job.upper()
+        sizes = {"max_completion_length": 16 if spec["quick"] else 32}
+        sizes.update({"num_value_samples": 4} if job == "a2po" else {"num_generations": 4})
+        config = getattr(module, f"{prefix}Config")(**common, **sizes)
+        extra = {} if job == "sdft" else {"reward_funcs": _harness.cheap_reward}
+        if job == "a2po":  # A2PO passes rewards the completions' text only
+
+            def text_reward(completions, **kwargs):
+                return [sum(c.isalpha() for c in text) / max(len(text), 1) for text in completions]
+
+            extra["reward_funcs"] = text_reward
+        trainer = getattr(module, f"{prefix}Trainer")(
+            paths["model"],
+            args=config,
+            train_dataset=data("privileged" if job == "sdft" else "prompts"),
+            callbacks=callbacks,
+            **extra,
         )
     elif job == "tpo":
         from trl.experimental.tpo import TPOConfig, TPOTrainer

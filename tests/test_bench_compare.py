@@ -65,6 +65,8 @@ def test_realistic_job_sizes():
     assert compare.job_size("sft_packed", args) == (1, 1024)
     assert compare.job_size("dpo", args) == (1, 512)
     assert compare.job_size("grpo", args)[0] == 8  # 2 prompts x 4 completions
+    assert compare.job_size("tpo", args) == (1, 512)
+    assert set(compare.REALISTIC_JOBS) == set(compare.JOBS + compare.EXTRA_JOBS)
     assert compare.job_size("dpo", argparse.Namespace(shape="small", max_length=64)) == (4, 64)
     assert compare.QWEN25_05B["vocab_size"] == 151936 and compare.QWEN25_05B["tie_word_embeddings"]
 
@@ -75,6 +77,15 @@ def test_quick_run_every_job():
     """`--quick`: every job runs on both sides (tiny model, 2 steps) and the final losses agree (exit code 0)."""
     proc = _run_compare("--quick")
     for job in ("sft_padded", "sft_packed", "dpo", "reward", "kto", "grpo"):
+        assert f"| {job} |" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(PARITY_PYTHON), reason="needs the TRL 1.16 parity venv (`make parity-env`)")
+def test_quick_run_extra_jobs():
+    """`--quick --jobs ...`: the jobs beyond the six run on both sides and their final losses agree."""
+    proc = _run_compare("--quick", "--jobs", ",".join(_load_compare().EXTRA_JOBS))
+    for job in _load_compare().EXTRA_JOBS:
         assert f"| {job} |" in proc.stdout
 
 
