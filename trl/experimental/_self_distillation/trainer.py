@@ -15,7 +15,7 @@ from datasets import IterableDataset
 
 from ...models.peft import use_adapter
 from ...trainer.online_base import _OnlineTrainer
-from ...trainer.utils import pad
+from ...trainer.utils import model_accepts_argument, pad
 from .loss_utils import (
     apply_importance_sampling_clipping,
     compute_full_logit_self_distillation_loss,
@@ -43,14 +43,16 @@ def completion_logits(
     """`(B, C, V)` logits predicting each completion token after `prompt`, divided by `temperature`.
 
     As TRL's self-distillation trainers: one forward over the whole left-padded sequence with the model's default
-    positions (no `position_ids`, every position through the LM head), then the completion positions are sliced. RoPE
-    makes the attention invariant to the padding offset, so this equals the padding-aware positions up to float
-    rounding, and running TRL's exact computation keeps the gradients equal to its own to the last bits.
+    positions (no `position_ids`), the LM head only on the last `C + 1` positions (`logits_to_keep`, when the model
+    takes it), then the completion positions are sliced. RoPE makes the attention invariant to the padding offset, so
+    this equals the padding-aware positions up to float rounding, and running TRL's exact computation keeps the
+    gradients equal to its own to the last bits.
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
     width = completion_ids.shape[1]
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    kwargs = {"logits_to_keep": width + 1} if model_accepts_argument(model, "logits_to_keep") else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
     return logits[:, -(width + 1) : -1] / temperature
 
 
