@@ -14,6 +14,7 @@ from trl.experimental.iw_opd import IWOPDConfig, IWOPDTrainer
 from trl.experimental.iw_opd.iw_opd_trainer import (
     _completion_positions,
     _DistillationCollator,
+    _logits_at,
     build_teacher_request_inputs,
     iw_opd_loss,
 )
@@ -160,6 +161,35 @@ def test_completion_positions_follow_the_labels():
     assert positions[mask].tolist() == [1, 2, 3, 2]  # the index before each completion token
     assert tokens.tolist() == [[5, 6, 7], [8, 0, 0], [0, 0, 0]]
     assert mask.tolist() == [[True] * 3, [True, False, False], [False] * 3]
+
+
+def test_logits_at_completion_positions_equal_the_full_logits():
+    """The head on the read positions only (`logits_to_keep`) gives the full forward's logits there, and the same
+    gradients."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(get_model_path("tiny-Qwen2ForCausalLM"), dtype=torch.float32)
+    input_ids = torch.randint(3, 100, (2, 9))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0  # left padding
+    labels = torch.full_like(input_ids, -100)
+    labels[0, 4:] = input_ids[0, 4:]
+    labels[1, 7:] = input_ids[1, 7:]
+    positions, _, _ = _completion_positions(labels)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    full = model(**inputs).logits
+    expected = full.gather(1, positions[..., None].expand(-1, -1, full.shape[-1]))
+    weight = torch.randn_like(expected)
+    (expected * weight).sum().backward()
+    expected_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    kept = _logits_at(model, inputs, positions)
+    (kept * weight).sum().backward()
+    torch.testing.assert_close(kept, expected)
+    for param, grad in zip(model.parameters(), expected_grads, strict=True):
+        # Equal up to float rounding: the head's products run over fewer rows, so sums are ordered differently.
+        torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()))
 
 
 def test_top_k_jsd_matches_hand_formula():

@@ -23,7 +23,7 @@ from ...models.utils import disable_dropout_in_model, unwrap_model_for_generatio
 from ...trainer.base_trainer import _BaseTrainer
 from ...trainer.distillation_trainer import DistillationTrainer, _vocab_size
 from ...trainer.online_metrics import log_completion_rows
-from ...trainer.utils import pad
+from ...trainer.utils import model_accepts_argument, pad
 from ...trainer.utils.divergence import generalized_jsd_loss as _full_vocab_jsd_loss
 from ...trainer.utils.sparse_divergence import (
     build_teacher_request_inputs,
@@ -484,10 +484,7 @@ class IWOPDTrainer(_GenerationBatchMixin, _BaseTrainer):
     def _teacher_log_probs(self, inputs: dict[str, Any], positions: torch.Tensor) -> torch.Tensor:
         """`(B, T, V)` local teacher log-probabilities (at `temperature`) at the completion positions."""
         with torch.no_grad():
-            logits = self.teacher_model(
-                input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False
-            ).logits
-            logits = logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+            logits = _logits_at(self.teacher_model, inputs, positions)
             return (logits.float() / self.temperature).log_softmax(dim=-1)
 
     def _score_with_server(self, inputs: dict[str, Any], top_k: int) -> dict[str, list]:
@@ -499,9 +496,12 @@ class IWOPDTrainer(_GenerationBatchMixin, _BaseTrainer):
         )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
         positions, tokens, mask = _completion_positions(inputs["labels"])
-        logits = outputs.logits.gather(1, positions[..., None].expand(-1, -1, outputs.logits.shape[-1]))
+        if return_outputs:  # the caller reads every position's logits
+            outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
+            logits = outputs.logits.gather(1, positions[..., None].expand(-1, -1, outputs.logits.shape[-1]))
+        else:
+            logits, outputs = _logits_at(model, inputs, positions, with_outputs=True)
         student_log_probs = (logits.float() / self.temperature).log_softmax(dim=-1)
         args = self.args
         if args.distillation_objective == "iw_opd":
@@ -554,6 +554,22 @@ class IWOPDTrainer(_GenerationBatchMixin, _BaseTrainer):
                     num_items_in_batch=num_items_in_batch,
                 )
         return (loss, outputs) if return_outputs else loss
+
+
+def _logits_at(model: nn.Module, inputs: dict[str, Any], positions: torch.Tensor, with_outputs: bool = False) -> Any:
+    """`(B, T, V)` logits of `model` at `positions` (`(B, T)` indices into the sequence), and its outputs when
+    `with_outputs`.
+
+    When the model takes `logits_to_keep`, its LM head runs only at the positions some row reads: the same values as
+    slicing the full logits, without the head's work (and its gradient) on the prompt."""
+    forward = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"], "use_cache": False}
+    if model_accepts_argument(model, "logits_to_keep"):
+        kept = torch.unique(positions)  # sorted
+        forward["logits_to_keep"] = kept
+        positions = torch.searchsorted(kept, positions)
+    outputs = model(**forward)
+    logits = outputs.logits.gather(1, positions[..., None].expand(-1, -1, outputs.logits.shape[-1]))
+    return (logits, outputs) if with_outputs else logits
 
 
 def _top_k_support(log_s: torch.Tensor, log_t: torch.Tensor, top_k: int, beta: float) -> torch.Tensor:
