@@ -188,6 +188,26 @@ def test_fallback_for_model_generation_defaults_and_models(model):
     assert rollout_decode_fallback_reason(t5, config) is not None
 
 
+def test_saved_output_flags_set_off_keep_the_loop(model, batch):
+    """`save_pretrained` writes `output_attentions: false` (and the like) into `generation_config.json`: off, as when
+    unset, so the loop still runs, and its tokens are `generate`'s; set on, they make the caller use `generate`."""
+    ids, mask, rows = batch
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, pad_token_id=PAD)
+    flags = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
+    originals = {flag: getattr(model.generation_config, flag) for flag in flags}
+    try:
+        for flag in flags:
+            setattr(model.generation_config, flag, False)
+        assert rollout_decode_fallback_reason(model, config, {"disable_compile": True}) is None
+        expected = generate_with_shared_prompts(model, ids, mask, rows, config)
+        assert torch.equal(generate_with_shared_prompts(model, ids, mask, rows, config, rollout_decode=True), expected)
+        model.generation_config.output_scores = True
+        assert "output_scores" in rollout_decode_fallback_reason(model, config)
+    finally:
+        for flag, value in originals.items():
+            setattr(model.generation_config, flag, value)
+
+
 def test_unsupported_settings_still_generate(model, batch):
     """With a fallback reason, `generate_with_shared_prompts(rollout_decode=True)` is plain `generate`."""
     ids, mask, rows = batch

@@ -65,6 +65,10 @@ _HANDLED_SETTINGS = frozenset(
     }
 )
 
+# Extra outputs `generate` returns only with `return_dict_in_generate`: off whether unset (None) or False, which
+# `save_pretrained` writes into a model's `generation_config.json`.
+_OFF_WHEN_FALSY = frozenset({"output_attentions", "output_hidden_states", "output_scores", "output_logits"})
+
 # `generate` keyword arguments the loop accepts (anything else makes the caller use `generate`).
 _ACCEPTED_GENERATE_KWARGS = frozenset({"disable_compile"})
 
@@ -151,6 +155,8 @@ def rollout_decode_fallback_reason(
         return f"generation config not understood ({error})"
     neutral = _neutral_settings(model)
     for key, value in effective.to_dict().items():
+        if key in _OFF_WHEN_FALSY and not value:
+            continue
         if key not in _HANDLED_SETTINGS and value != neutral.get(key):
             return f"generation setting {key}={value!r}"
     if effective.max_new_tokens is None or effective.max_new_tokens < 1:
