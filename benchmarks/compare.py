@@ -567,6 +567,16 @@ def worker(spec: dict) -> None:
             common[key] = json.loads(value)
         except json.JSONDecodeError:
             common[key] = value
+
+    def sharper_teacher():
+        # The distillation jobs' teacher (GKD, GOLD, IW-OPD): the student's weights with a final norm twice as large
+        # (sharper logits), so the loss and gradients are those of a real distillation from the first step, the same
+        # on both sides. With the very same weights the loss is float noise, which Adam amplifies differently.
+        teacher = AutoModelForCausalLM.from_pretrained(paths["model"], **common.get("model_init_kwargs", {}))
+        with torch.no_grad():
+            teacher.get_decoder().norm.weight.mul_(2.0)
+        return teacher
+
     clock = StepClock()
     callbacks = [clock] if cuda else [clock, _tensor_peak_callback(timed_steps)]
     unit = "tokens/s"
@@ -626,14 +636,9 @@ def worker(spec: dict) -> None:
         from trl.experimental.gkd import GKDConfig, GKDTrainer
 
         config = GKDConfig(**common, max_length=max_length, max_new_tokens=16 if spec["quick"] else 32)
-        # The teacher is the student's weights with a final norm twice as large (sharper logits): a loss and
-        # gradients of a real distillation from the first step, the same on both sides.
-        teacher = AutoModelForCausalLM.from_pretrained(paths["model"], **common.get("model_init_kwargs", {}))
-        with torch.no_grad():
-            teacher.get_decoder().norm.weight.mul_(2.0)
         trainer = GKDTrainer(
             paths["model"],
-            teacher_model=teacher,
+            teacher_model=sharper_teacher(),
             args=config,
             processing_class=AutoTokenizer.from_pretrained(paths["model"]),  # TRL's GKD does not load it
             train_dataset=data("conversations"),
@@ -654,24 +659,21 @@ def worker(spec: dict) -> None:
             callbacks=callbacks,
         )
     elif job in ("gold", "iw_opd"):
-        # On-policy distillation variants from GKD's teacher (the student with its final norm doubled).
+        # On-policy distillation variants, from GKD's teacher.
         import importlib
 
         unit = "completions/s"
         module = importlib.import_module(f"trl.experimental.{job}")
         prefix = {"gold": "GOLD", "iw_opd": "IWOPD"}[job]
-        teacher = AutoModelForCausalLM.from_pretrained(paths["model"], **common.get("model_init_kwargs", {}))
-        with torch.no_grad():
-            teacher.get_decoder().norm.weight.mul_(2.0)
         config = getattr(module, f"{prefix}Config")(
             **common, max_length=max_length, max_completion_length=16 if spec["quick"] else 32
         )
         trainer = getattr(module, f"{prefix}Trainer")(
             paths["model"],
-            teacher_model=teacher,
+            teacher_model=sharper_teacher(),
             args=config,
             train_dataset=data("conversations"),
-            processing_class=AutoTokenizer.from_pretrained(paths["model"]),
+            processing_class=AutoTokenizer.from_pretrained(paths["model"]),  # TRL's does not load it
             callbacks=callbacks,
         )
     elif job in ("sdft", "sdpo", "a2po"):
