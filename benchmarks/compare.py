@@ -13,7 +13,8 @@ KTO, and GRPO generating with transformers `generate`. Two shapes:
   test). fp32 on a CPU; on a GPU, bf16 weights with SDPA attention (either shape).
 
 Named in `--jobs`, more trainers run on the same data: RLOO and GMPO (as GRPO), on-policy distillation and GKD (a
-teacher of the same shape), Online DPO (two completions per prompt), ORPO, CPO and TPO (DPO's pairs).
+teacher of the same shape), Online DPO (two completions per prompt), ORPO, CPO and TPO (DPO's pairs). `--lora R`
+trains LoRA adapters of rank R on every linear layer instead of the whole model, on both sides (`peft_config`).
 
 The reward model is the same backbone with a seeded score head, saved once and loaded by both sides. Every run is a
 fresh interpreter (peak RSS is its own) started from an empty temporary directory. The TRL side runs the parity
@@ -40,6 +41,7 @@ Usage:
     python benchmarks/compare.py --jobs rloo,gkd,online_dpo,tpo   # jobs beyond the default six
     python benchmarks/compare.py --jobs dpo --rows 1 --ablate reference_cache   # later epochs, with and without the cache
     python benchmarks/compare.py --jobs reward --config gradient_checkpointing=false --ablate lean_modules
+    python benchmarks/compare.py --shape qwen2.5-0.5b --layers 2 --lora 16 --jobs sft_packed,distillation
 
 Only the standard library is imported at module level (the worker sets the thread count and offline flags first).
 """
@@ -305,6 +307,7 @@ def run_worker(
     spec["ablate"] = ablate_name
     spec["config"] = args.config
     spec["rows"] = args.rows
+    spec["lora"] = args.lora
     with tempfile.TemporaryDirectory(prefix=f"bench-compare-{side}-") as cwd:
         spec["output_dir"] = os.path.join(cwd, "out")
         proc = subprocess.run(
@@ -448,6 +451,9 @@ def main() -> int:
     parser.add_argument(
         "--rows", type=int, default=None, help="train on the first N rows only, so that later steps revisit them"
     )
+    parser.add_argument(
+        "--lora", type=int, default=None, metavar="R", help="train LoRA adapters of rank R on every linear layer"
+    )
     args = parser.parse_args()
     if args._worker:
         worker(json.loads(args._worker))
@@ -465,6 +471,8 @@ def main() -> int:
     unknown = sorted(set(jobs) - set(JOBS + EXTRA_JOBS))
     if unknown:
         parser.error(f"unknown jobs {unknown}; choose from {', '.join(JOBS + EXTRA_JOBS)}")
+    if args.lora and "a2po" in jobs:
+        parser.error("--lora: A2POTrainer takes no peft_config (nor does TRL's); leave a2po out")
     venv = os.environ.get("PARITY_VENV", "/work/main/.venv-parity")
     trl_python = args.trl_python or os.path.join(venv, "bin", "python")
     if not os.path.exists(trl_python):
@@ -577,23 +585,39 @@ def worker(spec: dict) -> None:
             teacher.get_decoder().norm.weight.mul_(2.0)
         return teacher
 
+    peft = {}
+    if spec.get("lora"):  # LoRA adapters on every linear layer, the rest of the model frozen
+        from peft import LoraConfig
+
+        task_type = "SEQ_CLS" if job == "reward" else "CAUSAL_LM"
+        lora = LoraConfig(
+            r=spec["lora"], lora_alpha=2 * spec["lora"], target_modules="all-linear", task_type=task_type
+        )
+        peft["peft_config"] = lora
+
     clock = StepClock()
     callbacks = [clock] if cuda else [clock, _tensor_peak_callback(timed_steps)]
     unit = "tokens/s"
     if job in ("sft_padded", "sft_packed"):
         packing = {"packing": True, "packing_strategy": "bfd"} if job == "sft_packed" else {}
         config = trl.SFTConfig(**common, max_length=max_length, **packing)
-        trainer = trl.SFTTrainer(paths["model"], args=config, train_dataset=data("text"), callbacks=callbacks)
+        trainer = trl.SFTTrainer(paths["model"], args=config, train_dataset=data("text"), callbacks=callbacks, **peft)
     elif job == "dpo":
         config = trl.DPOConfig(**common, max_length=max_length)
-        trainer = trl.DPOTrainer(paths["model"], args=config, train_dataset=data("preference"), callbacks=callbacks)
+        trainer = trl.DPOTrainer(
+            paths["model"], args=config, train_dataset=data("preference"), callbacks=callbacks, **peft
+        )
     elif job == "reward":
         config = trl.RewardConfig(**common, max_length=max_length)
         dataset = data("preference")
-        trainer = trl.RewardTrainer(paths["reward_model"], args=config, train_dataset=dataset, callbacks=callbacks)
+        trainer = trl.RewardTrainer(
+            paths["reward_model"], args=config, train_dataset=dataset, callbacks=callbacks, **peft
+        )
     elif job == "kto":
         config = trl.KTOConfig(**common, max_length=max_length)
-        trainer = trl.KTOTrainer(paths["model"], args=config, train_dataset=data("unpaired"), callbacks=callbacks)
+        trainer = trl.KTOTrainer(
+            paths["model"], args=config, train_dataset=data("unpaired"), callbacks=callbacks, **peft
+        )
     elif job in ("grpo", "rloo", "gmpo"):
         unit = "completions/s"
         if job == "gmpo":
@@ -611,6 +635,7 @@ def worker(spec: dict) -> None:
             args=config,
             train_dataset=data("prompts"),
             callbacks=callbacks,
+            **peft,
         )
     elif job == "distillation":
         # On-policy distillation from a teacher of the same shape (a second copy of the weights).
@@ -622,6 +647,7 @@ def worker(spec: dict) -> None:
             args=config,
             train_dataset=data("prompts"),
             callbacks=callbacks,
+            **peft,
         )
     elif job in ("orpo", "cpo"):
         import importlib
@@ -630,7 +656,9 @@ def worker(spec: dict) -> None:
         prefix = job.upper()
         config = getattr(module, f"{prefix}Config")(**common, max_length=max_length)
         trainer_class = getattr(module, f"{prefix}Trainer")
-        trainer = trainer_class(paths["model"], args=config, train_dataset=data("preference"), callbacks=callbacks)
+        trainer = trainer_class(
+            paths["model"], args=config, train_dataset=data("preference"), callbacks=callbacks, **peft
+        )
     elif job == "gkd":
         # Generalized knowledge distillation from a teacher of the same shape, half the steps on-policy (lmbda 0.5).
         from trl.experimental.gkd import GKDConfig, GKDTrainer
@@ -643,6 +671,7 @@ def worker(spec: dict) -> None:
             processing_class=AutoTokenizer.from_pretrained(paths["model"]),  # TRL's GKD does not load it
             train_dataset=data("conversations"),
             callbacks=callbacks,
+            **peft,
         )
     elif job == "online_dpo":
         # Two completions per prompt, scored by the cheap reward function.
@@ -657,6 +686,7 @@ def worker(spec: dict) -> None:
             train_dataset=data("prompts"),
             processing_class=AutoTokenizer.from_pretrained(paths["model"]),  # TRL requires it
             callbacks=callbacks,
+            **peft,
         )
     elif job in ("gold", "iw_opd"):
         # On-policy distillation variants, from GKD's teacher.
@@ -675,6 +705,7 @@ def worker(spec: dict) -> None:
             train_dataset=data("conversations"),
             processing_class=AutoTokenizer.from_pretrained(paths["model"]),  # TRL's does not load it
             callbacks=callbacks,
+            **peft,
         )
     elif job in ("sdft", "sdpo", "a2po"):
         # Self-distillation (SDFT: privileged context; SDPO: rewarded demonstrations) and A2PO (value samples), 4
@@ -699,13 +730,14 @@ def worker(spec: dict) -> None:
             args=config,
             train_dataset=data("privileged" if job == "sdft" else "prompts"),
             callbacks=callbacks,
+            **peft,
             **extra,
         )
     elif job == "tpo":
         from trl.experimental.tpo import TPOConfig, TPOTrainer
 
         config = TPOConfig(**common, max_length=max_length)
-        trainer = TPOTrainer(paths["model"], args=config, train_dataset=data("triples"), callbacks=callbacks)
+        trainer = TPOTrainer(paths["model"], args=config, train_dataset=data("triples"), callbacks=callbacks, **peft)
     else:
         raise ValueError(f"unknown job {job!r}")
 

@@ -142,10 +142,10 @@ def naive_generalized_jsd(student_logits, teacher_logits, beta, temperature):
 
 @pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 0.7), (1.0, 2.0), (0.3, 1.0)])
 def test_loss_matches_formula(tmp_path, model_path, teacher_path, prompts, beta, temperature, monkeypatch):
-    from trl.trainer import distillation_trainer
+    from trl.trainer.fast_paths import last_layer_selection
 
     selections = []
-    last_layer_at = distillation_trainer.last_layer_at
+    last_layer_at = last_layer_selection.last_layer_at
 
     @contextlib.contextmanager
     def recording_last_layer_at(*args):
@@ -153,7 +153,7 @@ def test_loss_matches_formula(tmp_path, model_path, teacher_path, prompts, beta,
             selections.append(selected)
             yield selected
 
-    monkeypatch.setattr(distillation_trainer, "last_layer_at", recording_last_layer_at)
+    monkeypatch.setattr(last_layer_selection, "last_layer_at", recording_last_layer_at)
     trainer = build(tmp_path, model_path, teacher_path, prompts, beta=beta, temperature=temperature)
     pad = trainer.pad_token_id
     # Two left-padded prompts, right-padded completions of 3 and 1 tokens.
@@ -335,8 +335,8 @@ def test_cli_runs_the_example_config_offline(tmp_path):
 def test_kept_layers_train_as_with_transformers_checkpoint(tmp_path, model_path, teacher_path, prompts, monkeypatch):
     """The student's logits cover the completion only, so gradient checkpointing keeps the last layers' activations
     within the gradient budget instead of recomputing them: the same losses and weights as transformers' checkpoint."""
-    from trl.trainer import distillation_trainer
     from trl.trainer.fast_paths import layer_checkpoints
+    from trl.trainer.utils import logprobs
 
     kept = []
     plan = layer_checkpoints.LayerBudget.plan
@@ -348,9 +348,7 @@ def test_kept_layers_train_as_with_transformers_checkpoint(tmp_path, model_path,
     monkeypatch.setattr(layer_checkpoints.LayerBudget, "plan", recording_plan)
     # At this tiny width the logits (a 4 x 7 x vocabulary block) outweigh every layer's gradients: declared as nothing.
     declared = []
-    monkeypatch.setattr(
-        distillation_trainer, "small_head_output", lambda nbytes: declared.append(nbytes) or small_head_output(0)
-    )
+    monkeypatch.setattr(logprobs, "small_head_output", lambda nbytes: declared.append(nbytes) or small_head_output(0))
     results = []
     for lean in (True, False):
         if not lean:

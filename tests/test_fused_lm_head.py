@@ -128,6 +128,19 @@ def test_compute_token_logps_fused_equals_unfused(causal_lm, layout):
         torch.testing.assert_close(fused_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_model_accepts_argument_looks_through_peft_only():
+    """A LoRA-wrapped model takes `logits_to_keep` as the transformers model under it does: the wrapper's own
+    signature (`**kwargs`) and the decoder under the transformers model (its `base_model`) do not decide."""
+    from peft import get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(get_model_path("tiny-Qwen2ForCausalLM"))
+    assert logprobs_module.model_accepts_argument(model, "logits_to_keep")
+    wrapped = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    assert logprobs_module.model_accepts_argument(wrapped, "logits_to_keep")
+    assert not logprobs_module.model_accepts_argument(wrapped, "no_such_argument")
+    assert not logprobs_module.model_accepts_argument(model.model, "logits_to_keep")  # the decoder has no head
+
+
 def test_heads_that_cannot_fuse(causal_lm):
     """Post-processed logits and wrapped heads keep the unfused path."""
     from peft import get_peft_model

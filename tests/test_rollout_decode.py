@@ -310,3 +310,38 @@ def test_rollouts_of_each_family_equal_generate(family, settings):
         assert torch.equal(after_output, after_reference)
         ended |= bool(torch.isin(output.sequences[:, ids.shape[1] :], torch.tensor(eos)).any())
     assert ended
+
+
+@pytest.mark.parametrize("name", ["greedy_repetition_penalty", "all"])
+def test_lora_model_decodes_through_its_transformers_model(batch, name):
+    """A LoRA model's rollouts run the loop on the transformers model that carries the adapters, with the tokens and
+    random stream of `PeftModel.generate`; prompt tuning (virtual tokens added by the wrapper) keeps `generate`."""
+    from peft import LoraConfig, PromptTuningConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(get_model_path("tiny-Qwen2ForCausalLM"))
+    # Random adapter weights (not the zero-initialised B), so that the adapters change the tokens.
+    lora = LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM", init_lora_weights=False)
+    model = get_peft_model(base, lora).eval()
+    assert rollout_decode.decoding_model(model) is model.get_base_model()
+    ids, mask, rows = batch
+    config = GenerationConfig(max_new_tokens=10, pad_token_id=PAD, eos_token_id=[5], **SETTINGS[name])
+    assert rollout_decode_fallback_reason(model.get_base_model(), config) is None
+    for seed in range(2):
+        torch.manual_seed(seed)
+        reference = generate_with_shared_prompts(model, ids, mask, rows, config)
+        after_reference = torch.rand(3)
+        torch.manual_seed(seed)
+        output = generate_with_shared_prompts(model, ids, mask, rows, config, rollout_decode=True)
+        assert torch.equal(output, reference)
+        assert torch.equal(torch.rand(3), after_reference)
+    with model.disable_adapter():  # the adapters do change the rollouts
+        torch.manual_seed(0)
+        plain = generate_with_shared_prompts(model, ids, mask, rows, config)
+    torch.manual_seed(0)
+    assert not torch.equal(plain, generate_with_shared_prompts(model, ids, mask, rows, config))
+
+    tuned = AutoModelForCausalLM.from_pretrained(get_model_path("tiny-Qwen2ForCausalLM"))
+    prompt_tuning = get_peft_model(tuned, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    assert rollout_decode.decoding_model(prompt_tuning) is prompt_tuning
+    assert rollout_decode_fallback_reason(prompt_tuning, config) == "not a transformers generative model"

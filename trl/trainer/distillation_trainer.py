@@ -19,14 +19,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixi
 
 from ..kernels.log_softmax import selective_log_softmax_and_entropy
 from .distillation_config import DistillationConfig
-from .fast_paths.last_layer_selection import last_layer_at
+from .fast_paths.last_layer_selection import last_layer_before_end
 from .online_base import _OnlineTrainer
 from .online_math import masked_mean
 from .online_rewards import _NoRewardsMixin
 from .tool_calling import _ToolCallingMixin
 from .utils import create_model_from_path, disable_dropout_in_model
 from .utils.divergence import per_token_generalized_jsd
-from .utils.logprobs import model_accepts_argument, small_head_output
+from .utils.logprobs import model_accepts_argument, small_student_logits
 
 
 def _vocab_size(model: nn.Module) -> int | None:
@@ -253,7 +253,7 @@ class DistillationTrainer(_NoRewardsMixin, _ToolCallingMixin, _OnlineTrainer):
 
         Only the last `T + 1` positions go through the LM head (the prompt's logits are never computed) when the
         model accepts `logits_to_keep`; the last decoder layer then runs at the `T` positions read
-        ([`last_layer_at`]).
+        ([`last_layer_before_end`]).
         """
         input_ids, attention_mask, position_ids = self._sequence_inputs(inputs)
         completion_length = inputs["completion_ids"].shape[1]
@@ -262,24 +262,12 @@ class DistillationTrainer(_NoRewardsMixin, _ToolCallingMixin, _OnlineTrainer):
         selection = contextlib.nullcontext()
         if model_accepts_argument(model, "logits_to_keep"):
             kwargs["logits_to_keep"] = completion_length + 1
-            rows, length = input_ids.shape
-            columns = torch.arange(length - completion_length - 1, length - 1, device=input_ids.device)
-            read = (torch.arange(rows, device=input_ids.device).unsqueeze(1) * length + columns).flatten()
-            selection = last_layer_at(model, read, length)
+            selection = last_layer_before_end(model, input_ids, completion_length)
         with selection:
             outputs = model(**kwargs)
         # Position t predicts token t + 1: the completion's T tokens are predicted from the T positions before them.
         logits = outputs.logits[:, -(completion_length + 1) : -1]
         return logits, outputs
-
-    @staticmethod
-    def _small_student_logits(model: nn.Module, teacher_logits: torch.Tensor) -> Any:
-        """Declares the student's logits small when they cover the completion only (`logits_to_keep`): with the
-        teacher's, their gradient and the divergence's work, four times the teacher's logits in float32. Gradient
-        checkpointing may then keep the last layers' activations instead of recomputing them (`LayerBudget`)."""
-        if not model_accepts_argument(model, "logits_to_keep"):
-            return contextlib.nullcontext()
-        return small_head_output(4 * teacher_logits.numel() * 4)
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         mask = self._loss_mask(inputs).bool()
@@ -287,7 +275,7 @@ class DistillationTrainer(_NoRewardsMixin, _ToolCallingMixin, _OnlineTrainer):
         # runs first, so that its working memory is gone while the student's activations are held.
         with torch.no_grad():
             teacher_logits, _ = self._completion_logits(self.teacher_model, inputs)
-        with self._small_student_logits(model, teacher_logits):
+        with small_student_logits(model, teacher_logits):
             student_logits, outputs = self._completion_logits(model, inputs)
         per_token = per_token_generalized_jsd(
             student_logits, teacher_logits, mask, beta=self.beta, temperature=self.temperature

@@ -35,6 +35,7 @@ from ..data_utils import apply_chat_template, is_conversational
 from ..models.utils import unwrap_model_for_generation
 from .fast_paths.rollout_decode import (
     decode_rollouts,
+    decoding_model,
     prefill_shared_prompts,
     rollout_decode_fallback_reason,
     shares_prompt_prefill,
@@ -82,9 +83,10 @@ def generate_with_shared_prompts(
     Returns:
         `(N, L + T)` prompt and completion ids (completions right-padded with the pad id).
     """
-    if rollout_decode and rollout_decode_fallback_reason(model, generation_config, generate_kwargs) is None:
+    decoder = decoding_model(model) if rollout_decode else None
+    if decoder is not None and rollout_decode_fallback_reason(decoder, generation_config, generate_kwargs) is None:
         return decode_rollouts(
-            model, prompt_ids, prompt_mask, row_to_prompt, generation_config, share_prompt_cache
+            decoder, prompt_ids, prompt_mask, row_to_prompt, generation_config, share_prompt_cache
         ).sequences
     share = (
         share_prompt_cache

@@ -14,8 +14,10 @@ import torch.nn as nn
 from datasets import IterableDataset
 
 from ...models.peft import use_adapter
+from ...trainer.fast_paths.last_layer_selection import last_layer_before_end
 from ...trainer.online_base import _OnlineTrainer
 from ...trainer.utils import model_accepts_argument, pad
+from ...trainer.utils.logprobs import small_student_logits
 from .loss_utils import (
     apply_importance_sampling_clipping,
     compute_full_logit_self_distillation_loss,
@@ -45,14 +47,18 @@ def completion_logits(
     As TRL's self-distillation trainers: one forward over the whole left-padded sequence with the model's default
     positions (no `position_ids`), the LM head only on the last `C + 1` positions (`logits_to_keep`, when the model
     takes it), then the completion positions are sliced. RoPE makes the attention invariant to the padding offset, so
-    this equals the padding-aware positions up to float rounding, and running TRL's exact computation keeps the
-    gradients equal to its own to the last bits.
+    this equals the padding-aware positions up to float rounding; running TRL's computation keeps the numbers its
+    own. The last decoder layer then runs only at the `C` positions read ([`last_layer_before_end`]).
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
     width = completion_ids.shape[1]
-    kwargs = {"logits_to_keep": width + 1} if model_accepts_argument(model, "logits_to_keep") else {}
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
+    kwargs, selection = {}, contextlib.nullcontext()
+    if model_accepts_argument(model, "logits_to_keep"):
+        kwargs["logits_to_keep"] = width + 1
+        selection = last_layer_before_end(model, input_ids, width)
+    with selection:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs).logits
     return logits[:, -(width + 1) : -1] / temperature
 
 
@@ -209,16 +215,29 @@ class _SelfDistillationTrainer(_OnlineTrainer):
     # ------------------------------------------------------------------------------------------------------------
     # Loss pieces
     # ------------------------------------------------------------------------------------------------------------
-    def _student_logits(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-        """The student's `(B, C, V)` completion logits on its own prompt, divided by the temperature."""
-        return completion_logits(
-            model,
-            inputs["prompt_ids"],
-            inputs["prompt_mask"],
-            inputs["completion_ids"],
-            inputs["completion_mask"],
-            self.args.temperature,
-        )
+    def _student_logits(
+        self, model: nn.Module, inputs: dict[str, Any], teacher_logits: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The student's `(B, C, V)` completion logits on its own prompt, divided by the temperature.
+
+        Given the teacher's logits (computed first, so that the teacher's working memory is gone while the student's
+        activations are held), the student's are declared as small as those ([`small_student_logits`]): gradient
+        checkpointing may then keep its last layers' activations instead of recomputing them."""
+        declared = contextlib.nullcontext() if teacher_logits is None else small_student_logits(model, teacher_logits)
+        with declared:
+            return completion_logits(
+                model,
+                inputs["prompt_ids"],
+                inputs["prompt_mask"],
+                inputs["completion_ids"],
+                inputs["completion_mask"],
+                self.args.temperature,
+            )
+
+    def _teacher_logits_first(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor | None:
+        """The teacher's logits, computed before the student's forward; None when the teacher server scores the
+        completions in the loss instead."""
+        return None if self.args.use_teacher_server else self._teacher_logits(model, inputs)
 
     def _distillation_per_token(
         self,
@@ -252,8 +271,9 @@ class _SelfDistillationTrainer(_OnlineTrainer):
         self, model: nn.Module, inputs: dict[str, Any], loss_mask: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The self-distillation loss (sequence mean of the masked token mean) and the student's `(B, C)` logits."""
-        student_logits = self._student_logits(model, inputs)
-        per_token = self._distillation_per_token(model, inputs, student_logits)
+        teacher_logits = self._teacher_logits_first(model, inputs)
+        student_logits = self._student_logits(model, inputs, teacher_logits)
+        per_token = self._distillation_per_token(model, inputs, student_logits, teacher_logits)
         return sequence_mean_loss(per_token, loss_mask), student_logits
 
     def _dispatch_self_distillation_callback(self, event_name: str, **payload: Any) -> None:

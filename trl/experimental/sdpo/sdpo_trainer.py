@@ -380,7 +380,8 @@ class SDPOTrainer(_SelfDistillationTrainer):
 
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         weight = self.args.distillation_weight
-        student_logits = self._student_logits(model, inputs)
+        teacher_logits = self._teacher_logits_first(model, inputs) if weight > 0.0 else None
+        student_logits = self._student_logits(model, inputs, teacher_logits)
         loss = None
         if weight < 1.0:
             policy = self._compute_policy_loss(inputs, student_logits)
@@ -395,7 +396,7 @@ class SDPOTrainer(_SelfDistillationTrainer):
                 loss_mask=completion_mask * sd_mask,
                 student_logits=student_logits,
                 # The server teacher (`use_teacher_server`) returns log-probabilities, scored in the loss itself.
-                teacher_logits=None if self.args.use_teacher_server else self._teacher_logits(model, inputs),
+                teacher_logits=teacher_logits,
             )
             distillation = self._compute_self_distillation_loss(model, inputs, logits)
             loss = distillation if loss is None else loss + weight * distillation

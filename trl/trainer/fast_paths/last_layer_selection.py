@@ -173,6 +173,17 @@ def last_layer_at(model: nn.Module, flat_index: torch.Tensor, length: int) -> It
             layer.gradient_checkpointing = True
 
 
+def last_layer_before_end(
+    model: nn.Module, input_ids: torch.Tensor, count: int
+) -> contextlib.AbstractContextManager[bool]:
+    """[`last_layer_at`] the `count` positions before each row's last one: those that predict the last `count`
+    tokens of every row (a completion after its prompt, read through `logits_to_keep=count + 1`)."""
+    rows, length = input_ids.shape
+    columns = torch.arange(length - count - 1, length - 1, device=input_ids.device)
+    read = (torch.arange(rows, device=input_ids.device).unsqueeze(1) * length + columns).flatten()
+    return last_layer_at(model, read, length)
+
+
 class _Selection:
     """Per row, the selected columns padded to the row with the most (`columns`, `used`: `(rows, most)`)."""
 

@@ -108,6 +108,21 @@ def _effective_generation_config(model: nn.Module, generation_config: Any) -> An
     return effective
 
 
+def decoding_model(model: nn.Module) -> nn.Module:
+    """The model whose forward the loop calls to reproduce `model.generate`.
+
+    A PEFT model whose adapters sit inside its transformers model's layers (LoRA and its kin) generates through that
+    model: `PeftModel.generate` hands the call to it, and the loop does the same. Prompt learning (virtual tokens that
+    `PeftModel` adds to the inputs) and aLoRA (offsets it computes per call) keep the PEFT model, which the loop
+    declines."""
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is None or not callable(getattr(model, "get_base_model", None)):
+        return model
+    if peft_config.is_prompt_learning or getattr(peft_config, "alora_invocation_tokens", None):
+        return model
+    return model.get_base_model()
+
+
 def rollout_decode_fallback_reason(
     model: nn.Module, generation_config: Any, generate_kwargs: dict[str, Any] | None = None
 ) -> str | None:

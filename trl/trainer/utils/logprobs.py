@@ -13,6 +13,7 @@ from torch.nn.modules import module as torch_module
 from ...kernels.linear_log_softmax import fused_head_working_bytes, linear_selective_log_softmax
 from ...kernels.log_softmax import selective_log_softmax
 from ...kernels.log_softmax import selective_log_softmax_and_entropy as _logps_and_entropy
+from ...models.utils import _base_transformers_model
 
 
 class TokenLogps(NamedTuple):
@@ -59,11 +60,9 @@ def selective_log_softmax_and_entropy(
 
 def model_accepts_argument(model: nn.Module, name: str) -> bool:
     """Whether the (possibly PEFT- or DDP-wrapped) model's `forward` takes an argument called `name`."""
-    target = getattr(model, "module", model)
-    # PeftModel.forward takes **kwargs and passes them to the wrapped transformers model.
-    while hasattr(target, "peft_config") and hasattr(target, "base_model"):
-        target = target.base_model
-        target = getattr(target, "model", target)
+    # PeftModel.forward takes **kwargs and passes them to the wrapped transformers model. (A PEFT-wrapped transformers
+    # model also has `peft_config`, and `base_model` is its decoder: only the PEFT wrapper is looked through.)
+    target = _base_transformers_model(model)
     try:
         return name in inspect.signature(target.forward).parameters
     except (TypeError, ValueError):
@@ -140,6 +139,16 @@ def small_head_output(nbytes: int) -> Iterator[None]:
         yield
     finally:
         _DECLARED_HEAD_OUTPUT_BYTES.pop()
+
+
+def small_student_logits(model: nn.Module, teacher_logits: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+    """[`small_head_output`] for a student whose logits cover the same completion positions as `teacher_logits`
+    (`logits_to_keep`, when `model` takes it): with the teacher's, their gradient and the divergence's work, four
+    times the teacher's logits in float32. Gradient checkpointing may then keep the last layers' activations instead
+    of recomputing them (`LayerBudget`)."""
+    if not model_accepts_argument(model, "logits_to_keep"):
+        return contextlib.nullcontext()
+    return small_head_output(4 * teacher_logits.numel() * 4)
 
 
 def head_output_bytes(model: nn.Module) -> int | None:
