@@ -332,6 +332,62 @@ def test_cli_runs_the_example_config_offline(tmp_path):
     assert (tmp_path / "out" / "config.json").is_file() and (tmp_path / "out" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("beta, temperature", [(0.5, 0.7), (0.0, 1.0), (1.0, 2.0)])
+def test_hidden_state_path_equals_the_logits_path(
+    tmp_path, model_path, teacher_path, prompts, monkeypatch, beta, temperature
+):
+    """With plain linear heads the loss runs from both models' hidden states (TRL's `_get_last_hidden_state`), the
+    heads applied to them: the loss, the entropy and the gradients of the logits path."""
+    trainer = build(tmp_path, model_path, teacher_path, prompts, beta=beta, temperature=temperature)
+    assert trainer._hidden_state_path(trainer.model) is not None
+    pad = trainer.pad_token_id
+    inputs = {
+        "prompt_ids": torch.tensor([[pad, 11, 12, 13, 14], [21, 22, 23, 24, 25]]),
+        "prompt_mask": torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]),
+        "completion_ids": torch.tensor([[31, 32, 33], [41, pad, pad]]),
+        "completion_mask": torch.tensor([[1, 1, 1], [1, 0, 0]]),
+        "num_items_in_batch": torch.tensor(4.0),
+    }
+    results = []
+    for hidden_states in (True, False):
+        if not hidden_states:
+            monkeypatch.setattr(type(trainer), "_hidden_state_path", lambda self, model: None)
+        trainer.model.zero_grad()
+        trainer._metrics[trainer._mode].clear()
+        loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), trainer._metrics[trainer._mode]["entropy"][-1], grads))
+    (loss, entropy, grads), (plain_loss, plain_entropy, plain_grads) = results
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.as_tensor(entropy), torch.as_tensor(plain_entropy), rtol=1e-5, atol=1e-6)
+    assert grads.keys() == plain_grads.keys() and "lm_head.weight" in grads
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_get_last_hidden_state_override_is_called(tmp_path, model_path, teacher_path, prompts):
+    """A subclass's `_get_last_hidden_state` (TRL's hook) gives the hidden states of both the student and the
+    teacher, as in TRL; it receives the whole sequences and the completion width."""
+    calls = []
+
+    class Recording(DistillationTrainer):
+        def _get_last_hidden_state(self, unwrapped_model, input_ids, attention_mask, logits_to_keep, **kwargs):
+            calls.append((unwrapped_model is self.teacher_model, tuple(input_ids.shape), logits_to_keep))
+            return super()._get_last_hidden_state(unwrapped_model, input_ids, attention_mask, logits_to_keep, **kwargs)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Recording(
+            model_path, teacher_model=teacher_path, args=make_args(tmp_path, max_steps=1), train_dataset=prompts
+        )
+    assert not [w for w in caught if "_get_last_hidden_state" in str(w.message)]  # no "override has no effect"
+    trainer.train()
+    assert [teacher for teacher, _, _ in calls] == [True, False]
+    (_, shape, width), _ = calls
+    assert 1 <= width <= 6 and shape[1] > width  # whole sequences; the completion's width
+
+
 def test_kept_layers_train_as_with_transformers_checkpoint(tmp_path, model_path, teacher_path, prompts, monkeypatch):
     """The student's logits cover the completion only, so gradient checkpointing keeps the last layers' activations
     within the gradient budget instead of recomputing them: the same losses and weights as transformers' checkpoint."""

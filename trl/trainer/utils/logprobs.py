@@ -153,11 +153,11 @@ def small_student_logits(model: nn.Module, teacher_logits: torch.Tensor) -> cont
 
 def head_output_bytes(model: nn.Module) -> int | None:
     """The memory a forward pass of `model` starting now builds at its head, with the loss on it, until the backward
-    pass: the fused head's working memory when it computes the log-probs ([`lm_head_inputs_captured`]), what
-    [`small_head_output`] declared, or None when nothing bounds it (full logits)."""
-    if lm_head_inputs_captured(model):
-        return fused_head_working_bytes()
-    return _DECLARED_HEAD_OUTPUT_BYTES[-1] if _DECLARED_HEAD_OUTPUT_BYTES else None
+    pass: what [`small_head_output`] declared, else the fused head's working memory when it computes the log-probs
+    ([`lm_head_inputs_captured`]), else None: nothing bounds it (full logits)."""
+    if _DECLARED_HEAD_OUTPUT_BYTES:  # the caller knows what it builds on the head's output, captured or not
+        return _DECLARED_HEAD_OUTPUT_BYTES[-1]
+    return fused_head_working_bytes() if lm_head_inputs_captured(model) else None
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module | None:
