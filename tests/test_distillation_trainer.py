@@ -59,6 +59,17 @@ def build(tmp_path, model_path, teacher, prompts, **overrides):
     )
 
 
+def two_rollouts(pad: int) -> dict:
+    """Two left-padded prompts with right-padded completions of 3 and 1 tokens, as a rollout batch."""
+    return {
+        "prompt_ids": torch.tensor([[pad, 11, 12, 13, 14], [21, 22, 23, 24, 25]]),
+        "prompt_mask": torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]),
+        "completion_ids": torch.tensor([[31, 32, 33], [41, pad, pad]]),
+        "completion_mask": torch.tensor([[1, 1, 1], [1, 0, 0]]),
+        "num_items_in_batch": torch.tensor(4.0),
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Configuration and construction errors
 # ---------------------------------------------------------------------------------------------------------------------
@@ -155,15 +166,7 @@ def test_loss_matches_formula(tmp_path, model_path, teacher_path, prompts, beta,
 
     monkeypatch.setattr(last_layer_selection, "last_layer_at", recording_last_layer_at)
     trainer = build(tmp_path, model_path, teacher_path, prompts, beta=beta, temperature=temperature)
-    pad = trainer.pad_token_id
-    # Two left-padded prompts, right-padded completions of 3 and 1 tokens.
-    inputs = {
-        "prompt_ids": torch.tensor([[pad, 11, 12, 13, 14], [21, 22, 23, 24, 25]]),
-        "prompt_mask": torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]),
-        "completion_ids": torch.tensor([[31, 32, 33], [41, pad, pad]]),
-        "completion_mask": torch.tensor([[1, 1, 1], [1, 0, 0]]),
-        "num_items_in_batch": torch.tensor(4.0),
-    }
+    inputs = two_rollouts(trainer.pad_token_id)
     loss = trainer._compute_loss(trainer.model, inputs)
     assert selections == [True, True]  # teacher and student: the last layer only where the completion is predicted
 
@@ -340,14 +343,7 @@ def test_hidden_state_path_equals_the_logits_path(
     heads applied to them: the loss, the entropy and the gradients of the logits path."""
     trainer = build(tmp_path, model_path, teacher_path, prompts, beta=beta, temperature=temperature)
     assert trainer._hidden_state_path(trainer.model) is not None
-    pad = trainer.pad_token_id
-    inputs = {
-        "prompt_ids": torch.tensor([[pad, 11, 12, 13, 14], [21, 22, 23, 24, 25]]),
-        "prompt_mask": torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]),
-        "completion_ids": torch.tensor([[31, 32, 33], [41, pad, pad]]),
-        "completion_mask": torch.tensor([[1, 1, 1], [1, 0, 0]]),
-        "num_items_in_batch": torch.tensor(4.0),
-    }
+    inputs = two_rollouts(trainer.pad_token_id)
     results = []
     for hidden_states in (True, False):
         if not hidden_states:
