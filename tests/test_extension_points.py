@@ -97,6 +97,20 @@ SIGNATURES = {
         "_generate_single_turn": ["prompt_ids", "images", "multimodal_fields", "has_tool_images"],
         "_prepare_inputs": ["generation_batch"],
         "compute_loss": ["model", "inputs", "return_outputs", "num_items_in_batch"],
+        "_get_last_hidden_state": [
+            "unwrapped_model",
+            "input_ids",
+            "attention_mask",
+            "logits_to_keep",
+            "pixel_values",
+            "image_grid_thw",
+            "pixel_attention_mask",
+            "spatial_shapes",
+            "image_sizes",
+            "token_type_ids",
+            "mm_token_type_ids",
+            "image_position_ids",
+        ],
     },
     DPOTrainer: {
         "_prepare_dataset": ["dataset", "processing_class", "args", "dataset_name"],
@@ -443,7 +457,7 @@ def test_rloo_overridden_hooks_are_called(tmp_path, prompts):
 
 def test_distillation_overridden_hooks_are_called(tmp_path, prompts):
     hooks = ["_generate_and_score_completions", "_generate", "_tokenize_prompts", "_generate_single_turn"]
-    hooks += ["_prepare_inputs", "compute_loss", "_compute_loss"]
+    hooks += ["_prepare_inputs", "compute_loss", "_compute_loss", "_get_last_hidden_state"]
     trainer_class, calls = recording_subclass(DistillationTrainer, hooks)
     args = args_builder(DistillationConfig)(
         tmp_path, max_steps=2, per_device_train_batch_size=2, max_completion_length=6, learning_rate=1e-2

@@ -280,7 +280,14 @@ class DistillationTrainer(_NoRewardsMixin, _ToolCallingMixin, _OnlineTrainer):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         logits_to_keep: int,
-        **multimodal_inputs: Any,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        pixel_attention_mask: torch.Tensor | None = None,
+        spatial_shapes: torch.Tensor | None = None,
+        image_sizes: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        image_position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """TRL's hook: the final hidden states `(B, logits_to_keep, H)` from which the model's LM head predicts the
         last `logits_to_keep` tokens of each row (the last position, which predicts nothing, dropped).
@@ -296,6 +303,16 @@ class DistillationTrainer(_NoRewardsMixin, _ToolCallingMixin, _OnlineTrainer):
                 "hook or a wrapper on it): its hidden states do not give its logits through the head's weight."
             )
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        multimodal_inputs = {
+            "pixel_values": pixel_values,
+            "image_grid_thw": image_grid_thw,
+            "pixel_attention_mask": pixel_attention_mask,
+            "spatial_shapes": spatial_shapes,
+            "image_sizes": image_sizes,
+            "token_type_ids": token_type_ids,
+            "mm_token_type_ids": mm_token_type_ids,
+            "image_position_ids": image_position_ids,
+        }
         kwargs = {key: value for key, value in multimodal_inputs.items() if value is not None}
         kwargs.update(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         kwargs["logits_to_keep"] = logits_to_keep + 1

@@ -141,14 +141,16 @@ def small_head_output(nbytes: int) -> Iterator[None]:
         _DECLARED_HEAD_OUTPUT_BYTES.pop()
 
 
-def small_student_logits(model: nn.Module, teacher_logits: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+def small_student_logits(
+    model: nn.Module, teacher_logits: torch.Tensor, copies: int = 4
+) -> contextlib.AbstractContextManager[None]:
     """[`small_head_output`] for a student whose logits cover the same completion positions as `teacher_logits`
-    (`logits_to_keep`, when `model` takes it): with the teacher's, their gradient and the divergence's work, four
-    times the teacher's logits in float32. Gradient checkpointing may then keep the last layers' activations instead
-    of recomputing them (`LayerBudget`)."""
+    (`logits_to_keep`, when `model` takes it): with the teacher's, their gradient and the loss's work, `copies` times
+    the teacher's logits in float32 (four for the chunked generalized JSD). Gradient checkpointing may then keep the
+    last layers' activations instead of recomputing them (`LayerBudget`)."""
     if not model_accepts_argument(model, "logits_to_keep"):
         return contextlib.nullcontext()
-    return small_head_output(4 * teacher_logits.numel() * 4)
+    return small_head_output(copies * teacher_logits.numel() * 4)
 
 
 def head_output_bytes(model: nn.Module) -> int | None:
