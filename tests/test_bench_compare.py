@@ -102,6 +102,23 @@ def test_realistic_shape_reduced_runs_every_job(tmp_path):
     assert '"vocab_size": 151936' in open(config).read()
 
 
+def test_lora_refuses_a_trainer_without_peft_config():
+    """`--lora` with A2PO (whose trainer takes no `peft_config`, as in TRL) stops before anything runs."""
+    proc = subprocess.run(
+        [sys.executable, COMPARE, "--quick", "--lora", "4", "--jobs", "dpo,a2po"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "A2POTrainer takes no peft_config" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(PARITY_PYTHON), reason="needs the TRL 1.16 parity venv (`make parity-env`)")
+def test_quick_run_with_lora():
+    """`--lora R`: both sides train the same LoRA adapters and their final losses agree."""
+    proc = _run_compare("--quick", "--lora", "4", "--jobs", "sft_packed,dpo,distillation")
+    for job in ("sft_packed", "dpo", "distillation"):
+        assert f"| {job} |" in proc.stdout
+
+
 def _run_compare(*flags: str, cache: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(COMPARE))
