@@ -384,6 +384,26 @@ def test_get_last_hidden_state_override_is_called(tmp_path, model_path, teacher_
     assert 1 <= width <= 6 and shape[1] > width  # whole sequences; the completion's width
 
 
+def test_get_last_hidden_state_override_unused_is_told(tmp_path, model_path, teacher_path, prompts):
+    """When the loss must run from logits (here: a soft-capped student head), an overridden `_get_last_hidden_state`
+    is not called, and the run says so once, with the reason."""
+    calls = []
+
+    class Recording(DistillationTrainer):
+        def _get_last_hidden_state(self, unwrapped_model, input_ids, attention_mask, logits_to_keep, **kwargs):
+            calls.append(unwrapped_model)
+            return super()._get_last_hidden_state(unwrapped_model, input_ids, attention_mask, logits_to_keep, **kwargs)
+
+    trainer = Recording(model_path, teacher_model=teacher_path, args=make_args(tmp_path), train_dataset=prompts)
+    trainer.model.config.final_logit_softcapping = 30.0  # read by `fusable_lm_head`; Qwen2 itself ignores it
+    with pytest.warns(UserWarning, match="student's LM head is not a plain linear layer"):
+        trainer._compute_loss(trainer.model, two_rollouts(trainer.pad_token_id))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per run
+        trainer._compute_loss(trainer.model, two_rollouts(trainer.pad_token_id))
+    assert calls == []
+
+
 def test_kept_layers_train_as_with_transformers_checkpoint(tmp_path, model_path, teacher_path, prompts, monkeypatch):
     """The student's logits cover the completion only, so gradient checkpointing keeps the last layers' activations
     within the gradient budget instead of recomputing them: the same losses and weights as transformers' checkpoint."""

@@ -22,7 +22,7 @@ from ..kernels.log_softmax import selective_log_softmax_and_entropy
 from .distillation_config import DistillationConfig
 from .fast_paths.last_layer_selection import last_layer_before_end
 from .online_base import _OnlineTrainer
-from .online_math import masked_mean
+from .online_math import masked_mean, positions_from_mask
 from .online_rewards import _NoRewardsMixin
 from .tool_calling import _ToolCallingMixin
 from .utils import create_model_from_path, disable_dropout_in_model
@@ -302,7 +302,7 @@ class DistillationTrainer(_NoRewardsMixin, _ToolCallingMixin, _OnlineTrainer):
                 f"{type(unwrapped_model).__name__}'s LM head is not a plain linear layer (a soft cap, a logit scale, a "
                 "hook or a wrapper on it): its hidden states do not give its logits through the head's weight."
             )
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        position_ids = positions_from_mask(attention_mask)
         multimodal_inputs = {
             "pixel_values": pixel_values,
             "image_grid_thw": image_grid_thw,
@@ -330,12 +330,36 @@ class DistillationTrainer(_NoRewardsMixin, _ToolCallingMixin, _OnlineTrainer):
         heads = fusable_lm_head(model), fusable_lm_head(self.teacher_model)
         return heads if None not in heads else None
 
+    def _warn_hidden_state_hook_unused(self, model: nn.Module) -> None:
+        """Once per run: a subclass's `_get_last_hidden_state` is not called when the loss runs from logits."""
+        overridden = type(self)._get_last_hidden_state is not DistillationTrainer._get_last_hidden_state
+        if not overridden or getattr(self, "_warned_hidden_state_hook", False):
+            return
+        self._warned_hidden_state_hook = True
+        reasons = []
+        if self._aux_loss_enabled:
+            reasons.append("the router loss is collected from the model's outputs")
+        for name, candidate in (("student", model), ("teacher", self.teacher_model)):
+            if not model_accepts_argument(candidate, "logits_to_keep"):
+                reasons.append(f"the {name} model's forward takes no `logits_to_keep`")
+            elif fusable_lm_head(candidate) is None:
+                reasons.append(
+                    f"the {name}'s LM head is not a plain linear layer (soft cap, logit scale, hook, wrapper)"
+                )
+        warnings.warn(
+            f"{type(self).__name__} overrides _get_last_hidden_state, but this run computes the loss from the models' "
+            f"logits, so the override is not called: {'; '.join(reasons)}.",
+            UserWarning,
+            stacklevel=3,
+        )
+
     def _compute_loss(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         mask = self._loss_mask(inputs).bool()
         heads = self._hidden_state_path(model)
         if heads is not None:
             per_token, entropy, aux_loss = self._divergence_from_hidden_states(model, inputs, mask, *heads)
         else:
+            self._warn_hidden_state_hook_unused(model)
             per_token, entropy, aux_loss = self._divergence_from_logits(model, inputs, mask)
         # Token mean over the whole optimizer step on every process (`num_items_in_batch`); DDP then averages the
         # processes' gradients, hence the factor of the number of processes.

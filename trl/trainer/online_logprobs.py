@@ -22,6 +22,7 @@ from .fast_paths.prefix_sharing import (
     sharing_possible_now,
     supports_prefix_sharing,
 )
+from .online_math import positions_from_mask
 from .utils import compute_token_logps
 from .utils.vision import collate_vision_rows
 
@@ -42,8 +43,7 @@ class _OnlineLogprobsMixin:
         """
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"].long()], dim=1)
-        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        return input_ids, attention_mask, position_ids
+        return input_ids, attention_mask, positions_from_mask(attention_mask)
 
     @staticmethod
     def _multimodal_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +141,7 @@ class _OnlineLogprobsMixin:
             input_ids.shape[0], input_ids.shape[1] - 1, dtype=torch.bool, device=input_ids.device
         )
         target_mask[:, prompt_length - 1 :] = attention_mask[:, prompt_length:].bool()
-        position_ids = None if image_inputs else (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        position_ids = None if image_inputs else positions_from_mask(attention_mask)
         layout = None
         if not image_inputs:  # the model derives its own (possibly multi-dimensional) positions around image tokens
             layout = self._shared_prompt_layout(model, input_ids, attention_mask, prompt_length)

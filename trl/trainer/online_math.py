@@ -20,6 +20,11 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids counted from each row's first attended token (left padding at 0), as during generation."""
+    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
 def aggregate_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Weighted sum of the rewards of each completion, skipping NaN entries (a function that returned None).
 
