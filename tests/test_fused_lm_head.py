@@ -302,3 +302,32 @@ def test_kernel_gradients_computed_in_the_forward(max_rows, proportional):
     for got, second, ref in zip(grads, again, want, strict=True):
         torch.testing.assert_close(got, ref, **TOLERANCE)
         torch.testing.assert_close(second, ref, **TOLERANCE)
+
+
+@pytest.mark.parametrize("max_rows", [4, None])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_kernel_frozen_head_gradients_computed_in_the_forward(max_rows, entropy_grad):
+    """A frozen head (only the hidden states need a gradient): the forward computes each row's gradient and the
+    backward scales it by any upstream gradient; exact twice (retain_graph), and an entropy with a gradient is
+    handled by the recomputing backward."""
+    torch.manual_seed(4)
+    hidden = torch.randn(9, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(40, 16, dtype=torch.float64)
+    bias = torch.randn(40, dtype=torch.float64)
+    index = torch.randint(0, 40, (9,))
+    upstream, entropy_upstream = torch.randn(9, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
+    logps, entropy, _ = linear_selective_log_softmax(
+        hidden, weight, index, bias, temperature=0.8, compute_entropy=True, max_rows=max_rows
+    )
+    objective = (logps * upstream).sum() + ((entropy * entropy_upstream).sum() if entropy_grad else 0.0)
+    (grad,) = torch.autograd.grad(objective, [hidden], retain_graph=True)
+    (again,) = torch.autograd.grad(objective, [hidden])
+    reference = F.log_softmax(F.linear(hidden, weight, bias) / 0.8, dim=-1)
+    expected = reference.gather(-1, index[:, None]).squeeze(-1)
+    expected_entropy = -(reference.exp() * reference).sum(-1)
+    torch.testing.assert_close(logps, expected, **TOLERANCE)
+    torch.testing.assert_close(entropy, expected_entropy, **TOLERANCE)
+    want_objective = (expected * upstream).sum() + ((expected_entropy * entropy_upstream).sum() if entropy_grad else 0)
+    (want,) = torch.autograd.grad(want_objective, [hidden])
+    torch.testing.assert_close(grad, want, **TOLERANCE)
+    torch.testing.assert_close(again, want, **TOLERANCE)

@@ -131,7 +131,12 @@ class _LinearLogSoftmax(torch.autograd.Function):
     accumulates the gradients of the hidden states, weight and bias from each chunk (the weight's and bias' only when
     they require one: a frozen head under PEFT costs no extra matmul).
 
-    With `expected_grad` (`(N,)`), the caller announces that the gradient of the log-probabilities will be
+    With a frozen head (only `hidden` needs a gradient, as under PEFT) the forward also computes each row's gradient
+    for a unit upstream gradient, `((onehot(y) - p) / T) W`, and the backward multiplies it by the upstream one: two
+    head products in all, whatever the loss, and no logits kept. An entropy that receives a gradient takes the
+    recomputing path.
+
+    With `expected_grad` (`(N,)`) and a trainable head, the caller announces that the gradient of the log-probabilities will be
     proportional to it (and the entropy get none), as for a loss that is a weighted sum of them (SFT's): the forward
     then computes the gradients from the logits it has at hand, and the backward only scales them, so no logits are
     recomputed. A backward whose gradient is not proportional takes the recomputing path (same result, no saving).
@@ -160,8 +165,14 @@ class _LinearLogSoftmax(torch.autograd.Function):
         entropy = hidden.new_zeros(rows, dtype=compute_dtype)
         stats: dict[str, list[torch.Tensor]] = {}
         needs = tuple(ctx.needs_input_grad[:3])
-        ahead = None
-        if expected_grad is not None and any(needs) and cap is None:
+        ahead, ahead_grad = None, expected_grad
+        # A frozen head (only the hidden states need a gradient, as under PEFT): row i's gradient is
+        # g_i * ((onehot(y_i) - p_i) / T) W for any upstream g, so the forward computes the bracket once per row and
+        # the backward scales it, whatever the loss (no promise needed, nothing recomputed).
+        ctx.per_row = needs == (True, False, False) and cap is None
+        if ctx.per_row:
+            ahead_grad = hidden.new_ones(rows, dtype=compute_dtype)
+        if ahead_grad is not None and any(needs) and cap is None:
             ahead = _HeadGradients(hidden, weight, bias, needs, temperature, scale, compute_dtype)
         ctx.kept_log_probs = None
         for start in range(0, rows, max_rows):
@@ -182,7 +193,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
                     stats.setdefault(name, []).append(value.squeeze(0))
             del logits
             if ahead is not None:
-                ahead.add(start, end, log_probs, None, index, expected_grad, None, None, True)
+                ahead.add(start, end, log_probs, None, index, ahead_grad, None, None, True)
             # All rows in one chunk: the backward starts right after the head, so keeping the log-probabilities
             # costs no peak memory (the backward would allocate their like) and saves recomputing the logits.
             keep = ahead is None and end == rows and start == 0 and cap is None and any(needs)
@@ -191,7 +202,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, index, log_norm, entropy)
         ctx.temperature, ctx.max_rows, ctx.scale, ctx.cap = temperature, max_rows, scale, cap
-        ctx.ahead, ctx.expected_grad = (ahead.result(), expected_grad) if ahead is not None else (None, None)
+        ctx.ahead, ctx.expected_grad = (ahead.result(), ahead_grad) if ahead is not None else (None, None)
         # The names go back through the caller's list: an autograd function returns tensors only.
         stat_names.extend(sorted(stats))
         stat_values = [torch.cat(stats[name]) for name in stat_names]
@@ -206,6 +217,10 @@ class _LinearLogSoftmax(torch.autograd.Function):
         nothing = (None,) * 10
         if grad_logps is None and grad_entropy is None:
             return (None, None, None, *nothing)
+        if ctx.ahead is not None and grad_entropy is None and grad_logps is not None and ctx.per_row:
+            per_row = ctx.ahead[0]  # kept as is: a second backward (retain_graph) scales it again
+            grad_hidden = (per_row.to(log_norm.dtype) * grad_logps.to(log_norm.dtype).unsqueeze(-1)).to(hidden.dtype)
+            return (grad_hidden, None, None, *nothing)
         if ctx.ahead is not None and grad_entropy is None and grad_logps is not None:
             factor = _proportion(grad_logps, ctx.expected_grad)
             if factor is not None:

@@ -5,8 +5,8 @@ backward pass (it is the next layer's checkpointed input). On the CPU these outp
 between the layers' short-lived temporaries, and the holes they leave when freed keep the heap growing: in the packed
 SFT benchmark, half of the heap was free at the peak. [`lean_layer_checkpoints`] gives transformers' checkpointed
 decoder layers a checkpoint function that runs the layer without gradients, as torch's non-reentrant checkpoint does,
-and copies its output into a [`CheckpointArena`]: chunks of at least 64 MiB (which glibc maps on their own, outside
-the heap), reused every step. The backward pass recomputes the layer from its kept input and back-propagates through
+and copies its output into a [`CheckpointArena`]: chunks sized to what a step keeps, allocated once and reused every
+step. The backward pass recomputes the layer from its kept input and back-propagates through
 it, skipping the product of the MLP's down projection whose value the recompute never reads (as torch's early-stopping
 recompute does). A plain SwiGLU MLP is recomputed by the lean kernel (`trl.kernels.decoder_layers.swiglu_mlp` with its
 output unused), which keeps none of the four `tokens x intermediate` tensors plain autograd keeps for the backward
@@ -53,8 +53,6 @@ _LAYER_CLASSES = {
     "transformers.models.qwen2.modeling_qwen2": "Qwen2DecoderLayer",
     "transformers.models.qwen3.modeling_qwen3": "Qwen3DecoderLayer",
 }
-# Chunks at least this large are mapped by glibc on their own (its mmap threshold never exceeds 32 MiB by default).
-MIN_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 class CheckpointArena:
@@ -85,7 +83,10 @@ class CheckpointArena:
         else:
             chunk, start = None, 0
         if chunk is None or start + count > chunk.numel():
-            size = max(MIN_CHUNK_BYTES, 2 * nbytes, self.needed) // output.element_size()
+            # Twice what is held so far while a step's need is unknown (few chunks), then that need in one chunk:
+            # a fixed floor would be held for nothing when the kept outputs are small (and counts on a device).
+            held = sum(c.numel() * c.element_size() for c in self.chunks)
+            size = max(2 * nbytes, 2 * held, self.needed) // output.element_size()
             chunk = torch.empty(size, dtype=output.dtype, device=output.device)
             self.chunks.append(chunk)
             start = 0
