@@ -362,6 +362,39 @@ def test_hidden_state_path_equals_the_logits_path(
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("beta, temperature", [(0.5, 0.7), (1.0, 2.0)])
+def test_frozen_head_path_equals_the_plain_path(
+    tmp_path, model_path, teacher_path, prompts, monkeypatch, beta, temperature
+):
+    """A frozen student head (as under PEFT) takes `frozen_head_generalized_jsd`, whose gradient is computed in the
+    forward: the loss, entropy and gradients of projecting the hidden states and back-propagating (the plain path)."""
+    import trl.trainer.distillation_trainer as module
+
+    trainer = build(tmp_path, model_path, teacher_path, prompts, beta=beta, temperature=temperature)
+    trainer.model.get_output_embeddings().weight.requires_grad_(False)
+    inputs = two_rollouts(trainer.pad_token_id)
+    calls = []
+    fast = module.frozen_head_generalized_jsd
+    monkeypatch.setattr(module, "frozen_head_generalized_jsd", lambda *a, **k: calls.append(1) or fast(*a, **k))
+    results = []
+    for frozen_path in (True, False):
+        if not frozen_path:
+            monkeypatch.setattr(module, "head_is_frozen", lambda head: False)
+        trainer.model.zero_grad()
+        trainer._metrics[trainer._mode].clear()
+        loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+        results.append((loss.detach(), trainer._metrics[trainer._mode]["entropy"][-1], grads))
+    assert calls == [1]
+    (loss, entropy, grads), (plain_loss, plain_entropy, plain_grads) = results
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(torch.as_tensor(entropy), torch.as_tensor(plain_entropy), rtol=1e-6, atol=1e-7)
+    assert grads.keys() == plain_grads.keys() and "lm_head.weight" not in grads and grads
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_get_last_hidden_state_override_is_called(tmp_path, model_path, teacher_path, prompts):
     """A subclass's `_get_last_hidden_state` (TRL's hook) gives the hidden states of both the student and the
     teacher, as in TRL; it receives the whole sequences and the completion width."""

@@ -187,3 +187,39 @@ def test_fully_masked_batch_gives_zero_with_a_graph(logits):
     assert loss.item() == 0.0
     loss.backward()
     assert s.grad.abs().max() == 0
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.4, 1.0])
+def test_frozen_head_divergence_equals_the_plain_path(beta):
+    """`frozen_head_generalized_jsd` (gradient computed in the forward) against projecting the hidden states and
+    calling `per_token_generalized_jsd`: same values, gradients and entropy; masked rows give 0 and no gradient."""
+    from trl.trainer.utils.divergence import frozen_head_generalized_jsd
+
+    torch.manual_seed(5)
+    head = torch.nn.Linear(8, 30, dtype=torch.float64).requires_grad_(False)
+    with torch.no_grad():
+        head.bias[3] = -math.inf  # an entry of probability 0: no NaN in the entropy
+    hidden = torch.randn(2, 7, 8, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(2, 7, 30, dtype=torch.float64)
+    mask = torch.rand(2, 7) > 0.3
+    mask[0, :3] = False
+    upstream = torch.randn(2, 7, dtype=torch.float64)
+    per_token, entropy = frozen_head_generalized_jsd(hidden, head, teacher, mask, beta=beta, temperature=0.7)
+    (grad,) = torch.autograd.grad((per_token * upstream).sum(), hidden)
+    logits = head(hidden)
+    plain = per_token_generalized_jsd(logits, teacher, mask, beta=beta, temperature=0.7)
+    (plain_grad,) = torch.autograd.grad((plain * upstream).sum(), hidden)
+    torch.testing.assert_close(per_token, plain)
+    torch.testing.assert_close(grad, plain_grad)
+    probs = torch.softmax(logits.detach() / 0.7, dim=-1)
+    hand_entropy = -(probs * probs.log()).nan_to_num(0.0).sum(-1) * mask
+    torch.testing.assert_close(entropy, hand_entropy)
+    assert bool(torch.isfinite(entropy).all()) and not bool(grad[~mask].any())
+
+
+def test_frozen_head_divergence_refuses_a_trainable_head():
+    from trl.trainer.utils.divergence import frozen_head_generalized_jsd
+
+    head = torch.nn.Linear(4, 6)
+    with pytest.raises(ValueError, match="frozen head"):
+        frozen_head_generalized_jsd(torch.randn(2, 4), head, torch.randn(2, 6))

@@ -2,6 +2,8 @@
 for `compute_token_logps`, and for one SGD step of every trainer that uses it (with padding, padding-free, PEFT and
 gradient accumulation)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -331,3 +333,15 @@ def test_kernel_frozen_head_gradients_computed_in_the_forward(max_rows, entropy_
     (want,) = torch.autograd.grad(want_objective, [hidden])
     torch.testing.assert_close(grad, want, **TOLERANCE)
     torch.testing.assert_close(again, want, **TOLERANCE)
+
+
+def test_kernel_entropy_with_a_vocabulary_entry_of_probability_zero():
+    """A logit of -inf (an entry the head can never produce) contributes 0 to the entropy, not NaN."""
+    torch.manual_seed(6)
+    hidden, weight = torch.randn(5, 8, dtype=torch.float64), torch.randn(12, 8, dtype=torch.float64)
+    bias = torch.zeros(12, dtype=torch.float64)
+    bias[4] = -math.inf
+    index = torch.randint(0, 4, (5,))
+    _, entropy, _ = linear_selective_log_softmax(hidden, weight, index, bias, compute_entropy=True, max_rows=2)
+    probs = torch.softmax(F.linear(hidden, weight, bias), dim=-1)
+    torch.testing.assert_close(entropy, -(probs * probs.log()).nan_to_num(0.0).sum(-1))

@@ -47,8 +47,8 @@ def _chunk_log_softmax(hidden, weight, bias, temperature, compute_dtype, logit_s
 
 def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
     probs = log_probs.exp()
-    # 0 * (-inf) is NaN for masked-out vocabulary entries; their contribution is exactly 0.
-    return probs.mul_(log_probs).masked_fill_(probs == 0, 0.0).sum(dim=-1).neg_()
+    vanishing = probs == 0  # before the product: 0 * (-inf) is NaN there, and the contribution is exactly 0
+    return probs.mul_(log_probs).masked_fill_(vanishing, 0.0).sum(dim=-1).neg_()
 
 
 class _HeadGradients:

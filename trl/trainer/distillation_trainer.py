@@ -26,7 +26,7 @@ from .online_math import masked_mean, positions_from_mask
 from .online_rewards import _NoRewardsMixin
 from .tool_calling import _ToolCallingMixin
 from .utils import create_model_from_path, disable_dropout_in_model
-from .utils.divergence import per_token_generalized_jsd
+from .utils.divergence import frozen_head_generalized_jsd, head_is_frozen, per_token_generalized_jsd
 from .utils.logprobs import (
     capture_lm_head_inputs,
     fusable_lm_head,
@@ -387,6 +387,11 @@ class DistillationTrainer(_NoRewardsMixin, _ToolCallingMixin, _OnlineTrainer):
         # loss holds next to them is declared (gradient checkpointing may keep the last layers within it).
         with small_student_logits(model, teacher_logits):
             hidden = self._get_last_hidden_state(model, ids, attention_mask, width)
+        if head_is_frozen(head):  # PEFT: the gradient is computed in the forward, no logits kept for the backward
+            per_token, entropy = frozen_head_generalized_jsd(
+                hidden, head, teacher_logits, mask, beta=self.beta, temperature=self.temperature
+            )
+            return per_token, entropy, None
         logits = F.linear(hidden, head.weight, head.bias)
         per_token = per_token_generalized_jsd(
             logits, teacher_logits, mask, beta=self.beta, temperature=self.temperature

@@ -118,6 +118,100 @@ class _ChunkedJSD(torch.autograd.Function):
         return grad_student, grad_weight, grad_bias, grad_teacher, None, None, None, None
 
 
+class _FrozenHeadJSD(torch.autograd.Function):
+    """Per-position generalized JSD and student entropy from the student's hidden states through a frozen LM head.
+
+    Only the hidden states receive a gradient, and the divergence at row i depends on row i alone, so the gradient
+    reaching row i is `g_i * u_i` with `u_i = (d JSD_i / d z_i) W` for any upstream `g`. The forward projects all rows
+    at once (one pass over the head), turns that buffer into `d JSD / d z` chunk by chunk, and multiplies it by the
+    head once: only `u` (hidden-sized) is saved, and no logits-sized tensor outlives the forward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, teacher_logits, row_mask, beta, temperature, max_rows):
+        lead_shape = teacher_logits.shape[:-1]
+        compute_dtype = torch.promote_types(teacher_logits.dtype, torch.float32)
+        out = torch.zeros(lead_shape, dtype=compute_dtype, device=teacher_logits.device)
+        entropy = torch.zeros_like(out)
+        buffer = torch.nn.functional.linear(hidden, weight, bias)  # becomes d JSD / d logits, chunk by chunk
+        for key in _iter_row_chunks(lead_shape, max_rows):
+            skip, sub_mask = _chunk_selection(row_mask, key)
+            if skip:
+                buffer[key] = 0
+                continue
+            logits = _read(buffer, key, sub_mask)
+            value, grad, _ = _chunk_divergence(
+                logits, _read(teacher_logits, key, sub_mask), beta, temperature, True, False
+            )
+            log_s = torch.log_softmax(logits.to(compute_dtype) / temperature, dim=-1)
+            probs = log_s.exp()
+            vanishing = probs == 0  # before the product: 0 * (-inf) is NaN there, and the contribution is exactly 0
+            _write(entropy, key, sub_mask, -probs.mul_(log_s).masked_fill_(vanishing, 0.0).sum(-1))
+            del logits, log_s, probs, vanishing
+            _write(out, key, sub_mask, value)
+            if sub_mask is not None:
+                buffer[key][~sub_mask] = 0
+            _write(buffer, key, sub_mask, grad.to(buffer.dtype))
+            del grad
+        ctx.save_for_backward(buffer @ weight.to(buffer.dtype))
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_entropy):
+        (per_row,) = ctx.saved_tensors
+        grad_hidden = (per_row.to(grad_out.dtype) * grad_out.unsqueeze(-1)).to(ctx.hidden_dtype)
+        return grad_hidden, None, None, None, None, None, None, None
+
+
+def head_is_frozen(head: torch.nn.Linear) -> bool:
+    """Whether an LM head takes no gradient (weight and bias frozen, as under PEFT), so that
+    [`frozen_head_generalized_jsd`] applies."""
+    return not head.weight.requires_grad and (head.bias is None or not head.bias.requires_grad)
+
+
+def frozen_head_generalized_jsd(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    teacher_logits: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[`per_token_generalized_jsd`] of `head(hidden)` against `teacher_logits`, and the student's entropy, when the
+    head is frozen ([`head_is_frozen`]).
+
+    Same values as projecting the hidden states and calling [`per_token_generalized_jsd`] (the plain path), and the
+    same gradient for `hidden` to float rounding, but the gradient is computed in the forward pass: the student's
+    logits and the divergence's gradient never outlive it, where the plain path keeps the logits and allocates their
+    gradient in the backward pass (three logits-sized tensors at its peak, one here).
+
+    Args:
+        hidden: `(..., H)` student hidden states (requires a gradient).
+        head: The student's frozen LM head, `(V, H)` weight and optional bias.
+        teacher_logits: `(..., V)` teacher logits (no gradient).
+        mask: Optional boolean `(...)`; positions where it is False get 0.
+        beta: See [`per_token_generalized_jsd`].
+        temperature: Both sides' logits are divided by it before the softmax.
+
+    Returns:
+        `(per_token, entropy)`: the divergence `(...)` (differentiable with respect to `hidden`) and the entropy of
+        `softmax(head(hidden) / temperature)` (`(...)`, without gradient, 0 where `mask` is False), in float32.
+    """
+    _check_beta_temperature(beta, temperature)
+    if not head_is_frozen(head) or teacher_logits.requires_grad:
+        raise ValueError("`frozen_head_generalized_jsd` needs a frozen head and teacher logits without gradient.")
+    if mask is not None:
+        mask = mask.to(torch.bool)
+    # Half the usual block: the student's logits are already held whole, next to the teacher's.
+    rows = max(1, _default_chunk_rows(teacher_logits.shape[-1]) // 2)
+    return _FrozenHeadJSD.apply(
+        hidden, head.weight, head.bias, teacher_logits, mask, float(beta), float(temperature), rows
+    )
+
+
 def _check_beta_temperature(beta: float, temperature: float) -> None:
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"`beta` must be in [0, 1] (0: forward KL, 1: reverse KL), got {beta}.")
