@@ -218,3 +218,20 @@ def test_bad_input_refused_before_training(tmp_path, model_path, prompts):
             args=make_args(tmp_path),
             train_dataset=prompts.to_iterable_dataset(),
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_log_probs_backward_is_autograds(dtype):
+    """`token_log_probs` with gradients (one buffer in the backward) gives the plain expression's values and
+    gradients bit for bit, and the plain expression without gradients."""
+    torch.manual_seed(7)
+    logits = (torch.randn(2, 4, 300) * 3).to(dtype).requires_grad_(True)
+    ids = torch.randint(0, 300, (2, 4))
+    upstream = torch.randn(2, 4).to(dtype)
+    logps = loss_utils.token_log_probs(logits, ids)
+    (grad,) = torch.autograd.grad(logps, logits, upstream)
+    plain = logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    (plain_grad,) = torch.autograd.grad(plain, logits, upstream)
+    assert torch.equal(logps, plain) and torch.equal(grad, plain_grad)
+    with torch.no_grad():
+        assert torch.equal(loss_utils.token_log_probs(logits, ids), plain)

@@ -57,12 +57,38 @@ def apply_importance_sampling_clipping(
     return per_token_loss * torch.exp(log_ratio).clamp(max=clip_coeff)
 
 
+class _TokenLogProb(torch.autograd.Function):
+    """`logits[token] - logsumexp(logits)` with autograd's values and gradient, in one logits-sized buffer.
+
+    The forward runs the same two operations as the plain expression. Autograd's backward of it allocates the
+    difference `logits - logsumexp`, its exponential, their product with the gradient and the gather's scattered
+    gradient (four logits-sized tensors at once); this backward computes the same products in place in one buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, token_ids):
+        log_norm = torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(logits, token_ids, log_norm)
+        return logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - log_norm
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, token_ids, log_norm = ctx.saved_tensors
+        grad = grad.unsqueeze(-1)
+        # As autograd: the log-sum-exp's gradient -grad * exp(logits - logsumexp), plus grad at the gathered token.
+        grad_logits = (logits - log_norm.unsqueeze(-1)).exp_().mul_(-grad)
+        return grad_logits.scatter_add_(-1, token_ids.unsqueeze(-1), grad), None
+
+
 def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """`log softmax(logits)[token]` per position, as the token's logit minus the log-sum-exp of its row.
 
     Computed in this order (not as a full log-softmax followed by a gather) so that the float rounding is TRL's; the
-    sampled-token loss subtracts two such values, which magnifies any rounding difference.
+    sampled-token loss subtracts two such values, which magnifies any rounding difference. With gradients, the
+    backward holds one logits-sized buffer ([`_TokenLogProb`]).
     """
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _TokenLogProb.apply(logits, token_ids)
     return logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
