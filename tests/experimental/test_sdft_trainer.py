@@ -138,3 +138,33 @@ def test_bad_input_refused_before_training(tmp_path, model_path, context_prompts
         SDFTTrainer(model=model_path, args=make_args(tmp_path))
     with pytest.raises(NotImplementedError, match="IterableDataset"):
         SDFTTrainer(model=model_path, args=make_args(tmp_path), train_dataset=context_prompts.to_iterable_dataset())
+
+
+@pytest.mark.parametrize("add_tail", [True, False])
+def test_topk_loss_backward_is_autograds(add_tail):
+    """The top-k loss gathers its log-probabilities through `gathered_log_probs` (one buffer in the backward): the
+    values and gradients of the plain gather-minus-logsumexp expression, bit for bit."""
+    torch.manual_seed(8)
+    student = (torch.randn(2, 3, 200) * 2).requires_grad_(True)
+    teacher = torch.randn(2, 3, 200) * 2
+    upstream = torch.randn(2, 3)
+    loss = loss_utils.compute_topk_self_distillation_loss(
+        student, teacher, distillation_topk=10, distillation_alpha=0.5, distillation_add_tail=add_tail
+    )
+    (grad,) = torch.autograd.grad(loss, student, upstream)
+    support = student.detach().topk(10, dim=-1).indices
+    if add_tail:
+        student_on = loss_utils.add_tail_bucket(
+            student.gather(-1, support) - torch.logsumexp(student, -1, keepdim=True)
+        )
+        teacher_on = loss_utils.add_tail_bucket(
+            teacher.gather(-1, support) - torch.logsumexp(teacher, -1, keepdim=True)
+        )
+    else:
+        on = student.gather(-1, support) - torch.logsumexp(student, -1, keepdim=True)
+        student_on = on - torch.logsumexp(on, dim=-1, keepdim=True)
+        on = teacher.gather(-1, support) - torch.logsumexp(teacher, -1, keepdim=True)
+        teacher_on = on - torch.logsumexp(on, dim=-1, keepdim=True)
+    plain = loss_utils.compute_divergence(student_on, teacher_on, 0.5)
+    (plain_grad,) = torch.autograd.grad(plain, student, upstream)
+    assert torch.equal(loss, plain) and torch.equal(grad, plain_grad)

@@ -57,39 +57,47 @@ def apply_importance_sampling_clipping(
     return per_token_loss * torch.exp(log_ratio).clamp(max=clip_coeff)
 
 
-class _TokenLogProb(torch.autograd.Function):
-    """`logits[token] - logsumexp(logits)` with autograd's values and gradient, in one logits-sized buffer.
+class _GatheredLogProbs(torch.autograd.Function):
+    """`logits.gather(-1, index) - logsumexp(logits)` with autograd's values and gradients, in one logits-sized
+    buffer.
 
-    The forward runs the same two operations as the plain expression. Autograd's backward of it allocates the
-    difference `logits - logsumexp`, its exponential, their product with the gradient and the gather's scattered
-    gradient (four logits-sized tensors at once); this backward computes the same products in place in one buffer.
+    The forward runs the plain expression's operations. Autograd's backward of it allocates the difference `logits -
+    logsumexp`, its exponential, their product with the gradient and the gather's scattered gradient (four
+    logits-sized tensors at once); this backward computes the same products in place in one buffer (bit for bit when
+    `index` holds distinct entries per row, as a top-k support or a single token does).
     """
 
     @staticmethod
-    def forward(ctx, logits, token_ids):
-        log_norm = torch.logsumexp(logits, dim=-1)
-        ctx.save_for_backward(logits, token_ids, log_norm)
-        return logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - log_norm
+    def forward(ctx, logits, index):
+        log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+        ctx.save_for_backward(logits, index, log_norm)
+        return logits.gather(-1, index) - log_norm
 
     @staticmethod
     def backward(ctx, grad):
-        logits, token_ids, log_norm = ctx.saved_tensors
-        grad = grad.unsqueeze(-1)
-        # As autograd: the log-sum-exp's gradient -grad * exp(logits - logsumexp), plus grad at the gathered token.
-        grad_logits = (logits - log_norm.unsqueeze(-1)).exp_().mul_(-grad)
-        return grad_logits.scatter_add_(-1, token_ids.unsqueeze(-1), grad), None
+        logits, index, log_norm = ctx.saved_tensors
+        # As autograd: the log-sum-exp's gradient -sum(grad) * exp(logits - logsumexp), plus grad at the gathered
+        # entries.
+        grad_logits = (logits - log_norm).exp_().mul_(grad.sum(dim=-1, keepdim=True).neg_())
+        return grad_logits.scatter_add_(-1, index, grad), None
+
+
+def gathered_log_probs(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`log softmax(logits)` at `index` (`(..., K)`), as the gathered logits minus the log-sum-exp of their row.
+
+    Computed in this order (not as a full log-softmax followed by a gather) so that the float rounding is TRL's; with
+    gradients the backward holds one logits-sized buffer ([`_GatheredLogProbs`]).
+    """
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return _GatheredLogProbs.apply(logits, index)
+    return logits.gather(-1, index) - torch.logsumexp(logits, dim=-1, keepdim=True)
 
 
 def token_log_probs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """`log softmax(logits)[token]` per position, as the token's logit minus the log-sum-exp of its row.
-
-    Computed in this order (not as a full log-softmax followed by a gather) so that the float rounding is TRL's; the
-    sampled-token loss subtracts two such values, which magnifies any rounding difference. With gradients, the
-    backward holds one logits-sized buffer ([`_TokenLogProb`]).
-    """
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return _TokenLogProb.apply(logits, token_ids)
-    return logits.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    """`log softmax(logits)[token]` per position, as the token's logit minus the log-sum-exp of its row
+    ([`gathered_log_probs`]); the sampled-token loss subtracts two such values, which magnifies any rounding
+    difference from TRL's order."""
+    return gathered_log_probs(logits, token_ids.unsqueeze(-1)).squeeze(-1)
 
 
 def _support_log_probs(
@@ -132,9 +140,7 @@ def compute_topk_self_distillation_loss(
     support = student_logits.detach().topk(distillation_topk, dim=-1).indices
     # A gathered logit minus its row's log-sum-exp (not a gathered log-softmax): TRL's rounding.
     student_on, teacher_on = _support_log_probs(
-        student_logits.gather(-1, support) - torch.logsumexp(student_logits, dim=-1, keepdim=True),
-        teacher_logits.gather(-1, support) - torch.logsumexp(teacher_logits, dim=-1, keepdim=True),
-        distillation_add_tail,
+        gathered_log_probs(student_logits, support), gathered_log_probs(teacher_logits, support), distillation_add_tail
     )
     return compute_divergence(student_on, teacher_on, distillation_alpha)
 
