@@ -335,6 +335,16 @@ def test_cli_runs_the_example_config_offline(tmp_path):
     assert (tmp_path / "out" / "config.json").is_file() and (tmp_path / "out" / "model.safetensors").is_file()
 
 
+def loss_entropy_and_grads(trainer, inputs) -> tuple:
+    """One loss and backward on `inputs`: the loss, the logged entropy and the parameters' gradients."""
+    trainer.model.zero_grad()
+    trainer._metrics[trainer._mode].clear()
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), trainer._metrics[trainer._mode]["entropy"][-1], grads
+
+
 @pytest.mark.parametrize("beta, temperature", [(0.5, 0.7), (0.0, 1.0), (1.0, 2.0)])
 def test_hidden_state_path_equals_the_logits_path(
     tmp_path, model_path, teacher_path, prompts, monkeypatch, beta, temperature
@@ -348,12 +358,7 @@ def test_hidden_state_path_equals_the_logits_path(
     for hidden_states in (True, False):
         if not hidden_states:
             monkeypatch.setattr(type(trainer), "_hidden_state_path", lambda self, model: None)
-        trainer.model.zero_grad()
-        trainer._metrics[trainer._mode].clear()
-        loss = trainer._compute_loss(trainer.model, inputs)
-        loss.backward()
-        grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
-        results.append((loss.detach(), trainer._metrics[trainer._mode]["entropy"][-1], grads))
+        results.append(loss_entropy_and_grads(trainer, inputs))
     (loss, entropy, grads), (plain_loss, plain_entropy, plain_grads) = results
     torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(torch.as_tensor(entropy), torch.as_tensor(plain_entropy), rtol=1e-5, atol=1e-6)
@@ -380,12 +385,7 @@ def test_frozen_head_path_equals_the_plain_path(
     for frozen_path in (True, False):
         if not frozen_path:
             monkeypatch.setattr(module, "head_is_frozen", lambda head: False)
-        trainer.model.zero_grad()
-        trainer._metrics[trainer._mode].clear()
-        loss = trainer._compute_loss(trainer.model, inputs)
-        loss.backward()
-        grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
-        results.append((loss.detach(), trainer._metrics[trainer._mode]["entropy"][-1], grads))
+        results.append(loss_entropy_and_grads(trainer, inputs))
     assert calls == [1]
     (loss, entropy, grads), (plain_loss, plain_entropy, plain_grads) = results
     torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=1e-8)
