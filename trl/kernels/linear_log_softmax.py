@@ -136,10 +136,10 @@ class _LinearLogSoftmax(torch.autograd.Function):
     head products in all, whatever the loss, and no logits kept. An entropy that receives a gradient takes the
     recomputing path.
 
-    With `expected_grad` (`(N,)`) and a trainable head, the caller announces that the gradient of the log-probabilities will be
-    proportional to it (and the entropy get none), as for a loss that is a weighted sum of them (SFT's): the forward
-    then computes the gradients from the logits it has at hand, and the backward only scales them, so no logits are
-    recomputed. A backward whose gradient is not proportional takes the recomputing path (same result, no saving).
+    With `expected_grad` (`(N,)`) and a trainable head, the caller announces that the gradient of the
+    log-probabilities will be proportional to it (and the entropy get none), as for a loss that is a weighted sum of
+    them (SFT's): the forward then computes the gradients from the logits it has at hand, and the backward only scales
+    them, so no logits are recomputed. A backward whose gradient is not proportional takes the recomputing path (same result, no saving).
     """
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""Gradient checkpointing of decoder layers whose kept outputs live in a reusable buffer outside the C heap.
+"""Gradient checkpointing of decoder layers whose kept outputs live in a reusable buffer, allocated once a run.
 
 With gradient checkpointing, each decoder layer's output is the one activation kept from the forward pass to the
 backward pass (it is the next layer's checkpointed input). On the CPU these outputs are allocated in glibc's heap

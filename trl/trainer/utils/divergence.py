@@ -19,6 +19,7 @@ import math
 import torch
 
 from ...kernels.chunked_divergence import _chunk_divergence
+from ...kernels.linear_log_softmax import _entropy
 from ...kernels.log_softmax import _CHUNK_BYTES, _chunk_selection, _iter_row_chunks, _read, _write
 
 
@@ -143,11 +144,8 @@ class _FrozenHeadJSD(torch.autograd.Function):
             value, grad, _ = _chunk_divergence(
                 logits, _read(teacher_logits, key, sub_mask), beta, temperature, True, False
             )
-            log_s = torch.log_softmax(logits.to(compute_dtype) / temperature, dim=-1)
-            probs = log_s.exp()
-            vanishing = probs == 0  # before the product: 0 * (-inf) is NaN there, and the contribution is exactly 0
-            _write(entropy, key, sub_mask, -probs.mul_(log_s).masked_fill_(vanishing, 0.0).sum(-1))
-            del logits, log_s, probs, vanishing
+            _write(entropy, key, sub_mask, _entropy(torch.log_softmax(logits.to(compute_dtype) / temperature, dim=-1)))
+            del logits
             _write(out, key, sub_mask, value)
             if sub_mask is not None:
                 buffer[key][~sub_mask] = 0
@@ -202,7 +200,13 @@ def frozen_head_generalized_jsd(
     """
     _check_beta_temperature(beta, temperature)
     if not head_is_frozen(head) or teacher_logits.requires_grad:
-        raise ValueError("`frozen_head_generalized_jsd` needs a frozen head and teacher logits without gradient.")
+        bias_grad = head.bias is not None and head.bias.requires_grad
+        raise ValueError(
+            "`frozen_head_generalized_jsd` needs a frozen head and teacher logits without gradient, got "
+            f"head.weight.requires_grad={head.weight.requires_grad}, head bias requires_grad={bias_grad}, "
+            f"teacher_logits.requires_grad={teacher_logits.requires_grad}. For a trained head, project the hidden "
+            "states and call `per_token_generalized_jsd`; compute the teacher's logits under `torch.no_grad()`."
+        )
     if mask is not None:
         mask = mask.to(torch.bool)
     # Half the usual block: the student's logits are already held whole, next to the teacher's.
