@@ -247,6 +247,7 @@ ABLATIONS = {
     ),
     "prefix_sharing": ("trl.trainer.fast_paths.prefix_sharing", "supports_prefix_sharing sharing_possible_now", False),
     "rollout_decode": ("trl.trainer.fast_paths.rollout_decode", "rollout_decode_fallback_reason", "off"),
+    "small_row_linear": ("trl.trainer.fast_paths.small_row_linear", "small_row_linear_fallback_reason", "off"),
     "last_layer_selection": (
         "trl.trainer.fast_paths.last_layer_selection",
         "last_layer_selection_fallback_reason",

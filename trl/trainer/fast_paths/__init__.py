@@ -8,6 +8,7 @@ path, and its measured gain; `docs/benchmarks.md` holds the figures and the comm
 |---|---|---|---|
 | `prefix_sharing` | scoring rows that start alike (DPO/CPO/ORPO/reward pairs, GRPO/RLOO groups, KTO's KL rows) whole | `supports_prefix_sharing`, `sharing_possible_now` | `tests/test_prefix_sharing.py` |
 | `rollout_decode` | transformers `generate` in the online trainers | `rollout_decode_fallback_reason` | `tests/test_rollout_decode.py` |
+| `small_row_linear` | `x @ Wᵀ` for the few rows of a CPU decode step (`W @ xᵀ` instead; logits equal to float rounding) | `small_row_linear_fallback_reason` | `tests/test_small_row_linear.py` |
 | `last_layer_selection` | the last decoder layer at every position when few are read | `last_layer_selection_fallback_reason` | `tests/test_last_layer_selection.py` |
 | `fused_lm_head` | full `batch x seq x vocab` logits when only label log-probs are needed | `fusable_lm_head` | `tests/test_fused_lm_head.py` |
 | `layer_checkpoints` | transformers' gradient checkpoint of a decoder layer (CPU, one process); the last layers kept uncheckpointed within the gradient budget (`LayerBudget`) | `layer_checkpoint_fallback_reason`, `LayerBudget.plan` | `tests/test_layer_checkpoints.py` |
