@@ -119,3 +119,19 @@ def test_rollouts_equal_generate_with_the_path(monkeypatch, taken, do_sample):
     output = decode_rollouts(model, ids, mask, rows, config)
     assert torch.equal(output.sequences, reference) and torch.equal(torch.rand(3), after_reference)
     assert any(applies for *_, applies in taken)
+
+
+@pytest.mark.skipif(small_row_linear_fallback_reason(torch.device("cpu"), torch.float32) is not None, reason="no MKL")
+def test_the_generate_fallback_takes_the_path_and_samples_the_same_tokens(monkeypatch, taken):
+    """The online trainers' `generate` (here the rollout fallback) runs under the path: same tokens as with it off."""
+    model = AutoModelForCausalLM.from_pretrained(get_model_path("tiny-Qwen2ForCausalLM")).eval()
+    ids = torch.randint(10, model.config.vocab_size - 10, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask, rows = torch.ones_like(ids), torch.tensor([0, 1])
+    config = GenerationConfig(max_new_tokens=10, do_sample=True, pad_token_id=0, eos_token_id=None)
+    torch.manual_seed(2)
+    with_path = generate_with_shared_prompts(model, ids, mask, rows, config, rollout_decode=False)
+    assert any(applies for *_, applies in taken)
+    monkeypatch.setenv("TRL_SMALL_ROW_LINEAR", "0")
+    torch.manual_seed(2)
+    without = generate_with_shared_prompts(model, ids, mask, rows, config, rollout_decode=False)
+    assert torch.equal(with_path, without)

@@ -40,6 +40,7 @@ from .fast_paths.rollout_decode import (
     rollout_decode_fallback_reason,
     shares_prompt_prefill,
 )
+from .fast_paths.small_row_linear import small_row_linear
 from .online_math import completion_mask_from_ids
 from .utils import pad
 from .utils.packing import plain_sdpa_attention
@@ -104,7 +105,10 @@ def generate_with_shared_prompts(
         )
     ids = prompt_ids[row_to_prompt]
     mask = prompt_mask[row_to_prompt]
-    return model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config, **generate_kwargs)
+    with small_row_linear(model):
+        return model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=generation_config, **generate_kwargs
+        )
 
 
 @contextlib.contextmanager
@@ -389,7 +393,7 @@ class _OnlineGenerationMixin:
         input_ids = pad(prompt_tensors, padding_value=self.pad_token_id, padding_side="left")
         attention_mask = pad([torch.ones_like(t) for t in prompt_tensors], padding_value=0, padding_side="left")
         image_inputs = {key: value.to(device) for key, value in multimodal_fields.items()}
-        with self._policy_for_generation() as unwrapped:
+        with self._policy_for_generation() as unwrapped, small_row_linear(unwrapped):
             output = unwrapped.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,

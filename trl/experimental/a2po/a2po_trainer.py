@@ -23,6 +23,7 @@ from ...data_utils import maybe_apply_chat_template
 from ...kernels.log_softmax import selective_log_softmax
 from ...models.utils import unwrap_model_for_generation
 from ...trainer.base_trainer import _BaseTrainer
+from ...trainer.fast_paths.small_row_linear import small_row_linear
 from ...trainer.online_rewards import _to_float_list
 from ..utils import create_reference_model
 from .a2po_config import A2POConfig
@@ -233,13 +234,17 @@ class A2POTrainer(_BaseTrainer):
         prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
         with torch.no_grad():
             if model is self.ref_model:
-                output = model.generate(
-                    input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
-                )
+                with small_row_linear(model):
+                    output = model.generate(
+                        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
+                    )
             else:
-                with unwrap_model_for_generation(
-                    model, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
-                ) as unwrapped:
+                with (
+                    unwrap_model_for_generation(
+                        model, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
+                    ) as unwrapped,
+                    small_row_linear(unwrapped),
+                ):
                     output = unwrapped.generate(
                         input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
                     )

@@ -21,6 +21,7 @@ from transformers import (
 from transformers.trainer_utils import EvalPrediction
 
 from ...models.utils import disable_dropout_in_model, unwrap_model_for_generation
+from ...trainer.fast_paths.small_row_linear import small_row_linear
 from ...trainer.online_math import completion_mask_from_ids
 from ...trainer.sft_trainer import SFTTrainer
 from ...trainer.utils import create_model_from_path, generalized_jsd_loss, model_accepts_argument, pad
@@ -375,9 +376,12 @@ class GKDTrainer(SFTTrainer):
 
         In place because the training loop counts the step's FLOPs from its batch dict after `training_step`: the
         count then reflects the sequences actually trained on (as in TRL)."""
-        with unwrap_model_for_generation(
-            model, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
-        ) as unwrapped:
+        with (
+            unwrap_model_for_generation(
+                model, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
+            ) as unwrapped,
+            small_row_linear(unwrapped),
+        ):
             # TRL's three-argument call, so that a subclass overriding it with TRL's signature is used as is.
             input_ids, attention_mask, labels = self.generate_on_policy_outputs(
                 unwrapped, inputs, self.generation_config

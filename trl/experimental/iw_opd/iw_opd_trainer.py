@@ -22,6 +22,7 @@ from ...generation import vllm_client
 from ...models.utils import disable_dropout_in_model, unwrap_model_for_generation
 from ...trainer.base_trainer import _BaseTrainer
 from ...trainer.distillation_trainer import DistillationTrainer, _vocab_size
+from ...trainer.fast_paths.small_row_linear import small_row_linear
 from ...trainer.online_metrics import log_completion_rows
 from ...trainer.utils import model_accepts_argument, pad
 from ...trainer.utils.divergence import generalized_jsd_loss as _full_vocab_jsd_loss
@@ -378,9 +379,12 @@ class IWOPDTrainer(_GenerationBatchMixin, _BaseTrainer):
             if self.args.distillation_objective == "iw_opd":  # the behaviour policy of the importance weights
                 extra["rollout_logprobs"] = sampling
         else:
-            with unwrap_model_for_generation(
-                model, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
-            ) as unwrapped:
+            with (
+                unwrap_model_for_generation(
+                    model, self.accelerator, gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs
+                ) as unwrapped,
+                small_row_linear(unwrapped),
+            ):
                 input_ids, attention_mask, labels = GKDTrainer.generate_on_policy_outputs(
                     unwrapped, inputs, self.generation_config
                 )

@@ -43,6 +43,7 @@ from transformers import (
 from ...data_utils import apply_chat_template, is_conversational
 from ...models.utils import unwrap_model_for_generation
 from ...trainer.dpo_trainer import dpo_loss
+from ...trainer.fast_paths.small_row_linear import small_row_linear
 from ...trainer.online_base import _OnlineTrainer
 from ...trainer.online_generation import _router_logits_off
 from ...trainer.online_math import completion_mask_from_ids
@@ -500,13 +501,14 @@ class OnlineDPOTrainer(_OnlineTrainer):
         kwargs = {}
         if make_logits_processor is not None:
             kwargs["logits_processor"] = LogitsProcessorList([make_logits_processor(prompt_mask)])
-        output = model.generate(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            generation_config=self.generation_config,
-            disable_compile=True,
-            **kwargs,
-        )
+        with small_row_linear(model):
+            output = model.generate(
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                generation_config=self.generation_config,
+                disable_compile=True,
+                **kwargs,
+            )
         completion_ids = output[:, prompt_ids.shape[1] :]
         completion_mask, _ = completion_mask_from_ids(completion_ids, self.eos_token_ids)
         self._timing["generation"] += time.perf_counter() - start
