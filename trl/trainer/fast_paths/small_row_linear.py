@@ -3,11 +3,13 @@
 Replaces: `F.linear(x, W, b)` in the per-token steps of [`decode_rollouts`] and of the transformers `generate` calls of
 the online trainers (A2PO, GKD, IW-OPD, Online DPO and its kin, and the rollout fallback), where `x` holds one token of
 each sequence in flight. For so few rows MKL's `x @ Wᵀ` kernel does not stream the weight; `W @ xᵀ` (the same product
-with the weight as the left operand) reads it once at memory speed. Measured at Qwen2.5-0.5B's shape (fp32, 2 threads,
-AMD EPYC, weights too large for the cache), `x @ Wᵀ` / `W @ xᵀ`: the 151 936 x 896 LM head 99 / 18 ms for 2 rows, 96 /
-32 for 4, 91 / 62 for 8; a 4 864 x 896 MLP projection 2.3 / 1.0 ms for 2 rows, 2.0 / 1.5 for 4, 1.7 / 1.9 for 8. Hence
-up to 4 rows for every weight and up to 8 for the LM head (other heads measured alike: 32 000 x 4 096, 128 256 x 2
-048). One row is left alone (both forms are then the same matrix-vector product).
+with the weight as the left operand) reads it once at memory speed. Measured at Qwen2.5-0.5B's shape (fp32, 2
+threads, AMD EPYC, weights too large for the cache), `x @ Wᵀ` / `W @ xᵀ`:
+- the 151 936 x 896 LM head: 99 / 18 ms for 2 rows, 96 / 32 for 4, 91 / 62 for 8;
+- a 4 864 x 896 MLP projection: 2.3 / 1.0 ms for 2 rows, 2.0 / 1.5 for 4, 1.7 / 1.9 for 8.
+
+Hence up to 4 rows for every weight and up to 8 for the LM head (other heads measured alike: 32 000 x 4 096 and
+128 256 x 2 048). One row is left alone (both forms are then the same matrix-vector product).
 
 Numbers: the two kernels sum the same products in different orders, so the logits are equal to float rounding
 (about 1e-7 relative), not bitwise; a sampled token can differ only where two candidates tie to that precision. The
