@@ -34,7 +34,7 @@ def _loss_and_grads(model, ids, arena=None, keep_activations=False, zero_grad=Tr
             logits = model(input_ids=ids).logits
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
 def _fused_loss_and_grads(model, ids, arena=None, zero_grad=True):
@@ -234,6 +234,29 @@ def test_recompute_runs_the_lean_mlp_unless_hooked(monkeypatch):
     layers = model.config.num_hidden_layers
     assert lean_calls == [{"output_unused": True}] * (layers - 1) and gradient_only_calls == [1]
     assert hooked == [1, 1]  # the hooked layer's forward, then its recompute
+    for name, grad in grads.items():
+        torch.testing.assert_close(lean_grads[name], grad, rtol=1e-6, atol=1e-8, msg=name)
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_recompute_skips_the_base_product_of_a_lora_down_projection(monkeypatch, dora):
+    """Under LoRA (frozen base weights, adapters on every projection) the recompute skips the down projection's base
+    product, whose value it never reads; its adapters' terms still run. Gradients are transformers' checkpoint's.
+    A DoRA adapter, whose terms read the base output, keeps the product."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, use_dora=dora)
+    model = get_peft_model(llama_style_decoder("qwen2"), config).base_model.model.train()
+    enable_activation_checkpointing(model)
+    ids = torch.randint(1, 300, (2, 9))
+    _, grads = _loss_and_grads(model, ids)
+    calls = []
+    original = layer_checkpoints._GradientOnlyLinear.apply
+    monkeypatch.setattr(layer_checkpoints._GradientOnlyLinear, "apply", lambda *a: calls.append(1) or original(*a))
+    _, lean_grads = _loss_and_grads(model, ids, CheckpointArena())
+    assert calls == ([] if dora else [1] * model.config.num_hidden_layers)
+    assert grads.keys() == lean_grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(lean_grads[name], grad, rtol=1e-6, atol=1e-8, msg=name)
 

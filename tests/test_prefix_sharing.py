@@ -502,3 +502,88 @@ def test_reference_free_trainers_share_prompts_and_keep_losses_and_metrics(tmp_p
     for name in ("logits/chosen", "logits/rejected", "logps/chosen", "nll_loss"):
         values = [[entry[name] for entry in t.state.log_history if name in entry] for t in (shared, plain)]
         assert values[0] == pytest.approx(values[1], rel=1e-4, abs=1e-6), name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Self-distillation (SDFT, SDPO): completion logits of rows that share a prompt
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_self_distillation_completion_logits_equal_whole_rows(model_path, checkpointing):
+    """Left-padded prompts, two completions each (one ending early): the shared layout's logits and gradients equal
+    the whole padded rows' at every position that predicts a completion token."""
+    from trl.experimental._self_distillation.trainer import completion_logits
+    from trl.trainer.fast_paths.prefix_sharing import same_prompt_groups
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if checkpointing:
+        enable_activation_checkpointing(model)
+        model.train()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 200, (n,), generator=g).tolist() for n in (9, 5)]
+    width = max(len(p) for p in prompts)
+    prompt_rows = [[PAD] * (width - len(p)) + p for p in prompts for _ in range(2)]
+    prompt_ids = torch.tensor(prompt_rows)
+    prompt_mask = torch.arange(width) >= torch.tensor([width - len(p) for p in prompts for _ in range(2)])[:, None]
+    prompt_mask = prompt_mask.long()
+    completion_ids = torch.randint(1, 200, (4, 6), generator=g)
+    completion_mask = torch.ones(4, 6, dtype=torch.long)
+    completion_mask[1, 3:] = 0  # ends early: padding after its end
+    completion_ids[1, 3:] = PAD
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    layout = share_prefixes(input_ids, attention_mask, same_prompt_groups(prompt_ids, prompt_mask), PAD)
+    assert layout.saved_share > MIN_SHARED_SAVING
+    weights = torch.randn(4, 6, model.config.vocab_size, generator=g)
+
+    def run(shared: bool):
+        model.zero_grad()
+        logits = completion_logits(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, 0.7, layout if shared else None
+        )
+        ((logits * weights).sum(-1) * completion_mask).sum().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    logits, grads = run(True)
+    ref_logits, ref_grads = run(False)
+    real = completion_mask.bool()
+    torch.testing.assert_close(logits[real], ref_logits[real], rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(logits).all()
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6 * float(ref_grad.abs().max()))
+
+
+@pytest.mark.parametrize("method", ["sdft", "sdpo"])
+def test_self_distillation_trainers_share_prompts_and_keep_their_losses(tmp_path, model_path, method):
+    from trl.experimental import sdft, sdpo
+
+    rows = _text_rows(4)
+    if method == "sdft":
+        dataset = Dataset.from_dict(
+            {"prompt": [r["prompt"] for r in rows], "privileged_context": [r["chosen"] for r in rows]}
+        )
+
+        def make_trainer(model):
+            args = _short_run(
+                sdft.SDFTConfig, tmp_path, per_device_train_batch_size=4, num_generations=2, max_completion_length=6
+            )
+            return sdft.SDFTTrainer(model, args=args, train_dataset=dataset)
+
+    else:
+        dataset = Dataset.from_dict({"prompt": [r["prompt"] for r in rows]})
+
+        def reward(completions, **kwargs):
+            return [float(len(completion) % 2) for completion in completions]
+
+        def make_trainer(model):
+            args = _short_run(
+                sdpo.SDPOConfig,
+                tmp_path,
+                per_device_train_batch_size=4,
+                num_generations=2,
+                max_completion_length=6,
+                success_reward_threshold=0.5,
+            )
+            return sdpo.SDPOTrainer(model, reward_funcs=reward, args=args, train_dataset=dataset)
+
+    _train_twice(make_trainer, AutoModelForCausalLM.from_pretrained(model_path), "_share_prefix")

@@ -15,6 +15,7 @@ from datasets import IterableDataset
 
 from ...models.peft import use_adapter
 from ...trainer.fast_paths.last_layer_selection import last_layer_before_end
+from ...trainer.fast_paths.prefix_sharing import SharedPrefixLayout, shared_prefix_logits_at
 from ...trainer.online_base import _OnlineTrainer
 from ...trainer.utils import model_accepts_argument, pad
 from ...trainer.utils.logprobs import small_student_logits
@@ -45,18 +46,33 @@ def completion_logits(
     completion_ids: torch.Tensor,
     completion_mask: torch.Tensor,
     temperature: float,
+    layout: SharedPrefixLayout | None = None,
 ) -> torch.Tensor:
     """`(B, C, V)` logits predicting each completion token after `prompt`, divided by `temperature`.
 
     As TRL's self-distillation trainers: one forward over the whole left-padded sequence with the model's default
     positions (no `position_ids`), the LM head only on the last `C + 1` positions (`logits_to_keep`, when the model
     takes it), then the completion positions are sliced. RoPE makes the attention invariant to the padding offset, so
-    this equals the padding-aware positions up to float rounding; running TRL's computation keeps the numbers its
-    own. The last decoder layer then runs only at the `C` positions read ([`last_layer_before_end`]).
+    this equals the padding-aware positions up to float rounding. The last decoder layer then runs only at the `C`
+    positions read ([`last_layer_before_end`]).
+
+    With `layout` (the [`share_prefixes`] layout of the prompt + completion rows, see
+    [`_SelfDistillationTrainer._completion_layout`]) the rows that share a prompt run it once instead
+    ([`shared_prefix_logits_at`]): the same logits up to float rounding at every position that predicts a completion
+    token. A position after a completion's end (its input is padding, and every loss masks it) reads the logits of
+    its row's last token instead.
     """
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1)
     width = completion_ids.shape[1]
+    if layout is not None:
+        mask = attention_mask.bool()
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        columns = (prompt_ids.shape[1] - 1 + torch.arange(width, device=mask.device)).expand(len(mask), width)
+        last_real = (positions * mask).argmax(dim=1, keepdim=True)
+        columns = torch.where(mask.gather(1, columns), columns, last_real)
+        rows = torch.arange(len(mask), device=mask.device).unsqueeze(1).expand_as(columns)
+        return shared_prefix_logits_at(model, layout, rows, columns) / temperature
     kwargs, selection = {}, contextlib.nullcontext()
     if model_accepts_argument(model, "logits_to_keep"):
         kwargs["logits_to_keep"] = width + 1
@@ -186,14 +202,27 @@ class _SelfDistillationTrainer(_OnlineTrainer):
 
     def _teacher_logits(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
         with torch.no_grad(), self._teacher(model) as teacher:
+            prompt_ids, prompt_mask = inputs["teacher_prompt_ids"], inputs["teacher_prompt_mask"]
             return completion_logits(
                 teacher,
-                inputs["teacher_prompt_ids"],
-                inputs["teacher_prompt_mask"],
+                prompt_ids,
+                prompt_mask,
                 inputs["completion_ids"],
                 inputs["completion_mask"],
                 self.args.temperature,
+                self._completion_layout(teacher, prompt_ids, prompt_mask, inputs),
             )
+
+    def _completion_layout(
+        self, model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, inputs: dict[str, Any]
+    ) -> SharedPrefixLayout | None:
+        """The shared-prefix layout of the prompt + completion rows whose prompts are the same (the completions of
+        one prompt: their teacher prompts too), or None to run whole rows ([`_shared_prompt_layout`])."""
+        if not bool(prompt_mask[:, -1].all()):  # an empty prompt: its first prediction reads no token of its own
+            return None
+        input_ids = torch.cat([prompt_ids, inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([prompt_mask, inputs["completion_mask"].long()], dim=1)
+        return self._shared_prompt_layout(model, input_ids, attention_mask, prompt_ids.shape[1])
 
     # ------------------------------------------------------------------------------------------------------------
     # Hooks of the online core: no reward functions by default, no reference model
@@ -230,14 +259,17 @@ class _SelfDistillationTrainer(_OnlineTrainer):
         declared = contextlib.nullcontext()
         if teacher_logits is not None:
             declared = small_student_logits(model, teacher_logits, copies=_LOSS_LOGITS_COPIES)
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        layout = self._completion_layout(model, prompt_ids, prompt_mask, inputs)
         with declared:
             return completion_logits(
                 model,
-                inputs["prompt_ids"],
-                inputs["prompt_mask"],
+                prompt_ids,
+                prompt_mask,
                 inputs["completion_ids"],
                 inputs["completion_mask"],
                 self.args.temperature,
+                layout,
             )
 
     def _teacher_logits_first(self, model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor | None:

@@ -6,7 +6,7 @@ path, and its measured gain; `docs/benchmarks.md` holds the figures and the comm
 
 | module | replaces | predicate | equality test |
 |---|---|---|---|
-| `prefix_sharing` | scoring rows that start alike (DPO/CPO/ORPO/reward pairs, GRPO/RLOO groups, KTO's KL rows) whole | `supports_prefix_sharing`, `sharing_possible_now` | `tests/test_prefix_sharing.py` |
+| `prefix_sharing` | scoring rows that start alike (DPO/CPO/ORPO/reward pairs, GRPO/RLOO/SDFT/SDPO groups, KTO's KL rows) whole | `supports_prefix_sharing`, `sharing_possible_now` | `tests/test_prefix_sharing.py` |
 | `rollout_decode` | transformers `generate` in the online trainers | `rollout_decode_fallback_reason` | `tests/test_rollout_decode.py` |
 | `small_row_linear` | `x @ Wᵀ` for the few rows of a CPU decode step (`W @ xᵀ` instead; logits equal to float rounding) | `small_row_linear_fallback_reason` | `tests/test_small_row_linear.py` |
 | `last_layer_selection` | the last decoder layer at every position when few are read | `last_layer_selection_fallback_reason` | `tests/test_last_layer_selection.py` |

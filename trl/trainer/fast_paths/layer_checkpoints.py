@@ -8,7 +8,7 @@ decoder layers a checkpoint function that runs the layer without gradients, as t
 and copies its output into a [`CheckpointArena`]: chunks sized to what a step keeps, allocated once and reused every
 step. The backward pass recomputes the layer from its kept input and back-propagates through
 it, skipping the product of the MLP's down projection whose value the recompute never reads (as torch's early-stopping
-recompute does). A plain SwiGLU MLP is recomputed by the lean kernel (`trl.kernels.decoder_layers.swiglu_mlp` with its
+recompute does; under plain LoRA, the base layer's product, the adapters' terms still running). A plain SwiGLU MLP is recomputed by the lean kernel (`trl.kernels.decoder_layers.swiglu_mlp` with its
 output unused), which keeps none of the four `tokens x intermediate` tensors plain autograd keeps for the backward
 pass: its backward pass computes the gate and up projections a block of rows at a time. Values are those of torch's
 checkpoint, and gradients equal them to float rounding (the weights' gradients sum the blocks' products).
@@ -166,14 +166,29 @@ def _last_projection_gradient_only(layer: nn.Module) -> Iterator[None]:
             del mlp.forward
         return
     down = getattr(mlp, "down_proj", None)
-    if not _plain_unhooked_linear(down):
+    product = down if _plain_unhooked_linear(down) else _lora_base_linear(down)
+    if product is None:
         yield
         return
-    down.forward = lambda inputs: _GradientOnlyLinear.apply(inputs, down.weight, down.bias)
+    product.forward = lambda inputs: _GradientOnlyLinear.apply(inputs, product.weight, product.bias)
     try:
         yield
     finally:
-        del down.forward
+        del product.forward
+
+
+def _lora_base_linear(module: Any) -> nn.Linear | None:
+    """The frozen base layer of a PEFT LoRA linear layer whose output is the base layer's plus its adapters' terms
+    (plain LoRA: no variant such as DoRA, whose terms read the base output; not merged), both unhooked; else None.
+    Only such a sum's gradient with respect to the base product is independent of that product's value."""
+    base = getattr(module, "base_layer", None)
+    if base is None or not type(module).__module__.startswith("peft.tuners.lora"):
+        return None
+    if getattr(module, "lora_variant", None) or getattr(module, "merged", True) or "forward" in vars(module):
+        return None
+    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+        return None
+    return base if _plain_unhooked_linear(base) else None
 
 
 # The keyword arguments a Llama-style decoder layer passes to its attention, with the layer's defaults.

@@ -313,6 +313,38 @@ def shared_prefix_token_logps(
         logits_stats_fn, temperature)  # fmt: skip
 
 
+def shared_prefix_logits_at(
+    model: nn.Module, layout: SharedPrefixLayout, rows: torch.Tensor, columns: torch.Tensor
+) -> torch.Tensor:
+    """The model's logits at the real tokens `(rows, columns)` of the padded batch `layout` was built from, computed
+    on the shared-prefix layout: `rows.shape + (vocab,)`, the head run at those positions only. Same values as the
+    padded batch's logits there up to float rounding.
+
+    Args:
+        model: Causal LM accepted by [`supports_prefix_sharing`].
+        layout: [`share_prefixes`] of the padded batch.
+        rows: Row of each position to read (any shape).
+        columns: Column of each position to read, the same shape; each must be a real token of its row.
+    """
+    head = fusable_lm_head(model)
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output head the fused LM head can replace.")
+    selected = layout.token_index[rows, columns]
+    if bool((selected < 0).any()):
+        raise ValueError("shared_prefix_logits_at reads real tokens only; some of the positions asked are padding.")
+    with capture_lm_head_inputs(head) as captured, last_layer_at(model, selected.flatten(), layout.input_ids.shape[1]):
+        model(
+            input_ids=layout.input_ids,
+            attention_mask=layout.attention_mask(_mask_dtype(model)),
+            position_ids=layout.position_ids,
+            use_cache=False,
+        )
+    if len(captured) != 1:
+        raise RuntimeError(f"The LM head ran {len(captured)} times in one forward pass.")
+    hidden = captured[0].reshape(-1, captured[0].shape[-1])[selected]
+    return head(hidden)
+
+
 def _scored_logps(
     head: nn.Linear,
     hidden: torch.Tensor,
