@@ -286,29 +286,16 @@ def shared_prefix_token_logps(
     Returns:
         [`SequenceTokenLogps`] (its `outputs.logits` is None).
     """
-    head = fusable_lm_head(model)
-    if head is None:
-        raise ValueError(f"{type(model).__name__} has no output head the fused LM head can replace.")
     if final_hidden_states and layout.silent is None:
         raise ValueError("final_hidden_states=True needs a layout built with share_prefixes(..., keep_padding=True).")
     rows, columns = target_mask.bool().nonzero(as_tuple=True)
     # Only the scored tokens' final hidden states are read (unless all are): the last layer runs on those alone.
-    selected = layout.token_index[rows, columns]
-    length = layout.input_ids.shape[1]
-    selection = contextlib.nullcontext() if final_hidden_states else last_layer_at(model, selected, length)
-    with capture_lm_head_inputs(head) as captured, selection:
-        outputs = model(
-            input_ids=layout.input_ids,
-            attention_mask=layout.attention_mask(_mask_dtype(model)),
-            position_ids=layout.position_ids,
-            use_cache=False,
-        )
-    if len(captured) != 1:
-        raise RuntimeError(f"The LM head ran {len(captured)} times in one forward pass.")
+    selected = None if final_hidden_states else layout.token_index[rows, columns]
+    head, states, outputs = _final_hidden_states(model, layout, selected)
     # Entry t of a row predicts its token t + 1 from the hidden state of its token t.
-    hidden = layout.gather(captured[0], rows, columns)
+    hidden = layout.gather(states, rows, columns)
     if final_hidden_states:
-        outputs.hidden_states = (captured[0].reshape(-1, captured[0].shape[-1])[layout.token_index],)
+        outputs.hidden_states = (states.reshape(-1, states.shape[-1])[layout.token_index],)
     return _scored_logps(head, hidden, input_ids, rows, columns, target_mask.shape, outputs, compute_entropy,
         logits_stats_fn, temperature)  # fmt: skip
 
@@ -326,14 +313,26 @@ def shared_prefix_logits_at(
         rows: Row of each position to read (any shape).
         columns: Column of each position to read, the same shape; each must be a real token of its row.
     """
-    head = fusable_lm_head(model)
-    if head is None:
-        raise ValueError(f"{type(model).__name__} has no output head the fused LM head can replace.")
     selected = layout.token_index[rows, columns]
     if bool((selected < 0).any()):
         raise ValueError("shared_prefix_logits_at reads real tokens only; some of the positions asked are padding.")
-    with capture_lm_head_inputs(head) as captured, last_layer_at(model, selected.flatten(), layout.input_ids.shape[1]):
-        model(
+    head, states, _ = _final_hidden_states(model, layout, selected.flatten())
+    return head(states.reshape(-1, states.shape[-1])[selected])
+
+
+def _final_hidden_states(
+    model: nn.Module, layout: SharedPrefixLayout, selected: torch.Tensor | None
+) -> tuple[nn.Linear, torch.Tensor, Any]:
+    """One forward of `model` on `layout` that stops at the LM head: the head, the `(groups, length, hidden)` final
+    hidden states and the model's outputs. With `selected` (flat layout positions), the last layer runs at those
+    positions only ([`last_layer_at`]), and the states elsewhere are not to be read."""
+    head = fusable_lm_head(model)
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output head the fused LM head can replace.")
+    length = layout.input_ids.shape[1]
+    selection = contextlib.nullcontext() if selected is None else last_layer_at(model, selected, length)
+    with capture_lm_head_inputs(head) as captured, selection:
+        outputs = model(
             input_ids=layout.input_ids,
             attention_mask=layout.attention_mask(_mask_dtype(model)),
             position_ids=layout.position_ids,
@@ -341,8 +340,7 @@ def shared_prefix_logits_at(
         )
     if len(captured) != 1:
         raise RuntimeError(f"The LM head ran {len(captured)} times in one forward pass.")
-    hidden = captured[0].reshape(-1, captured[0].shape[-1])[selected]
-    return head(hidden)
+    return head, captured[0], outputs
 
 
 def _scored_logps(
