@@ -289,11 +289,11 @@ def test_a_turn_that_does_not_extend_the_held_tokens_breaks_lossless_capture(oe)
     assert len(backend.requests) == 1  # refused before sampling the violating turn
     # In the worker, the error fails it: the trainer sees it through check_health.
     worker, _ = make_worker(module, lambda text, turn: "12", harness_session_factory=RewritesHistory)
-    worker.start()
-    deadline = time.time() + 30
-    while not worker._failed.is_set() and time.time() < deadline:
-        time.sleep(0.05)
     with pytest.raises(RuntimeError, match="rollout worker failed") as info:
+        worker.start()  # the loop can fail before `start` returns: then `start` raises it
+        deadline = time.time() + 30
+        while not worker._failed.is_set() and time.time() < deadline:
+            time.sleep(0.05)
         worker.check_health(60)
     worker.stop()
     assert isinstance(info.value.__cause__, module.CaptureContractError)
