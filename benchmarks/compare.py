@@ -576,6 +576,7 @@ def worker(spec: dict) -> None:
             common[key] = json.loads(value)
         except json.JSONDecodeError:
             common[key] = value
+    max_length = common.pop("max_length", max_length)  # `--config max_length=...` replaces the job's own
 
     def sharper_teacher():
         # The distillation jobs' teacher (GKD, GOLD, IW-OPD): the student's weights with a final norm twice as large

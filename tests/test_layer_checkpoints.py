@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 import torch
-from trainer_utils import LLAMA_STYLE_FAMILIES, args_builder, llama_style_decoder, train_logs
+from trainer_utils import LLAMA_STYLE_FAMILIES, args_builder, llama_style_decoder, record_calls, train_logs
 
 from trl import SFTConfig, SFTTrainer
 from trl._compat import enable_activation_checkpointing
@@ -339,29 +339,67 @@ def test_preference_trainers_train_as_with_transformers_checkpoint(tmp_path, tra
             report_to="none", save_strategy="no", disable_tqdm=True, seed=0, bf16=False,
         )  # fmt: skip
         trainer = trainer_class(get_model_path(model_name), args=args, train_dataset=dataset)
-        switched = []
-        original = layer_checkpoints.checkpointed_layer
-        monkeypatch.setattr(
-            layer_checkpoints,
-            "checkpointed_layer",
-            lambda *a, switched=switched, original=original, **k: switched.append(1) or original(*a, **k),
-        )
-        split = []
-        original_split = layer_checkpoints._backward_by_halves
-        monkeypatch.setattr(
-            layer_checkpoints,
-            "_backward_by_halves",
-            lambda *a, split=split, original_split=original_split: split.append(1) or original_split(*a),
-        )
-        trainer.train()
-        monkeypatch.setattr(layer_checkpoints, "checkpointed_layer", original)
-        monkeypatch.setattr(layer_checkpoints, "_backward_by_halves", original_split)
+        switched, split, kept = [], [], []
+        with pytest.MonkeyPatch.context() as patch:
+            record_calls(patch, layer_checkpoints, "checkpointed_layer", switched)
+            record_calls(patch, layer_checkpoints, "_backward_by_halves", split)
+            record_calls(patch, layer_checkpoints.LayerBudget, "run_kept", kept)
+            trainer.train()
         assert bool(switched) == lean
         # Trainers holding a separate reference model back-propagate their layers one block at a time.
         assert bool(split) == (lean and trainer_name != "reward")
+        # DPO and KTO score with their reference before the policy's forward, whose last layers may then keep
+        # activations; the reward model's score head outputs a few numbers per position.
+        assert bool(kept) == lean, kept
         results.append(([log["loss"] for log in train_logs(trainer)], trainer.model.state_dict()))
     (losses, weights), (plain_losses, plain_weights) = results
     assert losses == pytest.approx(plain_losses, rel=1e-6)
+    for name, value in plain_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _odd_length(prompts, completions, **kwargs):
+    return [float(len(text) % 2) for text in completions]
+
+
+@pytest.mark.parametrize("trainer_name", ["a2po", "grpo"])
+def test_trainers_scoring_with_the_reference_before_the_loss_keep_layers(tmp_path, trainer_name, monkeypatch):
+    """A2PO and GRPO with `beta` score each batch with their reference model before the loss's forward pass, so that
+    pass may keep its last layers' activations (`LayerBudget`; at the tiny width the first forward keeps one): the
+    same losses and weights as with transformers' checkpoint."""
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.assets import get_model_path, load_test_dataset
+    from trl.experimental.a2po import A2POConfig, A2POTrainer
+
+    dataset = load_test_dataset("standard_prompt_only", split="train").select(range(4))
+    common = dict(
+        max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, gradient_checkpointing=True, logging_steps=1,
+        report_to="none", save_strategy="no", disable_tqdm=True, seed=0, bf16=False, max_completion_length=6,
+    )  # fmt: skip
+    results = []
+    for lean in (True, False):
+        if not lean:
+            monkeypatch.setattr(layer_checkpoints, "layer_checkpoint_fallback_reason", lambda layer: "off")
+        output_dir = str(tmp_path / str(lean))
+        if trainer_name == "a2po":
+            args = A2POConfig(output_dir=output_dir, num_value_samples=2, **common)
+            trainer = A2POTrainer(
+                get_model_path("tiny-Qwen2ForCausalLM"), reward_funcs=_odd_length, args=args, train_dataset=dataset
+            )
+        else:
+            args = GRPOConfig(output_dir=output_dir, num_generations=2, beta=0.04, **common)
+            trainer = GRPOTrainer(
+                get_model_path("tiny-Qwen2ForCausalLM"), reward_funcs=_odd_length, args=args, train_dataset=dataset
+            )
+        assert trainer.ref_model is not None
+        kept = []
+        with pytest.MonkeyPatch.context() as patch:
+            record_calls(patch, layer_checkpoints.LayerBudget, "run_kept", kept)
+            trainer.train()
+        assert bool(kept) == lean
+        results.append(([log["loss"] for log in train_logs(trainer)], trainer.model.state_dict()))
+    (losses, weights), (plain_losses, plain_weights) = results
+    assert losses == pytest.approx(plain_losses, rel=1e-6, abs=1e-9)
     for name, value in plain_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-7, msg=name)
 

@@ -111,6 +111,19 @@ def args_builder(config_class, **defaults):
 # ---------------------------------------------------------------------------------------------------------------------
 # Parameters and logs
 # ---------------------------------------------------------------------------------------------------------------------
+def record_calls(monkeypatch, target, name, events, label=1, when=None):
+    """Replace `target.<name>` (a class's function or an instance's bound method) by a wrapper that appends `label`
+    to `events` (when `when()` is true, if given) before calling the original."""
+    original = getattr(target, name)
+
+    def recording(*args, **kwargs):
+        if when is None or when():
+            events.append(label)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, recording)
+
+
 def snapshot(model):
     """Detached copies of every parameter, by name."""
     return {name: p.detach().clone() for name, p in model.named_parameters()}

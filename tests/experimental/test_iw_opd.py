@@ -5,7 +5,13 @@ import warnings
 
 import pytest
 import torch
-from trainer_utils import assert_saved_model_reloads, changed_params, resume_from_first_checkpoint, snapshot
+from trainer_utils import (
+    assert_saved_model_reloads,
+    changed_params,
+    record_calls,
+    resume_from_first_checkpoint,
+    snapshot,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trl.generation.vllm_client as vllm_client_module
@@ -294,3 +300,33 @@ def test_needs_a_teacher_and_messages(tmp_path, conversations):
     prompts = load_test_dataset("standard_prompt_only", split="train")
     with pytest.raises(ValueError, match="messages"):
         IWOPDTrainer(STUDENT, TEACHER, args=_trainer_args(tmp_path), train_dataset=prompts)
+
+
+@pytest.mark.parametrize("objective", ["iw_opd", "jsd"])
+def test_teacher_runs_first_so_the_student_keeps_layers(tmp_path, conversations, tokenizer, monkeypatch, objective):
+    """The local teacher scores the batch before the student's forward pass and the student's logits are declared
+    small, so that under gradient checkpointing the student's last layers may keep their activations
+    (`LayerBudget`; at the tiny width the first forward keeps one): the losses and weights of transformers'
+    checkpoint."""
+    from trl.trainer.fast_paths import layer_checkpoints
+
+    results = []
+    for lean in (True, False):
+        if not lean:
+            monkeypatch.setattr(layer_checkpoints, "layer_checkpoint_fallback_reason", lambda layer: "off")
+        extra = {} if objective == "iw_opd" else dict(distillation_objective="jsd", beta=0.5, loss_top_k=0)
+        args = _trainer_args(
+            tmp_path / str(lean), gradient_accumulation_steps=1, gradient_checkpointing=True, seed=0, **extra
+        )
+        trainer = IWOPDTrainer(STUDENT, TEACHER, args=args, train_dataset=conversations, processing_class=tokenizer)
+        kept = []
+        with pytest.MonkeyPatch.context() as patch:
+            record_calls(patch, layer_checkpoints.LayerBudget, "run_kept", kept)
+            trainer.train()
+        assert bool(kept) == lean
+        losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+        results.append((losses, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}))
+    (losses, weights), (plain_losses, plain_weights) = results
+    assert losses == pytest.approx(plain_losses, rel=1e-6, abs=1e-9)
+    for name, value in plain_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-7, msg=name)

@@ -109,6 +109,10 @@ class _BaseTrainer(Trainer):
     _preparation_counts: Mapping[str, dict[str, int]] = MappingProxyType({})
     _shared_prefix_passes = 0
     _policy_is_reference = False
+    # Whether a reference model's pass may run between the policy's forward and backward passes (KTO). Trainers that
+    # score with the reference before the policy's forward (DPO, the online trainers, A2PO) say False: the last
+    # layers of the policy's forward may then keep their activations (`LayerBudget`).
+    _reference_pass_after_policy_forward = True
     _paper: dict[str, str] = {}
     _template_file: str = "lm_model_card.md"
     _ignored_options: tuple[IgnoredOption, ...] = ()
@@ -727,9 +731,10 @@ class _BaseTrainer(Trainer):
                 # backward pass that never holds a whole layer's activations (see `CheckpointArena`).
                 split_layers = self.ref_model is not None
                 arena = self._checkpoint_arena = CheckpointArena(split_layers=split_layers)
-            # Layers kept uncheckpointed within the gradient budget (`LayerBudget`) only without a reference model:
-            # its pass runs between the policy's forward and backward, on top of the kept activations.
-            stack.enter_context(lean_layer_checkpoints(self.model, arena, keep_activations=not arena.split_layers))
+            # Layers kept uncheckpointed within the gradient budget (`LayerBudget`) unless a reference model's pass
+            # runs between the policy's forward and backward, on top of the kept activations.
+            keep = not (self.ref_model is not None and self._reference_pass_after_policy_forward)
+            stack.enter_context(lean_layer_checkpoints(self.model, arena, keep_activations=keep))
         return stack
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:

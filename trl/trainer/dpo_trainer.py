@@ -601,6 +601,23 @@ class DPOTrainer(_PreferenceTrainer):
     ):
         return self._compute_loss(model, inputs, return_outputs)
 
+    @property
+    def _reference_pass_after_policy_forward(self) -> bool:
+        """Whether `_compute_loss` scores with the reference after the policy's forward, as TRL does (see
+        `_reference_may_run_first`); before it otherwise."""
+        return not self._reference_may_run_first(DPOTrainer)
+
+    def _batch_reference_logps(
+        self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], num_pairs: int
+    ) -> dict[str, torch.Tensor]:
+        """The batch's precomputed reference log-probs, or computed now (`compute_ref_log_probs`, cached when the
+        reference is fixed)."""
+        if all(key in inputs for key in _REF_COLUMNS):
+            return {key: inputs[key].float() for key in _REF_COLUMNS}  # the policy's sums are float32
+        parts = [(inputs["input_ids"], inputs["attention_mask"], inputs.get("completion_mask"))]
+        compute = functools.partial(self.compute_ref_log_probs, model, inputs)
+        return self._reference_values(model, compute, parts, num_pairs)
+
     def _compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool):
         """TRL's hook: the loss of one collated batch (and the chosen/rejected rewards when `return_outputs`);
         `compute_loss` calls it."""
@@ -608,6 +625,11 @@ class DPOTrainer(_PreferenceTrainer):
         target_mask = self._target_mask(inputs)
         num_pairs = inputs["input_ids"].shape[0] // 2
 
+        # The reference pass runs first, so that none of its memory sits on the policy's activations (which the last
+        # layers may then keep, see `LayerBudget`), unless `_reference_pass_after_policy_forward` says otherwise.
+        reference_first = not self._reference_pass_after_policy_forward
+        if reference_first:
+            ref = self._batch_reference_logps(model, inputs, num_pairs)
         groups = paired_groups(num_pairs * 2) if self._share_prefix else None
         policy = self._token_logps(model, inputs, self._layout, with_stats=True, prefix_groups=groups)
         token_logps = policy.logps.float()
@@ -617,15 +639,9 @@ class DPOTrainer(_PreferenceTrainer):
         plain_chosen_logps = chosen_logps
         if self.args.ld_alpha is not None:
             plain_chosen_logps = (token_logps[:num_pairs] * target_mask[:num_pairs]).sum(dim=1)
-
-        if all(key in inputs for key in _REF_COLUMNS):
-            ref_chosen_logps = inputs["ref_chosen_logps"].to(chosen_logps)
-            ref_rejected_logps = inputs["ref_rejected_logps"].to(rejected_logps)
-        else:
-            parts = [(inputs["input_ids"], inputs["attention_mask"], inputs.get("completion_mask"))]
-            compute = functools.partial(self.compute_ref_log_probs, model, inputs)
-            ref = self._reference_values(model, compute, parts, num_pairs)
-            ref_chosen_logps, ref_rejected_logps = ref["ref_chosen_logps"], ref["ref_rejected_logps"]
+        if not reference_first:
+            ref = self._batch_reference_logps(model, inputs, num_pairs)
+        ref_chosen_logps, ref_rejected_logps = ref["ref_chosen_logps"], ref["ref_rejected_logps"]
 
         pair_weights = None
         if self.args.use_weighting:

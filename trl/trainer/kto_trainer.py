@@ -333,14 +333,25 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
     ):
         return self._compute_loss(model, inputs, return_outputs)
 
+    @property
+    def _reference_pass_after_policy_forward(self) -> bool:
+        """Whether `_compute_loss` scores with the reference after the policy's forward, as TRL does (see
+        `_reference_may_run_first`); before it otherwise."""
+        return not self._reference_may_run_first(KTOTrainer)
+
     def _compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool):
         """TRL's hook: the loss of one collated batch (and the chosen/rejected rewards when `return_outputs`);
         `compute_loss` calls it."""
         mode = self._mode
         label = inputs["label"].bool()
         n = label.shape[0]
+        # The reference pass runs first unless `_reference_pass_after_policy_forward` says otherwise (see DPO's).
+        reference_first = not self._reference_pass_after_policy_forward
+        if reference_first:
+            ref = self._reference_logps(model, inputs)
         policy = self._policy_pass(model, inputs)
-        ref = self._reference_logps(model, inputs)
+        if not reference_first:
+            ref = self._reference_logps(model, inputs)
         ref_logps = ref["ref_logps"].to(policy.logps)
 
         if self._needs_kl:

@@ -159,6 +159,8 @@ class _OnlineTrainer(
     # `_shared_prefix_passes` counts the passes that did.
     _share_prefix = True
     _shared_prefix_passes = 0
+    # The reference scores a rollout batch while it is prepared, before the loss's forward pass.
+    _reference_pass_after_policy_forward = False
     # Config values TRL keeps as trainer attributes (plugins read them there).
     _copied_config_fields = (
         "loss_type",

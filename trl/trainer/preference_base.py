@@ -19,6 +19,7 @@ from transformers import TrainingArguments
 
 from ..data_utils import get_dataset_column_names
 from .base_trainer import _BaseTrainer
+from .fast_paths.last_layer_selection import has_dropout
 from .fast_paths.prefix_sharing import (
     MIN_SHARED_SAVING,
     share_prefixes,
@@ -240,6 +241,23 @@ class _PreferenceTrainer(_BaseTrainer):
         if padding_free or kind == "varlen" or packed_sdpa_applicable(model):
             return "padding_free"
         return "packed"
+
+    def _reference_may_run_first(self, owner: type) -> bool:
+        """Whether `owner._compute_loss`, which scores the batch with the reference before the policy's forward pass
+        (none of the reference's memory then sits on the policy's activations, whose last layers may be kept, see
+        `LayerBudget`), may do so. Not when a subclass replaced `_compute_loss` or `compute_ref_log_probs` (TRL runs
+        the reference after the policy's forward), nor when a forward pass draws random numbers (dropout in train
+        mode: the numbers depend on the order)."""
+        cls = type(self)
+        if (
+            cls._compute_loss is not owner._compute_loss
+            or cls.compute_ref_log_probs is not owner.compute_ref_log_probs
+        ):
+            return False
+        model = self.accelerator.unwrap_model(self.model)
+        attention_dropout = getattr(getattr(model, "config", None), "attention_dropout", 0.0)
+        attention_draws = model.training and isinstance(attention_dropout, float) and attention_dropout > 0
+        return not (has_dropout(model) or attention_draws)
 
     @contextlib.contextmanager
     def _reference_module(self, model: nn.Module, ref_adapter_name: str | None = None):

@@ -34,6 +34,7 @@ from .fast_paths.prefix_sharing import (
 from .reward_config import RewardConfig
 from .utils import disable_dropout_in_model, model_accepts_argument, pad, sequence_scores_without_padding
 from .utils.ignored_options import REWARD_IGNORED_OPTIONS
+from .utils.logprobs import small_head_output
 
 
 logger = logging.getLogger(__name__)
@@ -394,11 +395,15 @@ class RewardTrainer(_BaseTrainer):
         # padding is dropped when the model allows it (same scores).
         # These two call the backbone and the score head themselves, past the model's forward that mixed precision
         # wraps in autocast: they run under the same autocast.
-        with self.accelerator.autocast():
-            pooled = self._shared_prefix_scores(model, inputs["input_ids"], inputs["attention_mask"])
-            if pooled is None:
-                pooled = sequence_scores_without_padding(model, inputs["input_ids"], inputs["attention_mask"])
-        outputs = model(**forward_kwargs) if pooled is None else None
+        # The score head's output is a few numbers per position: declared small, so that under gradient checkpointing
+        # the last layers may keep their activations (`LayerBudget`).
+        num_labels = getattr(getattr(self.accelerator.unwrap_model(model), "config", None), "num_labels", 1)
+        with small_head_output(4 * inputs["input_ids"].numel() * num_labels * 4):
+            with self.accelerator.autocast():
+                pooled = self._shared_prefix_scores(model, inputs["input_ids"], inputs["attention_mask"])
+                if pooled is None:
+                    pooled = sequence_scores_without_padding(model, inputs["input_ids"], inputs["attention_mask"])
+            outputs = model(**forward_kwargs) if pooled is None else None
         rewards = (outputs.logits if pooled is None else pooled)[:, 0].float()
         rewards_chosen, rewards_rejected = rewards.chunk(2)
         difference = rewards_chosen - rewards_rejected

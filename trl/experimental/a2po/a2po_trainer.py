@@ -7,6 +7,7 @@ optimal advantage: `loss = mean_i (beta2 * log(pi(y_i|x_i) / pi_ref(y_i|x_i)) - 
 (Brantley et al., 2025, https://huggingface.co/papers/2505.20686).
 """
 
+import contextlib
 import inspect
 import math
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from ...models.utils import unwrap_model_for_generation
 from ...trainer.base_trainer import _BaseTrainer
 from ...trainer.fast_paths.small_row_linear import small_row_linear
 from ...trainer.online_rewards import _to_float_list
+from ...trainer.utils.logprobs import small_head_output
 from ..utils import create_reference_model
 from .a2po_config import A2POConfig
 
@@ -122,6 +124,8 @@ class A2POTrainer(_BaseTrainer):
 
     _tag_names = ["trl", "a2po"]
     _name = "A2PO"
+    # The reference scores each batch in `_prepare_inputs`, before the policy's forward pass.
+    _reference_pass_after_policy_forward = False
     _paper = {
         "title": "Accelerating RL for LLM Reasoning with Optimal Advantage Regression",
         "id": "2505.20686",
@@ -371,12 +375,20 @@ class A2POTrainer(_BaseTrainer):
         token_logps = selective_log_softmax(logits, input_ids[:, -logits_to_keep:])
         return (token_logps * attention_mask[:, -logits_to_keep:]).sum(dim=1)
 
+    def _small_logits(self, input_ids: torch.Tensor, logits_to_keep: int) -> Any:
+        """Declares the policy's logits small when the model builds them at the completion positions only: those
+        logits, their log-softmax and their gradients, four copies in float32 (see `small_head_output`)."""
+        if "logits_to_keep" not in self.model_kwarg_keys:
+            return contextlib.nullcontext()
+        vocab_size = self.accelerator.unwrap_model(self.model).config.get_text_config().vocab_size
+        return small_head_output(4 * input_ids.shape[0] * (logits_to_keep + 1) * vocab_size * 4)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("A2POTrainer does not support return_outputs=True.")
-        logps = self._get_sequence_logps(
-            model, inputs["input_ids"], inputs["attention_mask"], inputs["logits_to_keep"]
-        )
+        input_ids, logits_to_keep = inputs["input_ids"], inputs["logits_to_keep"]
+        with self._small_logits(input_ids, logits_to_keep):
+            logps = self._get_sequence_logps(model, input_ids, inputs["attention_mask"], logits_to_keep)
         loss, implicit_rewards, advantages = a2po_loss(
             logps, inputs["ref_logps"], inputs["rewards"], inputs["v_star"], self.args.beta2
         )

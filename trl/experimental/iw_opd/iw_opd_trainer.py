@@ -6,6 +6,7 @@ step every slice is drawn on-policy with probability `lmbda`, and the on-policy 
 student. The teacher is a local model or a vLLM server (`trl vllm-serve` or a plain `vllm serve`).
 """
 
+import contextlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from ...trainer.fast_paths.small_row_linear import small_row_linear
 from ...trainer.online_metrics import log_completion_rows
 from ...trainer.utils import model_accepts_argument, pad
 from ...trainer.utils.divergence import generalized_jsd_loss as _full_vocab_jsd_loss
+from ...trainer.utils.logprobs import small_student_logits
 from ...trainer.utils.sparse_divergence import (
     build_teacher_request_inputs,
     server_realised_log_probs,
@@ -501,11 +503,16 @@ class IWOPDTrainer(_GenerationBatchMixin, _BaseTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         positions, tokens, mask = _completion_positions(inputs["labels"])
+        # A local teacher runs first: its working memory is gone while the student's activations are held, and what
+        # the loss holds next to them is declared (gradient checkpointing may keep the last layers within it).
+        teacher_log_probs = self._teacher_log_probs(inputs, positions) if self.teacher_client is None else None
         if return_outputs:  # the caller reads every position's logits
             outputs = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False)
             logits = outputs.logits.gather(1, positions[..., None].expand(-1, -1, outputs.logits.shape[-1]))
         else:
-            logits, outputs = _logits_at(model, inputs, positions, with_outputs=True)
+            declared = small_student_logits(model, teacher_log_probs) if teacher_log_probs is not None else None
+            with declared or contextlib.nullcontext():
+                logits, outputs = _logits_at(model, inputs, positions, with_outputs=True)
         student_log_probs = (logits.float() / self.temperature).log_softmax(dim=-1)
         args = self.args
         if args.distillation_objective == "iw_opd":
@@ -513,7 +520,7 @@ class IWOPDTrainer(_GenerationBatchMixin, _BaseTrainer):
                 result = self._score_with_server(inputs, max(args.loss_top_k, 1))
                 teacher = server_realised_log_probs(result, tokens.shape[1], tokens.device)
             else:
-                teacher = self._teacher_log_probs(inputs, positions).gather(-1, tokens[..., None])[..., 0]
+                teacher = teacher_log_probs.gather(-1, tokens[..., None])[..., 0]
             sampled = student_log_probs.gather(-1, tokens[..., None])[..., 0]
             behaviour = None
             if "rollout_logprobs" in inputs:  # vLLM's log-probabilities of its samples, at the tokens' positions
@@ -531,7 +538,6 @@ class IWOPDTrainer(_GenerationBatchMixin, _BaseTrainer):
             )
             loss = _reduce(per_token, torch.where(mask, tokens, -100), "batchmean", None)
         else:
-            teacher_log_probs = self._teacher_log_probs(inputs, positions)
             if self.beta > 0 and args.loss_top_k == 1:
                 reverse = tokens if args.reverse_kl_top_1_mode == "sampled" else student_log_probs.argmax(dim=-1)
                 top1 = teacher_log_probs.max(dim=-1)
