@@ -17,7 +17,6 @@ from trainer_utils import (
     padded_completion_logps,
     perturb,
     read_model_card,
-    record_calls,
     snapshot,
 )
 from transformers import AutoModelForCausalLM
@@ -853,28 +852,3 @@ def test_bad_inputs(tmp_path, model_path, preference):
     args.loss_weights = [1.0, 2.0]  # bypassing the config's own check
     with pytest.raises(ValueError, match="one weight per loss_type entry"):
         DPOTrainer(model_path, args=args, train_dataset=train)
-
-
-class _OwnReferenceDPOTrainer(DPOTrainer):
-    def compute_ref_log_probs(self, model, inputs):
-        return super().compute_ref_log_probs(model, inputs)
-
-
-@pytest.mark.parametrize("case", ["default", "dropout", "override"])
-def test_reference_pass_runs_before_the_policy_forward_unless_order_matters(tmp_path, model_path, preference, case):
-    """The reference scores the batch before the policy's forward (its memory is gone when the policy's last layers
-    keep activations). After it, where TRL runs it, with dropout drawing random numbers (`disable_dropout=False`,
-    dropout in the model: the numbers depend on the order) and when a subclass overrides `compute_ref_log_probs`."""
-    dropout = case == "dropout"
-    model = AutoModelForCausalLM.from_pretrained(model_path, attention_dropout=0.1 if dropout else 0.0)
-    args = make_args(tmp_path, max_steps=1, disable_dropout=not dropout)
-    trainer_class = _OwnReferenceDPOTrainer if case == "override" else DPOTrainer
-    trainer = trainer_class(model, args=args, train_dataset=preference["train"].select(range(4)))
-    events = []
-    with pytest.MonkeyPatch.context() as patch:
-        record_calls(patch, trainer, "compute_ref_log_probs", events, "ref")
-        record_calls(patch, trainer, "_token_logps", events, "policy", when=torch.is_grad_enabled)
-        trainer.train()
-    after = case != "default"
-    assert events == (["policy", "ref"] if after else ["ref", "policy"])
-    assert trainer._reference_pass_after_policy_forward == after

@@ -15,7 +15,6 @@ from trainer_utils import (
     padded_completion_logps,
     perturb,
     read_model_card,
-    record_calls,
     snapshot,
 )
 from transformers import AutoModelForCausalLM
@@ -641,27 +640,3 @@ def test_kl_prefix_fallback_reasons(tmp_path, model_path, unpaired):
         other_trainer = KTOTrainer(model_path, args=make_args(tmp_path, **kwargs), train_dataset=data)
         assert not other_trainer._share_kl_prefix, kwargs
         assert "does not share" in other_trainer._kl_prefix_fallback_reason(batch, main, kl)
-
-
-class _OwnReferenceKTOTrainer(KTOTrainer):
-    def compute_ref_log_probs(self, model, inputs):
-        return super().compute_ref_log_probs(model, inputs)
-
-
-@pytest.mark.parametrize("case", ["default", "dropout", "override"])
-def test_reference_pass_runs_before_the_policy_forward_unless_order_matters(tmp_path, model_path, unpaired, case):
-    """As DPO's: the reference (main and KL rows) scores the batch before the policy's passes; after them, where TRL
-    runs it, with dropout drawing random numbers or a subclass overriding `compute_ref_log_probs`."""
-    dropout = case == "dropout"
-    model = AutoModelForCausalLM.from_pretrained(model_path, attention_dropout=0.1 if dropout else 0.0)
-    args = make_args(tmp_path, max_steps=1, disable_dropout=not dropout)
-    trainer_class = _OwnReferenceKTOTrainer if case == "override" else KTOTrainer
-    trainer = trainer_class(model, args=args, train_dataset=unpaired["train"].select(range(8)))
-    events = []
-    with pytest.MonkeyPatch.context() as patch:
-        record_calls(patch, trainer, "compute_ref_log_probs", events, "ref")
-        record_calls(patch, trainer, "_policy_pass", events, "policy")
-        trainer.train()
-    after = case != "default"
-    assert events[:2] == (["policy", "ref"] if after else ["ref", "policy"])
-    assert trainer._reference_pass_after_policy_forward == after

@@ -358,6 +358,49 @@ def test_preference_trainers_train_as_with_transformers_checkpoint(tmp_path, tra
         torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize("case", ["default", "dropout", "override"])
+@pytest.mark.parametrize("trainer_name", ["dpo", "kto"])
+def test_preference_reference_pass_runs_before_the_policy_forward_unless_order_matters(tmp_path, trainer_name, case):
+    """DPO and KTO score the batch with the reference before the policy's forward (its memory is gone when the
+    policy's last layers keep activations). After it, where TRL runs it, with dropout drawing random numbers
+    (`disable_dropout=False`, attention dropout in the model: the numbers depend on the order) and when a subclass
+    overrides `compute_ref_log_probs`."""
+    from transformers import AutoModelForCausalLM
+
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
+    from trl.assets import get_model_path, load_test_dataset
+
+    trainer_class, config_class, dataset_name, policy_pass = {
+        "dpo": (DPOTrainer, DPOConfig, "standard_preference", "_token_logps"),
+        "kto": (KTOTrainer, KTOConfig, "standard_unpaired_preference", "_policy_pass"),
+    }[trainer_name]
+    if case == "override":  # an override that only calls the parent's: TRL's order all the same
+        base = trainer_class
+
+        def compute_ref_log_probs(self, model, inputs):
+            return base.compute_ref_log_probs(self, model, inputs)
+
+        trainer_class = type("OwnReferenceTrainer", (base,), {"compute_ref_log_probs": compute_ref_log_probs})
+    dropout = case == "dropout"
+    model = AutoModelForCausalLM.from_pretrained(
+        get_model_path("tiny-Qwen2ForCausalLM"), attention_dropout=0.1 if dropout else 0.0
+    )
+    args = config_class(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to="none", save_strategy="no",
+        disable_tqdm=True, seed=0, bf16=False, disable_dropout=not dropout,
+    )  # fmt: skip
+    dataset = load_test_dataset(dataset_name, split="train").select(range(8))
+    trainer = trainer_class(model, args=args, train_dataset=dataset)
+    events = []
+    with pytest.MonkeyPatch.context() as patch:
+        record_calls(patch, trainer, "compute_ref_log_probs", events, "ref")
+        record_calls(patch, trainer, policy_pass, events, "policy", when=torch.is_grad_enabled)
+        trainer.train()
+    after = case != "default"
+    assert events[:2] == (["policy", "ref"] if after else ["ref", "policy"])
+    assert trainer._reference_pass_after_policy_forward == after
+
+
 def _odd_length(prompts, completions, **kwargs):
     return [float(len(text) % 2) for text in completions]
 

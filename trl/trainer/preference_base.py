@@ -19,7 +19,6 @@ from transformers import TrainingArguments
 
 from ..data_utils import get_dataset_column_names
 from .base_trainer import _BaseTrainer
-from .fast_paths.last_layer_selection import has_dropout
 from .fast_paths.prefix_sharing import (
     MIN_SHARED_SAVING,
     share_prefixes,
@@ -254,10 +253,8 @@ class _PreferenceTrainer(_BaseTrainer):
             or cls.compute_ref_log_probs is not owner.compute_ref_log_probs
         ):
             return False
-        model = self.accelerator.unwrap_model(self.model)
-        attention_dropout = getattr(getattr(model, "config", None), "attention_dropout", 0.0)
-        attention_draws = model.training and isinstance(attention_dropout, float) and attention_dropout > 0
-        return not (has_dropout(model) or attention_draws)
+        passes = [self.accelerator.unwrap_model(self.model), self.ref_model]
+        return all(reference_is_deterministic(module) for module in passes if module is not None)
 
     @contextlib.contextmanager
     def _reference_module(self, model: nn.Module, ref_adapter_name: str | None = None):

@@ -105,7 +105,7 @@ def row_digests(
 
 def reference_is_deterministic(reference: nn.Module) -> bool:
     """Whether a forward pass of `reference` draws no random numbers: no active dropout module
-    ([`~trl.trainer.utils.last_layer_selection.has_dropout`]) and no attention dropout in a layer in train mode.
+    ([`~trl.trainer.fast_paths.last_layer_selection.has_dropout`]) and no attention dropout in a layer in train mode.
 
     Args:
         reference: The module that computes the reference values (the reference model, or the PEFT policy whose
