@@ -13,8 +13,9 @@ KTO, and GRPO generating with transformers `generate`. Two shapes:
   test). fp32 on a CPU; on a GPU, bf16 weights with SDPA attention (either shape).
 
 Named in `--jobs`, more trainers run on the same data: RLOO and GMPO (as GRPO), on-policy distillation and GKD (a
-teacher of the same shape), Online DPO (two completions per prompt), ORPO, CPO and TPO (DPO's pairs). `--lora R`
-trains LoRA adapters of rank R on every linear layer instead of the whole model, on both sides (`peft_config`).
+teacher of the same shape), Online DPO (two completions per prompt), ORPO, CPO and TPO (DPO's pairs), and DPO whose
+reference follows a BEMA of the policy (`bema_dpo`, refreshed every step). `--lora R` trains LoRA adapters of rank R
+on every linear layer instead of the whole model, on both sides (`peft_config`).
 
 The reward model is the same backbone with a seeded score head, saved once and loaded by both sides. Every run is a
 fresh interpreter (peak RSS is its own) started from an empty temporary directory. The TRL side runs the parity
@@ -75,6 +76,7 @@ EXTRA_JOBS = (
     "sdft",
     "sdpo",
     "a2po",
+    "bema_dpo",
 )
 SHAPES = ("small", "qwen2.5-0.5b")
 # Qwen2.5-0.5B's architecture (its config.json, less the tokenizer's ids, which come from the tiny tokenizer).
@@ -111,6 +113,7 @@ REALISTIC_JOBS = {
     "sdft": (8, 512),
     "sdpo": (8, 512),
     "a2po": (2, 512),
+    "bema_dpo": (1, 512),
 }
 # Words of the synthetic preference rows per shape: prompt, answer. Long enough that the body of the model, not the
 # overhead, is timed (~1.6 tokens a word); the realistic rows are ~400 tokens, ~300 of them the shared prompt.
@@ -286,7 +289,7 @@ def ablate(name: str) -> None:
 def job_size(job: str, args: argparse.Namespace) -> tuple[int, int]:
     """Per-device batch size and `max_length` of `job` at `args.shape`."""
     if args.shape == "small":
-        return (4 if job in ("dpo", "orpo", "cpo", "tpo") else 8), args.max_length
+        return (4 if job in ("dpo", "orpo", "cpo", "tpo", "bema_dpo") else 8), args.max_length
     return REALISTIC_JOBS[job]
 
 
@@ -734,6 +737,16 @@ def worker(spec: dict) -> None:
             callbacks=callbacks,
             **peft,
             **extra,
+        )
+    elif job == "bema_dpo":
+        # DPO whose reference follows the policy's bias-corrected EMA, refreshed (and loaded into the reference) every
+        # step: the callback's own cost on top of DPO's.
+        from trl.experimental.bema_for_ref_model import BEMACallback, DPOTrainer
+
+        config = trl.DPOConfig(**common, max_length=max_length)
+        bema = BEMACallback(update_freq=1, update_ref_model=True, ref_model_update_freq=1)
+        trainer = DPOTrainer(
+            paths["model"], args=config, train_dataset=data("preference"), callbacks=[*callbacks, bema], **peft
         )
     elif job == "tpo":
         from trl.experimental.tpo import TPOConfig, TPOTrainer

@@ -1,6 +1,8 @@
 """Padding dropped inside the step (sequences packed, positions restarting): SFT padded batches and the reward model
 compute nothing on padding, and give the same loss and gradients as the padded batch."""
 
+import functools
+
 import pytest
 import torch
 from trainer_utils import SGD_STEP_ARGS, sgd_step_update
@@ -208,3 +210,51 @@ def test_parts_in_one_pass_equal_their_own_passes_bit_for_bit(tiny_qwen_path, la
     for got, want, reference in zip(together, alone, padded, strict=True):
         assert torch.equal(got, want)
         torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_layout_changing_paths_step_aside_for_hooks_on_the_input_embeddings(tiny_qwen_path):
+    """A hook on the input embeddings (NEFTune's noise, drawn per position and scaled by the padded length) sees the
+    batch as the plain path lays it out: no padding dropped, no prefixes shared, no rollout loop."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from trl.trainer.fast_paths.prefix_sharing import sharing_possible_now
+    from trl.trainer.fast_paths.rollout_decode import rollout_decode_fallback_reason
+    from trl.trainer.utils.packing import input_embeddings_hooked
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path)
+    attention_mask = torch.tensor([[1] * 8, [1] * 3 + [0] * 5, [1] * 4 + [0] * 4])
+    input_ids = torch.arange(24).reshape(3, 8)
+    generation_config = GenerationConfig(max_new_tokens=4, do_sample=True, pad_token_id=0, eos_token_id=1)
+    # Hooks that act the same whatever the layout: gradient checkpointing's (marks the output as requiring
+    # gradients) and an engine's (here one defined in torch.distributed).
+    from torch.distributed.utils import _p_assert
+
+    model.enable_input_require_grads()
+    model.get_input_embeddings().register_forward_pre_hook(functools.partial(_p_assert, True))
+    assert not input_embeddings_hooked(model)
+    assert drop_padding(model, input_ids, attention_mask) is not None
+    assert sharing_possible_now(model)
+    assert rollout_decode_fallback_reason(model, generation_config) is None
+    handle = model.get_input_embeddings().register_forward_hook(lambda module, args, output: output)
+    try:
+        assert input_embeddings_hooked(model)
+        assert drop_padding(model, input_ids, attention_mask) is None
+        assert not sharing_possible_now(model)
+        assert "NEFTune" in rollout_decode_fallback_reason(model, generation_config)
+    finally:
+        handle.remove()
+
+
+def test_sft_with_neftune_embeds_the_padded_batch(tmp_path, monkeypatch):
+    """`neftune_noise_alpha`: the embeddings see the padded batch (NEFTune scales its noise by the padded length), as
+    under TRL, although dropping the padding would pay."""
+    monkeypatch.setattr(packing, "MIN_SAVED_SHARE", 0.0)  # would pack whatever this batch saves
+    dataset = load_test_dataset("standard_language_modeling", split="train")
+    args = SFTConfig(output_dir=str(tmp_path), report_to="none", disable_tqdm=True, per_device_train_batch_size=8,
+                     neftune_noise_alpha=5.0, **SGD_STEP_ARGS)  # fmt: skip
+    trainer = SFTTrainer(get_model_path("tiny-Qwen2ForCausalLM"), args=args, train_dataset=dataset)
+    batch = next(iter(trainer.get_train_dataloader()))
+    shapes = []
+    trainer.model.get_input_embeddings().register_forward_hook(lambda module, a, out: shapes.append(out.shape))
+    trainer.train()
+    assert shapes[0][:2] == batch["input_ids"].shape

@@ -634,6 +634,15 @@ def test_kl_prefix_fallback_reasons(tmp_path, model_path, unpaired):
         assert "right-padded" in trainer._kl_prefix_fallback_reason(batch, main, left)
         other = {**kl, "input_ids": kl["input_ids"] + 1}  # no shared prompt
         assert "would save 0%" in trainer._kl_prefix_fallback_reason(batch, main, other)
+        # NEFTune's noise on the embeddings, dropout: the KL rows need their own pass, run first as under TRL.
+        handle = trainer.model.get_input_embeddings().register_forward_hook(lambda module, args, output: output)
+        assert "hooks" in trainer._kl_prefix_fallback_reason(batch, main, kl)
+        handle.remove()
+        attention = trainer.model.model.layers[0].self_attn
+        attention.attention_dropout, attention.training = 0.1, True
+        assert "random numbers" in trainer._kl_prefix_fallback_reason(batch, main, kl)
+        attention.attention_dropout = 0.0
+        assert trainer._kl_prefix_fallback_reason(batch, main, kl) is None
         trainer.model_wrapped = torch.nn.Module()
         assert "wrapped" in trainer._kl_prefix_fallback_reason(batch, main, kl)
     for kwargs in ({"precompute_ref_log_probs": True}, {"model_init_kwargs": {"attn_implementation": "eager"}}):

@@ -39,7 +39,7 @@ from .utils import (
     precompute_reference_logps,
     uses_sharding_engine,
 )
-from .utils.packing import packed_sdpa_applicable, packed_sdpa_attention
+from .utils.packing import input_embeddings_hooked, packed_sdpa_applicable, packed_sdpa_attention
 from .utils.vision import check_image_columns, check_vision_processing_class, is_vision_example, vision_forward_inputs
 
 
@@ -563,6 +563,8 @@ class _PreferenceTrainer(_BaseTrainer):
         keyword arguments go to the model's forward. With `prefix_groups` (rows that start alike, for a model that
         `supports_prefix_sharing`), each group's common prefix runs once when that saves enough tokens."""
 
+        if layout != "padded" and not getattr(self.args, "padding_free", False) and input_embeddings_hooked(model):
+            layout = "padded"  # hooks on the input embeddings (NEFTune's noise) see the padded rows, as under TRL
         # (A model wrapped or sharded for distributed training keeps whole-row passes.)
         if prefix_groups is not None and not forward_kwargs and sharing_possible_now(model):
             shared = share_prefixes(inputs["input_ids"], inputs["attention_mask"], prefix_groups, self.pad_token_id)

@@ -12,6 +12,7 @@ import torch.nn as nn
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 
+from .fast_paths.reference_cache import reference_is_deterministic
 from .online_base import _OnlineTrainer
 from .online_math import ADVANTAGE_EPS, aggregate_rewards, leave_one_out_advantages, masked_mean
 from .online_rewards import RewardFunc
@@ -164,7 +165,7 @@ class RLOOTrainer(_OnlineTrainer):
 
     # TRL's RLOO always scores the rollout with the policy (`old_logps` in the batch); on-policy without a KL penalty
     # this project skips that pass (the loss pass's detached values are the same), unless a subclass overrides a hook
-    # that could see the difference.
+    # that could see the difference, or the policy's forward draws random numbers (then the two passes differ).
     _hooks_seeing_rollout_logps = (
         "_generate_and_score_completions",
         "_get_per_token_logps_and_entropies",
@@ -174,9 +175,15 @@ class RLOOTrainer(_OnlineTrainer):
 
     def _needs_rollout_logps(self) -> bool:
         # The KL penalty enters the reward, so the sampling policy's log-probabilities are needed right away.
-        if self.args.beta != 0.0 or not self._is_on_policy():
+        if self.args.beta != 0.0 or not self._is_on_policy() or not self._policy_forward_deterministic():
             return True
         return self._overridden_since(RLOOTrainer, *self._hooks_seeing_rollout_logps)
+
+    def _policy_forward_deterministic(self) -> bool:
+        """Whether two forward passes of the policy on the same batch give the same values: no hook on its input
+        embeddings (NEFTune's noise) and no active dropout. Only then is the loss pass's detached log-probability the
+        one TRL's scoring pass after generation computes."""
+        return reference_is_deterministic(self.model)
 
     def _compute_rollout_logps(self, batch: dict[str, Any]) -> None:
         super()._compute_rollout_logps(batch)
@@ -218,7 +225,7 @@ class RLOOTrainer(_OnlineTrainer):
         mask = self._loss_mask(inputs).to(logps.dtype)
         advantages = inputs["advantages"].to(logps.dtype)
         old = inputs.get("old_logps")
-        if old is None or self._is_on_policy():
+        if old is None or (self._is_on_policy() and self._policy_forward_deterministic()):
             # The data was sampled by exactly this policy: ratio 1, plain REINFORCE gradient.
             old = (logps.detach() * mask).sum(dim=1)
         per_sequence_loss, ratio = rloo_sequence_loss(

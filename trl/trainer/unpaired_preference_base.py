@@ -19,6 +19,7 @@ import torch.nn as nn
 from datasets import Dataset, IterableDataset, Value
 
 from ..data_utils import get_dataset_column_names, is_conversational, maybe_extract_prompt, unpair_preference_dataset
+from .fast_paths.reference_cache import reference_is_deterministic
 from .preference_base import _PreferenceTrainer
 from .utils import (
     PromptCompletionTokenizer,
@@ -456,13 +457,15 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
             width["min_width"] = common_packed_width(
                 masks, self._layout, getattr(self.args, "pad_to_multiple_of", None)
             )
-        result = self._token_logps(model, main, self._layout, with_stats=True, **width)
-        target_mask = self._target_mask(main)
         kl_logps = None
         if kl_rows is not None:
+            # TRL's order: the KL rows first. It matters when the forward draws random numbers (dropout, NEFTune's
+            # noise on the embeddings), and the no-grad pass then runs before any activation is kept for the backward.
             with torch.no_grad():
                 kl_result = self._token_logps(model, kl_rows, self._layout, with_stats=False, **width)
             kl_logps = self._sums(kl_result.logps, self._target_mask(kl_rows))
+        result = self._token_logps(model, main, self._layout, with_stats=True, **width)
+        target_mask = self._target_mask(main)
         return PolicyPass(
             logps=self._sums(result.logps, target_mask),
             kl_logps=kl_logps,
@@ -551,7 +554,10 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         if any(key in inputs for key in VISION_INPUT_KEYS):
             return "the batch has images"
         if getattr(self, "model_wrapped", self.model) is not self.model or not sharing_possible_now(self.model):
-            return "the model is wrapped or sharded for distributed training"
+            return "the model is wrapped or sharded for distributed training, or its input embeddings run hooks"
+        if not reference_is_deterministic(self.model):
+            # The KL rows would reuse the main rows' keys/values, drawn with other random numbers than their own pass.
+            return "the policy's forward draws random numbers (dropout, NEFTune's noise on the embeddings)"
         ref_model = self.ref_model
         if not keys_values_capturable(self.model) or (ref_model is not None and not keys_values_capturable(ref_model)):
             return "a model does not attend through the key/value-recording attention function now"

@@ -165,6 +165,12 @@ register_offline(
     gradient_accumulation_steps=2,
 )
 register_offline("dpo/max_grad_norm=0", "dpo", max_grad_norm=0.0)
+# NEFTune's noise is drawn per embedded position and scaled by the padded length: the batch must reach the embeddings
+# in TRL's layout (no padding dropped, no rows packed, no prefixes shared).
+for _kind in ("sft", "dpo", "kto", "reward"):
+    register_offline(f"{_kind}/neftune_noise_alpha=5", _kind, neftune_noise_alpha=5.0)
+# With adapters, the reference is the policy with its adapters off: its pass draws noise too, so it keeps TRL's order.
+register_offline("dpo/peft_lora/neftune_noise_alpha=5", "dpo", peft=True, neftune_noise_alpha=5.0)
 register_offline("sft/dataset_text_field", "sft", rename={"text": "content"}, dataset_text_field="content")
 register_offline("sft/tools", "sft", dataset="conversational_language_modeling_tools")
 register_offline("sft/llama", "sft", dataset="conversational_language_modeling", model="tiny-LlamaForCausalLM")

@@ -116,6 +116,12 @@ register(
     partial(online_case, trainer_name="GRPO", max_steps=1, loss_type="luspo", importance_sampling_level="sequence"),
 )
 register("grpo/beta=0.04", partial(online_case, trainer_name="GRPO", max_steps=2, beta=0.04))
+# NEFTune's noise on the embeddings: generation and the loss pass embed the repeated prompts, as under TRL.
+for _trainer in ("GRPO", "RLOO"):
+    register(
+        f"{_trainer.lower()}/neftune_noise_alpha=5",
+        partial(online_case, trainer_name=_trainer, max_steps=1, neftune_noise_alpha=5.0),
+    )
 register("grpo/scale_rewards=batch", partial(online_case, trainer_name="GRPO", max_steps=1, scale_rewards="batch"))
 # Issue 30: with top_k=0 passed through generation_kwargs, sampling is untruncated here too; these isolate the rest of
 # the rollout and loss path from the sampling-parameter difference.

@@ -25,6 +25,7 @@ from ..utils.packing import (
     _layout_capacity,
     classifier_call_hooked,
     compute_sequence_token_logps,
+    input_embeddings_hooked,
     pack_padded_sequences,
 )
 from .last_layer_selection import last_layer_at
@@ -240,8 +241,9 @@ def supports_prefix_sharing(model: nn.Module | None, causal_lm: bool = True) -> 
 def sharing_possible_now(model: nn.Module, causal_lm: bool = True) -> bool:
     """The part of [`supports_prefix_sharing`] that engines can change after the trainer is built: the model is not
     wrapped (DDP), its parameters are not sharded (FSDP, DeepSpeed ZeRO-3: their hooks gather them around the whole
-    model's forward), and a causal LM still has a head the fused LM head can replace."""
-    if hasattr(model, "module"):
+    model's forward), a causal LM still has a head the fused LM head can replace, and no hook on the input embeddings
+    (NEFTune's noise) would see the shared layout instead of the padded rows ([`input_embeddings_hooked`])."""
+    if hasattr(model, "module") or input_embeddings_hooked(model):
         return False
     if parameters_sharded(model):
         return False

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..utils.packing import input_embeddings_hooked
 from .last_layer_selection import has_dropout
 
 
@@ -105,13 +106,14 @@ def row_digests(
 
 def reference_is_deterministic(reference: nn.Module) -> bool:
     """Whether a forward pass of `reference` draws no random numbers: no active dropout module
-    ([`~trl.trainer.fast_paths.last_layer_selection.has_dropout`]) and no attention dropout in a layer in train mode.
+    ([`~trl.trainer.fast_paths.last_layer_selection.has_dropout`]), no attention dropout in a layer in train mode, and
+    no hook on its input embeddings (NEFTune's noise; [`~trl.trainer.utils.packing.input_embeddings_hooked`]).
 
     Args:
         reference: The module that computes the reference values (the reference model, or the PEFT policy whose
             adapters are disabled for it).
     """
-    if has_dropout(reference, active_only=True):
+    if has_dropout(reference, active_only=True) or input_embeddings_hooked(reference):
         return False
     return not any(
         module.training and float(getattr(module, "attention_dropout", 0.0) or 0.0) > 0
