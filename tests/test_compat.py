@@ -301,3 +301,24 @@ def test_text_only_chat_on_a_processor_that_cannot_tokenize_string_content(monke
         expected = native.apply_chat_template(messages, tokenize=True, return_dict=True, **native_kwargs)["input_ids"]
         expected = expected[0] if expected and isinstance(expected[0], list) else expected
         assert list(ids) == list(expected)
+
+
+def test_label_smoothed_loss_on_either_smoother_signature():
+    """The smoother is called as `Trainer.compute_loss` calls it: with `num_items_in_batch` where it takes it."""
+    from trl._compat import label_smoothed_loss
+
+    calls = []
+
+    class Recent:
+        def __call__(self, outputs, labels, shift_labels=False, num_items_in_batch=None):
+            calls.append(num_items_in_batch)
+            return 1.0
+
+    class Older:
+        def __call__(self, outputs, labels, shift_labels=False):
+            calls.append("older")
+            return 2.0
+
+    assert label_smoothed_loss(Recent(), None, None, True, num_items_in_batch=7) == 1.0
+    assert label_smoothed_loss(Older(), None, None, True, num_items_in_batch=7) == 2.0
+    assert calls == [7, "older"]

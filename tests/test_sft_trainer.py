@@ -347,6 +347,26 @@ def test_loss_matches_hand_written_formula(tmp_path, model_path, loss_type):
     torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_label_smoothing_matches_hand_written_formula(tmp_path, model_path):
+    """`label_smoothing_factor=ε` (transformers' label smoothing, which TRL's SFT loss goes through):
+    `(1 - ε)` times the NLL plus `ε` times minus the mean log-probability over the vocabulary, per target token."""
+    dataset = load_test_dataset("standard_prompt_completion", split="train").select(range(4))
+    args = make_args(tmp_path, label_smoothing_factor=0.1)
+    trainer = SFTTrainer(model=model_path, args=args, train_dataset=dataset)
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    trainer.model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(trainer.model, batch)
+        kwargs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+        logprobs = torch.log_softmax(trainer.model(**kwargs).logits.float()[:, :-1], dim=-1)
+    targets = batch["labels"][:, 1:]
+    mask = targets != -100
+    nll = -torch.gather(logprobs, 2, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    uniform = -logprobs.mean(dim=-1)
+    expected = ((0.9 * nll + 0.1 * uniform) * mask).sum() / mask.sum()
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Packing and padding-free
 # ---------------------------------------------------------------------------------------------------------------------

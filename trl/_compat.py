@@ -23,6 +23,8 @@ What differs across the range:
 - A fast tokenizer's default inputs: `token_type_ids` too in 4.x ([`decoder_tokenizer_kwargs`]).
 - A loss already scaled for gradient accumulation: `Trainer.loss_is_scaled_for_ga` from 5.0; 4.x divides it again
   unless `compute_loss_func` is set ([`trainer_divides_scaled_loss`]).
+- Label smoothing normalized by the accumulated batch's target tokens: `LabelSmoother(..., num_items_in_batch=)` in
+  recent 5.x releases, by the micro-batch's own before ([`label_smoothed_loss`]).
 - A tokenizer's extra special tokens: `extra_special_tokens=[...]` in 5.x, `additional_special_tokens=[...]` in 4.x
   (where `extra_special_tokens` means a dict of named tokens) ([`extra_special_tokens_kwargs`]).
 - The format of saved tokenizers and configs (5.x files do not load in 4.x) ([`saved_files_suffix`]).
@@ -203,6 +205,16 @@ def trainer_divides_scaled_loss(trainer: Any) -> bool:
     from transformers import Trainer
 
     return bool(getattr(trainer, "loss_is_scaled_for_ga", None)) and not hasattr(Trainer, "loss_is_scaled_for_ga")
+
+
+def label_smoothed_loss(
+    smoother: Any, outputs: Any, labels: Any, shift_labels: bool, num_items_in_batch: Any = None
+) -> Any:
+    """transformers' `LabelSmoother` called as `Trainer.compute_loss` calls it: with `num_items_in_batch` where the
+    smoother takes it (it then divides by that count), without it before (it divides by the batch's own count)."""
+    if "num_items_in_batch" in inspect.signature(type(smoother).__call__).parameters:
+        return smoother(outputs, labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch)
+    return smoother(outputs, labels, shift_labels=shift_labels)
 
 
 def extra_special_tokens_kwargs(tokens: list[str]) -> dict[str, Any]:

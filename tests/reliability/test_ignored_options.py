@@ -251,3 +251,13 @@ def test_cpo_simpo_gamma_with_sigmoid_warns(tmp_path):
         "CPOTrainer: max_completion_length",
         "CPOTrainer: simpo_gamma",
     ]
+
+
+def test_label_smoothing_factor_reaches_only_sfts_nll_loss(tmp_path):
+    """transformers' label smoothing applies where TRL applies it, SFT's `nll` loss; elsewhere the option warns."""
+    text = load_test_dataset("standard_language_modeling", "train").select(range(4))
+    pairs = load_test_dataset("standard_preference", "train").select(range(4))
+    assert _build("sft", tmp_path, text, label_smoothing_factor=0.1) == []
+    for kind, data, extra in (("sft", text, {"loss_type": "dft"}), ("dpo", pairs, {})):
+        messages = _build(kind, tmp_path, data, label_smoothing_factor=0.1, **extra)
+        assert len(messages) == 1 and "label_smoothing_factor=0.1" in messages[0], (kind, messages)

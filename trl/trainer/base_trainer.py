@@ -54,7 +54,7 @@ from .utils.checkpoints import (
 )
 from .utils.console_logs import note_offline_test_model, use_numeric_log_printers, warn_if_launch_dropped_processes
 from .utils.distributed import guard_gloo_exit, uses_sharding_engine
-from .utils.ignored_options import IgnoredOption, warn_ignored_options
+from .utils.ignored_options import LABEL_SMOOTHING, IgnoredOption, warn_ignored_options
 from .utils.packing import packed_sdpa_attention
 
 
@@ -130,7 +130,8 @@ class _BaseTrainer(Trainer):
         warn_if_launch_dropped_processes(self.accelerator.num_processes)
         if self.is_world_process_zero():
             note_offline_test_model(self.model)
-        warn_ignored_options(self.args, self._ignored_option_facts(), self._ignored_options, type(self).__name__)
+        table = (*self._ignored_options, LABEL_SMOOTHING)
+        warn_ignored_options(self.args, self._ignored_option_facts(), table, type(self).__name__)
         self._warn_uncalled_overrides()
 
     def _warn_uncalled_overrides(self) -> None:
@@ -157,6 +158,7 @@ class _BaseTrainer(Trainer):
             "iterable": bool(getattr(self, "_given_train_iterable", False)),
             "eval_dataset": getattr(self, "eval_dataset", None) is not None,
             "encoder_decoder": bool(getattr(self, "is_encoder_decoder", getattr(config, "is_encoder_decoder", False))),
+            "label_smoothing": False,  # whether the loss applies `label_smoothing_factor` (SFT's may)
         }
 
     # ------------------------------------------------------------------------------------------------------------

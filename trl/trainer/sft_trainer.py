@@ -24,6 +24,7 @@ from transformers import (
 )
 from transformers.trainer_utils import EvalPrediction
 
+from .._compat import label_smoothed_loss
 from ..data_utils import (
     get_dataset_column_names,
     is_conversational,
@@ -474,6 +475,7 @@ class SFTTrainer(_BaseTrainer):
     def _ignored_option_facts(self) -> dict[str, Any]:
         facts = super()._ignored_option_facts()
         facts.update(skip_prepare_dataset=self._skip_prepare_dataset, vision=self._is_vision_dataset)
+        facts["label_smoothing"] = self.args.loss_type == "nll" and self.compute_loss_func is None
         return facts
 
     # ------------------------------------------------------------------------------------------------------------
@@ -772,6 +774,8 @@ class SFTTrainer(_BaseTrainer):
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch=num_items_in_batch)
             self._log_token_metrics(mode, inputs, None, None)
             return (loss, outputs) if return_outputs else loss
+        if self.label_smoother is not None and self.args.loss_type == "nll":
+            return self._label_smoothed_loss(model, inputs, labels, mode, return_outputs, num_items_in_batch)
 
         if self._num_virtual_tokens:
             # The virtual tokens have no target; the last one predicts the first real token.
@@ -848,6 +852,36 @@ class SFTTrainer(_BaseTrainer):
 
         with torch.no_grad():
             self._log_token_metrics(mode, inputs, token_logits, token_targets, token_stats)
+        return (loss, outputs) if return_outputs else loss
+
+    def _label_smoothed_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        labels: torch.Tensor,
+        mode: str,
+        return_outputs: bool,
+        num_items_in_batch: torch.Tensor | int | None,
+    ):
+        """The loss under `label_smoothing_factor` (a `TrainingArguments` field), as TRL computes it through
+        `Trainer.compute_loss`: transformers' `LabelSmoother`, `(1 - ε)` times the NLL plus `ε` times minus the mean
+        log-probability over the vocabulary, summed over the target tokens and divided by their count (of the
+        accumulated batch where the installed transformers passes it, [`~trl._compat.label_smoothed_loss`]). It reads
+        every logit, so the fused LM head steps aside."""
+        if self._num_virtual_tokens:
+            labels = F.pad(labels, (self._num_virtual_tokens, 0), value=-100)
+        outputs = model(**inputs, use_cache=False)
+        loss = label_smoothed_loss(self.label_smoother, outputs, labels, self._loss_shifts_labels, num_items_in_batch)
+        if num_items_in_batch is not None and mode == "train":
+            loss = self._scale_for_token_average(loss, num_items_in_batch)
+        if self._aux_loss_enabled and getattr(outputs, "aux_loss", None) is not None:
+            loss = loss + self._aux_loss_coef * outputs.aux_loss
+            self._record_metric("aux_loss", outputs.aux_loss, mode)
+        shift = 1 if self._loss_shifts_labels else 0
+        logits, targets = outputs.logits[:, : outputs.logits.shape[1] - shift], labels[:, shift:]
+        valid = targets != -100
+        with torch.no_grad():
+            self._log_token_metrics(mode, inputs, logits[valid], targets[valid])
         return (loss, outputs) if return_outputs else loss
 
     def _log_token_metrics(

@@ -169,6 +169,23 @@ register_offline("dpo/max_grad_norm=0", "dpo", max_grad_norm=0.0)
 # in TRL's layout (no padding dropped, no rows packed, no prefixes shared).
 for _kind in ("sft", "dpo", "kto", "reward"):
     register_offline(f"{_kind}/neftune_noise_alpha=5", _kind, neftune_noise_alpha=5.0)
+# transformers' label smoothing (a `TrainingArguments` field) on the SFT loss.
+register_offline("sft/label_smoothing_factor=0.1", "sft", label_smoothing_factor=0.1)
+register_offline(
+    "sft/label_smoothing_factor=0.1/packing",
+    "sft",
+    n_train=32,
+    packing=True,
+    max_length=64,
+    label_smoothing_factor=0.1,
+)
+register_offline(
+    "sft/label_smoothing_factor=0.1/gradient_accumulation_steps=2",
+    "sft",
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    label_smoothing_factor=0.1,
+)
 # With adapters, the reference is the policy with its adapters off: its pass draws noise too, so it keeps TRL's order.
 register_offline("dpo/peft_lora/neftune_noise_alpha=5", "dpo", peft=True, neftune_noise_alpha=5.0)
 register_offline("sft/dataset_text_field", "sft", rename={"text": "content"}, dataset_text_field="content")

@@ -176,7 +176,8 @@ class GKDTrainer(SFTTrainer):
         self._completion_end_ids = self._eos_token_ids_of(self.model, tokenizer)
 
     def _ignored_option_facts(self) -> dict[str, Any]:
-        return {**super()._ignored_option_facts(), "teacher_given": self._teacher_given}
+        # The distillation loss is GKD's own: transformers' label smoothing does not reach it (as in TRL).
+        return {**super()._ignored_option_facts(), "teacher_given": self._teacher_given, "label_smoothing": False}
 
     # ------------------------------------------------------------------------------------------------------------
     # Construction

@@ -122,6 +122,15 @@ _DECODER_ONLY_COMPLETION_LENGTH = IgnoredOption(
     "(max_completion_length only limits encoder-decoder completions).",
 )
 
+# Every trainer's table (added by `_BaseTrainer`): transformers applies `label_smoothing_factor` in its own
+# `compute_loss`, which only SFT's plain negative log-likelihood goes through in TRL; the fact says whether it does.
+LABEL_SMOOTHING = IgnoredOption(
+    "label_smoothing_factor",
+    lambda args, facts: not facts.get("label_smoothing", False),
+    "this trainer computes its own loss, which transformers' label smoothing does not reach (as in TRL: only "
+    "SFTTrainer's loss_type='nll' without compute_loss_func applies it).",
+)
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # SFT (and the distillation trainers built on it)
