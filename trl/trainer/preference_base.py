@@ -563,8 +563,10 @@ class _PreferenceTrainer(_BaseTrainer):
         keyword arguments go to the model's forward. With `prefix_groups` (rows that start alike, for a model that
         `supports_prefix_sharing`), each group's common prefix runs once when that saves enough tokens."""
 
-        if layout != "padded" and not getattr(self.args, "padding_free", False) and input_embeddings_hooked(model):
-            layout = "padded"  # hooks on the input embeddings (NEFTune's noise) see the padded rows, as under TRL
+        if layout != "padded" and input_embeddings_hooked(model):
+            # Hooks on the input embeddings (NEFTune's noise) see the padded rows, as under TRL (whose DPO falls back
+            # to padded batches under `padding_free=True` too).
+            layout = "padded"
         # (A model wrapped or sharded for distributed training keeps whole-row passes.)
         if prefix_groups is not None and not forward_kwargs and sharing_possible_now(model):
             shared = share_prefixes(inputs["input_ids"], inputs["attention_mask"], prefix_groups, self.pad_token_id)

@@ -186,6 +186,11 @@ register_offline(
     gradient_accumulation_steps=2,
     label_smoothing_factor=0.1,
 )
+# Packed batches (asked for) reach the embeddings packed on both sides.
+register_offline(
+    "sft/neftune_noise_alpha=5/packing", "sft", n_train=32, packing=True, max_length=64, neftune_noise_alpha=5.0
+)
+register_offline("dpo/neftune_noise_alpha=5/padding_free", "dpo", padding_free=True, neftune_noise_alpha=5.0)
 # With adapters, the reference is the policy with its adapters off: its pass draws noise too, so it keeps TRL's order.
 register_offline("dpo/peft_lora/neftune_noise_alpha=5", "dpo", peft=True, neftune_noise_alpha=5.0)
 register_offline("sft/dataset_text_field", "sft", rename={"text": "content"}, dataset_text_field="content")
