@@ -219,7 +219,7 @@ def test_layout_changing_paths_step_aside_for_hooks_on_the_input_embeddings(tiny
 
     from trl.trainer.fast_paths.prefix_sharing import sharing_possible_now
     from trl.trainer.fast_paths.rollout_decode import rollout_decode_fallback_reason
-    from trl.trainer.utils.packing import input_embeddings_hooked
+    from trl.trainer.utils.forward_randomness import input_embeddings_hooked
 
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen_path)
     attention_mask = torch.tensor([[1] * 8, [1] * 3 + [0] * 5, [1] * 4 + [0] * 4])

@@ -10,12 +10,8 @@ from trainer_utils import PREFERENCE_ARGS, args_builder
 
 from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 from trl.assets import get_model_path, load_test_dataset
-from trl.trainer.fast_paths.reference_cache import (
-    ReferenceCache,
-    reference_is_deterministic,
-    row_digests,
-    training_revisits_examples,
-)
+from trl.trainer.fast_paths.reference_cache import ReferenceCache, row_digests, training_revisits_examples
+from trl.trainer.utils.forward_randomness import forward_is_deterministic
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -87,15 +83,15 @@ def test_training_revisits_examples():
     assert not training_revisits_examples(args(num_train_epochs=3.0), None, 1)  # an iterable dataset
 
 
-def test_reference_is_deterministic():
+def test_forward_is_deterministic():
     model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
-    assert reference_is_deterministic(model.eval())
-    assert not reference_is_deterministic(model.train())
-    assert reference_is_deterministic(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)).train())
+    assert forward_is_deterministic(model.eval())
+    assert not forward_is_deterministic(model.train())
+    assert forward_is_deterministic(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)).train())
     attention = nn.Linear(2, 2)
     attention.attention_dropout = 0.1
-    assert not reference_is_deterministic(attention.train())
-    assert reference_is_deterministic(attention.eval())
+    assert not forward_is_deterministic(attention.train())
+    assert forward_is_deterministic(attention.eval())
 
 
 # ---------------------------------------------------------------------------------------------------------------------

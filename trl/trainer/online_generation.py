@@ -43,7 +43,8 @@ from .fast_paths.rollout_decode import (
 from .fast_paths.small_row_linear import small_row_linear
 from .online_math import completion_mask_from_ids
 from .utils import pad
-from .utils.packing import input_embeddings_hooked, plain_sdpa_attention
+from .utils.forward_randomness import forward_is_deterministic
+from .utils.packing import plain_sdpa_attention
 from .utils.vision import vision_forward_inputs, vision_rows_from_batch
 
 
@@ -98,8 +99,8 @@ def generate_with_shared_prompts(
         and (getattr(generation_config, "num_beams", None) or 1) == 1
         and (getattr(generation_config, "num_return_sequences", None) or 1) == 1
         and not getattr(getattr(model, "config", None), "is_encoder_decoder", False)
-        # Hooks on the input embeddings (NEFTune's noise) see the repeated prompts, as under `generate`.
-        and not input_embeddings_hooked(model)
+        # A forward that draws random numbers (NEFTune's noise, dropout) sees the repeated prompts, as under `generate`.
+        and forward_is_deterministic(model)
     )
     if share:
         generate_kwargs.update(

@@ -27,7 +27,6 @@ from .fast_paths.prefix_sharing import (
 )
 from .fast_paths.reference_cache import (
     ReferenceCache,
-    reference_is_deterministic,
     row_digests,
     training_revisits_examples,
 )
@@ -39,7 +38,8 @@ from .utils import (
     precompute_reference_logps,
     uses_sharding_engine,
 )
-from .utils.packing import input_embeddings_hooked, packed_sdpa_applicable, packed_sdpa_attention
+from .utils.forward_randomness import forward_is_deterministic
+from .utils.packing import packed_sdpa_applicable, packed_sdpa_attention
 from .utils.vision import check_image_columns, check_vision_processing_class, is_vision_example, vision_forward_inputs
 
 
@@ -254,7 +254,7 @@ class _PreferenceTrainer(_BaseTrainer):
         ):
             return False
         passes = [self.accelerator.unwrap_model(self.model), self.ref_model]
-        return all(reference_is_deterministic(module) for module in passes if module is not None)
+        return all(forward_is_deterministic(module) for module in passes if module is not None)
 
     @contextlib.contextmanager
     def _reference_module(self, model: nn.Module, ref_adapter_name: str | None = None):
@@ -323,7 +323,7 @@ class _PreferenceTrainer(_BaseTrainer):
         """
         cache = self.__dict__.get("_reference_cache")
         ref_model = self.ref_model
-        if cache is None or not reference_is_deterministic(ref_model if ref_model is not None else model):
+        if cache is None or not forward_is_deterministic(ref_model if ref_model is not None else model):
             return compute()
         return cache.values_for(row_digests(parts, num_examples), parts[0][0].device, compute)
 
@@ -563,9 +563,9 @@ class _PreferenceTrainer(_BaseTrainer):
         keyword arguments go to the model's forward. With `prefix_groups` (rows that start alike, for a model that
         `supports_prefix_sharing`), each group's common prefix runs once when that saves enough tokens."""
 
-        if layout != "padded" and input_embeddings_hooked(model):
-            # Hooks on the input embeddings (NEFTune's noise) see the padded rows, as under TRL (whose DPO falls back
-            # to padded batches under `padding_free=True` too).
+        if layout != "padded" and not forward_is_deterministic(model):
+            # A forward that draws random numbers (dropout, NEFTune's noise) sees the padded rows, as under TRL (whose
+            # DPO falls back to padded batches under `padding_free=True` too).
             layout = "padded"
         # (A model wrapped or sharded for distributed training keeps whole-row passes.)
         if prefix_groups is not None and not forward_kwargs and sharing_possible_now(model):

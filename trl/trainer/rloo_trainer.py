@@ -12,11 +12,11 @@ import torch.nn as nn
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 
-from .fast_paths.reference_cache import reference_is_deterministic
 from .online_base import _OnlineTrainer
 from .online_math import ADVANTAGE_EPS, aggregate_rewards, leave_one_out_advantages, masked_mean
 from .online_rewards import RewardFunc
 from .rloo_config import RLOOConfig
+from .utils.forward_randomness import forward_is_deterministic
 
 
 def rloo_sequence_loss(
@@ -183,7 +183,7 @@ class RLOOTrainer(_OnlineTrainer):
         """Whether two forward passes of the policy on the same batch give the same values: no hook on its input
         embeddings (NEFTune's noise) and no active dropout. Only then is the loss pass's detached log-probability the
         one TRL's scoring pass after generation computes."""
-        return reference_is_deterministic(self.model)
+        return forward_is_deterministic(self.model)
 
     def _compute_rollout_logps(self, batch: dict[str, Any]) -> None:
         super()._compute_rollout_logps(batch)

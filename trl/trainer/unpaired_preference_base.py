@@ -19,7 +19,6 @@ import torch.nn as nn
 from datasets import Dataset, IterableDataset, Value
 
 from ..data_utils import get_dataset_column_names, is_conversational, maybe_extract_prompt, unpair_preference_dataset
-from .fast_paths.reference_cache import reference_is_deterministic
 from .preference_base import _PreferenceTrainer
 from .utils import (
     PromptCompletionTokenizer,
@@ -29,6 +28,7 @@ from .utils import (
     packed_sequence_logps_in_one_pass,
     scored_completion_tokens,
 )
+from .utils.forward_randomness import forward_is_deterministic
 from .utils.vision import VISION_INPUT_KEYS
 
 
@@ -554,8 +554,8 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
         if any(key in inputs for key in VISION_INPUT_KEYS):
             return "the batch has images"
         if getattr(self, "model_wrapped", self.model) is not self.model or not sharing_possible_now(self.model):
-            return "the model is wrapped or sharded for distributed training, or its input embeddings run hooks"
-        if not reference_is_deterministic(self.model):
+            return "the model is wrapped or sharded for distributed training, or its forward draws random numbers"
+        if not forward_is_deterministic(self.model):
             # The KL rows would reuse the main rows' keys/values, drawn with other random numbers than their own pass.
             return "the policy's forward draws random numbers (dropout, NEFTune's noise on the embeddings)"
         ref_model = self.ref_model

@@ -191,6 +191,17 @@ register_offline(
     "sft/neftune_noise_alpha=5/packing", "sft", n_train=32, packing=True, max_length=64, neftune_noise_alpha=5.0
 )
 register_offline("dpo/neftune_noise_alpha=5/padding_free", "dpo", padding_free=True, neftune_noise_alpha=5.0)
+# Dropout in the forward (kept by SFT: no disable_dropout): its masks are drawn per position, as NEFTune's noise.
+register_offline("sft/attention_dropout=0.1", "sft", model_init_kwargs={"attention_dropout": 0.1})
+register_offline("sft/attention_dropout=0.1/packing", "sft", n_train=32, packing=True, max_length=64,
+                 model_init_kwargs={"attention_dropout": 0.1})  # fmt: skip
+for _kind in ("dpo", "kto", "reward"):
+    register_offline(
+        f"{_kind}/attention_dropout=0.1/disable_dropout=False",
+        _kind,
+        disable_dropout=False,
+        model_init_kwargs={"attention_dropout": 0.1},
+    )
 # With adapters, the reference is the policy with its adapters off: its pass draws noise too, so it keeps TRL's order.
 register_offline("dpo/peft_lora/neftune_noise_alpha=5", "dpo", peft=True, neftune_noise_alpha=5.0)
 register_offline("sft/dataset_text_field", "sft", rename={"text": "content"}, dataset_text_field="content")

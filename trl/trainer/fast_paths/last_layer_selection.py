@@ -30,6 +30,7 @@ from ..._compat import CACHE_KEYWORDS, attention_interface, layer_call_is_checkp
 from ...kernels.packed_attention import PACKED_SDPA
 from ...models.utils import _base_transformers_model
 from ..utils.distributed import parameters_sharded
+from ..utils.forward_randomness import has_dropout
 
 
 # Decoder layers whose forward is the Llama one (pre-norm attention with rotary embeddings, pre-norm MLP); Qwen3 adds
@@ -59,21 +60,6 @@ def _last_layer(model: nn.Module) -> tuple[nn.Module | None, str | None]:
     if family not in _FAMILIES or module != f"transformers.models.{family}.modeling_{family}":
         return None, f"decoder layer {module}.{type(layer).__name__} is not a Llama-style one"
     return layer, family
-
-
-def has_dropout(module: nn.Module, active_only: bool = True) -> bool:
-    """Whether a dropout module inside `module` (PEFT's `lora_dropout`, ...) draws random numbers: in train mode
-    with `active_only`, in either mode otherwise. A forward run on other positions, or not run at all, would draw other
-    numbers than the plain forward, and every later random number would differ.
-
-    Args:
-        module: The module to search.
-        active_only: Count only dropouts in train mode.
-    """
-    return any(
-        isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and (m.training or not active_only)
-        for m in module.modules()
-    )
 
 
 def last_layer_selection_fallback_reason(model: nn.Module) -> str | None:

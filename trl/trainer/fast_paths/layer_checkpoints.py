@@ -41,8 +41,8 @@ import torch.nn as nn
 
 from ..._compat import CACHE_KEYWORDS, cache_keyword
 from ...kernels.decoder_layers import swiglu_mlp
+from ..utils.forward_randomness import has_dropout
 from ..utils.logprobs import head_output_bytes
-from .last_layer_selection import has_dropout
 from .lean_modules import is_unhooked_lean_swiglu_mlp, lean_mlp_kernels, mlps_without_grad, switched_forwards
 from .optimizer_in_backward import stepped_in_backward
 

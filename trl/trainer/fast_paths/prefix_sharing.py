@@ -19,13 +19,13 @@ from ...kernels.linear_log_softmax import linear_selective_log_softmax
 from ...kernels.packed_attention import PACKED_SDPA, attend_after_prefixes, capture_keys_values
 from ...models.utils import _base_transformers_model
 from ..utils.distributed import parameters_sharded
+from ..utils.forward_randomness import forward_is_deterministic
 from ..utils.logprobs import capture_lm_head_inputs, fusable_lm_head, model_accepts_argument
 from ..utils.packing import (
     SequenceTokenLogps,
     _layout_capacity,
     classifier_call_hooked,
     compute_sequence_token_logps,
-    input_embeddings_hooked,
     pack_padded_sequences,
 )
 from .last_layer_selection import last_layer_at
@@ -241,9 +241,10 @@ def supports_prefix_sharing(model: nn.Module | None, causal_lm: bool = True) -> 
 def sharing_possible_now(model: nn.Module, causal_lm: bool = True) -> bool:
     """The part of [`supports_prefix_sharing`] that engines can change after the trainer is built: the model is not
     wrapped (DDP), its parameters are not sharded (FSDP, DeepSpeed ZeRO-3: their hooks gather them around the whole
-    model's forward), a causal LM still has a head the fused LM head can replace, and no hook on the input embeddings
-    (NEFTune's noise) would see the shared layout instead of the padded rows ([`input_embeddings_hooked`])."""
-    if hasattr(model, "module") or input_embeddings_hooked(model):
+    model's forward), a causal LM still has a head the fused LM head can replace, and its forward draws no random
+    numbers (dropout, NEFTune's noise), which would be drawn per shared position
+    ([`~trl.trainer.utils.forward_randomness.forward_is_deterministic`])."""
+    if hasattr(model, "module") or not forward_is_deterministic(model):
         return False
     if parameters_sharded(model):
         return False

@@ -16,10 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn as nn
-
-from ..utils.packing import input_embeddings_hooked
-from .last_layer_selection import has_dropout
 
 
 class ReferenceCache:
@@ -102,23 +98,6 @@ def row_digests(
                 hasher.update(completion[row][keep].to(torch.uint8).numpy().tobytes())
             hasher.update(b"|")
     return [hasher.digest() for hasher in hashers]
-
-
-def reference_is_deterministic(reference: nn.Module) -> bool:
-    """Whether a forward pass of `reference` draws no random numbers: no active dropout module
-    ([`~trl.trainer.fast_paths.last_layer_selection.has_dropout`]), no attention dropout in a layer in train mode, and
-    no hook on its input embeddings (NEFTune's noise; [`~trl.trainer.utils.packing.input_embeddings_hooked`]).
-
-    Args:
-        reference: The module that computes the reference values (the reference model, or the PEFT policy whose
-            adapters are disabled for it).
-    """
-    if has_dropout(reference, active_only=True) or input_embeddings_hooked(reference):
-        return False
-    return not any(
-        module.training and float(getattr(module, "attention_dropout", 0.0) or 0.0) > 0
-        for module in reference.modules()
-    )
 
 
 def training_revisits_examples(args: Any, num_examples: int | None, num_processes: int) -> bool:

@@ -32,8 +32,8 @@ from transformers.cache_utils import DynamicLayer
 
 from ..._compat import accepts_cache, cache_kwargs, repetition_penalty_skips_prompt_padding
 from ..utils.distributed import parameters_sharded
+from ..utils.forward_randomness import forward_is_deterministic
 from ..utils.logprobs import model_accepts_argument
-from ..utils.packing import input_embeddings_hooked
 from .small_row_linear import small_row_linear
 
 
@@ -158,8 +158,8 @@ def rollout_decode_fallback_reason(
         # Every forward gathers parameters collectively, so all ranks must keep stepping until the last one is done
         # (generate's `synced_gpus`); the loop stops each rank on its own.
         return "parameters sharded across processes (DeepSpeed ZeRO-3 / FSDP)"
-    if input_embeddings_hooked(model):
-        return "the input embeddings run hooks (NEFTune's noise), which would see other shapes than under generate"
+    if not forward_is_deterministic(model):
+        return "the forward draws random numbers (dropout, NEFTune's noise), in other shapes than under generate"
     # Models that prepare their own inputs, caches or sampling steps (multimodal, recurrent, ...) go through generate.
     for hook in ("prepare_inputs_for_generation", "_update_model_kwargs_for_generation", "_sample", "_prefill"):
         if getattr(type(model), hook, None) is not getattr(GenerationMixin, hook, None):

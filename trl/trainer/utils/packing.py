@@ -18,6 +18,7 @@ import torch.nn as nn
 from ...import_utils import is_rich_available
 from ...kernels.packed_attention import PACKED_SDPA, register_packed_sdpa
 from ...models.utils import _base_transformers_model
+from .forward_randomness import forward_is_deterministic
 from .logprobs import compute_token_logps, model_accepts_argument
 
 
@@ -263,8 +264,8 @@ def drop_padding(
 ) -> PackedSequences | None:
     """The sequences of a padded batch packed for `model` (see [`pack_padded_sequences`]), or None when packing would
     save less than `min_saved_share` (default `MIN_SAVED_SHARE`) of the batch's positions, the model cannot attend
-    within packed sequences ([`packed_attention_kind`]) or its input embeddings run hooks
-    ([`input_embeddings_hooked`]).
+    within packed sequences ([`packed_attention_kind`]) or its forward draws random numbers (dropout, NEFTune's noise:
+    [`~trl.trainer.utils.forward_randomness.forward_is_deterministic`]), which would be drawn per packed position.
 
     Variable-length kernels and the per-sequence SDPA kernel ([`packed_sdpa_attention`]) get one row (pass
     [`packed_forward_inputs`] to the model: that kernel reads the sequence boundaries); eager/SDPA attention gets
@@ -272,7 +273,7 @@ def drop_padding(
     (and only the rows that packing empties are saved).
     """
     kind = packed_attention_kind(model)
-    if kind is None or bool(attention_mask.all()) or input_embeddings_hooked(model):
+    if kind is None or bool(attention_mask.all()) or not forward_is_deterministic(model):
         return None
     capacity = None if kind == "varlen" else int(attention_mask.sum(dim=1).max().item())
     packed = pack_padded_sequences(input_ids, attention_mask, capacity)
@@ -289,40 +290,6 @@ def packed_forward_inputs(packed: PackedSequences) -> dict[str, Any]:
     if packed.input_ids.shape[0] == 1:
         inputs.update(sequence_boundaries(packed.position_ids))
     return inputs
-
-
-# Hooks on the input embeddings that do not depend on the batch's layout: the one
-# `PreTrainedModel.enable_input_require_grads` registers (by name), and those of the engines that gather or place
-# parameters around a forward pass (by the package that defines them).
-_REQUIRE_GRADS_HOOK = "make_inputs_require_grads"
-_ENGINE_HOOK_PACKAGES = ("deepspeed", "torch.distributed", "accelerate")
-
-
-def input_embeddings_hooked(model: nn.Module) -> bool:
-    """Whether `model`'s input embeddings run forward hooks, as NEFTune's noise (`neftune_noise_alpha`) or a plugin's.
-
-    Such a hook sees the batch in the shape the forward pass lays it out: NEFTune draws its noise per position and
-    scales it by the padded sequence length. Fast paths that lay a batch out differently from the plain path (padding
-    dropped, rows packed, prefixes shared) then step aside, so the hook sees what it would see under TRL. Hooks that
-    act the same whatever the layout do not count: transformers' `enable_input_require_grads` (gradient checkpointing,
-    adapters) and those of DeepSpeed, torch.distributed and accelerate.
-    """
-    get = getattr(_base_transformers_model(model), "get_input_embeddings", None)
-    try:
-        embeddings = get() if callable(get) else None
-    except NotImplementedError:
-        return False
-    if not isinstance(embeddings, nn.Module):
-        return False
-    for hook in (*embeddings._forward_hooks.values(), *embeddings._forward_pre_hooks.values()):
-        function = getattr(hook, "func", hook)  # a `functools.partial`'s function
-        package = getattr(function, "__module__", None) or ""
-        if getattr(function, "__name__", None) == _REQUIRE_GRADS_HOOK:
-            continue
-        if any(package == name or package.startswith(name + ".") for name in _ENGINE_HOOK_PACKAGES):
-            continue
-        return True
-    return False
 
 
 def classifier_call_hooked(model: nn.Module) -> bool:
