@@ -116,9 +116,14 @@ register(
     partial(online_case, trainer_name="GRPO", max_steps=1, loss_type="luspo", importance_sampling_level="sequence"),
 )
 register("grpo/beta=0.04", partial(online_case, trainer_name="GRPO", max_steps=2, beta=0.04))
+for _trainer in ("GRPO", "RLOO"):
+    register(
+        f"{_trainer.lower()}/attention_dropout=0.1",
+        partial(online_case, trainer_name=_trainer, max_steps=1, model_init_kwargs={"attention_dropout": 0.1}),
+    )
 register(
-    "grpo/attention_dropout=0.1",
-    partial(online_case, trainer_name="GRPO", max_steps=1, model_init_kwargs={"attention_dropout": 0.1}),
+    "grpo/neftune_noise_alpha=5/beta=0.04",
+    partial(online_case, trainer_name="GRPO", max_steps=2, beta=0.04, neftune_noise_alpha=5.0),
 )
 # NEFTune's noise on the embeddings: generation and the loss pass embed the repeated prompts, as under TRL.
 for _trainer in ("GRPO", "RLOO"):

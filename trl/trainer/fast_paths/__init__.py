@@ -18,6 +18,11 @@ path, and its measured gain; `docs/benchmarks.md` holds the figures and the comm
 | `optimizer_in_backward` | the optimizer step after the backward pass, with every gradient held at once (no clipping only) | `optimizer_in_backward_fallback_reason` | `tests/test_optimizer_in_backward.py` |
 | `cpu_allocator` | glibc's dynamic mmap/trim thresholds during CPU training | `activation_memory_fallback_reason` | `tests/test_cpu_allocator.py` |
 
+The fast paths that lay a batch out or run a forward otherwise than the plain path (padding dropped, prefixes shared,
+prompts prefilled once, the rollout loop, the reference's pass order, the reference cache, KTO's KL continuation)
+also step aside when the forward draws random numbers
+([`~trl.trainer.utils.forward_randomness.forward_is_deterministic`]: dropout in train mode, NEFTune's noise).
+
 Packed attention (`trl.kernels.packed_attention`, applied by `trl.trainer.utils.packing.packed_sdpa_attention`) and
 the chunked log-softmax kernels (`trl.kernels`) are the kernels several of these build on.
 """
