@@ -63,7 +63,8 @@ def build_offline(
     if peft:
         from peft import LoraConfig
 
-        kwargs["peft_config"] = LoraConfig(**TINY_LORA, task_type="CAUSAL_LM")
+        lora = {**TINY_LORA, **peft} if isinstance(peft, dict) else TINY_LORA  # `peft`: True, or LoRA overrides
+        kwargs["peft_config"] = LoraConfig(**lora, task_type="CAUSAL_LM")
     trainer = getattr(trl, f"{prefix}Trainer")(
         model=ctx.model(model or default_model), args=args, train_dataset=train, eval_dataset=test, **kwargs
     )
@@ -202,6 +203,8 @@ for _kind in ("dpo", "kto", "reward"):
         disable_dropout=False,
         model_init_kwargs={"attention_dropout": 0.1},
     )
+# LoRA's dropout draws its masks per position too.
+register_offline("sft/peft_lora/lora_dropout=0.1", "sft", peft={"lora_dropout": 0.1})
 # With adapters, the reference is the policy with its adapters off: its pass draws noise too, so it keeps TRL's order.
 register_offline("dpo/peft_lora/neftune_noise_alpha=5", "dpo", peft=True, neftune_noise_alpha=5.0)
 register_offline("sft/dataset_text_field", "sft", rename={"text": "content"}, dataset_text_field="content")
