@@ -204,7 +204,10 @@ for _kind in ("dpo", "kto", "reward"):
         model_init_kwargs={"attention_dropout": 0.1},
     )
 # LoRA's dropout draws its masks per position too.
-register_offline("sft/peft_lora/lora_dropout=0.1", "sft", peft={"lora_dropout": 0.1})
+for _kind in ("sft", "dpo", "kto"):
+    register_offline(f"{_kind}/peft_lora/lora_dropout=0.1", _kind, peft={"lora_dropout": 0.1})
+register_offline("sft/neftune_noise_alpha=5/padding_free", "sft", padding_free=True, max_length=None,
+                 neftune_noise_alpha=5.0)  # fmt: skip
 # With adapters, the reference is the policy with its adapters off: its pass draws noise too, so it keeps TRL's order.
 register_offline("dpo/peft_lora/neftune_noise_alpha=5", "dpo", peft=True, neftune_noise_alpha=5.0)
 register_offline("sft/dataset_text_field", "sft", rename={"text": "content"}, dataset_text_field="content")
