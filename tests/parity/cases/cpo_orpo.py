@@ -64,6 +64,8 @@ def _register(name: str, kind: str, **kwargs) -> None:
 for _loss in ("sigmoid", "hinge", "ipo", "simpo"):
     _register(f"cpo/loss_type={_loss}", "cpo", loss_type=_loss)
 _register("cpo/loss_type=alphapo", "cpo", loss_type="alphapo", alpha=0.25)
+_register("cpo/neftune_noise_alpha=5", "cpo", neftune_noise_alpha=5.0)
+_register("orpo/neftune_noise_alpha=5", "orpo", neftune_noise_alpha=5.0)
 _register("orpo/beta=-0.1", "orpo", beta=-0.1)  # TRL trains with it: a warning here
 _register("cpo/beta=0.0", "cpo", beta=0.0)  # TRL trains with it (only the NLL term learns): a warning here
 _register("cpo/loss_type=alphapo/alpha=-0.3", "cpo", loss_type="alphapo", alpha=-0.3, simpo_gamma=0.1)

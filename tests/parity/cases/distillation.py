@@ -106,6 +106,7 @@ register("gkd/lmbda=0/peft", partial(gkd_case, lmbda=0.0, peft=True))
 register("gkd/lmbda=1", partial(gkd_case, lmbda=1.0, evaluate=False))
 register("gkd/lmbda=1/grad_accum", partial(gkd_case, lmbda=1.0, gradient_accumulation_steps=2, evaluate=False))
 register("gkd/seq_kd", partial(gkd_case, lmbda=0.0, seq_kd=True, evaluate=False))
+register("gkd/neftune_noise_alpha=5", partial(gkd_case, lmbda=1.0, neftune_noise_alpha=5.0, evaluate=False))
 register(
     "gkd/lmbda=0.5/steps", partial(gkd_case, lmbda=0.5, max_steps=3, per_device_train_batch_size=2, evaluate=False)
 )

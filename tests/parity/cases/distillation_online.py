@@ -55,6 +55,8 @@ def _completion_tables(output_dir: str) -> dict:
 register("distillation/greedy", distillation_case)
 register("distillation/predict", lambda ctx: predict_eval_dataset(build_distillation(ctx)))
 register("distillation/beta=0", partial(distillation_case, beta=0.0))
+# NEFTune's noise on the student's embeddings (the teacher, a separate model, has none).
+register("distillation/neftune_noise_alpha=5", partial(distillation_case, neftune_noise_alpha=5.0, beta=0.5))
 register("distillation/temperature=0.7", partial(distillation_case, temperature=0.7))
 register("distillation/beta=0.5", partial(distillation_case, beta=0.5, temperature=2.0))
 register("distillation/sampled_eos_bias", partial(distillation_case, generation_kwargs=EOS_BIAS, beta=0.5))

@@ -93,6 +93,7 @@ for _name, _kwargs in {
     "conversational": dict(dataset="conversational_prompt_only"),
     "template": dict(teacher_prompt_template="Context: {privileged_context}\nQuestion: {prompt}"),
     "peft_lora": dict(peft=True),
+    "neftune_noise_alpha=5": dict(neftune_noise_alpha=5.0),
 }.items():
     register(f"sdft/{_name}", partial(sdft_case, **_kwargs))
 
