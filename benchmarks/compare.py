@@ -875,7 +875,8 @@ class _TokenCounter:
 
         # A reward model's backbone: the project's pooled-score paths call it (and the score head) directly, and step
         # aside for hooks on the model itself.
-        target = trainer.model.base_model if job == "reward" else trainer.model
+        model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model  # PEFT
+        target = model.base_model if job == "reward" else trainer.model
         target.register_forward_pre_hook(hook, with_kwargs=True)
         self._install_step_boundary()
 
