@@ -208,6 +208,10 @@ for _kind in ("sft", "dpo", "kto"):
     register_offline(f"{_kind}/peft_lora/lora_dropout=0.1", _kind, peft={"lora_dropout": 0.1})
 register_offline("sft/neftune_noise_alpha=5/padding_free", "sft", padding_free=True, max_length=None,
                  neftune_noise_alpha=5.0)  # fmt: skip
+# Gradient checkpointing off, and torch's reentrant checkpoint (the layer checkpoints step aside for it).
+for _kind in ("sft", "dpo", "kto"):
+    register_offline(f"{_kind}/gradient_checkpointing=False", _kind, gradient_checkpointing=False)
+    register_offline(f"{_kind}/use_reentrant=True", _kind, gradient_checkpointing_kwargs={"use_reentrant": True})
 # With adapters, the reference is the policy with its adapters off: its pass draws noise too, so it keeps TRL's order.
 register_offline("dpo/peft_lora/neftune_noise_alpha=5", "dpo", peft=True, neftune_noise_alpha=5.0)
 register_offline("sft/dataset_text_field", "sft", rename={"text": "content"}, dataset_text_field="content")
