@@ -163,6 +163,14 @@ for _loss in ["cispo", "sapo", "vespo"]:
 # Completions of different lengths: the end-of-sequence token (id 4091 in the tiny Qwen2 tokenizer) made likely.
 EOS_BIAS = {"sequence_bias": [[[4091], 6.0]]}
 register("grpo/eos_bias", partial(online_case, trainer_name="GRPO", max_steps=2, generation_kwargs=EOS_BIAS))
+# Sampling settings beyond the config's fields, passed through `generation_kwargs` to the rollouts.
+for _name, _kwargs in {
+    "no_repeat_ngram_size=2": {"no_repeat_ngram_size": 2},
+    "typical_p=0.9": {"typical_p": 0.9},
+    "epsilon_cutoff=0.001": {"epsilon_cutoff": 1e-3},
+    "top_k=5/temperature=0.7": {"top_k": 5, "temperature": 0.7},
+}.items():
+    register(f"grpo/generation_kwargs={_name}", partial(online_case, trainer_name="GRPO", generation_kwargs=_kwargs))
 register("rloo/eos_bias", partial(online_case, trainer_name="RLOO", generation_kwargs=EOS_BIAS))
 # Settings TRL trains with although they are unusual: accepted with a warning here, and trained to TRL's numbers
 _TWO_ITERATIONS = dict(max_steps=2, num_iterations=2)  # a second pass on the same rollouts: the ratio moves off 1
