@@ -175,15 +175,9 @@ class RLOOTrainer(_OnlineTrainer):
 
     def _needs_rollout_logps(self) -> bool:
         # The KL penalty enters the reward, so the sampling policy's log-probabilities are needed right away.
-        if self.args.beta != 0.0 or not self._is_on_policy() or not self._policy_forward_deterministic():
+        if self.args.beta != 0.0 or not self._is_on_policy() or not forward_is_deterministic(self.model):
             return True
         return self._overridden_since(RLOOTrainer, *self._hooks_seeing_rollout_logps)
-
-    def _policy_forward_deterministic(self) -> bool:
-        """Whether two forward passes of the policy on the same batch give the same values: no hook on its input
-        embeddings (NEFTune's noise) and no active dropout. Only then is the loss pass's detached log-probability the
-        one TRL's scoring pass after generation computes."""
-        return forward_is_deterministic(self.model)
 
     def _compute_rollout_logps(self, batch: dict[str, Any]) -> None:
         super()._compute_rollout_logps(batch)
@@ -225,7 +219,7 @@ class RLOOTrainer(_OnlineTrainer):
         mask = self._loss_mask(inputs).to(logps.dtype)
         advantages = inputs["advantages"].to(logps.dtype)
         old = inputs.get("old_logps")
-        if old is None or (self._is_on_policy() and self._policy_forward_deterministic()):
+        if old is None or (self._is_on_policy() and forward_is_deterministic(self.model)):
             # The data was sampled by exactly this policy: ratio 1, plain REINFORCE gradient.
             old = (logps.detach() * mask).sum(dim=1)
         per_sequence_loss, ratio = rloo_sequence_loss(

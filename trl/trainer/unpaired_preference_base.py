@@ -553,11 +553,11 @@ class _UnpairedPreferenceTrainer(_PreferenceTrainer):
             return "the trainer does not share KL prefixes (MoE router loss, precomputed reference, attention)"
         if any(key in inputs for key in VISION_INPUT_KEYS):
             return "the batch has images"
-        if getattr(self, "model_wrapped", self.model) is not self.model or not sharing_possible_now(self.model):
-            return "the model is wrapped or sharded for distributed training, or its forward draws random numbers"
         if not forward_is_deterministic(self.model):
             # The KL rows would reuse the main rows' keys/values, drawn with other random numbers than their own pass.
             return "the policy's forward draws random numbers (dropout, NEFTune's noise on the embeddings)"
+        if getattr(self, "model_wrapped", self.model) is not self.model or not sharing_possible_now(self.model):
+            return "the model is wrapped or sharded for distributed training"
         ref_model = self.ref_model
         if not keys_values_capturable(self.model) or (ref_model is not None and not keys_values_capturable(ref_model)):
             return "a model does not attend through the key/value-recording attention function now"
