@@ -605,7 +605,7 @@ def worker(spec: dict) -> None:
     unit = "tokens/s"
     if job in ("sft_padded", "sft_packed"):
         packing = {"packing": True, "packing_strategy": "bfd"} if job == "sft_packed" else {}
-        config = trl.SFTConfig(**common, max_length=max_length, **packing)
+        config = trl.SFTConfig(**{**packing, **common}, max_length=max_length)  # `--config` overrides the packing
         trainer = trl.SFTTrainer(paths["model"], args=config, train_dataset=data("text"), callbacks=callbacks, **peft)
     elif job == "dpo":
         config = trl.DPOConfig(**common, max_length=max_length)

@@ -403,6 +403,18 @@ def test_batch_size_one_is_rejected_for_the_kl_term(tmp_path, model_path, unpair
     assert KTOTrainer(model_path, args=args, train_dataset=train).args.per_device_train_batch_size == 1
 
 
+@pytest.mark.parametrize("strategy", ["random", "group_by_length"])
+def test_shuffled_sampling_is_rejected_for_the_kl_term(tmp_path, model_path, unpaired, strategy):
+    # The KL completions pair each example with its neighbours in a fixed-order batch: a sampler that reorders the
+    # rows breaks the pairing, which TRL refuses at construction.
+    train = unpaired["train"].select(range(4))
+    args = make_args(tmp_path, train_sampling_strategy=strategy)
+    with pytest.raises(ValueError, match=rf"requires `train_sampling_strategy='sequential'`.*Got .*'{strategy}'"):
+        KTOTrainer(model_path, args=args, train_dataset=train)
+    args = make_args(tmp_path, train_sampling_strategy=strategy, loss_type="apo_zero_unpaired")
+    assert KTOTrainer(model_path, args=args, train_dataset=train).args.train_sampling_strategy == strategy
+
+
 def test_total_flos_count_the_main_sequences_only(tmp_path, model_path, unpaired):
     trainer = KTOTrainer(model_path, args=make_args(tmp_path), train_dataset=unpaired["train"].select(range(8)))
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])

@@ -50,7 +50,9 @@ _KEY_BIAS = re.compile(r"(^|\.)(k_proj|key)\.bias$")
 _IMPLICIT_REWARD = re.compile(r"^(.*)rewards/(?:chosen|rejected|margins)$")
 
 # Wall-clock figures: present on both sides, values never compared.
-RUNTIME_KEYS = re.compile(r"(_runtime|_samples_per_second|_steps_per_second|_preparation_time|^step_time)$")
+RUNTIME_KEYS = re.compile(
+    r"(_runtime|_samples_per_second|_steps_per_second|_tokens_per_second|_preparation_time|^step_time)$"
+)
 
 _MAX_ITEMS = 40
 

@@ -87,7 +87,7 @@ CASES = [
     ("DPO", 6, "DPOConfig", dict(discopop_tau=0.3), PREFERENCE, dict(discopop_tau=0.3, loss_type="discopop"),
      PREFERENCE),
     ("DPO", 7, "DPOConfig", dict(label_smoothing=0.1, loss_type="hinge"), PREFERENCE,
-     dict(label_smoothing=0.1, loss_type=["hinge", "sigmoid"]), PREFERENCE),
+     dict(label_smoothing=0.1, loss_type=["hinge", "aot"]), PREFERENCE),
     ("DPO", 8, "DPOConfig", dict(truncation_mode="keep_end", max_length=None), PREFERENCE,
      dict(truncation_mode="keep_end"), PREFERENCE),
     ("DPO", 9, "DPOConfig", dict(beta=0.5, loss_type="sft"), PREFERENCE, dict(beta=0.5, loss_type=["sft", "sigmoid"]),

@@ -102,8 +102,9 @@ class DPOConfig(_BaseConfig):
         f_alpha_divergence_coef (`float`, defaults to `0.5`):
             Coefficient of the alpha-divergence, in TRL's parametrisation: 1 is the reverse KL, 0 the forward KL.
         label_smoothing (`float`, defaults to `0.0`):
-            Probability that a preference label is flipped (cDPO / robust DPO), in `[0, 0.5)`; the epsilon of EXO
-            (`exo_pair` needs a value above 0).
+            Probability that a preference label is flipped, in `[0, 0.5)`, read by the `robust`, `aot` and
+            `aot_unpaired` losses; the epsilon of EXO (`exo_pair` needs a value above 0). As in TRL 1.16, `sigmoid`
+            and `sigmoid_norm` do not read it (a warning says so when it is set).
         beta (`float`, defaults to `0.1`):
             Strength of the implicit KL penalty towards the reference: higher stays closer to it. For `ipo` it is the
             regularisation parameter tau.
@@ -217,7 +218,7 @@ class DPOConfig(_BaseConfig):
     )
     f_alpha_divergence_coef: float = field(default=0.5, metadata={"help": "Alpha of the alpha-divergence."})
     label_smoothing: float = field(
-        default=0.0, metadata={"help": "Label-flip probability (cDPO/robust, in [0, 0.5)); EXO epsilon."}
+        default=0.0, metadata={"help": "Label-flip probability (robust, aot; in [0, 0.5)); EXO epsilon."}
     )
     beta: float = field(default=0.1, metadata={"help": "Strength of the implicit KL to the reference (tau for ipo)."})
     use_weighting: bool = field(default=False, metadata={"help": "WPO pair weighting (not with aot losses)."})

@@ -179,7 +179,8 @@ def dpo_loss(
             and `sft`, which work on per-token means; `sft` on the token mean over the whole batch).
         rejected_lengths: `(n,)` same for the rejected sequences.
         beta: KL strength (tau for `ipo`).
-        label_smoothing: Label-flip probability (`sigmoid`, `robust`, `aot*`) / EXO epsilon.
+        label_smoothing: Label-flip probability (`robust`, `aot*`) / EXO epsilon; `sigmoid` and `sigmoid_norm` do not
+            read it.
         f_divergence_type: f-DPO divergence used to build the preference logits.
         f_alpha_divergence_coef: Coefficient of the alpha-divergence, TRL's parametrisation: 1 gives reverse KL, 0
             forward KL (see `_f_divergence_term`).
@@ -208,7 +209,8 @@ def dpo_loss(
             chosen_term, rejected_term = chosen_term / chosen_lengths, rejected_term / rejected_lengths
         logits = chosen_term - rejected_term
         if loss_type in ("sigmoid", "sigmoid_norm"):
-            return _smoothed_sigmoid_loss(logits, beta, label_smoothing)
+            # TRL 1.16 does not smooth these two (its label_smoothing is robust's and EXO's, and AOT's).
+            return -F.logsigmoid(beta * logits)
         if loss_type == "hinge":
             return torch.relu(1 - beta * logits)
         if loss_type == "ipo":
@@ -481,7 +483,7 @@ class DPOTrainer(_PreferenceTrainer):
                 "Label smoothing must be greater than 0.0 when using 'exo_pair' loss. The EXO paper recommends a value "
                 f"of 1e-3. loss_type='exo_pair' needs label_smoothing in (0, 1) (its epsilon); got {args.label_smoothing}."
             )
-        if not 0.0 <= args.label_smoothing < 1.0 and not set(losses) <= {"sft"}:
+        if not 0.0 <= args.label_smoothing < 1.0 and set(losses) & {"aot", "aot_unpaired"}:
             raise ValueError(f"label_smoothing must be in [0, 1); got {args.label_smoothing}.")
         if args.beta <= 0 and any(loss in ("ipo", "sppo_hard") for loss in losses):
             raise ValueError(f"loss_type 'ipo' / 'sppo_hard' divide by beta, which must be > 0; got {args.beta}.")

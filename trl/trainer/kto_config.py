@@ -23,8 +23,9 @@ class KTOConfig(_BaseConfig):
         train_sampling_strategy (`str`, defaults to `"sequential"`):
             Order in which training examples are drawn (the parent default is `"random"`). The trainer fixes the
             mismatched "KL" completion of every example once, from its neighbours in a batch-sized chunk of the
-            prepared dataset; reading the data in order keeps those neighbours in the same batch. Shuffle your dataset
-            beforehand if it is sorted (for example by label).
+            prepared dataset; reading the data in order keeps those neighbours in the same batch, so `loss_type="kto"`
+            refuses any other strategy (as TRL does). Shuffle your dataset beforehand if it is sorted (for example by
+            label).
 
         > Model
 

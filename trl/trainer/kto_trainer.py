@@ -208,6 +208,14 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
         if args is None:
             args = self._default_args(KTOConfig, model)
         self._check_train_dataset(train_dataset, "KTOTrainer")
+        if args.loss_type == "kto" and args.train_sampling_strategy != "sequential":
+            raise ValueError(
+                "Loss type `'kto'` estimates the KL divergence term and requires `train_sampling_strategy='sequential'` "
+                "because the KL completion for each example is precomputed against its neighbors in a fixed-order "
+                f"batch; any other strategy breaks that pairing. Got `train_sampling_strategy="
+                f"{args.train_sampling_strategy!r}`. Shuffle the dataset beforehand (`dataset.shuffle(seed=...)`) and "
+                "keep the default 'sequential', or use loss_type='apo_zero_unpaired', which has no KL term."
+            )
         if args.loss_type == "kto" and args.per_device_train_batch_size < 2:
             raise ValueError(
                 "Actual (not effective) batch size must be > 1. KTO will not work properly because the KL term will "

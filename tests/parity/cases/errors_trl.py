@@ -112,6 +112,8 @@ CPO, ORPO, ONLINE_DPO, BCO, PRM, XPO, NASH_MD = (
 
 _GROUP_SIZES = dict(per_device_train_batch_size=4, num_generations=2)
 _REQUIRED = "`train_dataset` is required"
+# transformers' length-grouped sampler reads `input_ids`, which the preference trainers' rows do not have.
+_NO_LENGTHS = "Can only automatically infer lengths for datasets whose items are dictionaries with an 'input_ids' key."
 _PAD_MULTIPLE = "invalid literal for int() with base 10: 'abc'"
 _TRUNCATION = "Unsupported truncation mode: middle, expected 'keep_start' or 'keep_end'"
 _SAME_OBJECT = (
@@ -426,6 +428,24 @@ TABLE: list[tuple] = [
         "`reward_funcs` must be provided.",
         trainer(*NASH_MD, data="standard_prompt_only"),
         "1.12",
+    ),
+    (
+        "dpo/train_sampling_strategy=group_by_length",
+        _NO_LENGTHS,
+        trainer(*DPO, args=dict(train_sampling_strategy="group_by_length"), train=True),
+    ),
+    (
+        "reward/train_sampling_strategy=group_by_length",
+        _NO_LENGTHS,
+        trainer(*REWARD, model=QWEN_RM, args=dict(train_sampling_strategy="group_by_length"), train=True),
+    ),
+    *(
+        (
+            f"kto/train_sampling_strategy={strategy}",
+            "Loss type `'kto'` estimates the KL divergence term and requires `train_sampling_strategy='sequential'`",
+            trainer(*KTO, data="standard_unpaired_preference", args=dict(train_sampling_strategy=strategy)),
+        )
+        for strategy in ("random", "group_by_length")
     ),
     ("prm/train_dataset=None", _REQUIRED, trainer(*PRM, model="tiny-Qwen2ForTokenClassification", data=None), "1.12"),
 ]

@@ -325,6 +325,9 @@ _DPO_LABEL_SMOOTHING = {"exo_pair": 0.1, "robust": 0.1}
 for _loss in DPO_LOSS_TYPES:
     _extra = {"label_smoothing": _DPO_LABEL_SMOOTHING[_loss]} if _loss in _DPO_LABEL_SMOOTHING else {}
     register_offline(f"dpo/loss_type={_loss}", "dpo", loss_type=_loss, **_extra)
+# `label_smoothing` with the loss types that do not require it.
+for _loss in ("sigmoid", "sigmoid_norm", "aot", "aot_unpaired", "ipo", "hinge", "bco_pair", "apo_zero"):
+    register_offline(f"dpo/loss_type={_loss}/label_smoothing=0.1", "dpo", loss_type=_loss, label_smoothing=0.1)
 register_offline("dpo/loss_type=sigmoid+sft", "dpo", loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5])
 register_offline(
     "dpo/loss_type=sigmoid+bco_pair+sft", "dpo", loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0]
@@ -425,3 +428,16 @@ register(
 )
 
 # ---------------------------------------------------------------------------------------------------------------------
+# transformers' token counter (`state.num_input_tokens_seen`, logged) and its training samplers: the batches a trainer
+# hands to the loop must count as TRL's do, and the sampler must choose the same rows.
+for _kind in ("sft", "dpo", "kto", "reward"):
+    for _count in ("all", "non_padding"):
+        register_offline(f"{_kind}/include_num_input_tokens_seen={_count}", _kind, max_steps=2,
+                         include_num_input_tokens_seen=_count)  # fmt: skip
+# (DPO, KTO and Reward refuse `group_by_length`: tests/parity/cases/errors_trl.py.)
+register_offline("sft/train_sampling_strategy=group_by_length", "sft", max_steps=2, per_device_train_batch_size=2,
+                 train_sampling_strategy="group_by_length")  # fmt: skip
+register_offline("sft/include_num_input_tokens_seen=non_padding/packing", "sft", n_train=32, packing=True,
+                 max_length=64, max_steps=2, include_num_input_tokens_seen="non_padding")  # fmt: skip
+register_offline("sft/include_num_input_tokens_seen=all/padding_free", "sft", padding_free=True, max_length=None,
+                 max_steps=2, include_num_input_tokens_seen="all")  # fmt: skip

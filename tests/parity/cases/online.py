@@ -309,3 +309,6 @@ register(
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+for _trainer in ("GRPO", "RLOO"):
+    register(f"{_trainer.lower()}/include_num_input_tokens_seen=all",
+             partial(online_case, trainer_name=_trainer, include_num_input_tokens_seen="all"))  # fmt: skip

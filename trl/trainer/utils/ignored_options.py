@@ -235,7 +235,7 @@ GOLD_IGNORED_OPTIONS: tuple[IgnoredOption, ...] = _DISTILLATION_IGNORED_OPTIONS
 # ---------------------------------------------------------------------------------------------------------------
 # Preference trainers (DPO, KTO, BCO) and the reference-free ones (CPO, ORPO)
 # ---------------------------------------------------------------------------------------------------------------
-_SMOOTHED_DPO_LOSSES = {"sigmoid", "sigmoid_norm", "robust", "exo_pair", "aot", "aot_unpaired"}
+_SMOOTHED_DPO_LOSSES = {"robust", "exo_pair", "aot", "aot_unpaired"}
 _F_DIVERGENCE_DPO_LOSSES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop"}
 
 _REFERENCE_ROWS: tuple[IgnoredOption, ...] = (
@@ -280,8 +280,8 @@ DPO_IGNORED_OPTIONS: tuple[IgnoredOption, ...] = _REFERENCE_ROWS + (
     IgnoredOption(
         "label_smoothing",
         lambda args, facts: not _losses(args) & _SMOOTHED_DPO_LOSSES,
-        "none of loss_type={args.loss_type} smooths labels (sigmoid, sigmoid_norm, robust, exo_pair, aot and "
-        "aot_unpaired do).",
+        "none of loss_type={args.loss_type} smooths labels (robust, exo_pair, aot and aot_unpaired do; sigmoid "
+        "does not, as in TRL 1.16: for label noise use loss_type='robust').",
     ),
     IgnoredOption(
         "truncation_mode",
