@@ -819,10 +819,33 @@ def test_adaptive_entropy_bonus_and_checkpoint_state(tmp_path, model_path, promp
     trainer.train()
     logs = train_logs(trainer)
     assert "policy_loss" in logs[-1]
-    assert logs[0]["entropy_coef"] == pytest.approx(0.01) and logs[1]["entropy_coef"] == pytest.approx(0.03)
-    assert trainer.entropy_coef == pytest.approx(0.05)  # entropy below target: raised after each step
+    # Logged once updated: entropy below target, so raised after each step.
+    assert logs[0]["entropy_coef"] == pytest.approx(0.03) and logs[1]["entropy_coef"] == pytest.approx(0.05)
+    assert trainer.entropy_coef == pytest.approx(0.05)
+    # The bonus acts only after a step whose entropy fell below the target: not on the first step, then with the
+    # coefficient the previous step left (TRL 1.16's schedule).
+    assert logs[0]["loss"] == pytest.approx(logs[0]["policy_loss"], abs=1e-6)
+    assert logs[1]["loss"] == pytest.approx(logs[1]["policy_loss"] - 0.03 * logs[1]["entropy"], rel=1e-4)
     with open(os.path.join(tmp_path, "checkpoint-2", "entropy_ctrl_state.json")) as f:
         assert json.load(f)["entropy_coef"] == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize(
+    "options,expected",
+    [
+        # Entropy above the (default) target: lowered, down to entropy_coef_min only.
+        (dict(entropy_coef=2.0), [1.995, 1.99]),
+        (dict(entropy_coef=0.0, entropy_coef_min=0.5, entropy_coef_max=0.1), [0.5, 0.5]),
+        # Entropy below the target: raised, up to entropy_coef_max only.
+        (dict(entropy_coef=0.0, entropy_coef_min=0.5, entropy_coef_max=0.1, entropy_target=100.0), [0.005, 0.01]),
+        (dict(entropy_coef=0.998, entropy_target=100.0), [1.0, 1.0]),
+    ],
+)
+def test_adaptive_entropy_bounds_each_move_on_its_own_side(tmp_path, model_path, prompts, options, expected):
+    args = make_args(tmp_path, max_steps=2, use_adaptive_entropy=True, **options)
+    trainer = GRPOTrainer(model_path, reward_funcs=low_id_reward, args=args, train_dataset=prompts)
+    trainer.train()
+    assert [log["entropy_coef"] for log in train_logs(trainer)] == pytest.approx(expected)
 
 
 def test_evaluation_uses_eval_groups(tmp_path, model_path):

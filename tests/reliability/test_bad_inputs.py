@@ -290,6 +290,11 @@ UNUSUAL_CONFIGS = [
     ("RLOOConfig", dict(reward_clip_range=(1.0, -1.0), num_generations=2), "has min > max"),
     ("GRPOConfig", dict(top_entropy_quantile=0.0, num_generations=2), "top_entropy_quantile=0.0 keeps only"),
     ("GRPOConfig", dict(entropy_coef_min=0.5, entropy_coef_max=0.1, num_generations=2), "exceeds entropy_coef_max"),
+    (
+        "GRPOConfig",
+        dict(entropy_coef_min=0.5, entropy_coef_max=0.1, use_adaptive_entropy=True, num_generations=2),
+        "moves outside the range they mean",
+    ),  # fmt: skip
     ("GRPOConfig", dict(num_generations_eval=0, num_generations=2), "num_generations_eval=0 is read as unset"),
 ]
 

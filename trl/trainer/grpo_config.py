@@ -376,16 +376,20 @@ class GRPOConfig(_OnlineConfig):
             )
         if self.entropy_coef_min > self.entropy_coef_max:
             if self.use_adaptive_entropy:
-                raise ValueError(
-                    f"entropy_coef_min ({self.entropy_coef_min}) must not exceed entropy_coef_max "
-                    f"({self.entropy_coef_max}): use_adaptive_entropy keeps the coefficient between them."
+                warn_trl_trains_anyway(
+                    f"entropy_coef_min ({self.entropy_coef_min}) exceeds entropy_coef_max ({self.entropy_coef_max}): "
+                    "use_adaptive_entropy raises the coefficient up to entropy_coef_max and lowers it down to "
+                    "entropy_coef_min, so it moves outside the range they mean.",
+                    "swap them to let the coefficient move between the bounds.",
+                    stacklevel=3,
                 )
-            warn_trl_trains_anyway(
-                f"entropy_coef_min ({self.entropy_coef_min}) exceeds entropy_coef_max ({self.entropy_coef_max}); "
-                "the bounds are read only with use_adaptive_entropy=True, which is off.",
-                "swap them before turning use_adaptive_entropy on.",
-                stacklevel=3,
-            )
+            else:
+                warn_trl_trains_anyway(
+                    f"entropy_coef_min ({self.entropy_coef_min}) exceeds entropy_coef_max ({self.entropy_coef_max}); "
+                    "the bounds are read only with use_adaptive_entropy=True, which is off.",
+                    "swap them before turning use_adaptive_entropy on.",
+                    stacklevel=3,
+                )
         super().__post_init__()
 
 

@@ -740,7 +740,7 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         if args.top_entropy_quantile < 1.0:
             per_token_loss = per_token_loss * self._high_entropy_mask(entropy, mask)
 
-        per_token_kl = None
+        kl_term = None
         if self.beta != 0.0:
             per_token_kl = k3_kl(logps, inputs["ref_per_token_logps"])
             kl_term = per_token_kl * ratio if args.use_bias_correction_kl else per_token_kl
@@ -757,14 +757,14 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         use_entropy_bonus = self._entropy_bonus_enabled
         if use_entropy_bonus:
             policy_loss = loss
-            loss = loss - self.entropy_coef * normalize_per_token_loss(entropy, mask, **normalise)
+            if self._entropy_bonus_active():
+                loss = loss - self.entropy_coef * normalize_per_token_loss(entropy, mask, **normalise)
         loss = self._add_aux_loss(loss, aux_loss)
         with torch.no_grad():
             self._record_loss_metrics(
                 entropy,
                 mask,
-                per_token_kl,
-                ratio,
+                kl_term,
                 stats,
                 per_token_loss.shape,
                 policy_loss if use_entropy_bonus else None,
@@ -775,8 +775,7 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         self,
         entropy: torch.Tensor,
         mask: torch.Tensor,
-        per_token_kl: torch.Tensor | None,
-        ratio: torch.Tensor,
+        kl_term: torch.Tensor | None,
         stats: dict[str, torch.Tensor],
         loss_shape: torch.Size,
         policy_loss: torch.Tensor | None,
@@ -788,9 +787,9 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
         if mode == "train":
             self._entropy_sum += float((entropy.detach() * mask).sum())
             self._entropy_count += float(mask.sum())
-        if per_token_kl is not None:
-            # TRL logs the KL weighted by the importance ratio (1 on-policy), whatever the loss's KL term uses.
-            self._record_metric("kl", masked_mean((per_token_kl * ratio).detach(), mask))
+        if kl_term is not None:
+            # The KL as the loss weighs it: by the importance ratio (1 on-policy) under use_bias_correction_kl (TRL).
+            self._record_metric("kl", masked_mean(kl_term.detach(), mask))
         full_mask = mask.expand(loss_shape)
         if self.args.loss_type not in ("cispo", "sapo", "vespo"):  # their trust regions are not a clip (TRL)
             self._record_clip_metrics(stats["low_clipped"], stats["high_clipped"], full_mask)
@@ -802,11 +801,20 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             self._record_metric("vespo/phi_seq_mean", stats["vespo_phi"].mean())
         if policy_loss is not None:
             self._record_metric("policy_loss", policy_loss.detach() * self._gradient_accumulation_divisor())
-            self._metrics[mode]["entropy_coef"].append(float(self.entropy_coef))
+            if not (self.args.use_adaptive_entropy and mode == "train"):  # adaptive: logged once updated (TRL)
+                self._metrics[mode]["entropy_coef"].append(float(self.entropy_coef))
 
     # ------------------------------------------------------------------------------------------------------------
     # Adaptive entropy coefficient
     # ------------------------------------------------------------------------------------------------------------
+    def _entropy_bonus_active(self) -> bool:
+        """Whether this step's loss subtracts the entropy bonus. A fixed `entropy_coef` always does; the adaptive
+        one (Skywork-OR1's control) only after a step whose mean entropy fell below `entropy_target`, so never on the
+        first step (TRL 1.16's schedule)."""
+        if not self.args.use_adaptive_entropy:
+            return True
+        return self._last_world_entropy is not None and self._last_world_entropy < self.args.entropy_target
+
     def _on_optimizer_step(self) -> None:
         if not self.args.use_adaptive_entropy:
             self._entropy_sum, self._entropy_count = 0.0, 0.0
@@ -818,10 +826,14 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
             return
         mean_entropy = (totals[0] / totals[1]).item()
         args = self.args
-        # Raise the bonus when entropy falls below the target, lower it when above.
-        step = args.entropy_coef_delta if mean_entropy < args.entropy_target else -args.entropy_coef_delta
-        self.entropy_coef = min(max(self.entropy_coef + step, args.entropy_coef_min), args.entropy_coef_max)
+        # Raise the bonus when entropy falls below the target, lower it when above; each move is bounded on its own
+        # side only (TRL's schedule: a coefficient that starts outside the bounds walks back in, one delta a step).
+        if mean_entropy < args.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
         self._last_world_entropy = mean_entropy
+        self._metrics["train"]["entropy_coef"].append(float(self.entropy_coef))
 
     def _save_checkpoint_extras(self, folder):
         super()._save_checkpoint_extras(folder)

@@ -73,3 +73,9 @@ for _precompute, _how in ((False, "ref_model"), (True, "precompute")):
             ctx, ["sigmoid", "bco_pair", "sft"], "reverse_kl", pre, loss_weights=[0.8, 0.2, 1.0]
         ),
     )
+# The reference pass in batches of another size than training's. (With the policy as its own reference, the rewards
+# are 0 up to the float noise of each batch's padding, and `rewards/accuracies` counts that noise.)
+register(
+    "dpo/reference/sigmoid/reverse_kl/precompute/precompute_ref_batch_size=2",
+    lambda ctx: dpo_reference_case(ctx, "sigmoid", "reverse_kl", True, precompute_ref_batch_size=2),
+)

@@ -441,3 +441,11 @@ register_offline("sft/include_num_input_tokens_seen=non_padding/packing", "sft",
                  max_length=64, max_steps=2, include_num_input_tokens_seen="non_padding")  # fmt: skip
 register_offline("sft/include_num_input_tokens_seen=all/padding_free", "sft", padding_free=True, max_length=None,
                  max_steps=2, include_num_input_tokens_seen="all")  # fmt: skip
+# Fields that no other case sets.
+register_offline("sft/packing/eval_packing=False", "sft", n_train=32, packing=True, max_length=64, eval_packing=False)
+register_offline("sft/pad_token=eos", "sft", pad_token="<|im_end|>")
+register_offline("sft/pad_token=eos/conversational", "sft", dataset="conversational_language_modeling",
+                 pad_token="<|im_end|>")  # fmt: skip
+register_offline("dpo/loss_type=discopop/discopop_tau=0.2", "dpo", loss_type="discopop", discopop_tau=0.2)
+# (DPO's: tests/parity/cases/dpo_losses.py, with a reference that differs from the policy.)
+register_offline("kto/precompute_ref_batch_size=2", "kto", precompute_ref_log_probs=True, precompute_ref_batch_size=2)

@@ -312,3 +312,43 @@ register(
 for _trainer in ("GRPO", "RLOO"):
     register(f"{_trainer.lower()}/include_num_input_tokens_seen=all",
              partial(online_case, trainer_name=_trainer, include_num_input_tokens_seen="all"))  # fmt: skip
+# Sampling and loss knobs that no other case sets.
+_KNOBS = {
+    "repetition_penalty=1.3": dict(repetition_penalty=1.3),
+    "loss_type=sapo/temperatures": dict(loss_type="sapo", sapo_temperature_neg=2.0, sapo_temperature_pos=0.5),
+    "loss_type=vespo/shape": dict(
+        loss_type="vespo",
+        vespo_k_pos=1.5,
+        vespo_lambda_pos=2.0,
+        vespo_k_neg=3.0,
+        vespo_lambda_neg=1.0,
+        **_TWO_ITERATIONS,
+    ),  # fmt: skip
+    "use_bias_correction_kl=False": dict(beta=0.04, use_bias_correction_kl=False, **_TWO_ITERATIONS),
+    "off_policy_mask_threshold=0.01": dict(off_policy_mask_threshold=0.01, **_TWO_ITERATIONS),
+    "use_adaptive_entropy/target": dict(
+        use_adaptive_entropy=True, entropy_coef=0.1, entropy_coef_delta=0.05, entropy_target=5.0, max_steps=2
+    ),  # fmt: skip
+    "log_unique_prompts=True": dict(log_unique_prompts=True, log_completions=True),
+}
+for _name, _kwargs in _KNOBS.items():
+    register(f"grpo/{_name}", partial(online_case, trainer_name="GRPO", **_kwargs))
+register("rloo/repetition_penalty=1.3", partial(online_case, trainer_name="RLOO", repetition_penalty=1.3))
+register("grpo/multi_objective_aggregation=normalize_then_sum",
+         partial(online_case, trainer_name="GRPO", reward_funcs=[toy_reward, length_reward],
+                 multi_objective_aggregation="normalize_then_sum"))  # fmt: skip
+register("grpo/use_adaptive_entropy/coef=0.1", partial(online_case, trainer_name="GRPO", max_steps=3,
+         use_adaptive_entropy=True, entropy_coef=0.1))  # fmt: skip
+register("grpo/use_adaptive_entropy/target=5", partial(online_case, trainer_name="GRPO", max_steps=3,
+         use_adaptive_entropy=True, entropy_target=5.0, entropy_coef_delta=0.05))  # fmt: skip
+register("grpo/entropy_coef=0.1", partial(online_case, trainer_name="GRPO", max_steps=2, entropy_coef=0.1))
+register("grpo/use_adaptive_entropy/target=10", partial(online_case, trainer_name="GRPO", max_steps=3,
+         use_adaptive_entropy=True, entropy_coef=0.1, entropy_target=10.0, entropy_coef_delta=0.05))  # fmt: skip
+register("grpo/use_adaptive_entropy/entropy_coef_min_above_max", partial(online_case, trainer_name="GRPO",
+         max_steps=3, use_adaptive_entropy=True, entropy_coef_min=0.5, entropy_coef_max=0.1,
+         entropy_target=10.0))  # fmt: skip
+register("grpo/use_adaptive_entropy/gradient_accumulation_steps=2", partial(online_case, trainer_name="GRPO",
+         max_steps=3, use_adaptive_entropy=True, entropy_coef=0.1, entropy_target=10.0, entropy_coef_delta=0.05,
+         gradient_accumulation_steps=2))  # fmt: skip
+register("grpo/use_adaptive_entropy/entropy_coef_above_max", partial(online_case, trainer_name="GRPO",
+         max_steps=2, use_adaptive_entropy=True, entropy_coef=2.0))  # fmt: skip

@@ -163,5 +163,5 @@ class MiniLLMTrainer(GRPOTrainer):
             loss = loss + (student.exp() * (student - teacher)).sum(-1).mean()
         loss = self._add_aux_loss(loss, aux_loss)
         with torch.no_grad():
-            self._record_loss_metrics(entropy, mask, None, ratio, stats, per_token_loss.shape, None)
+            self._record_loss_metrics(entropy, mask, None, stats, per_token_loss.shape, None)
         return loss
