@@ -176,6 +176,20 @@ def test_teacher_context_from_successes_and_feedback(trainer):
         {"completion_ids": output["completion_ids"][:2]}, messages, torch.tensor([1.0, 0.0]), feedbacks=None
     )
     assert context["self_distillation_mask"].tolist() == [1.0, 1.0]
+    # Without demonstrations, no completion counts as having a successful sibling to learn from (TRL's metric).
+    args.use_successful_as_teacher = False
+    builder.build({"completion_ids": output["completion_ids"][:2]}, messages, torch.tensor([1.0, 0.0]))
+    assert builder.last_metrics["self_distillation/success_sample_fraction"] == 0.0
+
+
+def test_demonstration_without_thinking_is_stripped(trainer):
+    builder = SuccessfulRolloutTeacherContextBuilder(trainer)
+    ids = trainer.processing_class.encode(" <think>plan</think> red \n")
+    assert builder._demonstration_text(ids) == " <think>plan</think> red \n"
+    trainer.args.remove_thinking_from_demonstration = True
+    # The reasoning block goes, and the surrounding whitespace with it (TRL strips the demonstration).
+    assert builder._demonstration_text(ids) == "red"
+    assert builder._demonstration_text(trainer.processing_class.encode(" blue ")) == "blue"
 
 
 @pytest.mark.parametrize("weight, kind", [(1.0, "ema"), (0.5, "base")])

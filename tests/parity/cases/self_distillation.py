@@ -289,3 +289,30 @@ for _name, _kwargs, _phrases in (
     ),
 ):
     register(_name, partial(teacher_server_error_case, **_kwargs), phrases=_phrases)
+
+
+# Fields that no other case sets.
+for _name, _kwargs in {
+    # Two steps: the second runs off-policy (importance weights) and with the teacher the first step left. A third
+    # step's fingerprints carry the float rounding of the shared prompts (see `sdft/steps_per_generation=2`).
+    "distillation_is_clip=None": dict(distillation_is_clip=None, num_iterations=2),
+    "distillation_is_clip=1.1": dict(distillation_is_clip=1.1, num_iterations=2),
+    "teacher=ema/teacher_sync_steps=2": dict(teacher_model_kind="ema", teacher_update_rate=0.5, teacher_sync_steps=2),
+}.items():
+    register(f"sdft/{_name}", partial(sdft_case, **_kwargs))
+    register(f"sdpo/{_name}", partial(sdpo_case, **_kwargs))
+for _name, _kwargs in {
+    "max_reprompt_len=12": dict(max_reprompt_len=12),
+    "use_successful_as_teacher=False": dict(
+        use_successful_as_teacher=False, feedback=True, include_environment_feedback=True, max_steps=1
+    ),  # fmt: skip
+    "templates": dict(
+        reprompt_template="Q: {prompt}{solution}{feedback} Try again.",
+        solution_template=" S: {successful_previous_attempt}.",
+        feedback_template=" F: {feedback_raw}.",
+        feedback=True,
+        include_environment_feedback=True,
+    ),  # fmt: skip
+    "remove_thinking_from_demonstration": dict(remove_thinking_from_demonstration=True),
+}.items():
+    register(f"sdpo/{_name}", partial(sdpo_case, **_kwargs))

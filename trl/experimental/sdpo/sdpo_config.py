@@ -78,7 +78,7 @@ class SDPOConfig(_SelfDistillationConfig):
         environment_feedback_only_without_solution (`bool`, defaults to `False`):
             Show the feedback only when no successful completion is available.
         remove_thinking_from_demonstration (`bool`, defaults to `False`):
-            Strip `<think>...</think>` blocks from the demonstration.
+            Strip `<think>...</think>` blocks, then leading and trailing whitespace, from the demonstration.
         diagnostics_warning_interval (`int`, defaults to `10`):
             Warn about a degenerate state (flat rewards, no successes, no reprompted samples) at its first and every
             this-many-th consecutive occurrence; 0 disables the warnings.

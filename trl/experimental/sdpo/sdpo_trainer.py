@@ -82,7 +82,7 @@ class SuccessfulRolloutTeacherContextBuilder:
         ids = [token for token in completion_ids if token != trainer.pad_token_id]
         text = trainer._tokenizer.decode(ids, skip_special_tokens=True)
         if trainer.args.remove_thinking_from_demonstration:
-            text = _THINKING.sub("", text)
+            text = _THINKING.sub("", text).strip()
         return text
 
     def _build_reprompt_text(self, prompt_text: str, solution_text: str, feedback_text: str) -> str:
@@ -135,8 +135,8 @@ class SuccessfulRolloutTeacherContextBuilder:
                 for j in range(start, start + group)
                 if success[j] and not (args.dont_reprompt_on_self_success and j == i)
             ]
-            has_peer.append(bool(peers))
             demo = self._demonstration_text(all_ids[peers[0]]) if peers and args.use_successful_as_teacher else None
+            has_peer.append(demo is not None)
             feedback = all_feedbacks[i]
             use_feedback = (
                 args.include_environment_feedback
@@ -157,7 +157,7 @@ class SuccessfulRolloutTeacherContextBuilder:
         groups = success.view(-1, group)
         self.last_metrics = {
             "self_distillation/success_group_fraction": groups.any(dim=1).float().mean().item(),
-            # Completions that have a successful sibling to learn from (themselves too unless excluded).
+            # Completions given a successful sibling as demonstration (themselves too unless excluded).
             "self_distillation/success_sample_fraction": sum(has_peer) / len(has_peer),
             "self_distillation/feedback_available_fraction": sum(not _is_blank(f) for f in all_feedbacks)
             / len(all_feedbacks),
