@@ -205,3 +205,9 @@ register(
 register("ppo/value_head/save_format", _value_head_save_format, oracle="1.12")
 register("ppo/value_head/save_format_peft", partial(_value_head_save_format, peft=True), oracle="1.12")
 register("ppo/value_head/seq2seq_forward", _seq2seq_forward, oracle="1.12")
+# Fields that no other case sets: the rollout's scoring chunk, a stop token given by id, and the sample generations.
+register("ppo/local_rollout_forward_batch_size=2", partial(ppo_case, local_rollout_forward_batch_size=2),
+         oracle="1.12")  # fmt: skip
+register("ppo/stop_token_id", partial(ppo_case, stop_token_id=5, missing_eos_penalty=1.0, temperature=1.5,
+         response_length=16), oracle="1.12")  # fmt: skip
+register("ppo/num_sample_generations=2", partial(ppo_case, num_sample_generations=2), oracle="1.12")
