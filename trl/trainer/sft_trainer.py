@@ -804,15 +804,16 @@ class SFTTrainer(_BaseTrainer):
                 if self.args.loss_type == "dft"
                 else torch.full(shift_labels.shape, -1.0, device=shift_labels.device)
             )
+            # The entropy metric comes from the head's own log-softmax (no second one in the statistics).
             result = compute_token_logps(
-                model, targets=shift_labels.clamp(min=0), target_mask=target_mask, upcast=True,
-                logits_stats_fn=_token_entropy_and_correct, expected_grad=expected_grad, **forward_kwargs,
+                model, targets=shift_labels.clamp(min=0), target_mask=target_mask, upcast=True, compute_entropy=True,
+                logits_stats_fn=_token_correct, expected_grad=expected_grad, **forward_kwargs,
             )  # fmt: skip
             outputs, token_logits, token_targets = result.outputs, None, None
             per_token_nll = -result.logps[target_mask]
             count = target_mask.sum().float()
             token_stats = (
-                result.stats["entropy"][target_mask].sum(),
+                result.entropy.detach()[target_mask].sum(),
                 result.stats["correct"][target_mask].sum(),
                 count,
             )
@@ -918,10 +919,9 @@ class SFTTrainer(_BaseTrainer):
         self._record_num_tokens(mode, batch_tokens)
 
 
-def _token_entropy_and_correct(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-token entropy and argmax hit of the target (the `entropy` and `mean_token_accuracy` metrics)."""
-    logits = logits.float()
-    return {"entropy": entropy_from_logits(logits), "correct": (logits.argmax(dim=-1) == targets).float()}
+def _token_correct(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-token argmax hit of the target (the `mean_token_accuracy` metric)."""
+    return {"correct": (logits.argmax(dim=-1) == targets).float()}
 
 
 def _to_sft_config(args: TrainingArguments) -> SFTConfig:
