@@ -69,6 +69,21 @@ def test_kernel_equals_head_then_log_softmax(temperature, with_bias, max_rows):
         torch.testing.assert_close(value, expected_stats[name])
 
 
+def test_kernel_entropy_with_a_masked_vocabulary_entry():
+    """A logit at -inf (a masked vocabulary entry) contributes 0 to the entropy, not NaN (0 * -inf)."""
+    torch.manual_seed(2)
+    hidden = torch.randn(4, 8)
+    weight = torch.randn(30, 8)
+    bias = torch.zeros(30)
+    bias[3] = float("-inf")
+    index = torch.randint(4, 30, (4,))
+    logps, entropy, _ = linear_selective_log_softmax(hidden, weight, index, bias, compute_entropy=True)
+    probs = torch.softmax(F.linear(hidden, weight, bias), dim=-1)
+    expected = -(probs[:, torch.arange(30) != 3] * probs[:, torch.arange(30) != 3].log()).sum(-1)
+    assert torch.isfinite(entropy).all()
+    torch.testing.assert_close(entropy, expected, **TOLERANCE)
+
+
 def test_kernel_log_probs_only_and_frozen_head():
     """Only the log-probs flow back, and the head needs no gradient (PEFT): the hidden states' gradient is exact."""
     torch.manual_seed(1)

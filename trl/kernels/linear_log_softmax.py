@@ -45,10 +45,15 @@ def _chunk_log_softmax(hidden, weight, bias, temperature, compute_dtype, logit_s
     return logits, torch.log_softmax(scaled, dim=-1)
 
 
-def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
-    probs = log_probs.exp()
-    vanishing = probs == 0  # before the product: 0 * (-inf) is NaN there, and the contribution is exactly 0
-    return probs.mul_(log_probs).masked_fill_(vanishing, 0.0).sum(dim=-1).neg_()
+def _entropy(probs: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+    """`-sum_v p_v log p_v` of each row (any leading shape), as one dot product per row: no logits-sized temporary."""
+    vocab = probs.shape[-1]
+    flat_probs, flat_log_probs = probs.reshape(-1, 1, vocab), log_probs.reshape(-1, vocab, 1)
+    entropy = torch.bmm(flat_probs, flat_log_probs).view(probs.shape[:-1]).neg_()
+    if not bool(torch.isfinite(entropy).all()):
+        # A vocabulary entry at -inf (a masked logit): 0 * (-inf) is NaN there, and its contribution is exactly 0.
+        entropy = probs.mul(log_probs).masked_fill_(probs == 0, 0.0).sum(dim=-1).neg_()
+    return entropy
 
 
 class _HeadGradients:
@@ -65,10 +70,13 @@ class _HeadGradients:
         self.grad_weight = None
         self.grad_bias = torch.zeros_like(bias, dtype=compute_dtype) if self.need_bias else None
 
-    def add(self, start, end, log_probs, capped, index, grad_logps, grad_entropy, entropy, log_probs_writable):
-        """Add the chunk of rows `start:end`; `log_probs` is overwritten only when `log_probs_writable`."""
+    def add(
+        self, start, end, log_probs, capped, index, grad_logps, grad_entropy, entropy, log_probs_writable, probs=None
+    ):
+        """Add the chunk of rows `start:end`; `log_probs` is overwritten only when `log_probs_writable`, and `probs`
+        (their exponential, when the caller has it) always."""
         compute_dtype = self.compute_dtype
-        probs = log_probs.exp()
+        probs = log_probs.exp() if probs is None else probs
         if grad_entropy is None:
             # d log p_y / d z_j = 1[j == y] - p_j
             grad = probs.mul_(-grad_logps[start:end].to(compute_dtype).unsqueeze(-1))
@@ -186,14 +194,16 @@ class _LinearLogSoftmax(torch.autograd.Function):
             target_logit = logits.gather(-1, idx).squeeze(-1)
             scaled_target = _transform_logits(target_logit, compute_dtype, scale, cap) / temperature
             log_norm[start:end] = scaled_target - logps[start:end]
-            if want_entropy:
-                entropy[start:end] = _entropy(log_probs)
             if stats_fn is not None:
                 for name, value in stats_fn(logits.unsqueeze(0), index[start:end].unsqueeze(0)).items():
                     stats.setdefault(name, []).append(value.squeeze(0))
-            del logits
+            del logits  # before the probabilities: at most two logits-sized buffers at a time from here on
+            probs = log_probs.exp() if want_entropy or ahead is not None else None
+            if want_entropy:
+                entropy[start:end] = _entropy(probs, log_probs)
             if ahead is not None:
-                ahead.add(start, end, log_probs, None, index, ahead_grad, None, None, True)
+                ahead.add(start, end, log_probs, None, index, ahead_grad, None, None, True, probs=probs)
+            del probs
             # All rows in one chunk: the backward starts right after the head, so keeping the log-probabilities
             # costs no peak memory (the backward would allocate their like) and saves recomputing the logits.
             keep = ahead is None and end == rows and start == 0 and cap is None and any(needs)

@@ -144,8 +144,9 @@ class _FrozenHeadJSD(torch.autograd.Function):
             value, grad, _ = _chunk_divergence(
                 logits, _read(teacher_logits, key, sub_mask), beta, temperature, True, False
             )
-            _write(entropy, key, sub_mask, _entropy(torch.log_softmax(logits.to(compute_dtype) / temperature, dim=-1)))
-            del logits
+            log_probs = torch.log_softmax(logits.to(compute_dtype) / temperature, dim=-1)
+            _write(entropy, key, sub_mask, _entropy(log_probs.exp(), log_probs))
+            del logits, log_probs
             _write(out, key, sub_mask, value)
             if sub_mask is not None:
                 buffer[key][~sub_mask] = 0
