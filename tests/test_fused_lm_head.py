@@ -297,9 +297,11 @@ def test_kernel_under_autocast_runs_in_the_heads_dtype():
 
 @pytest.mark.parametrize("max_rows", [4, None])
 @pytest.mark.parametrize("proportional", [True, False])
-def test_kernel_gradients_computed_in_the_forward(max_rows, proportional):
+@pytest.mark.parametrize("entropy", [None, "metric", "in_loss"])
+def test_kernel_gradients_computed_in_the_forward(max_rows, proportional, entropy):
     """With `expected_grad`, the gradients come from the forward's logits (scaled by the backward), and a gradient
-    that is not proportional to the promise still gets the exact result through the recomputing backward."""
+    that is not proportional to the promise (or that reaches the entropy) still gets the exact result through the
+    recomputing backward."""
     torch.manual_seed(3)
     hidden = torch.randn(9, 16, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
@@ -307,15 +309,23 @@ def test_kernel_gradients_computed_in_the_forward(max_rows, proportional):
     index = torch.randint(0, 40, (9,))
     promise = -torch.rand(9, dtype=torch.float64)
     upstream = promise * 0.37 if proportional else torch.randn(9, dtype=torch.float64)
-    logps, _, _ = linear_selective_log_softmax(
-        hidden, weight, index, bias, temperature=0.8, max_rows=max_rows, expected_grad=promise
-    )
-    objective = (logps * upstream).sum()
+    logps, entropy_values, _ = linear_selective_log_softmax(
+        hidden, weight, index, bias, temperature=0.8, compute_entropy=entropy is not None, max_rows=max_rows,
+        expected_grad=promise,
+    )  # fmt: skip
+    objective = (logps * upstream).sum() + (0.3 * entropy_values.sum() if entropy == "in_loss" else 0.0)
     grads = torch.autograd.grad(objective, [hidden, weight, bias], retain_graph=True)
     again = torch.autograd.grad(objective, [hidden, weight, bias])
-    expected = F.log_softmax(F.linear(hidden, weight, bias) / 0.8, dim=-1).gather(-1, index[:, None]).squeeze(-1)
+    reference = F.log_softmax(F.linear(hidden, weight, bias) / 0.8, dim=-1)
+    expected = reference.gather(-1, index[:, None]).squeeze(-1)
     torch.testing.assert_close(logps, expected, **TOLERANCE)
-    want = torch.autograd.grad((expected * upstream).sum(), [hidden, weight, bias])
+    expected_objective = (expected * upstream).sum()
+    if entropy is not None:
+        expected_entropy = -(reference.exp() * reference).sum(-1)
+        torch.testing.assert_close(entropy_values, expected_entropy, **TOLERANCE)
+        if entropy == "in_loss":
+            expected_objective = expected_objective + 0.3 * expected_entropy.sum()
+    want = torch.autograd.grad(expected_objective, [hidden, weight, bias])
     for got, second, ref in zip(grads, again, want, strict=True):
         torch.testing.assert_close(got, ref, **TOLERANCE)
         torch.testing.assert_close(second, ref, **TOLERANCE)

@@ -317,7 +317,7 @@ def _fused_token_logps(
         row_expected = expected_grad[rows, cols] if expected_grad is not None else None
     logps, entropy, stats = linear_selective_log_softmax(
         row_hidden, head.weight, row_targets, head.bias, temperature, compute_entropy, logits_stats_fn,
-        expected_grad=None if compute_entropy else row_expected,
+        expected_grad=row_expected,  # an entropy that gets a gradient after all takes the recomputing backward
     )  # fmt: skip
     # The unfused path returns values in the logits' dtype.
     dtype = logps.dtype if upcast else head.weight.dtype
