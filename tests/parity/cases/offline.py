@@ -449,3 +449,8 @@ register_offline("sft/pad_token=eos/conversational", "sft", dataset="conversatio
 register_offline("dpo/loss_type=discopop/discopop_tau=0.2", "dpo", loss_type="discopop", discopop_tau=0.2)
 # (DPO's: tests/parity/cases/dpo_losses.py, with a reference that differs from the policy.)
 register_offline("kto/precompute_ref_batch_size=2", "kto", precompute_ref_log_probs=True, precompute_ref_batch_size=2)
+# Evaluation options of transformers' TrainingArguments that the trainers' own evaluation loops must honour.
+for _kind in ("sft", "dpo", "kto", "reward"):
+    register_offline(f"{_kind}/prediction_loss_only=True", _kind, prediction_loss_only=True)
+    register_offline(f"{_kind}/eval_accumulation_steps=1", _kind, eval_accumulation_steps=1,
+                     per_device_eval_batch_size=2)  # fmt: skip
