@@ -45,15 +45,14 @@ def _chunk_log_softmax(hidden, weight, bias, temperature, compute_dtype, logit_s
     return logits, torch.log_softmax(scaled, dim=-1)
 
 
-def _entropy(probs: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
-    """`-sum_v p_v log p_v` of each row (any leading shape), as one dot product per row: no logits-sized temporary."""
-    vocab = probs.shape[-1]
-    flat_probs, flat_log_probs = probs.reshape(-1, 1, vocab), log_probs.reshape(-1, vocab, 1)
-    entropy = torch.bmm(flat_probs, flat_log_probs).view(probs.shape[:-1]).neg_()
-    if not bool(torch.isfinite(entropy).all()):
-        # A vocabulary entry at -inf (a masked logit): 0 * (-inf) is NaN there, and its contribution is exactly 0.
-        entropy = probs.mul(log_probs).masked_fill_(probs == 0, 0.0).sum(dim=-1).neg_()
-    return entropy
+def _entropy(probs: torch.Tensor, log_probs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`-sum_v p_v log p_v` of each row, the product written into `out` (`probs` or `log_probs`, overwritten).
+
+    The elementwise product then the sum, as TRL reduces it: top-entropy masks compare these values, so they must round
+    alike (a dot product per row sums in another order).
+    """
+    vanishing = probs == 0  # before the product: 0 * (-inf) is NaN there, and the contribution is exactly 0
+    return torch.mul(probs, log_probs, out=out).masked_fill_(vanishing, 0.0).sum(dim=-1).neg_()
 
 
 class _HeadGradients:
@@ -200,7 +199,9 @@ class _LinearLogSoftmax(torch.autograd.Function):
             del logits  # before the probabilities: at most two logits-sized buffers at a time from here on
             probs = log_probs.exp() if want_entropy or ahead is not None else None
             if want_entropy:
-                entropy[start:end] = _entropy(probs, log_probs)
+                # The gradients ahead need the probabilities and not the log-probabilities (no entropy gradient in
+                # the forward); without them, the log-probabilities may be kept for the backward.
+                entropy[start:end] = _entropy(probs, log_probs, out=log_probs if ahead is not None else probs)
             if ahead is not None:
                 ahead.add(start, end, log_probs, None, index, ahead_grad, None, None, True, probs=probs)
             del probs

@@ -145,8 +145,9 @@ class _FrozenHeadJSD(torch.autograd.Function):
                 logits, _read(teacher_logits, key, sub_mask), beta, temperature, True, False
             )
             log_probs = torch.log_softmax(logits.to(compute_dtype) / temperature, dim=-1)
-            _write(entropy, key, sub_mask, _entropy(log_probs.exp(), log_probs))
-            del logits, log_probs
+            probs = log_probs.exp()
+            _write(entropy, key, sub_mask, _entropy(probs, log_probs, out=probs))
+            del logits, log_probs, probs
             _write(out, key, sub_mask, value)
             if sub_mask is not None:
                 buffer[key][~sub_mask] = 0
