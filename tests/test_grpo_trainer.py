@@ -824,8 +824,9 @@ def test_adaptive_entropy_bonus_and_checkpoint_state(tmp_path, model_path, promp
     assert trainer.entropy_coef == pytest.approx(0.05)
     # The bonus acts only after a step whose entropy fell below the target: not on the first step, then with the
     # coefficient the previous step left (TRL 1.16's schedule).
-    assert logs[0]["loss"] == pytest.approx(logs[0]["policy_loss"], abs=1e-6)
-    assert logs[1]["loss"] == pytest.approx(logs[1]["policy_loss"] - 0.03 * logs[1]["entropy"], rel=1e-4)
+    # (Older transformers round logged values to 4 digits.)
+    assert logs[0]["loss"] == pytest.approx(logs[0]["policy_loss"], abs=1e-4)
+    assert logs[1]["loss"] == pytest.approx(logs[1]["policy_loss"] - 0.03 * logs[1]["entropy"], rel=1e-3)
     with open(os.path.join(tmp_path, "checkpoint-2", "entropy_ctrl_state.json")) as f:
         assert json.load(f)["entropy_coef"] == pytest.approx(0.05)
 
