@@ -11,8 +11,8 @@ torch:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==$(TORCH_CPU_VERSION)"
 
 install: torch
-	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb, openai, sklearn, math_verify, jmespath, mergekit, diffusers, matplotlib" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
-		|| (echo "make: installing trl with the test and optional extras (a few minutes the first time)"; $(PIP) install -q -e ".[test,quality,judges,bco,merge,diffusers]")
+	@$(PYTHON) -c "import trl, pytest, hypothesis, xdist, ruff, wandb, openai, sklearn, math_verify, jmespath, mergekit, diffusers, matplotlib, bitsandbytes" 2>/dev/null && $(PYTHON) -c "import importlib.metadata as m; m.version('trl')" >/dev/null 2>&1 \
+		|| (echo "make: installing trl with the test and optional extras (a few minutes the first time)"; $(PIP) install -q -e ".[test,quality,judges,bco,merge,diffusers,quantization]")
 
 # The default suite: what `make test` runs, and what `make test-compat` runs again at older dependency versions.
 DEFAULT_MARKS = not slow and not distributed and not vllm and not parity and not reliability
@@ -139,7 +139,7 @@ parity-env-022:
 	fi
 
 parity-env: install
-	$(call trl_venv,$(PARITY_VENV),trl==$(PARITY_TRL_VERSION),Pillow)
+	$(call trl_venv,$(PARITY_VENV),trl==$(PARITY_TRL_VERSION),Pillow bitsandbytes)
 
 parity-env-112: install
 	$(call trl_venv,$(PARITY_VENV_112),trl==$(PARITY_TRL_VERSION_112),requests)
@@ -210,7 +210,7 @@ bench: install
 BENCH_VENV ?= .venv-bench
 
 bench-env: install
-	$(call trl_venv,$(BENCH_VENV),-e .,Pillow)
+	$(call trl_venv,$(BENCH_VENV),-e .,Pillow bitsandbytes)
 
 # BENCH_COMPARE_ARGS passes flags on to both targets, e.g. BENCH_COMPARE_ARGS="--jobs sft_padded,dpo --rounds 2".
 BENCH_COMPARE_ARGS ?=

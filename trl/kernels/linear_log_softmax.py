@@ -331,6 +331,12 @@ def linear_selective_log_softmax(
                 final_logit_softcapping,
                 expected_grad,
             )
+    if hidden.dtype != weight.dtype:
+        # A head kept in another dtype than its input (a bf16 `modules_to_save` copy on an fp32 base, an fp32 head on
+        # a bf16 model): the product in the wider of the two, as TRL computes it.
+        dtype = torch.promote_types(hidden.dtype, weight.dtype)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
     if max_rows is None:
         max_rows = max(1, _CHUNK_BYTES // (4 * max(weight.shape[0], 1)))
     max_rows = int(max_rows)

@@ -82,19 +82,73 @@ def peft_module_casting_to_bf16(model: nn.Module) -> None:
                 module.to(torch.bfloat16)
 
 
-def prepare_peft_model(model: PreTrainedModel, peft_config: Any, args: Any) -> nn.Module:
+# How a trainer sets up adapters on a bitsandbytes-quantized (4- or 8-bit) base, as TRL 1.16's trainer of the same
+# name does (observed: the dtypes of the frozen and trainable parameters after construction):
+# - `KBIT_PREPARED`: peft's `prepare_model_for_kbit_training` first (frozen floating-point parameters to fp32); with
+#   `bf16` and a 4-bit base, embeddings and heads are then cast to bf16 before the adapters are added (CPO, ORPO, BCO,
+#   and the trainers not observed yet);
+# - `AS_LOADED`: the base as loaded, fp32 adapters (Online DPO, XPO, Nash-MD, TPO, SDFT, SDPO, IW-OPD);
+# - `BF16_ADAPTERS`: the base as loaded, every trainable parameter cast to bf16 whatever `bf16` says, also for a
+#   `PeftModel` passed in (SFT, DPO, KTO, Reward, GRPO, RLOO, Distillation, GKD, GOLD).
+KBIT_PREPARED, AS_LOADED, BF16_ADAPTERS = "kbit_prepared", "as_loaded", "bf16_adapters"
+
+
+def is_quantized_peft_model(model: nn.Module) -> bool:
+    """Whether `model` is a PEFT model on a bitsandbytes 4- or 8-bit base."""
+    if not is_peft_available():
+        return False
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel) and _is_kbit_model(model)
+
+
+# The adapter that holds a copy of a passed-in `PeftModel`'s adapter, as the reference (see `add_reference_adapter`).
+REFERENCE_ADAPTER = "ref"
+
+
+def add_reference_adapter(model: nn.Module) -> str:
+    """Copy the active adapter of the PEFT `model` into a frozen adapter named `REFERENCE_ADAPTER`, and return that
+    name. TRL's preference and online trainers take a `PeftModel` passed in (its adapter maybe trained already, by SFT
+    for instance) as its own reference with that adapter as it was when training started, rather than with the
+    adapters disabled; the active adapter stays the trained one."""
+    import copy
+
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    active = model.active_adapter
+    state = get_peft_model_state_dict(model, adapter_name=active)
+    model.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(model.peft_config[active]))
+    set_peft_model_state_dict(model, state, adapter_name=REFERENCE_ADAPTER)
+    model.set_adapter(active)
+    for name, parameter in model.named_parameters():
+        if f".{REFERENCE_ADAPTER}." in name:
+            parameter.requires_grad_(False)
+    return REFERENCE_ADAPTER
+
+
+def cast_trainable_parameters_to_bf16(model: nn.Module) -> None:
+    """Cast every trainable parameter of `model` (adapters, `modules_to_save` copies) to bf16, in place."""
+    for parameter in model.parameters():
+        if parameter.requires_grad and parameter.dtype != torch.bfloat16:
+            parameter.data = parameter.data.to(torch.bfloat16)
+
+
+def prepare_peft_model(
+    model: PreTrainedModel, peft_config: Any, args: Any, quantized_base: str = KBIT_PREPARED
+) -> nn.Module:
     """Wrap `model` with LoRA (or another PEFT method) the way every trainer does.
 
-    Steps: validate inputs; quantized (bitsandbytes) models go through `peft.prepare_model_for_kbit_training`;
-    otherwise, with `args.gradient_checkpointing`, checkpointing is enabled and the embedding outputs are made to
-    require grad (needed for adapters + checkpointing to train); the model is wrapped with `peft.get_peft_model`
-    (adapter dtype autocast disabled under ZeRO-3); finally 4-bit models trained in bf16 get their trainable modules
-    cast to bf16.
+    Steps: validate inputs; a quantized (bitsandbytes) base is set up as `quantized_base` says (see
+    `KBIT_PREPARED`, `AS_LOADED`, `BF16_ADAPTERS`); otherwise, with `args.gradient_checkpointing`, checkpointing is
+    enabled and the embedding outputs are made to require grad (needed for adapters + checkpointing to train); the
+    model is wrapped with `peft.get_peft_model` (adapter dtype autocast disabled under ZeRO-3).
 
     Args:
         model: Model to wrap.
         peft_config: A `peft.PeftConfig`; None returns `model` unchanged.
         args: Training arguments (`gradient_checkpointing`, `gradient_checkpointing_kwargs` and `bf16` are read).
+        quantized_base: How a bitsandbytes 4- or 8-bit base is set up: `"kbit_prepared"` (default, the behaviour of
+            `trl.experimental.utils.prepare_peft_model`), `"as_loaded"` or `"bf16_adapters"`.
 
     Returns:
         The `peft.PeftModel`.
@@ -108,6 +162,11 @@ def prepare_peft_model(model: PreTrainedModel, peft_config: Any, args: Any) -> n
         )
     from peft import PeftConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 
+    if quantized_base not in (KBIT_PREPARED, AS_LOADED, BF16_ADAPTERS):
+        raise ValueError(
+            f"quantized_base must be one of {KBIT_PREPARED!r}, {AS_LOADED!r} or {BF16_ADAPTERS!r}, got "
+            f"{quantized_base!r}."
+        )
     if not isinstance(peft_config, PeftConfig):
         raise TypeError(
             f"`peft_config` must be a `peft.PeftConfig` (for example `peft.LoraConfig`), got "
@@ -135,12 +194,15 @@ def prepare_peft_model(model: PreTrainedModel, peft_config: Any, args: Any) -> n
         # Non-reentrant checkpointing does not see the parameters DeepSpeed gathers lazily.
         gc_kwargs["use_reentrant"] = True
 
-    if _is_kbit_model(model):
+    quantized = _is_kbit_model(model)
+    if quantized and quantized_base == KBIT_PREPARED:
         model = prepare_model_for_kbit_training(
             model, use_gradient_checkpointing=gradient_checkpointing, gradient_checkpointing_kwargs=gc_kwargs or None
         )
         if gradient_checkpointing and hasattr(model, "enable_input_require_grads"):
             model.enable_input_require_grads()
+        if getattr(model, "is_loaded_in_4bit", False) and getattr(args, "bf16", False):
+            peft_module_casting_to_bf16(model)  # before the adapters exist: they stay in fp32
     elif gradient_checkpointing:
         enable_gradient_checkpointing(model, gc_kwargs or None)
 
@@ -149,8 +211,8 @@ def prepare_peft_model(model: PreTrainedModel, peft_config: Any, args: Any) -> n
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         model = get_peft_model(model, peft_config, autocast_adapter_dtype=not zero3)
 
-    if getattr(model, "is_loaded_in_4bit", False) and getattr(args, "bf16", False):
-        peft_module_casting_to_bf16(model)
+    if quantized and quantized_base == BF16_ADAPTERS:
+        cast_trainable_parameters_to_bf16(model)
     return model
 
 

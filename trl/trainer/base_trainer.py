@@ -26,6 +26,13 @@ from .._compat import trainer_divides_scaled_loss
 from .._data.formats import check_no_images, check_single_format, get_dataset_column_names
 from ..chat_template_utils import clone_chat_template
 from ..models.activation_offloading import get_act_offloading_ctx_manager
+from ..models.peft import (
+    BF16_ADAPTERS,
+    KBIT_PREPARED,
+    add_reference_adapter,
+    cast_trainable_parameters_to_bf16,
+    is_quantized_peft_model,
+)
 from ..models.utils import _create_reference_model, prepare_deepspeed, prepare_fsdp
 from .callbacks import SyncRefModelCallback
 from .fast_paths.cpu_allocator import keep_activation_memory
@@ -93,6 +100,8 @@ class _BaseTrainer(Trainer):
             a dataset with images rather than dropping them.
         _ignored_options: The trainer's table of options that have no effect in some runs (see
             `trl/trainer/utils/ignored_options.py`), checked once when the trainer is built.
+        _quantized_base: How adapters are set up on a bitsandbytes 4- or 8-bit base (`trl/models/peft.py`:
+            `KBIT_PREPARED`, `AS_LOADED` or `BF16_ADAPTERS`), as TRL's trainer of the same name does.
     """
 
     _accepts_images: bool = False
@@ -100,6 +109,12 @@ class _BaseTrainer(Trainer):
     _name: str = "Base"
     # Suffix of the default `output_dir` (`<model name>-<suffix>`) when it differs from `_name`.
     _output_dir_suffix: str | None = None
+    _quantized_base: str = KBIT_PREPARED
+    # The adapter the reference passes of a PEFT policy activate when no `ref_adapter_name` is given (None: the
+    # adapters disabled); see `_copy_given_adapter_as_reference`, which the trainers setting
+    # `_reference_copies_given_adapter` call (TRL's DPO, KTO, GRPO and RLOO do this).
+    _reference_adapter: str | None = None
+    _reference_copies_given_adapter: bool = False
     # Instance state declared here with its default (set later, or only by some trainers) rather than probed.
     ref_model = None
     current_gradient_accumulation_steps: int | None = None
@@ -308,13 +323,14 @@ class _BaseTrainer(Trainer):
             tokenizer.padding_side = padding_side
         return processing_class
 
-    @staticmethod
-    def _wrap_peft(model: PreTrainedModel, peft_config: Any, args: TrainingArguments) -> PreTrainedModel:
-        """Wrap `model` with PEFT adapters from `peft_config` (no-op when None). See `prepare_peft_model`."""
-        if peft_config is None:
-            return model
-
-        return prepare_peft_model(model, peft_config, args)
+    def _wrap_peft(self, model: PreTrainedModel, peft_config: Any, args: TrainingArguments) -> PreTrainedModel:
+        """Wrap `model` with PEFT adapters from `peft_config` (see `prepare_peft_model`). Without one, a `PeftModel`
+        on a quantized base passed in still gets its trainable parameters in bf16 where `_quantized_base` says so."""
+        if peft_config is not None:
+            return prepare_peft_model(model, peft_config, args, quantized_base=self._quantized_base)
+        if self._quantized_base == BF16_ADAPTERS and is_quantized_peft_model(model):
+            cast_trainable_parameters_to_bf16(model)
+        return model
 
     @staticmethod
     def _is_peft_model(model: Any) -> bool:
@@ -416,6 +432,13 @@ class _BaseTrainer(Trainer):
 
         return _create_reference_model(policy)
 
+    def _copy_given_adapter_as_reference(self, model_arg: Any, policy: nn.Module, needed: bool) -> None:
+        """When the user passed a `PeftModel` (not a `peft_config`) and the method needs a reference, its adapter as
+        it is when training starts is the reference, as in TRL: copied into a frozen adapter that the reference
+        passes activate (`add_reference_adapter`)."""
+        if self._reference_copies_given_adapter and needed and model_arg is policy and self._is_peft_model(policy):
+            self._reference_adapter = add_reference_adapter(policy)
+
     @staticmethod
     def _freeze(model: nn.Module) -> nn.Module:
         for param in model.parameters():
@@ -461,7 +484,7 @@ class _BaseTrainer(Trainer):
             if not self._is_peft_model(unwrapped):
                 raise ValueError("No reference model is available: pass ref_model, or use a PEFT policy.")
 
-            with use_adapter(unwrapped, ref_adapter_name):
+            with use_adapter(unwrapped, ref_adapter_name if ref_adapter_name is not None else self._reference_adapter):
                 yield model
 
     # ------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 
 from ..kernels.log_softmax import selective_log_softmax_and_entropy
+from ..models.peft import BF16_ADAPTERS
 from .distillation_config import DistillationConfig
 from .fast_paths.last_layer_selection import last_layer_before_end
 from .online_base import _OnlineTrainer
@@ -103,6 +104,7 @@ class DistillationTrainer(_NoRewardsMixin, _ToolCallingMixin, _OnlineTrainer):
 
     _tag_names = ["trl", "distillation"]
     _name = "Distillation"
+    _quantized_base = BF16_ADAPTERS
     _template_file = "lm_model_card.md"
     _paper = {
         "title": "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes",

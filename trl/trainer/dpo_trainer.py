@@ -26,6 +26,7 @@ from transformers import (
 from transformers.trainer_utils import EvalPrediction
 
 from ..data_utils import is_conversational, maybe_extract_prompt
+from ..models.peft import BF16_ADAPTERS
 from .dpo_config import DPOConfig
 from .fast_paths.prefix_sharing import paired_groups, supports_prefix_sharing
 from .preference_base import _PreferenceTrainer
@@ -323,6 +324,8 @@ class DPOTrainer(_PreferenceTrainer):
     _tag_names = ["trl", "dpo"]
     _ignored_options = DPO_IGNORED_OPTIONS
     _name = "DPO"
+    _quantized_base = BF16_ADAPTERS
+    _reference_copies_given_adapter = True
     _uncalled_trl_hooks = {
         "_precompute_ref_logps": "after Trainer.__init__ to add the reference columns when precompute_ref_log_probs"
     }

@@ -17,6 +17,7 @@ import torch.nn as nn
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 
+from ..models.peft import BF16_ADAPTERS
 from .grpo_config import GRPOConfig
 from .online_base import _OnlineTrainer
 from .online_math import ADVANTAGE_EPS, aggregate_rewards, group_advantages, k3_kl, masked_mean
@@ -352,6 +353,8 @@ class GRPOTrainer(_ToolCallingMixin, _OnlineTrainer):
 
     _tag_names = ["trl", "grpo"]
     _name = "GRPO"
+    _quantized_base = BF16_ADAPTERS
+    _reference_copies_given_adapter = True
     _template_file = "lm_model_card.md"
     _paper = {
         "title": "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",

@@ -23,6 +23,7 @@ from transformers import (
 )
 from transformers.trainer_utils import EvalPrediction
 
+from ..models.peft import BF16_ADAPTERS
 from .kto_config import KTOConfig
 from .unpaired_preference_base import DataCollatorForUnpairedPreference, _UnpairedPreferenceTrainer
 from .utils.ignored_options import KTO_IGNORED_OPTIONS
@@ -164,6 +165,8 @@ class KTOTrainer(_UnpairedPreferenceTrainer):
     _tag_names = ["trl", "kto"]
     _ignored_options = KTO_IGNORED_OPTIONS
     _name = "KTO"
+    _quantized_base = BF16_ADAPTERS
+    _reference_copies_given_adapter = True
     _uncalled_trl_hooks = {
         "_precompute_ref_logps": "after Trainer.__init__ to add the reference columns when precompute_ref_log_probs",
         "_compute_kl_logps": "from _compute_loss for the log-probs of the mismatched KL completions",

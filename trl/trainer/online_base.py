@@ -262,6 +262,7 @@ class _OnlineTrainer(
         # ---- PEFT and reference model --------------------------------------------------------------------------
         model = self._wrap_peft(model, peft_config, args)
         ref_model = self._build_ref_model(user_model, model, ref_model, args, needed=self._needs_ref_model(args))
+        self._copy_given_adapter_as_reference(user_model, model, self._needs_ref_model(args))
         if ref_model is not None:
             if args.disable_dropout:
                 disable_dropout_in_model(ref_model)

@@ -167,6 +167,8 @@ class _PreferenceTrainer(_BaseTrainer):
         under DeepSpeed / FSDP, where the policy is sharded later and a prepared reference is simpler.
         """
 
+        if not getattr(args, "ref_adapter_name", None):
+            self._copy_given_adapter_as_reference(model_arg, model, needed)
         needed = needed and (not getattr(args, "precompute_ref_log_probs", False) or uses_sharding_engine(args))
         ref_model = self._build_ref_model(model_arg, model, ref_model, args, needed=needed)
         if getattr(args, "disable_dropout", False):

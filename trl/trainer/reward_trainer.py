@@ -21,6 +21,7 @@ from transformers import (
 from transformers.trainer_utils import EvalPrediction
 
 from ..data_utils import get_dataset_column_names, is_conversational
+from ..models.peft import BF16_ADAPTERS
 from .base_trainer import _BaseTrainer
 from .fast_paths.prefix_sharing import (
     MIN_SHARED_SAVING,
@@ -152,6 +153,7 @@ class RewardTrainer(_BaseTrainer):
     _tag_names = ["trl", "reward-trainer"]
     _ignored_options = REWARD_IGNORED_OPTIONS
     _name = "Reward"
+    _quantized_base = BF16_ADAPTERS
     _template_file = "rm_model_card.md"
 
     def __init__(

@@ -12,6 +12,7 @@ import torch.nn as nn
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin, TrainerCallback
 
+from ..models.peft import BF16_ADAPTERS
 from .online_base import _OnlineTrainer
 from .online_math import ADVANTAGE_EPS, aggregate_rewards, leave_one_out_advantages, masked_mean
 from .online_rewards import RewardFunc
@@ -106,6 +107,8 @@ class RLOOTrainer(_OnlineTrainer):
 
     _tag_names = ["trl", "rloo"]
     _name = "RLOO"
+    _quantized_base = BF16_ADAPTERS
+    _reference_copies_given_adapter = True
     _template_file = "lm_model_card.md"
     _paper = {
         "title": "Back to Basics: Revisiting REINFORCE-Style Optimization for Learning from Human Feedback in LLMs",

@@ -32,6 +32,7 @@ from ..data_utils import (
     maybe_convert_to_chatml,
     pack_dataset,
 )
+from ..models.peft import BF16_ADAPTERS
 from ..models.selective_activation_checkpointing import apply_selective_checkpointing_option
 from ._sft_data import _AppendEOS, _LabelBuilder, _shortest_prompt, _Tokenizer, _Truncator
 from .base_trainer import _BaseTrainer
@@ -276,6 +277,7 @@ class SFTTrainer(_BaseTrainer):
     _tag_names = ["trl", "sft"]
     _ignored_options = SFT_IGNORED_OPTIONS
     _name = "SFT"
+    _quantized_base = BF16_ADAPTERS
     _uncalled_trl_hooks = {
         "_reject_skip_prepare_without_labels": "at construction to check datasets used with skip_prepare_dataset"
     }

@@ -262,6 +262,7 @@ from . import (  # noqa: E402, F401
     online,
     plugins,
     ppo,
+    quantization,
     self_distillation,
     server_distillation,
     vlm,

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from datasets import IterableDataset
 
-from ...models.peft import use_adapter
+from ...models.peft import AS_LOADED, use_adapter
 from ...trainer.fast_paths.last_layer_selection import last_layer_before_end
 from ...trainer.fast_paths.prefix_sharing import SharedPrefixLayout, shared_prefix_logits_at
 from ...trainer.online_base import _OnlineTrainer
@@ -128,6 +128,7 @@ class _SelfDistillationTrainer(_OnlineTrainer):
 
     loss_is_scaled_for_ga = True
     _logs_rewards = False
+    _quantized_base = AS_LOADED
     _undefined_metric_value = None
     _shuffle_rollout_batch = False
     _loss_name: str = ""

@@ -20,6 +20,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from transformers.trainer_utils import EvalPrediction
 
 from ...generation import vllm_client
+from ...models.peft import AS_LOADED
 from ...models.utils import disable_dropout_in_model, unwrap_model_for_generation
 from ...trainer.base_trainer import _BaseTrainer
 from ...trainer.distillation_trainer import DistillationTrainer, _vocab_size
@@ -239,6 +240,7 @@ class IWOPDTrainer(_GenerationBatchMixin, _BaseTrainer):
 
     _tag_names = ["trl", "iw-opd"]
     _name = "IW-OPD"
+    _quantized_base = AS_LOADED
     _paper = {
         "title": "On the Position Bias of On-Policy Distillation",
         "id": "2606.22600",

@@ -41,6 +41,7 @@ from transformers import (
 )
 
 from ...data_utils import apply_chat_template, is_conversational
+from ...models.peft import AS_LOADED
 from ...models.utils import unwrap_model_for_generation
 from ...trainer.dpo_trainer import dpo_loss
 from ...trainer.fast_paths.small_row_linear import small_row_linear
@@ -197,6 +198,7 @@ class OnlineDPOTrainer(_OnlineTrainer):
 
     _tag_names = ["trl", "online-dpo"]
     _name = "Online DPO"
+    _quantized_base = AS_LOADED
     _template_file = "lm_model_card.md"
     _paper = {
         "title": "Direct Language Model Alignment from Online AI Feedback",

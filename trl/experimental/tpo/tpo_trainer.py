@@ -15,6 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallba
 from transformers.trainer_utils import EvalPrediction
 
 from ...data_utils import extract_prompt, is_conversational
+from ...models.peft import AS_LOADED
 from ...trainer.fast_paths.prefix_sharing import supports_prefix_sharing
 from ...trainer.preference_base import _PreferenceTrainer
 from ...trainer.utils import (
@@ -187,6 +188,7 @@ class TPOTrainer(_PreferenceTrainer):
 
     _tag_names = ["trl", "tpo"]
     _name = "TPO"
+    _quantized_base = AS_LOADED
     _template_file = "lm_model_card.md"
     _paper = {
         "title": "Triple Preference Optimization: Achieving Better Alignment using a Single Step Optimization",

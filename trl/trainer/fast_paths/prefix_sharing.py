@@ -359,7 +359,7 @@ def _scored_logps(
     temperature: float = 1.0,
 ) -> SequenceTokenLogps:
     """Fused LM head + log-softmax on the gathered `hidden` states that predict `input_ids[rows, columns + 1]`,
-    scattered back into the padded `shape` (0 elsewhere; log-probs and entropies in the head's dtype)."""
+    scattered back into the padded `shape` (0 elsewhere; log-probs and entropies in the logits' dtype)."""
     logps, entropy, stats = linear_selective_log_softmax(
         hidden, head.weight, input_ids[rows, columns + 1], head.bias, temperature, compute_entropy, logits_stats_fn
     )
@@ -367,7 +367,7 @@ def _scored_logps(
     def scatter(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return value.new_zeros(shape, dtype=dtype).index_put((rows, columns), value.to(dtype))
 
-    dtype = head.weight.dtype
+    dtype = torch.promote_types(hidden.dtype, head.weight.dtype)  # the dtype of the logits the head's product gives
     outputs.logits = None
     return SequenceTokenLogps(
         logps=scatter(logps, dtype),

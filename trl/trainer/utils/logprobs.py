@@ -80,7 +80,7 @@ def fusable_lm_head(model: nn.Module) -> nn.Linear | None:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return None
     target = getattr(model, "module", model)
-    head = _output_embeddings(target)
+    head = _computing_head(_output_embeddings(target))
     if type(head) is not nn.Linear or type(head.weight) is not nn.Parameter or hasattr(head.weight, "ds_id"):
         return None
     if head._forward_hooks or torch_module._global_forward_hooks:
@@ -118,7 +118,7 @@ def capture_lm_head_inputs(head: nn.Linear) -> Iterator[list[torch.Tensor]]:
 def lm_head_inputs_captured(model: nn.Module) -> bool:
     """Whether a forward pass of `model` now runs inside [`capture_lm_head_inputs`]: no logits are materialised, the
     fused head computes the log-probs afterwards, a chunk at a time."""
-    head = _output_embeddings(getattr(model, "module", model))
+    head = _computing_head(_output_embeddings(getattr(model, "module", model)))
     return getattr(vars(head).get("forward") if head is not None else None, "captures_lm_head_inputs", False)
 
 
@@ -160,6 +160,21 @@ def head_output_bytes(model: nn.Module) -> int | None:
     if _DECLARED_HEAD_OUTPUT_BYTES:  # the caller knows what it builds on the head's output, captured or not
         return _DECLARED_HEAD_OUTPUT_BYTES[-1]
     return fused_head_working_bytes() if lm_head_inputs_captured(model) else None
+
+
+def _computing_head(head: nn.Module | None) -> nn.Module | None:
+    """The module that computes `head`'s output now. For PEFT's `ModulesToSaveWrapper` (a head listed in
+    `modules_to_save`): the active adapter's trained copy, or the original head while the adapters are disabled or an
+    active adapter has no copy (the wrapper then passes through), None when several adapters are active or the
+    wrapper itself is hooked. Any other module is its own."""
+    if head is None or type(head).__name__ != "ModulesToSaveWrapper":
+        return head
+    if head._forward_hooks or head._forward_pre_hooks:
+        return None
+    active = list(head.active_adapters)
+    if head.disable_adapters or any(name not in head.modules_to_save for name in active):
+        return head.original_module
+    return head.modules_to_save[active[0]] if len(active) == 1 else None
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module | None:
@@ -320,7 +335,7 @@ def _fused_token_logps(
         expected_grad=row_expected,  # an entropy that gets a gradient after all takes the recomputing backward
     )  # fmt: skip
     # The unfused path returns values in the logits' dtype.
-    dtype = logps.dtype if upcast else head.weight.dtype
+    dtype = logps.dtype if upcast else torch.promote_types(row_hidden.dtype, head.weight.dtype)
     logps = logps.to(dtype)
     entropy = entropy.to(dtype) if entropy is not None else None
     if rows is not None:
