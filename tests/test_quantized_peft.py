@@ -100,7 +100,13 @@ def test_dpo_reference_of_a_peft_model_passed_in_is_its_adapter_at_the_start(tmp
     model = trained_adapter()
     data = load_test_dataset("standard_preference", "train").select(range(4))
     args = DPOConfig(
-        output_dir=str(tmp_path), max_steps=1, learning_rate=0.0, logging_steps=1, report_to="none", use_cpu=True
+        output_dir=str(tmp_path),
+        max_steps=1,
+        learning_rate=0.0,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+        gradient_checkpointing=False,  # transformers 4.x's reentrant checkpoint needs input grads a given model lacks
     )
     trainer = DPOTrainer(model, args=args, train_dataset=data)
     assert sorted(trainer.model.peft_config) == ["default", REFERENCE_ADAPTER]
