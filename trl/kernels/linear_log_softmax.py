@@ -24,6 +24,17 @@ def fused_head_working_bytes() -> int:
 LogitsStatsFn = Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
 
 
+def in_common_dtype(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A head's input, weight and bias in the wider of the input's and the weight's dtypes, as TRL computes a head kept
+    in another dtype than its input (a bf16 `modules_to_save` copy on an fp32 base, an fp32 head on a bf16 model)."""
+    if hidden.dtype == weight.dtype:
+        return hidden, weight, bias
+    dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    return hidden.to(dtype), weight.to(dtype), bias.to(dtype) if bias is not None else None
+
+
 def _transform_logits(logits, compute_dtype, logit_scale=1.0, softcap=None):
     """The head's logits as the model's distribution reads them, in `compute_dtype`: times `logit_scale`, then
     soft-capped to `softcap * tanh(z / softcap)` (Gemma-style models); unchanged with the defaults."""
@@ -331,12 +342,7 @@ def linear_selective_log_softmax(
                 final_logit_softcapping,
                 expected_grad,
             )
-    if hidden.dtype != weight.dtype:
-        # A head kept in another dtype than its input (a bf16 `modules_to_save` copy on an fp32 base, an fp32 head on
-        # a bf16 model): the product in the wider of the two, as TRL computes it.
-        dtype = torch.promote_types(hidden.dtype, weight.dtype)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
+    hidden, weight, bias = in_common_dtype(hidden, weight, bias)
     if max_rows is None:
         max_rows = max(1, _CHUNK_BYTES // (4 * max(weight.shape[0], 1)))
     max_rows = int(max_rows)

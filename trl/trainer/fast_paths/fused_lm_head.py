@@ -17,6 +17,7 @@ import torch.nn as nn
 from transformers.utils import ModelOutput
 
 from ...kernels.chunked_logprob import OPTIONAL_OUTPUTS, ChunkedLogProbFunction
+from ...kernels.linear_log_softmax import in_common_dtype
 
 
 # Vocabulary entries per tile given to the kernel (TRL's `_CHUNKED_LOGPROB_CHUNK_SIZE`).
@@ -201,12 +202,8 @@ def _fused_forward(
         selected, weight = selected.float(), weight.float()
         bias = bias.float() if bias is not None else None
         autocast = torch.autocast(device_type=selected.device.type, enabled=False)
-    elif selected.dtype != weight.dtype and not torch.is_autocast_enabled(selected.device.type):
-        # A head kept in another dtype than its input (a bf16 `modules_to_save` copy on an fp32 base): the product in
-        # the wider of the two, as TRL computes it.
-        dtype = torch.promote_types(selected.dtype, weight.dtype)
-        selected, weight = selected.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
+    elif not torch.is_autocast_enabled(selected.device.type):
+        selected, weight, bias = in_common_dtype(selected, weight, bias)
     with maybe_gather_lm_head_ctx(head.weight, getattr(head, "bias", None)), autocast:
         values = ChunkedLogProbFunction.apply(
             selected,
