@@ -125,3 +125,29 @@ def test_dpo_with_a_peft_config_keeps_the_adapters_disabled_as_reference(tmp_pat
     args = DPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", use_cpu=True)
     trainer = DPOTrainer(model, args=args, train_dataset=data, peft_config=lora(task_type="CAUSAL_LM"))
     assert list(trainer.model.peft_config) == ["default"]
+
+
+def test_reward_model_on_an_fp32_quantized_base_is_refused_before_training(tmp_path):
+    pytest.importorskip("bitsandbytes", reason="QLoRA needs bitsandbytes (`pip install trl[quantization]`)")
+    from transformers import AutoModelForSequenceClassification, BitsAndBytesConfig
+
+    from trl import RewardConfig, RewardTrainer
+
+    def reward_model(dtype):
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=dtype)
+        return AutoModelForSequenceClassification.from_pretrained(
+            get_model_path(MODEL), num_labels=1, quantization_config=quantization, dtype=dtype
+        )
+
+    data = load_test_dataset("standard_preference", "train").select(range(4))
+    args = RewardConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match=r"score head is trained in torch.bfloat16 .* base computes in torch.float32"):
+        RewardTrainer(
+            reward_model(torch.float32), args=args, train_dataset=data, peft_config=lora(task_type="SEQ_CLS")
+        )
+    # A bf16 base trains.
+    trainer = RewardTrainer(
+        reward_model(torch.bfloat16), args=args, train_dataset=data, peft_config=lora(task_type="SEQ_CLS")
+    )
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] > 0

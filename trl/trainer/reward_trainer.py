@@ -21,7 +21,7 @@ from transformers import (
 from transformers.trainer_utils import EvalPrediction
 
 from ..data_utils import get_dataset_column_names, is_conversational
-from ..models.peft import BF16_ADAPTERS
+from ..models.peft import BF16_ADAPTERS, is_quantized_peft_model
 from .base_trainer import _BaseTrainer
 from .fast_paths.prefix_sharing import (
     MIN_SHARED_SAVING,
@@ -236,6 +236,7 @@ class RewardTrainer(_BaseTrainer):
         # ---- PEFT ----------------------------------------------------------------------------------------------
         peft_config = self._with_trainable_head(peft_config, model, task_type="SEQ_CLS")
         model = self._wrap_peft(model, peft_config, args)
+        _check_score_head_dtype(model)
 
         # ---- Collator and datasets -----------------------------------------------------------------------------
         if data_collator is None:
@@ -580,3 +581,21 @@ class _FitsMaxLength:
 
     def __call__(self, example: dict[str, Any]) -> bool:
         return len(example["chosen_ids"]) <= self.max_length and len(example["rejected_ids"]) <= self.max_length
+
+
+def _check_score_head_dtype(model: nn.Module) -> None:
+    """On a quantized base the score head's trained copy is cast to bf16 (as TRL does); on a base that computes in
+    another dtype its first product would fail with a dtype mismatch (under TRL too): say so before training."""
+    if not is_quantized_peft_model(model):
+        return
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = head if head is not None else getattr(model.get_base_model(), "score", None)
+    weight = getattr(head, "weight", None)
+    embeddings = model.get_input_embeddings()
+    if weight is not None and weight.requires_grad and weight.dtype != embeddings.weight.dtype:
+        raise ValueError(
+            f"The reward model's score head is trained in {weight.dtype} (a quantized base's trainable parameters are "
+            f"cast to bfloat16) but the base computes in {embeddings.weight.dtype}: its first forward pass would fail "
+            "with a dtype mismatch. Load the quantized base in bfloat16 (`dtype=torch.bfloat16` and "
+            "`bnb_4bit_compute_dtype=torch.bfloat16`)."
+        )
