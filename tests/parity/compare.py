@@ -231,7 +231,7 @@ def compare(real: dict, ours: dict, phrases: tuple[str, ...] = ()) -> Comparison
     result.extra = sorted(set(flat_ours) - set(flat_real), key=_natural)
 
     noise_gradients = _noise_gradient_params(flat_real)
-    bf16_trainable = "torch.bfloat16" in (real.get("trainable_dtypes") or ())
+    bf16_trainable = isinstance(real, dict) and "torch.bfloat16" in (real.get("trainable_dtypes") or ())
     groups: dict[str, list[tuple[str, Any, Any]]] = {}
     for path in sorted(set(flat_real) & set(flat_ours), key=_natural):
         a, b = flat_real[path], flat_ours[path]
