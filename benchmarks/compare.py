@@ -269,6 +269,8 @@ ABLATIONS = {
         "optimizer_in_backward_fallback_reason",
         "off",
     ),
+    # With clipping: one backward pass holding every gradient instead of two that never hold them together.
+    "two_pass_clip": ("trl.trainer.fast_paths.optimizer_in_backward", "_two_pass_fallback_reason", "off"),
 }
 
 

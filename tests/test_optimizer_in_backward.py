@@ -140,6 +140,144 @@ def test_dpo_with_a_reference_model_trains_to_the_same_numbers(tmp_path, monkeyp
     assert all(torch.equal(p, q) for p, q in zip(fast_params, plain_params, strict=True))
 
 
+def _count_two_passes(monkeypatch, trainer_class=SFTTrainer, enable=True):
+    """Counts the steps clipped in two backward passes; with `enable`, lets `trainer_class` take them (as the online
+    trainers do)."""
+    if enable:
+        monkeypatch.setattr(trainer_class, "_clips_in_two_backward_passes", True)
+    passes = []
+    original = StepsInBackward.clip_after_first_pass
+
+    def counting(self, max_norm):
+        passes.append(max_norm)
+        return original(self, max_norm)
+
+    monkeypatch.setattr(StepsInBackward, "clip_after_first_pass", counting)
+    return passes
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"max_grad_norm": 0.05},
+        {"max_grad_norm": 1e9},
+        {"max_grad_norm": 0.05, "gradient_checkpointing": True},
+        {"max_grad_norm": 0.05, "tied": False, "optim": "adamw_torch"},
+        {"max_grad_norm": 0.05, "packing": True, "gradient_checkpointing": True},
+    ],
+    ids=["clipping", "not_clipping", "checkpointing", "untied", "packed"],
+)
+def test_two_backward_passes_clip_to_the_numbers_of_the_step_after_the_backward(tmp_path, monkeypatch, overrides):
+    """With clipping, the first pass takes the global norm and the second steps each parameter clipped: the losses,
+    logged norms and parameters are those of clipping after one backward pass."""
+    overrides = {"max_steps": 4, **overrides}
+    tied = overrides.pop("tied", True)
+    passes = _count_two_passes(monkeypatch)
+    calls = _count_steps(monkeypatch)
+    fast_logs, fast_params, trainer = _train_sft(tmp_path, monkeypatch, True, tied, **overrides)
+    assert len(passes) == 4
+    trainable = sum(1 for p in trainer.model.parameters() if p.requires_grad)
+    assert len(calls) == 4 * (trainable - 1)  # the input embeddings step after the backward
+    plain_logs, plain_params, _ = _train_sft(tmp_path, monkeypatch, False, tied, **overrides)
+    for fast, plain in zip(fast_logs, plain_logs, strict=True):
+        assert (fast["loss"], fast["grad_norm"]) == (plain["loss"], plain["grad_norm"])
+    for name, value in plain_params.items():
+        assert torch.equal(fast_params[name], value), name
+
+
+def test_dpo_clipped_in_two_backward_passes_trains_to_the_same_numbers(tmp_path, monkeypatch):
+    dataset = Dataset.from_dict(
+        {"prompt": ["a b", "the cat", "one two"] * 3, "chosen": [" c d", " sat", " three"] * 3,
+         "rejected": [" x", " ran away", " four five"] * 3}
+    )  # fmt: skip
+
+    def train(in_backward: bool):
+        if not in_backward:
+            monkeypatch.setattr(optimizer_in_backward, "optimizer_in_backward_fallback_reason", lambda trainer: "off")
+        args = DPOConfig(
+            str(tmp_path / str(in_backward)), max_steps=4, per_device_train_batch_size=3, learning_rate=1e-2, seed=0,
+            **{**COMMON_ARGS, "max_grad_norm": 0.05, "gradient_checkpointing": True},
+        )  # fmt: skip
+        trainer = DPOTrainer(
+            _model(), ref_model=_model(), args=args, train_dataset=dataset, processing_class=_tokenizer()
+        )
+        trainer.train()
+        monkeypatch.undo()
+        return train_logs(trainer), [p.detach().clone() for p in trainer.model.parameters()]
+
+    passes = _count_two_passes(monkeypatch, DPOTrainer)
+    fast_logs, fast_params = train(True)
+    assert len(passes) == 4
+    plain_logs, plain_params = train(False)
+    for fast, plain in zip(fast_logs, plain_logs, strict=True):
+        assert (fast["loss"], fast["grad_norm"]) == (plain["loss"], plain["grad_norm"])
+    assert all(torch.equal(p, q) for p, q in zip(fast_params, plain_params, strict=True))
+
+
+def test_grpo_clips_in_two_backward_passes_to_the_numbers_of_one(tmp_path, monkeypatch, model_path, prompts):
+    """The online trainers clip in two backward passes by default (generation dominates their steps), with the
+    rollouts, losses, logged norms and parameters of one pass."""
+    from trainer_utils import GROUP_ARGS, low_id_reward
+
+    from trl import GRPOConfig, GRPOTrainer
+
+    def train(two_passes: bool):
+        monkeypatch.setattr(GRPOTrainer, "_clips_in_two_backward_passes", two_passes)
+        args = GRPOConfig(
+            str(tmp_path / str(two_passes)), **{**COMMON_ARGS, **GROUP_ARGS, "max_steps": 3, "max_grad_norm": 0.05}
+        )
+        trainer = GRPOTrainer(model_path, reward_funcs=low_id_reward, args=args, train_dataset=prompts)
+        trainer.train()
+        monkeypatch.undo()
+        return train_logs(trainer), [p.detach().clone() for p in trainer.model.parameters()]
+
+    passes = _count_two_passes(monkeypatch, enable=False)
+    fast_logs, fast_params = train(True)
+    assert len(passes) == 3
+    plain_logs, plain_params = train(False)
+    for fast, plain in zip(fast_logs, plain_logs, strict=True):
+        assert (fast["loss"], fast["grad_norm"], fast["reward"]) == (
+            plain["loss"],
+            plain["grad_norm"],
+            plain["reward"],
+        )
+    assert all(torch.equal(p, q) for p, q in zip(fast_params, plain_params, strict=True))
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({"offline": True}, "SFTTrainer's backward pass is too large a part of its step"),
+        ({"gradient_accumulation_steps": 2}, "accumulates several micro-batches"),
+        ({"hook": True}, "backward hooks"),
+        ({"lora": True}, "less than a tenth of the weights"),
+    ],
+    ids=["offline", "accumulation", "hooks", "adapters"],
+)
+def test_clipping_keeps_one_backward_pass(tmp_path, monkeypatch, change, reason):
+    """Two passes only in trainers whose steps are mostly generation (not SFT's), with one micro-batch a step, no
+    backward hooks to run twice and more than adapters trained."""
+    change = dict(change)
+    passes = _count_two_passes(monkeypatch, enable=not change.pop("offline", False))
+    model = _model()
+    if change.pop("hook", False):
+        model.model.norm.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+    peft_config = None
+    if change.pop("lora", False):
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = SFTConfig(
+        str(tmp_path), max_steps=5, per_device_train_batch_size=3, **{**COMMON_ARGS, "max_grad_norm": 1.0, **change}
+    )
+    trainer = SFTTrainer(
+        model, args=args, train_dataset=_text(), processing_class=_tokenizer(), peft_config=peft_config
+    )
+    trainer.train()
+    assert reason in optimizer_in_backward_fallback_reason(trainer)
+    assert not passes
+
+
 class _OptimizerSpy(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         pass

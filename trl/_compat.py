@@ -207,6 +207,14 @@ def trainer_divides_scaled_loss(trainer: Any) -> bool:
     return bool(getattr(trainer, "loss_is_scaled_for_ga", None)) and not hasattr(Trainer, "loss_is_scaled_for_ga")
 
 
+def trainer_clips_in_a_method() -> bool:
+    """Whether transformers' training loop clips the gradients through `Trainer._clip_grad_norm` (transformers 5),
+    which a trainer may take over; 4.x clips inline."""
+    from transformers import Trainer
+
+    return hasattr(Trainer, "_clip_grad_norm")
+
+
 def label_smoothed_loss(
     smoother: Any, outputs: Any, labels: Any, shift_labels: bool, num_items_in_batch: Any = None
 ) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -551,3 +552,35 @@ def _validate_tool_calls(tool_calls: Any) -> list[dict]:
         function = {**function, "arguments": {} if arguments is None else arguments}
         validated.append({**call, "type": call.get("type", "function"), "function": function})
     return validated
+
+
+def apply_chat_template_path(model: Any, processing_class: Any, path: str) -> tuple[Any, Any, list[int]]:
+    """Set the chat template named by a trainer's `chat_template_path` option.
+
+    A `.jinja`/`.j2` file is read and used as the template as is. Anything else is taken as a tokenizer directory
+    or id whose template is cloned with `clone_chat_template`, which may add tokens to the tokenizer and resize
+    the model's embeddings.
+
+    Args:
+        model: The model (its embeddings may be resized).
+        processing_class: Tokenizer or processor receiving the template.
+        path: A template file or a tokenizer directory / id.
+
+    Returns:
+        `(model, processing_class, added_token_ids)`; `added_token_ids` is empty for a template file.
+    """
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if os.path.isfile(path) and path.endswith((".jinja", ".j2")):
+        with open(path) as f:
+            tokenizer.chat_template = f.read()
+        if tokenizer is not processing_class:
+            processing_class.chat_template = tokenizer.chat_template
+        return model, processing_class, []
+    if os.path.isfile(path):
+        raise ValueError(
+            f"chat_template_path={path!r} is a file but not a .jinja/.j2 template. Give a template file or a "
+            "tokenizer directory whose chat template should be copied."
+        )
+
+    model, tokenizer, added_tokens = clone_chat_template(model, tokenizer, path)
+    return model, tokenizer, added_tokens

@@ -2,7 +2,8 @@
 `softmax((h W^T + b) / T)`, forward and backward, computed one block of rows at a time so that the logits of the whole
 batch never exist (neither do their gradients)."""
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,23 @@ import torch.nn.functional as F
 # rows for those passes to pay: at Qwen2.5's 151 936-token vocabulary, 32 MiB held 55 rows, and an SFT step at that
 # shape spent ~25 % more CPU time than with 128 MiB (220 rows), which left the peak memory of DPO unchanged.
 _CHUNK_BYTES = 128 * 1024 * 1024
+
+
+# Set while a backward pass runs whose graph is retained for a second one (`retain_graph=True`).
+_RETAINING = False
+
+
+@contextlib.contextmanager
+def retaining_graph() -> Iterator[None]:
+    """Within the block, backward passes hand back the head gradients taken in the forward without consuming them
+    (scaled out of place, or as they are), so that a second backward over the same graph gets the same values instead
+    of recomputing them; outside it, they are scaled in place and handed over, which saves a copy."""
+    global _RETAINING
+    previous, _RETAINING = _RETAINING, True
+    try:
+        yield
+    finally:
+        _RETAINING = previous
 
 
 def fused_head_working_bytes() -> int:
@@ -245,6 +263,8 @@ class _LinearLogSoftmax(torch.autograd.Function):
             return (grad_hidden, None, None, *nothing)
         if ctx.ahead is not None and grad_entropy is None and grad_logps is not None:
             factor = _proportion(grad_logps, ctx.expected_grad)
+            if factor is not None and _RETAINING:
+                return (*(g if g is None or factor == 1.0 else g * factor for g in ctx.ahead), *nothing)
             if factor is not None:
                 grads, ctx.ahead = ctx.ahead, None  # scaled in place: a second backward recomputes
                 if factor != 1.0:

@@ -24,7 +24,7 @@ from transformers.utils import is_peft_available
 
 from .._compat import trainer_divides_scaled_loss
 from .._data.formats import check_no_images, check_single_format, get_dataset_column_names
-from ..chat_template_utils import clone_chat_template
+from ..chat_template_utils import apply_chat_template_path
 from ..models.activation_offloading import get_act_offloading_ctx_manager
 from ..models.peft import (
     BF16_ADAPTERS,
@@ -128,6 +128,8 @@ class _BaseTrainer(Trainer):
     # score with the reference before the policy's forward (DPO, the online trainers, A2PO) say False: the last
     # layers of the policy's forward may then keep their activations (`LayerBudget`).
     _reference_pass_after_policy_forward = True
+    # With clipping, whether the backward pass runs twice so that the gradients never coexist (`optimizer_in_backward`)
+    _clips_in_two_backward_passes = False
     _paper: dict[str, str] = {}
     _template_file: str = "lm_model_card.md"
     _ignored_options: tuple[IgnoredOption, ...] = ()
@@ -734,7 +736,8 @@ class _BaseTrainer(Trainer):
             try:
                 return super().train(resume_from_checkpoint, *args, **kwargs)
             finally:
-                self._checkpoint_arena = None  # the kept layer outputs' chunks, until the next `train()`
+                # the kept layer outputs' chunks and the step times that choose two backward passes, per `train()`
+                self._checkpoint_arena = self._step_clock = None
 
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
         """transformers' context around `compute_loss` (autocast), plus, when training on the CPU in one process with
@@ -763,9 +766,8 @@ class _BaseTrainer(Trainer):
         return stack
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        """transformers' training step; without gradient clipping, the last micro-batch's backward pass steps each
-        parameter as soon as its gradient is complete
-        ([`~trl.trainer.fast_paths.optimizer_in_backward.optimizer_steps_in_backward`])."""
+        """transformers' training step; the last micro-batch's backward pass may step each parameter as soon as its
+        gradient is complete ([`~trl.trainer.fast_paths.optimizer_in_backward.optimizer_steps_in_backward`])."""
         with optimizer_steps_in_backward(self, model) as steps:
             loss = self._transformers_training_step(model, inputs, num_items_in_batch)
         self._steps_in_backward = steps
@@ -784,6 +786,14 @@ class _BaseTrainer(Trainer):
             return super().training_step(model, inputs, num_items_in_batch)
         finally:
             self.compute_loss_func = previous
+
+    def _clip_grad_norm(self, model: nn.Module) -> Any:
+        """transformers' clipping; after two backward passes (the second stepped each parameter clipped), the first
+        pass's global norm, with the gradients left clipped as the others were."""
+        steps = self.__dict__.get("_steps_in_backward")
+        if steps is not None and steps.clip_coef is not None:
+            return steps.clip_held(model.parameters())
+        return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> Any:
         """The norm transformers logs as `grad_norm`; when the backward pass stepped the parameters (and freed their
@@ -891,40 +901,7 @@ class _BaseTrainer(Trainer):
             peft_config.task_type = task_type
         return peft_config
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Chat template from `args.chat_template_path` (SFT, Reward, ...)
-    # ------------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _apply_chat_template_path(model: Any, processing_class: Any, path: str) -> tuple[Any, Any, list[int]]:
-        """Set the chat template named by a trainer's `chat_template_path` option.
-
-        A `.jinja`/`.j2` file is read and used as the template as is. Anything else is taken as a tokenizer directory
-        or id whose template is cloned with `clone_chat_template`, which may add tokens to the tokenizer and resize
-        the model's embeddings.
-
-        Args:
-            model: The model (its embeddings may be resized).
-            processing_class: Tokenizer or processor receiving the template.
-            path: A template file or a tokenizer directory / id.
-
-        Returns:
-            `(model, processing_class, added_token_ids)`; `added_token_ids` is empty for a template file.
-        """
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if os.path.isfile(path) and path.endswith((".jinja", ".j2")):
-            with open(path) as f:
-                tokenizer.chat_template = f.read()
-            if tokenizer is not processing_class:
-                processing_class.chat_template = tokenizer.chat_template
-            return model, processing_class, []
-        if os.path.isfile(path):
-            raise ValueError(
-                f"chat_template_path={path!r} is a file but not a .jinja/.j2 template. Give a template file or a "
-                "tokenizer directory whose chat template should be copied."
-            )
-
-        model, tokenizer, added_tokens = clone_chat_template(model, tokenizer, path)
-        return model, tokenizer, added_tokens
+    _apply_chat_template_path = staticmethod(apply_chat_template_path)  # `args.chat_template_path` (SFT, Reward)
 
     # ------------------------------------------------------------------------------------------------------------
     # Shared by offline and online trainers: the MoE router loss, and batch metrics gathered in one collective

@@ -15,7 +15,7 @@ path, and its measured gain; `docs/benchmarks.md` holds the figures and the comm
 | `lean_modules` | module-call overhead of norms/MLPs in training | `lean_modules` (context manager checks) | `tests/test_training_kernels.py` |
 | `tied_embedding_grad` | the dense `vocab x hidden` gradient of tied input embeddings, added to the head's | `tied_embedding_grad_fallback_reason` | `tests/test_tied_embedding_grad.py` |
 | `reference_cache` | repeating a frozen reference's pass for examples seen before | `ReferenceCache` (frozen reference only) | `tests/test_reference_cache.py` |
-| `optimizer_in_backward` | the optimizer step after the backward pass, with every gradient held at once (no clipping only) | `optimizer_in_backward_fallback_reason` | `tests/test_optimizer_in_backward.py` |
+| `optimizer_in_backward` | the optimizer step after the backward pass, with every gradient held at once (without clipping; with it, two backward passes in the online trainers) | `optimizer_in_backward_fallback_reason` | `tests/test_optimizer_in_backward.py` |
 | `cpu_allocator` | glibc's dynamic mmap/trim thresholds during CPU training | `activation_memory_fallback_reason` | `tests/test_cpu_allocator.py` |
 
 The fast paths that lay a batch out or run a forward otherwise than the plain path (padding dropped, prefixes shared,
