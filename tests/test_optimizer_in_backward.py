@@ -9,6 +9,7 @@ from trainer_utils import COMMON_ARGS, DECODER_SIZES, train_logs
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM, Trainer, TrainerCallback
 
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from trl._compat import trainer_clips_in_a_method
 from trl.assets import get_model_path
 from trl.trainer.fast_paths import optimizer_in_backward
 from trl.trainer.fast_paths.optimizer_in_backward import (
@@ -18,6 +19,8 @@ from trl.trainer.fast_paths.optimizer_in_backward import (
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
+# transformers 4.x clips inline, where no trainer can take the clipping over: one backward pass there.
+two_passes = pytest.mark.skipif(not trainer_clips_in_a_method(), reason="transformers 4.x clips inline")
 
 
 def _model(tied: bool = True):
@@ -156,6 +159,7 @@ def _count_two_passes(monkeypatch, trainer_class=SFTTrainer, enable=True):
     return passes
 
 
+@two_passes
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -185,6 +189,7 @@ def test_two_backward_passes_clip_to_the_numbers_of_the_step_after_the_backward(
         assert torch.equal(fast_params[name], value), name
 
 
+@two_passes
 def test_dpo_clipped_in_two_backward_passes_trains_to_the_same_numbers(tmp_path, monkeypatch):
     dataset = Dataset.from_dict(
         {"prompt": ["a b", "the cat", "one two"] * 3, "chosen": [" c d", " sat", " three"] * 3,
@@ -214,6 +219,7 @@ def test_dpo_clipped_in_two_backward_passes_trains_to_the_same_numbers(tmp_path,
     assert all(torch.equal(p, q) for p, q in zip(fast_params, plain_params, strict=True))
 
 
+@two_passes
 def test_grpo_clips_in_two_backward_passes_to_the_numbers_of_one(tmp_path, monkeypatch, model_path, prompts):
     """The online trainers clip in two backward passes by default (generation dominates their steps), with the
     rollouts, losses, logged norms and parameters of one pass."""
@@ -247,12 +253,17 @@ def test_grpo_clips_in_two_backward_passes_to_the_numbers_of_one(tmp_path, monke
 @pytest.mark.parametrize(
     "change, reason",
     [
-        ({"offline": True}, "SFTTrainer's backward pass is too large a part of its step"),
+        pytest.param({"offline": True}, "SFTTrainer's backward pass is too large a part", marks=two_passes),
         ({"gradient_accumulation_steps": 2}, "accumulates several micro-batches"),
-        ({"hook": True}, "backward hooks"),
-        ({"lora": True}, "less than a tenth of the weights"),
+        pytest.param({"hook": True}, "backward hooks", marks=two_passes),
+        pytest.param({"lora": True}, "less than a tenth of the weights", marks=two_passes),
+        pytest.param(
+            {},
+            "the clipping is not transformers' `_clip_grad_norm`",
+            marks=pytest.mark.skipif(trainer_clips_in_a_method(), reason="transformers 5 clips in a method"),
+        ),
     ],
-    ids=["offline", "accumulation", "hooks", "adapters"],
+    ids=["offline", "accumulation", "hooks", "adapters", "transformers_4"],
 )
 def test_clipping_keeps_one_backward_pass(tmp_path, monkeypatch, change, reason):
     """Two passes only in trainers whose steps are mostly generation (not SFT's), with one micro-batch a step, no
@@ -276,6 +287,19 @@ def test_clipping_keeps_one_backward_pass(tmp_path, monkeypatch, change, reason)
     trainer.train()
     assert reason in optimizer_in_backward_fallback_reason(trainer)
     assert not passes
+
+
+@two_passes
+@pytest.mark.parametrize("option", ["use_liger_kernel", "torch_compile"])
+def test_liger_and_compile_keep_one_backward_pass(tmp_path, monkeypatch, option):
+    """Their backward functions are made for one pass over the graph."""
+    monkeypatch.setattr(SFTTrainer, "_clips_in_two_backward_passes", True)
+    args = SFTConfig(str(tmp_path), max_steps=1, **{**COMMON_ARGS, "max_grad_norm": 1.0})
+    trainer = SFTTrainer(_model(), args=args, train_dataset=_text(), processing_class=_tokenizer())
+    trainer.create_optimizer()
+    assert optimizer_in_backward_fallback_reason(trainer) is None
+    setattr(trainer.args, option, True)
+    assert "liger's kernels or torch.compile" in optimizer_in_backward_fallback_reason(trainer)
 
 
 class _OptimizerSpy(TrainerCallback):

@@ -21,8 +21,8 @@ trainer's `optimizer.step()` then finds only the gradients left to it (the input
 the sparse tied-embedding path complete at the end of the backward) and steps those.
 
 Predicate: [`optimizer_in_backward_fallback_reason`] (no clipping, or the two passes: an online trainer, one
-micro-batch a step, transformers' `_clip_grad_norm` not overridden, no backward hooks that would run twice, more than
-adapters trained; then one process without
+micro-batch a step, transformers' `_clip_grad_norm` not overridden, neither liger's kernels nor torch.compile, no
+backward hooks that would run twice, more than adapters trained; then one process without
 DeepSpeed, FSDP or a gradient scaler, one of the optimizers above without step hooks, no callback acting around the
 optimizer step and no `training_step` of a subclass that could read the gradients afterwards).
 Equality test: `tests/test_optimizer_in_backward.py`. Gain: `docs/benchmarks.md`, "Optimizer steps in the backward".
@@ -95,6 +95,8 @@ def _two_pass_fallback_reason(trainer: Any) -> str | None:
         return "the step accumulates several micro-batches (their gradients are held between them anyway)"
     if not trainer_clips_in_a_method() or _subclass_overrides(trainer, "_clip_grad_norm"):
         return "the clipping is not transformers' `_clip_grad_norm` (older transformers or a subclass's)"
+    if getattr(trainer.args, "use_liger_kernel", False) or getattr(trainer.args, "torch_compile", False):
+        return "liger's kernels or torch.compile run the backward pass (made for one pass over the graph)"
     model = getattr(trainer.model, "module", trainer.model)
     if any(m._backward_hooks or m._backward_pre_hooks for m in model.modules()) or any(
         p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters()
