@@ -115,25 +115,24 @@ def test_gradients_are_freed_in_the_backward_pass():
         assert torch.equal(p, q), name
 
 
-def test_dpo_with_a_reference_model_trains_to_the_same_numbers(tmp_path, monkeypatch):
+def _train_dpo(tmp_path, monkeypatch, in_backward: bool, **overrides):
     dataset = Dataset.from_dict(
-        {"prompt": ["a b", "the cat", "one two"] * 2, "chosen": [" c d", " sat", " three"] * 2,
-         "rejected": [" x", " ran away", " four five"] * 2}
+        {"prompt": ["a b", "the cat", "one two"] * 3, "chosen": [" c d", " sat", " three"] * 3,
+         "rejected": [" x", " ran away", " four five"] * 3}
     )  # fmt: skip
+    if not in_backward:
+        monkeypatch.setattr(optimizer_in_backward, "optimizer_in_backward_fallback_reason", lambda trainer: "off")
+    settings = dict(max_steps=2, per_device_train_batch_size=3, learning_rate=1e-2, seed=0, max_grad_norm=0.0)
+    args = DPOConfig(str(tmp_path / str(in_backward)), **{**COMMON_ARGS, **settings, **overrides})
+    trainer = DPOTrainer(_model(), ref_model=_model(), args=args, train_dataset=dataset, processing_class=_tokenizer())
+    trainer.train()
+    monkeypatch.undo()
+    return train_logs(trainer), [p.detach().clone() for p in trainer.model.parameters()]
 
+
+def test_dpo_with_a_reference_model_trains_to_the_same_numbers(tmp_path, monkeypatch):
     def train(in_backward: bool):
-        if not in_backward:
-            monkeypatch.setattr(optimizer_in_backward, "optimizer_in_backward_fallback_reason", lambda trainer: "off")
-        args = DPOConfig(
-            str(tmp_path / str(in_backward)), max_steps=2, per_device_train_batch_size=3, learning_rate=1e-2, seed=0,
-            max_grad_norm=0.0, **COMMON_ARGS,
-        )  # fmt: skip
-        trainer = DPOTrainer(
-            _model(), ref_model=_model(), args=args, train_dataset=dataset, processing_class=_tokenizer()
-        )
-        trainer.train()
-        monkeypatch.undo()
-        return train_logs(trainer), [p.detach().clone() for p in trainer.model.parameters()]
+        return _train_dpo(tmp_path, monkeypatch, in_backward)
 
     calls = _count_steps(monkeypatch)
     fast_logs, fast_params = train(True)
@@ -191,24 +190,9 @@ def test_two_backward_passes_clip_to_the_numbers_of_the_step_after_the_backward(
 
 @two_passes
 def test_dpo_clipped_in_two_backward_passes_trains_to_the_same_numbers(tmp_path, monkeypatch):
-    dataset = Dataset.from_dict(
-        {"prompt": ["a b", "the cat", "one two"] * 3, "chosen": [" c d", " sat", " three"] * 3,
-         "rejected": [" x", " ran away", " four five"] * 3}
-    )  # fmt: skip
-
     def train(in_backward: bool):
-        if not in_backward:
-            monkeypatch.setattr(optimizer_in_backward, "optimizer_in_backward_fallback_reason", lambda trainer: "off")
-        args = DPOConfig(
-            str(tmp_path / str(in_backward)), max_steps=4, per_device_train_batch_size=3, learning_rate=1e-2, seed=0,
-            **{**COMMON_ARGS, "max_grad_norm": 0.05, "gradient_checkpointing": True},
-        )  # fmt: skip
-        trainer = DPOTrainer(
-            _model(), ref_model=_model(), args=args, train_dataset=dataset, processing_class=_tokenizer()
-        )
-        trainer.train()
-        monkeypatch.undo()
-        return train_logs(trainer), [p.detach().clone() for p in trainer.model.parameters()]
+        clipped = dict(max_steps=4, max_grad_norm=0.05, gradient_checkpointing=True)
+        return _train_dpo(tmp_path, monkeypatch, in_backward, **clipped)
 
     passes = _count_two_passes(monkeypatch, DPOTrainer)
     fast_logs, fast_params = train(True)

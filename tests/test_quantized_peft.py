@@ -86,6 +86,21 @@ def test_fused_head_reads_the_active_modules_to_save_copy():
         assert fusable_lm_head(model) is wrapper.original_module
 
 
+def test_sft_evaluates_a_bf16_modules_to_save_head_on_an_fp32_base(tmp_path):
+    """Evaluation computes the logits with the bf16 trained copy of the head in fp32 (the wider dtype), as the fused
+    head does in training, instead of failing in the head's product."""
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", bf16=False, use_cpu=True)
+    dataset = load_test_dataset("standard_language_modeling", "train").select(range(8))
+    peft_config = lora(task_type="CAUSAL_LM", modules_to_save=["lm_head"])
+    trainer = SFTTrainer(quantized(), args=args, train_dataset=dataset, eval_dataset=dataset, peft_config=peft_config)
+    head = trainer.model.get_output_embeddings().modules_to_save["default"]
+    assert head.weight.dtype == torch.bfloat16
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
+    assert "forward" not in vars(head)  # the head's own forward again after the evaluation
+
+
 def trained_adapter():
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(get_model_path(MODEL)), lora(task_type="CAUSAL_LM"))
     torch.manual_seed(0)

@@ -47,6 +47,7 @@ from .utils import (
 )
 from .utils.dataset_rows import map_kwargs_with_desc as _desc
 from .utils.ignored_options import SFT_IGNORED_OPTIONS
+from .utils.logprobs import head_in_common_dtype
 from .utils.packing import packed_forward_inputs
 from .utils.token_losses import _chunked_cross_entropy_loss, dft_loss, dft_token_weights  # noqa: F401  (TRL's names)
 from .utils.vision import check_image_columns, check_vision_processing_class, is_vision_example
@@ -823,11 +824,13 @@ class SFTTrainer(_BaseTrainer):
         elif self._forward_accepts_logits_to_keep and not return_outputs:
             positions = target_mask.any(dim=0).nonzero().squeeze(-1)
             forward_kwargs["logits_to_keep"] = positions
-            outputs = model(**forward_kwargs)
+            with head_in_common_dtype(model):
+                outputs = model(**forward_kwargs)
             logits = outputs.logits
             targets = shift_labels[:, positions]
         else:
-            outputs = model(**forward_kwargs)
+            with head_in_common_dtype(model):  # evaluation: a bf16 `modules_to_save` head on an fp32 base
+                outputs = model(**forward_kwargs)
             logits = outputs.logits[:, :-1]
             targets = shift_labels
         if token_stats is None:

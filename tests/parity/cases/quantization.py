@@ -60,7 +60,6 @@ def qlora_offline_case(
     quantization=None,
     bf16_model: bool = False,
     lora_overrides=None,
-    evaluate: bool = True,
     **config,
 ) -> dict:
     """An offline trainer on a quantized base model with LoRA adapters (the reference: the adapters disabled)."""
@@ -77,20 +76,17 @@ def qlora_offline_case(
         eval_dataset=ctx.dataset(dataset, "test", 8),
         peft_config=lora("SEQ_CLS" if kind == "reward" else "CAUSAL_LM", **(lora_overrides or {})),
     )
-    if not evaluate:
-        return {"trainable_dtypes": trainable_dtypes(trainer), **run_trainer(trainer, evaluate=False)}
-    return train_then_evaluate(trainer)
+    return {"trainable_dtypes": trainable_dtypes(trainer), **train_then_evaluate(trainer)}
 
 
 for _kind in ("sft", "dpo", "kto"):
     register(f"{_kind}/qlora_4bit", partial(qlora_offline_case, kind=_kind))
 # No Reward case: TRL's bf16 score head (a `modules_to_save` copy) on an fp32 base fails in its first matmul, as here,
 # and on a bf16 base every product rounds to bf16 (no fp32 comparison holds).
-# A head in `modules_to_save`: its trained copy is bf16 on an fp32 base, the head's product is computed in fp32. (SFT's
-# evaluation here runs the head module itself, which refuses the fp32 input: trained, not evaluated; docs/parity.md.)
+# A head in `modules_to_save`: its trained copy is bf16 on an fp32 base, the head's product is computed in fp32.
 register(
     "sft/qlora_4bit/modules_to_save=lm_head",
-    partial(qlora_offline_case, kind="sft", lora_overrides={"modules_to_save": ["lm_head"]}, evaluate=False),
+    partial(qlora_offline_case, kind="sft", lora_overrides={"modules_to_save": ["lm_head"]}),
 )
 register(
     "dpo/qlora_4bit/modules_to_save=lm_head",

@@ -7,11 +7,12 @@ last micro-batch of a step, and its gradient is freed there, so the backward pas
 instead of the whole model's.
 
 Clipping by the global norm needs every gradient before any update. With clipping, in the trainers whose steps are
-mostly generation (`_clips_in_two_backward_passes`: the online trainers, whose rollouts also press on memory), the
-backward pass runs twice over the same graph (`retain_graph`): the first takes each gradient's norm and frees it, the
-second scales each gradient by the clipping coefficient of the global norm, as `clip_grad_norm_` does, and steps it.
-The gradients never coexist, for one more backward pass (GRPO at Qwen2.5-0.5B's shape on a CPU: 1.47x the step's
-time, 0.84x its peak tensor memory; an SFT step took 2x its time, hence not there).
+mostly generation (`_clips_in_two_backward_passes`: the online trainers sampling several completions a prompt, whose
+rollouts also press on memory), the backward pass runs twice over the same graph (`retain_graph`): the first takes
+each gradient's norm and frees it, the second scales each gradient by the clipping coefficient of the global norm, as
+`clip_grad_norm_` does, and steps it. The gradients never coexist, for one more backward pass (GRPO at Qwen2.5-0.5B's
+shape on a CPU: 1.47x the step's time, 0.84x its peak tensor memory; a padded SFT step took 2x its time and on-policy
+distillation's 1.51x, hence not there).
 
 The update is the optimizer's own `step()`, run on a single parameter: the elementwise optimizers this takes
 (`torch.optim.Adam`, `AdamW` and `SGD`, fused or not) compute each parameter's update from its own gradient and state

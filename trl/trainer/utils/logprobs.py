@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as torch_module
 
-from ...kernels.linear_log_softmax import fused_head_working_bytes, linear_selective_log_softmax
+from ...kernels.linear_log_softmax import fused_head_working_bytes, in_common_dtype, linear_selective_log_softmax
 from ...kernels.log_softmax import selective_log_softmax
 from ...kernels.log_softmax import selective_log_softmax_and_entropy as _logps_and_entropy
 from ...models.utils import _base_transformers_model
@@ -175,6 +175,22 @@ def _computing_head(head: nn.Module | None) -> nn.Module | None:
     if head.disable_adapters or any(name not in head.modules_to_save for name in active):
         return head.original_module
     return head.modules_to_save[active[0]] if len(active) == 1 else None
+
+
+@contextlib.contextmanager
+def head_in_common_dtype(model: nn.Module) -> Iterator[None]:
+    """Within the block, the plain `nn.Linear` head of `model` (the active copy of a head in PEFT's `modules_to_save`)
+    computes its logits in the wider of its input's and weight's dtypes, as the fused head does: a bf16 trained copy
+    on an fp32 base model then gives fp32 logits instead of failing in its product. Same values otherwise."""
+    head = _computing_head(_output_embeddings(getattr(model, "module", model)))
+    if type(head) is not nn.Linear or "forward" in vars(head):
+        yield
+        return
+    head.forward = lambda hidden: nn.functional.linear(*in_common_dtype(hidden, head.weight, head.bias))
+    try:
+        yield
+    finally:
+        del head.forward
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module | None:
