@@ -736,8 +736,7 @@ class _BaseTrainer(Trainer):
             try:
                 return super().train(resume_from_checkpoint, *args, **kwargs)
             finally:
-                # the kept layer outputs' chunks and the step times that choose two backward passes, per `train()`
-                self._checkpoint_arena = self._step_clock = None
+                self._checkpoint_arena = None  # the kept layer outputs' chunks, until the next `train()`
 
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
         """transformers' context around `compute_loss` (autocast), plus, when training on the CPU in one process with

@@ -126,6 +126,10 @@ class StepsInBackward:
 
     def record(self, parameter: nn.Parameter) -> None:
         """Records the norm of `parameter`'s gradient (once per backward pass) and frees the gradient."""
+        self._record_norm(parameter)
+        parameter.grad = None
+
+    def _record_norm(self, parameter: nn.Parameter) -> None:
         key = id(parameter)
         if key in self.norms:
             raise RuntimeError(
@@ -136,7 +140,6 @@ class StepsInBackward:
             )
         self.norms[key] = torch._foreach_norm([parameter.grad], 2.0)[0]
         self._grad_kinds[key] = (parameter.grad.device, parameter.grad.dtype)
-        parameter.grad = None
 
     def clip_after_first_pass(self, max_norm: float) -> None:
         """Takes the global norm of the first pass's gradients (those recorded and those still held, which are then
@@ -158,13 +161,10 @@ class StepsInBackward:
     def step(self, parameter: nn.Parameter) -> None:
         """Records the norm of `parameter`'s gradient, scales it by the clipping coefficient of a first pass (if any),
         steps it alone with the optimizer and frees the gradient."""
-        key = id(parameter)
-        grad = parameter.grad
-        self.record(parameter)
+        self._record_norm(parameter)
         if self.clip_coef is not None:
-            grad.mul_(self.clip_coef.to(grad.device))
-        parameter.grad = grad
-        group = self._group_of[key]
+            parameter.grad.mul_(self.clip_coef.to(parameter.grad.device))
+        group = self._group_of[id(parameter)]
         groups = self.optimizer.param_groups
         self.optimizer.param_groups = [{**group, "params": [parameter]}]
         try:

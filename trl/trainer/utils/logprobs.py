@@ -181,9 +181,14 @@ def _computing_head(head: nn.Module | None) -> nn.Module | None:
 def head_in_common_dtype(model: nn.Module) -> Iterator[None]:
     """Within the block, the plain `nn.Linear` head of `model` (the active copy of a head in PEFT's `modules_to_save`)
     computes its logits in the wider of its input's and weight's dtypes, as the fused head does: a bf16 trained copy
-    on an fp32 base model then gives fp32 logits instead of failing in its product. Same values otherwise."""
-    head = _computing_head(_output_embeddings(getattr(model, "module", model)))
-    if type(head) is not nn.Linear or "forward" in vars(head):
+    on an fp32 base model then gives fp32 logits instead of failing in its product. A head in the input embeddings'
+    dtype keeps its own forward."""
+    target = getattr(model, "module", model)
+    head = _computing_head(_output_embeddings(target))
+    get_embeddings = getattr(target, "get_input_embeddings", None)
+    embeddings = get_embeddings() if callable(get_embeddings) else None
+    input_dtype = getattr(getattr(embeddings, "weight", None), "dtype", None)
+    if type(head) is not nn.Linear or "forward" in vars(head) or head.weight.dtype == input_dtype:
         yield
         return
     head.forward = lambda hidden: nn.functional.linear(*in_common_dtype(hidden, head.weight, head.bias))
