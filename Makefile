@@ -167,6 +167,10 @@ COMPAT_SETS ?= floor 5.23
 COMPAT_PINS_floor = transformers==4.56.2 accelerate==1.10.1 datasets==4.7.0 peft==0.17.1
 COMPAT_PINS_5.23 = transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0 peft==0.21.2
 COMPAT_EXTRAS = test,judges,bco,diffusers,quantization
+# liger-kernel goes into one set only, without its triton dependency (its chunked losses run on a CPU without it):
+# there the tests of liger's GRPO loss run, while the main environment and the other set keep the tests (and the
+# parity case) of the error raised when liger-kernel is missing.
+COMPAT_NO_DEPS_5.23 = liger-kernel==0.8.5
 COMPAT_VERSIONS = import importlib.metadata as m; print(', '.join(p + ' ' + m.version(p) for p in ('torch', 'transformers', 'accelerate', 'datasets', 'peft')))
 
 compat-env-%:
@@ -185,6 +189,9 @@ compat-env-%:
 	fi; \
 	$$venv/bin/python -c "import os, trl; raise SystemExit(not os.path.samefile(os.path.dirname(trl.__file__), 'trl'))" 2>/dev/null \
 		|| $$venv/bin/python -m pip install -q --no-deps -e .
+	@for req in $(COMPAT_NO_DEPS_$*); do \
+		.venv-compat-$*/bin/python -m pip show -q "$${req%%==*}" >/dev/null 2>&1 || .venv-compat-$*/bin/python -m pip install -q --no-deps "$$req"; \
+	done
 
 test-compat: $(addprefix compat-env-,$(COMPAT_SETS))
 	@set -e; for set in $(COMPAT_SETS); do \

@@ -13,14 +13,14 @@ KTO, and GRPO generating with transformers `generate`. Two shapes:
   test). fp32 on a CPU; on a GPU, bf16 weights with SDPA attention (either shape).
 
 Named in `--jobs`, more trainers run on the same data: RLOO and GMPO (as GRPO), on-policy distillation and GKD (a
-teacher of the same shape), Online DPO (two completions per prompt), ORPO, CPO and TPO (DPO's pairs), and DPO whose
-reference follows a BEMA of the policy (`bema_dpo`, refreshed every step). `--lora R` trains LoRA adapters of rank R
-on every linear layer instead of the whole model, on both sides (`peft_config`).
+teacher of the same shape), Online DPO (two completions per prompt), ORPO, CPO and TPO (DPO's pairs), BCO (KTO's
+unpaired rows), and DPO whose reference follows a BEMA of the policy (`bema_dpo`, refreshed every step). `--lora R`
+trains LoRA adapters of rank R on every linear layer instead of the whole model, on both sides (`peft_config`).
 
 The reward model is the same backbone with a seeded score head, saved once and loaded by both sides. Every run is a
 fresh interpreter (peak RSS is its own) started from an empty temporary directory. The TRL side runs the parity
-environment's interpreter (`--trl_python`, default `$PARITY_VENV/bin/python`) without `PYTHONPATH`, so it imports the
-real `trl`; this project's side runs the interpreter that runs this program, with `PYTHONPATH` set to the repository.
+environment's interpreter (`--trl_python`, default `$PARITY_VENV/bin/python`; for BCO, which TRL 1.16 dropped,
+`$PARITY_VENV_112/bin/python` with trl 1.12) without `PYTHONPATH`, so it imports the real `trl`; this project's side runs the interpreter that runs this program, with `PYTHONPATH` set to the repository.
 `make bench-compare` runs it from `.venv-bench`, a venv with only this project's own requirements under the parity
 venv's pins, so that neither side pays for packages the other does not load. Runs are interleaved (ours, TRL, ours,
 TRL, ...) so that load on a shared machine hits both sides alike; with `--rounds N` each job runs N times per side and
@@ -77,7 +77,10 @@ EXTRA_JOBS = (
     "sdpo",
     "a2po",
     "bema_dpo",
+    "bco",
 )
+# Jobs whose trainer TRL 1.16 dropped: their TRL side runs the last release that had it (`make parity-env-112`).
+OLDER_TRL_JOBS = {"bco": ("PARITY_VENV_112", "/work/main/.venv-parity-112", "1.12")}
 SHAPES = ("small", "qwen2.5-0.5b")
 # Qwen2.5-0.5B's architecture (its config.json, less the tokenizer's ids, which come from the tiny tokenizer).
 QWEN25_05B = {
@@ -114,6 +117,7 @@ REALISTIC_JOBS = {
     "sdpo": (8, 512),
     "a2po": (2, 512),
     "bema_dpo": (1, 512),
+    "bco": (2, 512),
 }
 # Words of the synthetic preference rows per shape: prompt, answer. Long enough that the body of the model, not the
 # overhead, is timed (~1.6 tokens a word); the realistic rows are ~400 tokens, ~300 of them the shared prompt.
@@ -438,7 +442,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max_length", type=int, default=512, help="the small shape's max_length")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps: a smoke test of the program")
-    parser.add_argument("--trl_python", default=None, help="interpreter with trl==1.16.0 (default: the parity venv)")
+    parser.add_argument(
+        "--trl_python", default=None, help="interpreter with trl==1.16.0 (default: the parity venv; bco: the 1.12 one)"
+    )
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument(
         "--ablate",
@@ -483,6 +489,15 @@ def main() -> int:
     trl_python = args.trl_python or os.path.join(venv, "bin", "python")
     if not os.path.exists(trl_python):
         parser.error(f"no TRL 1.16 interpreter at {trl_python}: build it with `make parity-env` or pass --trl_python")
+    trl_pythons = {job: trl_python for job in jobs}
+    for job in [] if args.trl_python else [job for job in jobs if job in OLDER_TRL_JOBS]:
+        variable, default, version = OLDER_TRL_JOBS[job]
+        trl_pythons[job] = os.path.join(os.environ.get(variable, default), "bin", "python")
+        if not os.path.exists(trl_pythons[job]):
+            parser.error(
+                f"TRL 1.16 has no {job} trainer; its side runs trl=={version} from {trl_pythons[job]}: build it with "
+                f"`make parity-env-{version.replace('.', '')}`, or pass --trl_python"
+            )
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = []
@@ -492,12 +507,15 @@ def main() -> int:
         print(f"shape: {args.shape}, model {paths['model']}", flush=True)
         print(f"matmul peak: {peak / 1e9:.1f} GFLOP per CPU-second ({args.threads} threads)", flush=True)
         print(f"ours: {sys.executable}\ntrl:  {trl_python}", flush=True)
+        for job in jobs:
+            if trl_pythons[job] != trl_python:
+                print(f"trl ({job}): {trl_pythons[job]}", flush=True)
         if args.ablate:
             print(f"--ablate {args.ablate}: the TRL columns are this project without that fast path", flush=True)
         for job in jobs:
             results = {"ours": [], "trl": []}
             for _ in range(args.rounds):
-                for side, python in (("ours", sys.executable), ("trl", trl_python)):
+                for side, python in (("ours", sys.executable), ("trl", trl_pythons[job])):
                     if args.ablate and side == "trl":  # the plain path of the fast path stands in for TRL
                         result = run_worker("ours", job, args, paths, sys.executable, args.ablate)
                         result["side"] = f"ours without {args.ablate}"
@@ -620,9 +638,15 @@ def worker(spec: dict) -> None:
         trainer = trl.RewardTrainer(
             paths["reward_model"], args=config, train_dataset=dataset, callbacks=callbacks, **peft
         )
-    elif job == "kto":
-        config = trl.KTOConfig(**common, max_length=max_length)
-        trainer = trl.KTOTrainer(
+    elif job in ("kto", "bco"):
+        if job == "kto":
+            config_class, trainer_class = trl.KTOConfig, trl.KTOTrainer
+        else:
+            import trl.experimental.bco as bco
+
+            config_class, trainer_class = bco.BCOConfig, bco.BCOTrainer
+        config = config_class(**common, max_length=max_length)
+        trainer = trainer_class(
             paths["model"], args=config, train_dataset=data("unpaired"), callbacks=callbacks, **peft
         )
     elif job in ("grpo", "rloo", "gmpo"):

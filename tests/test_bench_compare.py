@@ -11,6 +11,7 @@ import pytest
 
 COMPARE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "compare.py")
 PARITY_PYTHON = os.path.join(os.environ.get("PARITY_VENV", "/work/main/.venv-parity"), "bin", "python")
+PARITY_112_PYTHON = os.path.join(os.environ.get("PARITY_VENV_112", "/work/main/.venv-parity-112"), "bin", "python")
 
 
 def _load_compare():
@@ -81,9 +82,13 @@ def test_quick_run_every_job():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(PARITY_PYTHON), reason="needs the TRL 1.16 parity venv (`make parity-env`)")
+@pytest.mark.skipif(
+    not (os.path.exists(PARITY_PYTHON) and os.path.exists(PARITY_112_PYTHON)),
+    reason="needs the TRL 1.16 and 1.12 parity venvs (`make parity-env parity-env-112`)",
+)
 def test_quick_run_extra_jobs():
-    """`--quick --jobs ...`: the jobs beyond the six run on both sides and their final losses agree."""
+    """`--quick --jobs ...`: the jobs beyond the six run on both sides and their final losses agree (BCO against
+    TRL 1.12, which still had it)."""
     proc = _run_compare("--quick", "--jobs", ",".join(_load_compare().EXTRA_JOBS))
     for job in _load_compare().EXTRA_JOBS:
         assert f"| {job} |" in proc.stdout

@@ -406,3 +406,44 @@ def test_bad_inputs(tmp_path, model_path, tokenizer, unpaired):
     with pytest.raises(ValueError, match="needs a `train_dataset`"):
         BCOTrainer(model_path, args=args)
     assert not os.path.exists(tmp_path / "checkpoint-1")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The step's hooks and the order of its passes
+# ---------------------------------------------------------------------------------------------------------------------
+def test_reference_first_trains_as_policy_first(tmp_path, model_path, unpaired, monkeypatch):
+    """The reference scores the batch before the policy's forward (so that the policy may keep its last layers'
+    activations); TRL's order, policy first, gives the same losses and parameters."""
+    data = unpaired["train"].select(range(8))
+    args = make_args(tmp_path, gradient_checkpointing=True)
+    first = BCOTrainer(model_path, args=args, train_dataset=data)
+    assert not first._reference_pass_after_policy_forward
+    first.train()
+    monkeypatch.setattr(BCOTrainer, "_reference_pass_after_policy_forward", True)
+    second = BCOTrainer(model_path, args=make_args(tmp_path / "b", gradient_checkpointing=True), train_dataset=data)
+    second.train()
+    losses = [[log["loss"] for log in t.state.log_history if "loss" in log] for t in (first, second)]
+    assert losses[0] == losses[1]
+    assert_same_params(first.model, second.model, atol=1e-6)
+
+
+def test_overridden_forward_scores_policy_then_reference(tmp_path, model_path, unpaired):
+    """As TRL 1.12 (observed): a subclass's `forward` is called for the policy (with gradients), then for the
+    reference model (without); the reference no longer runs first."""
+    calls = []
+
+    class Spy(BCOTrainer):
+        def forward(self, model, batch):
+            calls.append((model is self.model, torch.is_grad_enabled()))
+            return super().forward(model, batch)
+
+    data = unpaired["train"].select(range(8))
+    plain = BCOTrainer(model_path, args=make_args(tmp_path), train_dataset=data)
+    plain.train()
+    spy = Spy(model_path, args=make_args(tmp_path / "spy"), train_dataset=data)
+    assert spy._reference_pass_after_policy_forward
+    spy.train()
+    assert calls == [(True, True), (False, False)] * 2
+    losses = [[log["loss"] for log in t.state.log_history if "loss" in log] for t in (plain, spy)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    assert_same_params(plain.model, spy.model, atol=1e-5)

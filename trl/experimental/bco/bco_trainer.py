@@ -34,7 +34,7 @@ from transformers import (
 )
 from transformers.trainer_utils import EvalLoopOutput
 
-from ...data_utils import get_dataset_column_names, is_conversational, maybe_apply_chat_template
+from ...data_utils import get_dataset_column_names
 from ...import_utils import is_comet_available, is_sklearn_available, is_wandb_available
 from ...trainer.unpaired_preference_base import DataCollatorForUnpairedPreference, _UnpairedPreferenceTrainer
 from ...trainer.utils import (
@@ -42,9 +42,11 @@ from ...trainer.utils import (
     selective_log_softmax,
     use_adapter,
 )
+from ...trainer.utils.forward_randomness import forward_is_deterministic
 from ...trainer.utils.ignored_options import BCO_IGNORED_OPTIONS
 from ...trainer.utils.logprobs import summed_logits_from_hidden
 from ..utils import load_causal_lm
+from .bco_columns import _BCO_TOKEN_COLUMNS, _UDM_COLUMN, _FromBCOColumns, _ToBCOColumns, _WithUDMWeights
 from .bco_config import BCOConfig
 
 
@@ -53,8 +55,6 @@ logger = logging.getLogger(__name__)
 RUNNING_NAME = "running.json"
 CLF_NAME = "clf.pkl"
 CLF_STATE_NAME = "clf.json"
-# Per-example weight column added by UDM (1.0 for desirable examples).
-_UDM_COLUMN = "udm_weight"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -114,94 +114,6 @@ class RunningMoments:
 
 
 # Token columns of a prepared BCO dataset, in TRL 1.12's order (after its raw `prompt`, `completion`, `label`).
-_BCO_TOKEN_COLUMNS = (
-    "prompt_input_ids",
-    "prompt_attention_mask",
-    "answer_input_ids",
-    "answer_attention_mask",
-    "completion_input_ids",
-    "completion_attention_mask",
-    "completion_labels",
-)
-# Label of the prompt positions in `completion_labels`.
-_IGNORED_LABEL = -100
-
-
-class _ToBCOColumns:
-    """Turn a tokenized example (`prompt_ids`, `completion_ids`) into TRL 1.12's BCO columns (a picklable
-    `Dataset.map` function).
-
-    `answer_input_ids` is the tokenized completion, `completion_input_ids` the prompt followed by the completion ended
-    with EOS (also after a chat template's closing newline, as TRL's BCO does) and cut to `max_completion_length`
-    completion tokens, `completion_labels` the same with the prompt positions set to -100. A conversational example's
-    raw `prompt` / `completion` become the rendered chat-template text, as in TRL.
-    """
-
-    def __init__(self, processing_class: Any, eos_token_id: int | None, max_completion_length: int | None):
-        self.processing_class = processing_class
-        self.eos_token_id = eos_token_id
-        self.max_completion_length = max_completion_length
-
-    def __call__(self, example: dict[str, Any]) -> dict[str, Any]:
-        prompt = list(example["prompt_ids"])
-        completion = list(example["completion_ids"])
-        # Text completions are tokenized with EOS already; a chat-templated one is not.
-        ends_with_eos = self.eos_token_id is not None and completion[-1:] == [self.eos_token_id]
-        answer = completion[:-1] if ends_with_eos else completion
-        if self.eos_token_id is not None and not ends_with_eos:
-            completion = completion + [self.eos_token_id]
-        if self.max_completion_length is not None:
-            completion = completion[: self.max_completion_length]
-        out: dict[str, Any] = {}
-        if is_conversational({key: example[key] for key in ("prompt", "completion") if key in example}):
-            rendered = maybe_apply_chat_template(
-                {"prompt": example["prompt"], "completion": example["completion"]}, self.processing_class
-            )
-            out.update(prompt=rendered["prompt"], completion=rendered["completion"])
-        out.update(
-            prompt_input_ids=prompt,
-            prompt_attention_mask=[1] * len(prompt),
-            answer_input_ids=answer,
-            answer_attention_mask=[1] * len(answer),
-            completion_input_ids=prompt + completion,
-            completion_attention_mask=[1] * (len(prompt) + len(completion)),
-            completion_labels=[_IGNORED_LABEL] * len(prompt) + completion,
-        )
-        return out
-
-
-class _FromBCOColumns:
-    """Collator wrapper that feeds TRL's BCO columns (`prompt_input_ids`, `completion_input_ids`, ...) to a collator
-    of `prompt_ids` / `completion_ids` examples."""
-
-    def __init__(self, collator: Callable):
-        self.collator = collator
-
-    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        converted = []
-        for example in examples:
-            if "prompt_ids" not in example:
-                example = dict(example)
-                prompt = example["prompt_input_ids"]
-                example["prompt_ids"] = prompt
-                example["completion_ids"] = example["completion_input_ids"][len(prompt) :]
-            converted.append(example)
-        return self.collator(converted)
-
-
-class _WithUDMWeights:
-    """Collator wrapper that adds the per-example `udm_weight` column to the batch."""
-
-    def __init__(self, collator: Callable):
-        self.collator = collator
-
-    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        batch = self.collator(examples)
-        if examples and all(example.get(_UDM_COLUMN) is not None for example in examples):
-            batch[_UDM_COLUMN] = torch.tensor([float(example[_UDM_COLUMN]) for example in examples])
-        return batch
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Trainer
 # ----------------------------------------------------------------------------------------------------------------
@@ -760,6 +672,45 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
             out = (*out, getattr(outputs, "aux_loss", None))
         return out
 
+    @property
+    def _reference_pass_after_policy_forward(self) -> bool:
+        """Whether the reference scores the batch after the policy's forward, as TRL does; before it otherwise (the
+        policy's last layers may then keep their activations, see `LayerBudget`). After it when a subclass replaced a
+        hook of the step, or when a forward pass draws random numbers (they depend on the order)."""
+        hooks = ("get_batch_loss_metrics", "forward", "compute_reference_log_probs", "compute_ref_log_probs")
+        if any(getattr(type(self), name) is not getattr(BCOTrainer, name) for name in hooks):
+            return True
+        passes = [self.accelerator.unwrap_model(self.model), self.ref_model]
+        return not all(forward_is_deterministic(module) for module in passes if module is not None)
+
+    @staticmethod
+    def _in_batch_order(label: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+        values = chosen.new_empty(label.shape[0], *chosen.shape[1:])
+        values[label], values[~label] = chosen, rejected
+        return values
+
+    def _scores_from_forward(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], label: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The policy's `(logps, logit_sums, aux_loss)` in batch order, from `self.forward`."""
+        out = self.forward(model, batch)
+        aux_loss = out[4] if self._aux_loss_enabled and len(out) > 4 else None
+        logps = self._in_batch_order(label, out[0], out[1])
+        return logps, self._in_batch_order(label, out[2], out[3]).detach(), aux_loss
+
+    @torch.no_grad()
+    def _reference_scores_from_forward(self, batch: dict[str, torch.Tensor], label: torch.Tensor) -> torch.Tensor:
+        """The reference's summed log-probs in batch order: precomputed, or from `self.forward` on the reference
+        model (on the model with its adapters off when there is none)."""
+        if "ref_logps" in batch:
+            return batch["ref_logps"].float()
+        if self.ref_model is None:
+            with self.null_ref_context():
+                out = self.forward(self.model, batch)
+        else:
+            out = self.forward(self.ref_model, batch)
+        return self._in_batch_order(label, out[0], out[1])
+
     # ------------------------------------------------------------------------------------------------------------
     # Loss
     # ------------------------------------------------------------------------------------------------------------
@@ -815,8 +766,19 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
             `(loss, outputs)` with `outputs = {"rewards": (n,), "label": (n,)}` in batch order.
         """
         label = batch["label"].bool()
-        logps, logit_sums, outputs = self._policy_logps_and_logit_sums(model, batch)
-        ref_logps = self._reference_logps(model, batch)["ref_logps"].to(logps)
+        if type(self).forward is not BCOTrainer.forward:
+            # A subclass's `forward` scores the policy and then the reference, where TRL calls it.
+            logps, logit_sums, aux_loss = self._scores_from_forward(model, batch, label)
+            ref_logps = self._reference_scores_from_forward(batch, label).to(logps)
+        else:
+            reference_first = not self._reference_pass_after_policy_forward
+            if reference_first:
+                ref_logps = self._reference_logps(model, batch)["ref_logps"]
+            logps, logit_sums, outputs = self._policy_logps_and_logit_sums(model, batch)
+            if not reference_first:
+                ref_logps = self._reference_logps(model, batch)["ref_logps"]
+            ref_logps = ref_logps.to(logps)
+            aux_loss = getattr(outputs, "aux_loss", None) if self._aux_loss_enabled else None
         weights = batch.get(_UDM_COLUMN)
         losses, chosen_rewards, rejected_rewards, delta = self.bco_loss(
             logps[label],
@@ -827,7 +789,6 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
             rejected_weights=weights[~label] if weights is not None else None,
         )
         loss = losses.mean()
-        aux_loss = getattr(outputs, "aux_loss", None) if self._aux_loss_enabled else None
         if aux_loss is not None:
             loss = loss + self._aux_loss_coef * aux_loss
         rewards = torch.empty_like(logps)
