@@ -20,7 +20,8 @@ trains LoRA adapters of rank R on every linear layer instead of the whole model,
 The reward model is the same backbone with a seeded score head, saved once and loaded by both sides. Every run is a
 fresh interpreter (peak RSS is its own) started from an empty temporary directory. The TRL side runs the parity
 environment's interpreter (`--trl_python`, default `$PARITY_VENV/bin/python`; for BCO, which TRL 1.16 dropped,
-`$PARITY_VENV_112/bin/python` with trl 1.12) without `PYTHONPATH`, so it imports the real `trl`; this project's side runs the interpreter that runs this program, with `PYTHONPATH` set to the repository.
+`$PARITY_VENV_112/bin/python` with trl 1.12) without `PYTHONPATH`, so it imports the real `trl`; this project's side
+runs the interpreter that runs this program, with `PYTHONPATH` set to the repository.
 `make bench-compare` runs it from `.venv-bench`, a venv with only this project's own requirements under the parity
 venv's pins, so that neither side pays for packages the other does not load. Runs are interleaved (ours, TRL, ours,
 TRL, ...) so that load on a shared machine hits both sides alike; with `--rounds N` each job runs N times per side and

@@ -427,23 +427,30 @@ def test_reference_first_trains_as_policy_first(tmp_path, model_path, unpaired, 
     assert_same_params(first.model, second.model, atol=1e-6)
 
 
-def test_overridden_forward_scores_policy_then_reference(tmp_path, model_path, unpaired):
+@pytest.mark.parametrize("peft", [False, True], ids=["reference_model", "adapters_off"])
+def test_overridden_forward_scores_policy_then_reference(tmp_path, model_path, unpaired, peft):
     """As TRL 1.12 (observed): a subclass's `forward` is called for the policy (with gradients), then for the
-    reference model (without); the reference no longer runs first."""
+    reference (without): the reference model, or the policy with its adapters off; the reference no longer runs
+    first."""
+    from peft import LoraConfig
+
     calls = []
 
     class Spy(BCOTrainer):
         def forward(self, model, batch):
-            calls.append((model is self.model, torch.is_grad_enabled()))
+            adapters_on = not peft or model.base_model.model.model.layers[0].self_attn.q_proj.disable_adapters is False
+            calls.append((model is self.model, torch.is_grad_enabled(), adapters_on))
             return super().forward(model, batch)
 
     data = unpaired["train"].select(range(8))
-    plain = BCOTrainer(model_path, args=make_args(tmp_path), train_dataset=data)
+    extra = {"peft_config": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False)}
+    extra = extra if peft else {}
+    plain = BCOTrainer(model_path, args=make_args(tmp_path), train_dataset=data, **extra)
     plain.train()
-    spy = Spy(model_path, args=make_args(tmp_path / "spy"), train_dataset=data)
+    spy = Spy(model_path, args=make_args(tmp_path / "spy"), train_dataset=data, **extra)
     assert spy._reference_pass_after_policy_forward
     spy.train()
-    assert calls == [(True, True), (False, False)] * 2
+    assert calls == [(True, True, True), (peft, False, not peft)] * 2
     losses = [[log["loss"] for log in t.state.log_history if "loss" in log] for t in (plain, spy)]
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
     assert_same_params(plain.model, spy.model, atol=1e-5)

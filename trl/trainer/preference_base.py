@@ -243,17 +243,16 @@ class _PreferenceTrainer(_BaseTrainer):
             return "padding_free"
         return "packed"
 
-    def _reference_may_run_first(self, owner: type) -> bool:
-        """Whether `owner._compute_loss`, which scores the batch with the reference before the policy's forward pass
-        (none of the reference's memory then sits on the policy's activations, whose last layers may be kept, see
-        `LayerBudget`), may do so. Not when a subclass replaced `_compute_loss` or `compute_ref_log_probs` (TRL runs
-        the reference after the policy's forward), nor when a forward pass draws random numbers (dropout in train
-        mode: the numbers depend on the order)."""
+    def _reference_may_run_first(
+        self, owner: type, hooks: tuple[str, ...] = ("_compute_loss", "compute_ref_log_probs")
+    ) -> bool:
+        """Whether `owner`'s step, which scores the batch with the reference before the policy's forward pass (none
+        of the reference's memory then sits on the policy's activations, whose last layers may be kept, see
+        `LayerBudget`), may do so. Not when a subclass replaced one of `owner`'s `hooks` that make up the step (TRL
+        runs the reference after the policy's forward), nor when a forward pass draws random numbers (dropout in
+        train mode: the numbers depend on the order)."""
         cls = type(self)
-        if (
-            cls._compute_loss is not owner._compute_loss
-            or cls.compute_ref_log_probs is not owner.compute_ref_log_probs
-        ):
+        if any(getattr(cls, name) is not getattr(owner, name) for name in hooks):
             return False
         passes = [self.accelerator.unwrap_model(self.model), self.ref_model]
         return all(forward_is_deterministic(module) for module in passes if module is not None)

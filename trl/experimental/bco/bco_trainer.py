@@ -42,7 +42,6 @@ from ...trainer.utils import (
     selective_log_softmax,
     use_adapter,
 )
-from ...trainer.utils.forward_randomness import forward_is_deterministic
 from ...trainer.utils.ignored_options import BCO_IGNORED_OPTIONS
 from ...trainer.utils.logprobs import summed_logits_from_hidden
 from ..utils import load_causal_lm
@@ -674,14 +673,10 @@ class BCOTrainer(_UnpairedPreferenceTrainer):
 
     @property
     def _reference_pass_after_policy_forward(self) -> bool:
-        """Whether the reference scores the batch after the policy's forward, as TRL does; before it otherwise (the
-        policy's last layers may then keep their activations, see `LayerBudget`). After it when a subclass replaced a
-        hook of the step, or when a forward pass draws random numbers (they depend on the order)."""
+        """Whether the reference scores the batch after the policy's forward, as TRL does (see
+        `_reference_may_run_first`); before it otherwise."""
         hooks = ("get_batch_loss_metrics", "forward", "compute_reference_log_probs", "compute_ref_log_probs")
-        if any(getattr(type(self), name) is not getattr(BCOTrainer, name) for name in hooks):
-            return True
-        passes = [self.accelerator.unwrap_model(self.model), self.ref_model]
-        return not all(forward_is_deterministic(module) for module in passes if module is not None)
+        return not self._reference_may_run_first(BCOTrainer, hooks)
 
     @staticmethod
     def _in_batch_order(label: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
