@@ -445,8 +445,10 @@ def test_overridden_forward_scores_policy_then_reference(tmp_path, model_path, u
     data = unpaired["train"].select(range(8))
     extra = {"peft_config": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False)}
     extra = extra if peft else {}
+    torch.manual_seed(0)  # BCO's adapters draw from the global generator (as TRL 1.12's), so both start alike
     plain = BCOTrainer(model_path, args=make_args(tmp_path), train_dataset=data, **extra)
     plain.train()
+    torch.manual_seed(0)
     spy = Spy(model_path, args=make_args(tmp_path / "spy"), train_dataset=data, **extra)
     assert spy._reference_pass_after_policy_forward
     spy.train()
